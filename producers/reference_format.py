@@ -1,0 +1,98 @@
+"""Reader and writer of the reference trace format: one parquet file of ops plus a yaml
+file of job metadata (the format of the OSDI'25 what-if analyzer's public artifact).
+
+This is the thin I/O edge of the analysis: it turns files into `simulator.trace.Trace` and
+`JobMeta`, naming the file in every error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from pydantic import ValidationError
+
+from simulator.trace import JobMeta, Trace, TraceError
+
+#: Physical types used when writing, matching the reference files.
+_WRITE_TYPES: dict[str, pa.DataType] = {
+    "dp_rank": pa.int8(),
+    "stage": pa.int8(),
+    "rank": pa.int16(),
+    "step": pa.int64(),
+    "start_ts": pa.float32(),
+    "duration": pa.float32(),
+    "seq_id": pa.int32(),
+    "mc": pa.int8(),
+    "mb_id": pa.int8(),
+    "gmc": pa.int16(),
+}
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a reference-format parquet trace."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TraceError(f"{path}: not a readable parquet file ({exc})") from None
+    columns: dict[str, object] = {}
+    for name in table.column_names:
+        column = table.column(name).combine_chunks()
+        if name == "optype":
+            if pa.types.is_dictionary(column.type):
+                columns["optype"] = column.indices.to_numpy(zero_copy_only=False)
+                columns["optype_names"] = column.dictionary.to_pylist()
+                if column.null_count:
+                    raise TraceError(f"{path}: column 'optype' has {column.null_count} nulls")
+            else:
+                columns["optype"] = np.asarray(column.to_pylist(), dtype=object)
+            continue
+        if column.null_count:
+            first = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+            raise TraceError(
+                f"{path}: column {name!r} has {column.null_count} null(s), first at row {first}"
+            )
+        columns[name] = column.to_numpy(zero_copy_only=False)
+    return Trace.from_columns(columns, source=str(path))
+
+
+def write_trace(trace: Trace, path: str | Path) -> None:
+    """Write a trace in the reference format (the generator and tests use it)."""
+    arrays = {name: pa.array(getattr(trace, name), type=t) for name, t in _WRITE_TYPES.items()}
+    arrays["optype"] = pa.DictionaryArray.from_arrays(
+        pa.array(trace.optype, type=pa.int8()), pa.array(list(trace.optype_names))
+    )
+    order = ["dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id",
+             "mc", "mb_id", "gmc"]
+    pq.write_table(pa.table({k: arrays[k] for k in order}), Path(path))
+
+
+def load_meta(path: str | Path) -> JobMeta:
+    """Read and validate a job metadata yaml file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise TraceError(f"{path}: not valid yaml ({exc})") from None
+    if not isinstance(raw, dict):
+        raise TraceError(f"{path}: expected a mapping of job metadata, got {type(raw).__name__}")
+    try:
+        return JobMeta.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'meta'}: {e['msg']}" for e in exc.errors()
+        )
+        raise TraceError(f"{path}: invalid job metadata: {problems}") from None
+
+
+def write_meta(meta: JobMeta, path: str | Path) -> None:
+    data = meta.model_dump(exclude_none=True)
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

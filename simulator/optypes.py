@@ -1,0 +1,59 @@
+"""Op type vocabulary shared by every stage of lagscope.
+
+The strings are exactly those of the reference traces (and of DESIGN.md). Which family an
+op type belongs to decides how it is idealized (mean of durations for compute, median of
+transfer times for communication) and how it is reported (send/recv merged per direction).
+"""
+
+from __future__ import annotations
+
+FORWARD_COMPUTE = "forward-compute"
+BACKWARD_COMPUTE = "backward-compute"
+OPTIMIZER = "optimizer"
+GC = "gc"
+FORWARD_SEND = "forward-send"
+FORWARD_RECV = "forward-recv"
+BACKWARD_SEND = "backward-send"
+BACKWARD_RECV = "backward-recv"
+PARAMS_ALL_GATHER = "params-all-gather"
+GRADS_REDUCE_SCATTER = "grads-reduce-scatter"
+SEPARATE_GRADS_ALL_REDUCE = "separate-grads-all-reduce"
+EMBEDDING_GRADS_ALL_REDUCE = "embedding-grads-all-reduce"
+LAYERNORM_GRADS_ALL_REDUCE = "layernorm-grads-all-reduce"
+OPTIMIZER_CLIP_MAIN_GRAD = "optimizer-clip-main-grad"
+
+#: Synthetic label of launch attribution: the first op of a pipeline, whose launch delay
+#: is measured from the step start (data loading, CPU work before the step).
+FIRST_OP = "first-op"
+
+COMPUTE_OPTYPES: tuple[str, ...] = (FORWARD_COMPUTE, BACKWARD_COMPUTE, OPTIMIZER, GC)
+P2P_OPTYPES: tuple[str, ...] = (FORWARD_SEND, FORWARD_RECV, BACKWARD_SEND, BACKWARD_RECV)
+DP_OPTYPES: tuple[str, ...] = (
+    PARAMS_ALL_GATHER,
+    GRADS_REDUCE_SCATTER,
+    SEPARATE_GRADS_ALL_REDUCE,
+)
+OTHER_COMM_OPTYPES: tuple[str, ...] = (
+    EMBEDDING_GRADS_ALL_REDUCE,
+    LAYERNORM_GRADS_ALL_REDUCE,
+    OPTIMIZER_CLIP_MAIN_GRAD,
+)
+COMM_OPTYPES: tuple[str, ...] = P2P_OPTYPES + DP_OPTYPES + OTHER_COMM_OPTYPES
+KNOWN_OPTYPES: tuple[str, ...] = COMPUTE_OPTYPES + COMM_OPTYPES
+
+FORWARD_PP_COMM = "forward-pp-comm"
+BACKWARD_PP_COMM = "backward-pp-comm"
+
+
+def report_label(optype: str) -> str:
+    """The name an op type is reported under: p2p send and recv merge per direction."""
+    if optype in (FORWARD_SEND, FORWARD_RECV):
+        return FORWARD_PP_COMM
+    if optype in (BACKWARD_SEND, BACKWARD_RECV):
+        return BACKWARD_PP_COMM
+    return optype
+
+
+def is_compute(optype: str) -> bool:
+    """Compute ops (and any op type that is not communication) are idealized by the mean."""
+    return optype not in COMM_OPTYPES

@@ -1,0 +1,44 @@
+"""The `lagscope` command line: one entry point, sub-commands registered by the modules
+that own them (each module exposes `register(subparsers)` and stays a thin adapter)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from simulator.trace import TraceError
+
+#: Modules that contribute sub-commands, in the order `lagscope --help` lists them.
+COMMAND_MODULES: tuple[str, ...] = (
+    "stream_app.commands.analyze",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lagscope",
+        description="Find stragglers in large-scale LLM training: what-if analysis, "
+        "change points, diagnosis.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except TraceError as exc:
+        print(f"lagscope {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
