@@ -1,0 +1,373 @@
+"""Dependency model of one training step, inferred from a reference slice of the trace.
+
+The model says, for every op name (optype, seq, stage), which ops must end before it can
+start, and which ops form a communication group (they start together and end at the group
+start plus their own transfer time). It is inferred once, from dp rank 0 in the first step,
+and assumed to hold for every step and DP rank, following WHATIF.md §A3 rule by rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from simulator import optypes as ot
+from simulator.trace import TraceError
+
+#: Tolerance (s) when deciding whether a p2p op lies outside the compute span (no-op).
+P2P_NOOP_TOLERANCE_S = 5e-5
+
+
+@dataclass(frozen=True)
+class OpName:
+    """One op of one pipeline stage, shared by every (step, DP rank) instance."""
+
+    stage: int
+    optype: str
+    seq: int
+
+    def __str__(self) -> str:
+        return f"{self.optype}_{self.seq}_{self.stage}"
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """Ops that start together: the group starts when its last member is posted."""
+
+    members: tuple[int, ...]
+    #: A DP-synchronized group also waits for the same group on every DP rank.
+    dp_synchronized: bool
+
+
+@dataclass(frozen=True)
+class DependencyModel:
+    nodes: tuple[OpName, ...]
+    #: deps[i] = node indices that must end before node i starts (sorted, unique).
+    deps: tuple[tuple[int, ...], ...]
+    groups: tuple[CommGroup, ...]
+    #: group_of[i] = index into `groups`, or -1 for an op that is not communication.
+    group_of: np.ndarray
+    #: p2p ops recognised as no-ops (spurious records, or peers that do not exist).
+    noop_nodes: frozenset[int]
+    overlapped_dp: bool
+    has_dp_comm: bool
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def n_edges(self) -> int:
+        return sum(len(d) for d in self.deps)
+
+    def node_stage(self) -> np.ndarray:
+        return np.fromiter((n.stage for n in self.nodes), dtype=np.int32, count=self.n_nodes)
+
+    def node_optypes(self) -> list[str]:
+        return [n.optype for n in self.nodes]
+
+
+@dataclass
+class _SliceOp:
+    node: int
+    optype: str
+    seq: int
+    start: float
+    end: float
+    mc: int
+    gmc: int
+
+    @property
+    def order(self) -> tuple[float, int, str]:
+        return (self.start, self.seq, self.optype)
+
+
+class _Builder:
+    def __init__(self, n_stages: int, vpp: int, has_dp_comm: bool, overlapped_dp: bool):
+        self.n_stages = n_stages
+        self.vpp = vpp
+        self.has_dp_comm = has_dp_comm
+        self.overlapped_dp = overlapped_dp
+        self.nodes: list[OpName] = []
+        self.deps: list[set[int]] = []
+        self.groups: list[CommGroup] = []
+        self.noops: set[int] = set()
+        # Per stage, per direction: the non-no-op sends and recvs in stream order.
+        self.paired_sends: dict[tuple[int, str], list[int]] = {}
+        self.paired_recvs: dict[tuple[int, str], list[int]] = {}
+
+    def add_edge(self, before: _SliceOp | int, after: _SliceOp | int) -> None:
+        b = before if isinstance(before, int) else before.node
+        a = after if isinstance(after, int) else after.node
+        self.deps[a].add(b)
+
+    def chain(self, ops: list[_SliceOp]) -> None:
+        for earlier, later in itertools.pairwise(ops):
+            self.add_edge(earlier, later)
+
+    def build_stage(self, stage: int, ops: list[_SliceOp]) -> None:
+        by_type: dict[str, list[_SliceOp]] = defaultdict(list)
+        for op in sorted(ops, key=lambda o: o.order):
+            by_type[op.optype].append(op)
+
+        computes = sorted(
+            by_type[ot.FORWARD_COMPUTE] + by_type[ot.BACKWARD_COMPUTE], key=lambda o: o.order
+        )
+        self.chain(computes)
+        for p2p_type in ot.P2P_OPTYPES:
+            self.chain(by_type[p2p_type])
+        for direction in ("forward", "backward"):
+            self._match_p2p(stage, direction, by_type)
+        self._first_backward_rule(computes, by_type)
+        if self.has_dp_comm:
+            self._dp_edges(by_type)
+        self._tail_chain(stage, computes, by_type)
+
+    def _match_p2p(self, stage: int, direction: str, by_type: dict[str, list[_SliceOp]]) -> None:
+        compute = sorted(by_type[f"{direction}-compute"], key=lambda o: o.seq)
+        sends = by_type[f"{direction}-send"]
+        recvs = by_type[f"{direction}-recv"]
+        if not compute:
+            if sends or recvs:
+                raise TraceError(
+                    f"stage {stage}: {direction} p2p ops without any {direction}-compute"
+                )
+            self.paired_sends[stage, direction] = []
+            self.paired_recvs[stage, direction] = []
+            return
+        latest_start = max(o.start for o in compute)
+        earliest_end = min(o.end for o in compute)
+        live_recvs = [r for r in recvs if r.start <= latest_start + P2P_NOOP_TOLERANCE_S]
+        live_sends = [s for s in sends if s.end >= earliest_end - P2P_NOOP_TOLERANCE_S]
+        self.noops.update(o.node for o in recvs if o not in live_recvs)
+        self.noops.update(o.node for o in sends if o not in live_sends)
+
+        peer_offset = {"send": 1, "recv": -1} if direction == "forward" else {"send": -1, "recv": 1}
+        paired: dict[str, list[int]] = {"send": [], "recv": []}
+        for kind, live in (("send", live_sends), ("recv", live_recvs)):
+            first_compute = self._match_offset(stage, direction, kind, len(live), len(compute))
+            for k, op in enumerate(live):
+                j = k + first_compute
+                matched = compute[j]
+                if kind == "send":
+                    self.add_edge(matched, op)
+                else:
+                    self.add_edge(op, matched)
+                    if j >= 1:
+                        self.add_edge(compute[j - 1], op)
+                peer_gmc = matched.gmc + peer_offset[kind]
+                if not 0 <= peer_gmc < self.vpp * self.n_stages:
+                    self.noops.add(op.node)
+                else:
+                    paired[kind].append(op.node)
+        self.paired_sends[stage, direction] = paired["send"]
+        self.paired_recvs[stage, direction] = paired["recv"]
+
+    def _match_offset(self, stage: int, direction: str, kind: str, n_p2p: int, n_comp: int) -> int:
+        if n_p2p in (0, n_comp):
+            return 0
+        if n_p2p == n_comp - 1 and stage in (0, self.n_stages - 1):
+            return 1 if kind == "recv" else 0
+        raise TraceError(
+            f"stage {stage}: {n_p2p} {direction}-{kind} op(s) cannot be matched to "
+            f"{n_comp} {direction}-compute op(s) (expected {n_comp}, or {n_comp - 1} on the "
+            f"first/last stage, or none)"
+        )
+
+    def _first_backward_rule(
+        self, computes: list[_SliceOp], by_type: dict[str, list[_SliceOp]]
+    ) -> None:
+        first_bwd = next(
+            (i for i, op in enumerate(computes) if op.optype == ot.BACKWARD_COMPUTE), None
+        )
+        if first_bwd is None or first_bwd < 2:
+            return
+        anchor = computes[first_bwd - 2]
+        for p2p_type in (ot.BACKWARD_RECV, ot.BACKWARD_SEND):
+            first = next((o for o in by_type[p2p_type] if o.seq == 0), None)
+            if first is not None:
+                self.add_edge(anchor, first)
+
+    def _dp_edges(self, by_type: dict[str, list[_SliceOp]]) -> None:
+        gathers = by_type[ot.PARAMS_ALL_GATHER]
+        scatters = by_type[ot.GRADS_REDUCE_SCATTER]
+        self.chain(sorted(gathers + scatters, key=lambda o: o.order))
+        forwards = by_type[ot.FORWARD_COMPUTE]
+        for chunk in sorted({o.mc for o in gathers}):
+            chunk_gathers = [o for o in gathers if o.mc == chunk]
+            chunk_forwards = [o for o in forwards if o.mc == chunk]
+            if chunk_forwards:
+                gather = max(chunk_gathers, key=lambda o: o.seq)
+                self.add_edge(gather, min(chunk_forwards, key=lambda o: o.order))
+        if self.overlapped_dp:
+            backwards = by_type[ot.BACKWARD_COMPUTE]
+            for chunk in sorted({o.mc for o in scatters}):
+                chunk_backwards = [o for o in backwards if o.mc == chunk]
+                if chunk_backwards:
+                    first_scatter = min(
+                        (o for o in scatters if o.mc == chunk), key=lambda o: o.order
+                    )
+                    self.add_edge(max(chunk_backwards, key=lambda o: o.end), first_scatter)
+
+    def _tail_chain(
+        self, stage: int, computes: list[_SliceOp], by_type: dict[str, list[_SliceOp]]
+    ) -> None:
+        def first(optype: str) -> list[_SliceOp]:
+            return by_type[optype][:1]
+
+        last_compute = [max(computes, key=lambda o: o.end)] if computes else []
+        gc_anchor = by_type[ot.GC][-1:]
+        embedding = first(ot.EMBEDDING_GRADS_ALL_REDUCE) if stage in (0, self.n_stages - 1) else []
+        head = last_compute + gc_anchor
+        if self.has_dp_comm and self.overlapped_dp:
+            scatters = by_type[ot.GRADS_REDUCE_SCATTER]
+            layernorm = first(ot.LAYERNORM_GRADS_ALL_REDUCE)
+            if scatters and layernorm:
+                self.add_edge(scatters[-1], layernorm[0])
+            middle = first(ot.SEPARATE_GRADS_ALL_REDUCE)
+        elif self.has_dp_comm:
+            middle = by_type[ot.GRADS_REDUCE_SCATTER]
+        else:
+            middle = []
+        self.chain(
+            head
+            + first(ot.LAYERNORM_GRADS_ALL_REDUCE)
+            + embedding
+            + middle
+            + first(ot.OPTIMIZER_CLIP_MAIN_GRAD)
+            + first(ot.OPTIMIZER)
+        )
+
+    def build_groups(self, stage_ops: dict[int, list[_SliceOp]]) -> None:
+        for stage in range(self.n_stages):
+            for direction, step in (("forward", 1), ("backward", -1)):
+                sends = self.paired_sends.get((stage, direction), [])
+                peer = (stage + step) % self.n_stages
+                recvs = self.paired_recvs.get((peer, direction), [])
+                if len(sends) != len(recvs):
+                    raise TraceError(
+                        f"{direction}-send on stage {stage} has {len(sends)} op(s) to pair but "
+                        f"{direction}-recv on stage {peer} has {len(recvs)}"
+                    )
+                for send, recv in zip(sends, recvs, strict=True):
+                    self.groups.append(CommGroup((send, recv), dp_synchronized=False))
+        for node in sorted(self.noops):
+            self.groups.append(CommGroup((node,), dp_synchronized=False))
+        if self.has_dp_comm:
+            for ops in stage_ops.values():
+                for op in ops:
+                    if op.optype in ot.DP_OPTYPES:
+                        self.groups.append(CommGroup((op.node,), dp_synchronized=True))
+
+        def seq0(stage: int, optype: str) -> list[int]:
+            return [o.node for o in stage_ops.get(stage, []) if o.optype == optype and o.seq == 0]
+
+        ends = sorted({0, self.n_stages - 1})
+        embedding = [n for s in ends for n in seq0(s, ot.EMBEDDING_GRADS_ALL_REDUCE)]
+        if embedding:
+            self.groups.append(CommGroup(tuple(embedding), dp_synchronized=False))
+        clip = [n for s in range(self.n_stages) for n in seq0(s, ot.OPTIMIZER_CLIP_MAIN_GRAD)]
+        if clip:
+            self.groups.append(CommGroup(tuple(clip), dp_synchronized=True))
+
+
+def infer_dependency_model(
+    stage: np.ndarray,
+    optype: list[str],
+    seq: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    mc: np.ndarray,
+    gmc: np.ndarray,
+    *,
+    n_stages: int,
+    vpp: int,
+    has_dp_comm: bool,
+    overlapped_dp: bool,
+) -> DependencyModel:
+    """Infer the model from the rows of one reference slice (one DP rank, one step).
+
+    Node i of the model is row i of the slice, so callers map rows to nodes directly.
+    """
+    builder = _Builder(n_stages, vpp, has_dp_comm, overlapped_dp)
+    stage_ops: dict[int, list[_SliceOp]] = defaultdict(list)
+    for i in range(len(optype)):
+        builder.nodes.append(OpName(int(stage[i]), optype[i], int(seq[i])))
+        builder.deps.append(set())
+        stage_ops[int(stage[i])].append(
+            _SliceOp(
+                i, optype[i], int(seq[i]), float(start[i]), float(end[i]), int(mc[i]), int(gmc[i])
+            )
+        )
+    for s in sorted(stage_ops):
+        builder.build_stage(s, stage_ops[s])
+    builder.build_groups(stage_ops)
+
+    group_of = np.full(len(builder.nodes), -1, dtype=np.int64)
+    for g, group in enumerate(builder.groups):
+        for member in group.members:
+            if group_of[member] != -1:
+                raise TraceError(f"op {builder.nodes[member]} belongs to two comm groups")
+            group_of[member] = g
+    model = DependencyModel(
+        nodes=tuple(builder.nodes),
+        deps=tuple(tuple(sorted(d)) for d in builder.deps),
+        groups=tuple(builder.groups),
+        group_of=group_of,
+        noop_nodes=frozenset(builder.noops),
+        overlapped_dp=overlapped_dp,
+        has_dp_comm=has_dp_comm,
+    )
+    topological_levels(model)  # raises on a cycle, naming the ops in it
+    return model
+
+
+def topological_levels(model: DependencyModel) -> np.ndarray:
+    """Level of every node after contracting each comm group to one unit.
+
+    A unit's level is one more than the deepest level among its members' dependencies, so
+    all members of a group share a level and every dependency sits on an earlier level.
+    Raises `TraceError` naming the ops on a cycle.
+    """
+    n = model.n_nodes
+    unit_of = np.arange(n)
+    for g, group in enumerate(model.groups):
+        unit_of[list(group.members)] = n + g
+    unit_ids = sorted(set(unit_of.tolist()))
+    members: dict[int, list[int]] = defaultdict(list)
+    for node, unit in enumerate(unit_of.tolist()):
+        members[unit].append(node)
+    unit_deps: dict[int, set[int]] = {
+        u: {int(unit_of[d]) for m in members[u] for d in model.deps[m]} for u in unit_ids
+    }
+    for u, ds in unit_deps.items():
+        if u in ds:
+            raise TraceError(
+                "dependency cycle inside one comm group: "
+                + ", ".join(str(model.nodes[m]) for m in members[u])
+            )
+    successors: dict[int, list[int]] = defaultdict(list)
+    remaining = {u: len(ds) for u, ds in unit_deps.items()}
+    for u, ds in unit_deps.items():
+        for d in ds:
+            successors[d].append(u)
+    level = {u: 0 for u in unit_ids}
+    ready = [u for u in unit_ids if remaining[u] == 0]
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        for v in successors[u]:
+            level[v] = max(level[v], level[u] + 1)
+            remaining[v] -= 1
+            if remaining[v] == 0:
+                ready.append(v)
+    if done != len(unit_ids):
+        stuck = [m for u in unit_ids if remaining[u] > 0 for m in members[u]]
+        names = ", ".join(str(model.nodes[m]) for m in stuck[:12])
+        more = f" and {len(stuck) - 12} more" if len(stuck) > 12 else ""
+        raise TraceError(f"dependency model has a cycle; ops that can never start: {names}{more}")
+    return np.array([level[int(unit_of[i])] for i in range(n)], dtype=np.int64)

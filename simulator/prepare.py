@@ -1,0 +1,293 @@
+"""From a validated trace to dense per-op arrays the timeline engine can simulate.
+
+Every op name of the dependency model has exactly one instance per (step, DP rank), so the
+trace becomes arrays indexed [node, step, dp]. Here too the measured inputs of the what-if
+analysis are derived (WHATIF.md §A2): the transfer time of communication ops (own end minus
+the latest start of the group) and the launch delay of every op (start minus the latest end
+of its dependencies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from simulator import optypes as ot
+from simulator.depmodel import DependencyModel, infer_dependency_model
+from simulator.trace import JobMeta, Trace, TraceError
+
+#: Measured transfers and launch delays at or below this (s) are clock noise and become 0;
+#: smaller negatives are kept, as the reference analyzer does.
+NEGATIVE_CLIP_S = -0.01
+
+
+@dataclass(frozen=True)
+class DroppedStep:
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PreparedTrace:
+    """Dense inputs of the simulation. Arrays are [node, step, dp] unless noted."""
+
+    model: DependencyModel
+    meta: JobMeta
+    steps: np.ndarray
+    n_dp: int
+    start: np.ndarray
+    duration: np.ndarray
+    #: What the simulator adds to an op's start (plain op) or group start (comm op):
+    #: the duration of a plain op, the transfer time of a comm-group member.
+    cost: np.ndarray
+    launch_delay: np.ndarray
+    #: Measured step time per step: max end - min start over all its rows.
+    actual_step_time: np.ndarray
+    #: Global rank of each (stage, dp) worker, [stage, dp]; -1 if unknown.
+    worker_rank: np.ndarray
+    dropped_steps: tuple[DroppedStep, ...] = field(default=())
+    source: str = "<trace>"
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.steps.shape[0])
+
+    @property
+    def n_stages(self) -> int:
+        return int(self.worker_rank.shape[0])
+
+    @property
+    def node_optype(self) -> list[str]:
+        return self.model.node_optypes()
+
+    def select_steps(self, keep: np.ndarray) -> PreparedTrace:
+        """Keep some steps (a boolean mask or indices), with inputs already derived."""
+        idx = np.flatnonzero(keep) if np.asarray(keep).dtype == bool else np.asarray(keep)
+        return PreparedTrace(
+            model=self.model,
+            meta=self.meta,
+            steps=self.steps[idx],
+            n_dp=self.n_dp,
+            start=self.start[:, idx],
+            duration=self.duration[:, idx],
+            cost=self.cost[:, idx],
+            launch_delay=self.launch_delay[:, idx],
+            actual_step_time=self.actual_step_time[idx],
+            worker_rank=self.worker_rank,
+            dropped_steps=self.dropped_steps,
+            source=self.source,
+        )
+
+    def select_dp(self, dp_ranks: np.ndarray) -> PreparedTrace:
+        """Keep some DP ranks (renumbered 0..k-1 in the given order)."""
+        dp_ranks = np.asarray(dp_ranks)
+        return PreparedTrace(
+            model=self.model,
+            meta=self.meta,
+            steps=self.steps,
+            n_dp=int(dp_ranks.size),
+            start=self.start[:, :, dp_ranks],
+            duration=self.duration[:, :, dp_ranks],
+            cost=self.cost[:, :, dp_ranks],
+            launch_delay=self.launch_delay[:, :, dp_ranks],
+            actual_step_time=self.actual_step_time,
+            worker_rank=self.worker_rank[:, dp_ranks],
+            dropped_steps=self.dropped_steps,
+            source=self.source,
+        )
+
+
+def prepare(
+    trace: Trace,
+    meta: JobMeta,
+    *,
+    skip_incomplete_steps: bool = False,
+) -> PreparedTrace:
+    """Validate the trace's structure, infer the dependency model, derive inputs."""
+    if trace.n_rows == 0:
+        raise TraceError(f"{trace.source}: the trace has no rows")
+    src = trace.source
+    step_ids, step_idx = np.unique(trace.step, return_inverse=True)
+    n_dp = int(trace.dp_rank.max()) + 1
+    n_stages = int(trace.stage.max()) + 1
+    _check_layout(trace, meta, n_dp, n_stages)
+
+    origin = np.full(step_ids.size, np.inf, dtype=np.float32)
+    np.minimum.at(origin, step_idx, trace.start_ts)
+    start = (trace.start_ts - origin[step_idx]).astype(np.float32)
+    end = (start + trace.duration).astype(np.float32)
+
+    ref = np.flatnonzero((trace.dp_rank == 0) & (trace.step == step_ids[0]))
+    ref = ref[np.lexsort((trace.seq_id[ref], trace.optype[ref], trace.stage[ref]))]
+    node_key = _op_key(trace, ref)
+    if np.any(node_key[1:] == node_key[:-1]):
+        dup = ref[1:][node_key[1:] == node_key[:-1]][0]
+        raise TraceError(f"{src}: duplicate op {trace.describe_row(int(dup))}")
+    names = trace.optype_names
+    overlapped = ot.SEPARATE_GRADS_ALL_REDUCE in {names[c] for c in np.unique(trace.optype)}
+    model = infer_dependency_model(
+        trace.stage[ref],
+        [names[c] for c in trace.optype[ref]],
+        trace.seq_id[ref],
+        start[ref],
+        end[ref],
+        trace.mc[ref],
+        trace.gmc[ref],
+        n_stages=n_stages,
+        vpp=meta.vpp_size,
+        has_dp_comm=n_dp * meta.dsp_size > 1,
+        overlapped_dp=overlapped,
+    )
+
+    row_key = _op_key(trace, np.arange(trace.n_rows))
+    node_of_row = np.searchsorted(node_key, row_key)
+    node_of_row_clipped = np.minimum(node_of_row, node_key.size - 1)
+    unknown = node_key[node_of_row_clipped] != row_key
+    if unknown.any():
+        row = int(np.flatnonzero(unknown)[0])
+        raise TraceError(
+            f"{src}: op {trace.describe_row(row)} does not occur on dp 0 in the first step "
+            f"({int(step_ids[0])}); every worker must run the same ops in every step "
+            f"({int(unknown.sum())} such row(s))"
+        )
+    n_nodes = model.n_nodes
+    n_steps = step_ids.size
+    flat = (node_of_row * n_steps + step_idx) * n_dp + trace.dp_rank
+    counts = np.bincount(flat, minlength=n_nodes * n_steps * n_dp)
+    if counts.max() > 1:
+        row = int(np.flatnonzero(counts[flat] > 1)[0])
+        raise TraceError(f"{src}: op {trace.describe_row(row)} is recorded more than once")
+
+    dropped: list[DroppedStep] = []
+    missing = (counts == 0).reshape(n_nodes, n_steps, n_dp)
+    if missing.any():
+        bad_steps = np.flatnonzero(missing.any(axis=(0, 2)))
+        if not skip_incomplete_steps:
+            node, s, dp = (int(v[0]) for v in np.nonzero(missing))
+            raise TraceError(
+                f"{src}: incomplete step: op {model.nodes[node]} is missing on "
+                f"(step {int(step_ids[s])}, dp {dp}, stage {model.nodes[node].stage}); "
+                f"{int(missing.sum())} op instance(s) missing in {bad_steps.size} step(s) "
+                f"(use --skip-incomplete-steps to analyse the complete steps only)"
+            )
+        for s in bad_steps:
+            lacking = np.argwhere(missing[:, s, :])
+            workers = sorted({(int(dp), model.nodes[n].stage) for n, dp in lacking})
+            shown = ", ".join(f"(dp {d}, stage {st})" for d, st in workers[:6])
+            more = f" and {len(workers) - 6} more" if len(workers) > 6 else ""
+            dropped.append(
+                DroppedStep(
+                    int(step_ids[s]),
+                    f"{lacking.shape[0]} op(s) missing on worker(s) {shown}{more}",
+                )
+            )
+        if bad_steps.size == n_steps:
+            raise TraceError(f"{src}: no complete step to analyse")
+
+    def dense(values: np.ndarray) -> np.ndarray:
+        out = np.zeros(n_nodes * n_steps * n_dp, dtype=np.float32)
+        out[flat] = values
+        return out.reshape(n_nodes, n_steps, n_dp)
+
+    d_start, d_duration, d_end = dense(start), dense(trace.duration), dense(end)
+    step_span = np.full(n_steps, -np.inf, dtype=np.float32)
+    np.maximum.at(step_span, step_idx, end)
+    worker_rank = np.full((n_stages, n_dp), -1, dtype=np.int64)
+    worker_rank[trace.stage, trace.dp_rank] = trace.rank
+
+    transfer = _transfer_times(model, d_start, d_end)
+    is_member = model.group_of >= 0
+    cost = np.where(is_member[:, None, None], transfer, d_duration).astype(np.float32)
+    delay = _launch_delays(model, d_start, d_end)
+
+    prepared = PreparedTrace(
+        model=model,
+        meta=meta,
+        steps=step_ids,
+        n_dp=n_dp,
+        start=d_start,
+        duration=d_duration,
+        cost=cost,
+        launch_delay=delay,
+        actual_step_time=step_span.astype(np.float64),
+        worker_rank=worker_rank,
+        dropped_steps=tuple(dropped),
+        source=src,
+    )
+    if dropped:
+        # Inputs of kept steps do not depend on other steps, so drop after deriving them.
+        keep = ~np.isin(step_ids, [d.step for d in dropped])
+        prepared = prepared.select_steps(keep)
+    return prepared
+
+
+def _op_key(trace: Trace, rows: np.ndarray) -> np.ndarray:
+    n_codes = len(trace.optype_names)
+    max_seq = int(trace.seq_id.max()) + 1
+    return (
+        trace.stage[rows].astype(np.int64) * n_codes + trace.optype[rows]
+    ) * max_seq + trace.seq_id[rows]
+
+
+def _check_layout(trace: Trace, meta: JobMeta, n_dp: int, n_stages: int) -> None:
+    src = trace.source
+    for name, n, size in (("dp_rank", n_dp, meta.dp_size), ("stage", n_stages, meta.pp_size)):
+        present = np.unique(getattr(trace, name))
+        if present.size != n:
+            absent = sorted(set(range(n)) - set(present.tolist()))
+            raise TraceError(f"{src}: {name} values {absent[:8]} have no ops (found 0..{n - 1})")
+        if n > size:
+            raise TraceError(
+                f"{src}: trace has {name} up to {n - 1} but the job metadata says "
+                f"{'dp_size' if name == 'dp_rank' else 'pp_size'}={size}"
+            )
+    chunked = trace.mc >= 0
+    if chunked.any() and int(trace.mc[chunked].max()) >= meta.vpp_size:
+        row = int(np.flatnonzero(trace.mc >= meta.vpp_size)[0])
+        raise TraceError(
+            f"{src}: op {trace.describe_row(row)} has model chunk {int(trace.mc[row])} but "
+            f"the job metadata says vpp_size={meta.vpp_size}"
+        )
+
+
+def _group_starts(
+    model: DependencyModel, start: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Latest member start of every group instance, [member-sorted rows] layout.
+
+    Returns (members sorted by group, group index per member, group start [group, ...]).
+    """
+    members = np.array([m for g in model.groups for m in g.members], dtype=np.int64)
+    sizes = np.array([len(g.members) for g in model.groups], dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    group_start = np.maximum.reduceat(start[members], offsets, axis=0)
+    synced = np.array([g.dp_synchronized for g in model.groups], dtype=bool)
+    if synced.any():
+        group_start[synced] = group_start[synced].max(axis=-1, keepdims=True)
+    return members, np.repeat(np.arange(len(sizes)), sizes), group_start
+
+
+def _transfer_times(model: DependencyModel, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    transfer = np.zeros_like(start)
+    if not model.groups:
+        return transfer
+    members, group_idx, group_start = _group_starts(model, start)
+    values = end[members] - group_start[group_idx]
+    transfer[members] = np.where(values <= NEGATIVE_CLIP_S, 0.0, values)
+    return transfer
+
+
+def _launch_delays(model: DependencyModel, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    max_deps = max((len(d) for d in model.deps), default=0)
+    ready = np.zeros_like(start)
+    if max_deps:
+        padded = np.array(
+            [list(d) + [-1] * (max_deps - len(d)) for d in model.deps], dtype=np.int64
+        )
+        with_sentinel = np.concatenate([end, np.full((1, *end.shape[1:]), -np.inf, end.dtype)])
+        latest = with_sentinel[padded].max(axis=1)
+        has_deps = np.array([len(d) > 0 for d in model.deps])
+        ready = np.where(has_deps[:, None, None], latest, 0.0).astype(np.float32)
+    delay = start - ready
+    return np.where(delay <= NEGATIVE_CLIP_S, 0.0, delay).astype(np.float32)

@@ -1,0 +1,420 @@
+"""What-if analysis: how fast would the steps have been without stragglers, and who is to
+blame (WHATIF.md §A4-A5).
+
+Every question is a *variant* of the step's inputs: the measured costs with some rows set
+to their ideal values, or the ideal costs with some rows restored to what was measured.
+All variants of an analysis are laid side by side as columns and simulated together by the
+timeline engine. A variant whose background is the ideal needs only the DP ranks it
+changes plus one representative ideal rank (all ideal ranks behave identically), which
+makes the per-DP-rank attribution linear rather than quadratic in the DP size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from simulator import optypes as ot
+from simulator.engine import CompiledModel, compile_model, simulate
+from simulator.prepare import DroppedStep, PreparedTrace
+
+#: Attribution is reported only when the slowdown reaches this (the reference's default).
+DEFAULT_DECOMPOSE_THRESHOLD = 1.03
+#: Share of workers that M_W blames: the top 3 %.
+TOP_WORKER_SHARE = 0.03
+#: Columns simulated per engine pass; bounds the engine's buffers to ~8 bytes x this.
+DEFAULT_MAX_CELLS_PER_PASS = 4_000_000
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Rows of the trace: ops whose node is in `nodes`, on workers in `workers`."""
+
+    nodes: np.ndarray  # bool [node]
+    workers: np.ndarray  # bool [stage, dp]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Inputs of one simulation.
+
+    cost: measured everywhere ("measured"), ideal everywhere ("ideal"), and `swap` rows take
+    the other one. delay: none, all measured launch delays, or only those of `swap`.
+    """
+
+    cost: Literal["measured", "ideal"]
+    swap: Selection | None = None
+    delay: Literal["none", "all", "swap"] = "none"
+
+
+@dataclass(frozen=True)
+class Explained:
+    """explain(X): how much of the slowdown removing / adding rows X accounts for."""
+
+    workers: tuple[tuple[int, int], ...]  # (dp, stage)
+    t_original: float
+    t_ideal: float
+    t_removed: float
+    t_added: float
+
+    @property
+    def removed_share(self) -> float:
+        return _share(self.t_original - self.t_removed, self.t_original - self.t_ideal)
+
+    @property
+    def added_share(self) -> float:
+        return _share(self.t_added - self.t_ideal, self.t_original - self.t_ideal)
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole != 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Slowdown with only group X straggling: S_X overall and per step."""
+
+    overall: dict[str, float]
+    per_step: dict[str, np.ndarray]
+
+    def ranked(self) -> list[tuple[str, float]]:
+        return sorted(self.overall.items(), key=lambda kv: -kv[1])
+
+
+@dataclass(frozen=True)
+class WhatIfResult:
+    steps: np.ndarray
+    #: Measured step time (max end - min start of the step's rows).
+    t_actual: np.ndarray
+    #: Simulated with measured costs and launch delays (must reproduce t_actual).
+    t_simulated: np.ndarray
+    #: Simulated with measured costs, no launch delays (T_nd).
+    t_nodelay: np.ndarray
+    #: Simulated with ideal costs (T_id).
+    t_ideal: np.ndarray
+    slowdown: float
+    launch_slowdown: float
+    by_optype: Attribution
+    by_dp_rank: Attribution
+    by_stage: Attribution
+    launch_by_optype: Attribution | None
+    launch_by_dp_rank: Attribution | None
+    launch_by_stage: Attribution | None
+    #: S_w = min(S_dp, S_stage), [stage, dp].
+    worker_slowdown: np.ndarray
+    mw: Explained
+    ms: Explained
+    decompose_threshold: float
+    ideal_cost: dict[str, float]
+    dropped_steps: tuple[DroppedStep, ...] = field(default=())
+
+    @property
+    def waste(self) -> float:
+        """Share of the step's time lost to stragglers: 1 - 1/S."""
+        return 1.0 - 1.0 / self.slowdown
+
+    @property
+    def step_slowdown(self) -> np.ndarray:
+        return self.t_nodelay / self.t_ideal
+
+    @property
+    def launch_step_slowdown(self) -> np.ndarray:
+        return self.t_actual / self.t_nodelay
+
+    @property
+    def decomposed(self) -> bool:
+        return self.slowdown >= self.decompose_threshold
+
+    @property
+    def simulation_error(self) -> float:
+        """Largest |simulated - measured| step time (s): how well the model fits."""
+        return float(np.max(np.abs(self.t_simulated - self.t_actual)))
+
+
+def ideal_costs(prepared: PreparedTrace) -> dict[str, float]:
+    """Ideal cost per op type: mean duration of compute ops, median cost of comm ops.
+
+    Pooled over every stage, step and rank of the trace (WHATIF.md §A4): the ideal is the
+    average worker, and stage imbalance counts as straggling.
+    """
+    result: dict[str, float] = {}
+    node_optype = np.array(prepared.node_optype)
+    for optype in sorted(set(node_optype.tolist())):
+        nodes = np.flatnonzero(node_optype == optype)
+        if ot.is_compute(optype):
+            result[optype] = float(prepared.duration[nodes].mean(dtype=np.float64))
+        else:
+            result[optype] = float(np.median(prepared.cost[nodes]))
+    return result
+
+
+class WhatIfAnalysis:
+    """Runs variants of one prepared trace through the engine."""
+
+    def __init__(
+        self,
+        prepared: PreparedTrace,
+        ideal: dict[str, float] | None = None,
+        *,
+        compiled: CompiledModel | None = None,
+        max_cells_per_pass: int = DEFAULT_MAX_CELLS_PER_PASS,
+    ):
+        self.prepared = prepared
+        self.compiled = compiled or compile_model(prepared.model)
+        self.ideal = ideal if ideal is not None else ideal_costs(prepared)
+        self.ideal_node_cost = np.array(
+            [self.ideal[t] for t in prepared.node_optype], dtype=np.float64
+        )
+        self.node_stage = prepared.model.node_stage()
+        self.max_cells_per_pass = max_cells_per_pass
+
+    # -- selections -------------------------------------------------------------------
+    def all_workers(self) -> np.ndarray:
+        return np.ones((self.prepared.n_stages, self.prepared.n_dp), dtype=bool)
+
+    def all_nodes(self) -> np.ndarray:
+        return np.ones(self.prepared.model.n_nodes, dtype=bool)
+
+    def nodes_labelled(self, labels: list[str], label: str) -> Selection:
+        return Selection(np.array([lb == label for lb in labels]), self.all_workers())
+
+    def stage_rows(self, stage: int) -> Selection:
+        workers = np.zeros_like(self.all_workers())
+        workers[stage, :] = True
+        return Selection(self.all_nodes(), workers)
+
+    def dp_rows(self, dp: int) -> Selection:
+        workers = np.zeros_like(self.all_workers())
+        workers[:, dp] = True
+        return Selection(self.all_nodes(), workers)
+
+    def worker_rows(self, workers: Iterable[tuple[int, int]]) -> Selection:
+        mask = np.zeros_like(self.all_workers())
+        for dp, stage in workers:
+            mask[stage, dp] = True
+        return Selection(self.all_nodes(), mask)
+
+    # -- running variants -------------------------------------------------------------
+    def _columns(self, variant: Variant) -> np.ndarray:
+        """DP ranks a variant must simulate: all, or the changed ones plus one ideal."""
+        n_dp = self.prepared.n_dp
+        if variant.cost == "measured" or variant.delay == "all":
+            return np.arange(n_dp)
+        if variant.swap is None:
+            return np.arange(1)
+        touched = variant.swap.workers[self.node_stage[variant.swap.nodes]].any(axis=0)
+        changed = np.flatnonzero(touched)
+        untouched = np.flatnonzero(~touched)
+        return np.concatenate([changed, untouched[:1]]) if untouched.size else changed
+
+    def _inputs(
+        self, variant: Variant, dp_cols: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None, int]:
+        prep = self.prepared
+        n_steps = prep.n_steps
+        pure_ideal = variant.cost == "ideal" and variant.swap is None and variant.delay == "none"
+        steps_simulated = 1 if pure_ideal else n_steps
+        col_step = np.repeat(np.arange(steps_simulated), dp_cols.size)
+        col_dp = np.tile(dp_cols, steps_simulated)
+        ideal = np.broadcast_to(self.ideal_node_cost[:, None], (prep.model.n_nodes, col_dp.size))
+        if variant.cost == "measured":
+            cost = prep.cost[:, col_step, col_dp].astype(np.float64)
+        else:
+            cost = np.array(ideal)
+        swap = None
+        if variant.swap is not None:
+            swap = variant.swap.nodes[:, None] & variant.swap.workers[self.node_stage][:, col_dp]
+            if variant.delay != "swap":
+                other = ideal if variant.cost == "measured" else prep.cost[:, col_step, col_dp]
+                cost = np.where(swap, other, cost)
+        delay = None
+        if variant.delay != "none":
+            delay = prep.launch_delay[:, col_step, col_dp].astype(np.float64)
+            if variant.delay == "swap":
+                delay = np.where(swap, delay, 0.0)
+        return cost, delay, steps_simulated
+
+    def run(self, variants: list[Variant]) -> list[np.ndarray]:
+        """Step time of every variant, [step] each."""
+        n_steps = self.prepared.n_steps
+        n_nodes = max(1, self.prepared.model.n_nodes)
+        results: list[np.ndarray] = [np.empty(0)] * len(variants)
+        batch: list[tuple[int, np.ndarray, np.ndarray | None, int, int]] = []
+        cells = 0
+
+        def flush() -> None:
+            nonlocal batch, cells
+            if not batch:
+                return
+            costs = np.concatenate([b[1] for b in batch], axis=1)
+            any_delay = any(b[2] is not None for b in batch)
+            delays = None
+            if any_delay:
+                delays = np.concatenate(
+                    [b[2] if b[2] is not None else np.zeros_like(b[1]) for b in batch], axis=1
+                )
+            offsets, col = [], 0
+            for _, cost, _, steps_simulated, width in batch:
+                offsets.extend(range(col, col + cost.shape[1], width))
+                col += cost.shape[1]
+                del steps_simulated
+            times = simulate(self.compiled, costs, delays, np.array(offsets, dtype=np.int64))
+            seg = 0
+            for index, _, _, steps_simulated, _ in batch:
+                t = times.step_time[seg : seg + steps_simulated]
+                results[index] = (
+                    np.broadcast_to(t, (n_steps,)).copy() if steps_simulated == 1 else t
+                )
+                seg += steps_simulated
+            batch, cells = [], 0
+
+        for index, variant in enumerate(variants):
+            dp_cols = self._columns(variant)
+            cost, delay, steps_simulated = self._inputs(variant, dp_cols)
+            if cells and cells + cost.size > self.max_cells_per_pass:
+                flush()
+            batch.append((index, cost, delay, steps_simulated, dp_cols.size))
+            cells += cost.size * (2 if delay is not None else 1)
+        flush()
+        del n_nodes
+        return results
+
+
+def analyze(
+    prepared: PreparedTrace,
+    *,
+    ideal: dict[str, float] | None = None,
+    decompose_threshold: float = DEFAULT_DECOMPOSE_THRESHOLD,
+    max_cells_per_pass: int = DEFAULT_MAX_CELLS_PER_PASS,
+) -> WhatIfResult:
+    """The full what-if analysis of a prepared trace (WHATIF.md §A5).
+
+    Attributions are always computed (M_W needs them); `decomposed` tells whether the
+    slowdown passed `decompose_threshold`, which reporting uses to gate them.
+    """
+    wa = WhatIfAnalysis(prepared, ideal, max_cells_per_pass=max_cells_per_pass)
+    n_stages, n_dp = prepared.n_stages, prepared.n_dp
+    labels = [ot.report_label(t) for t in prepared.node_optype]
+    label_names = sorted(set(labels))
+
+    base = [
+        Variant("measured", delay="all"),
+        Variant("measured"),
+        Variant("ideal"),
+    ]
+    attributions: list[tuple[str, str, Selection]] = (
+        [("optype", name, wa.nodes_labelled(labels, name)) for name in label_names]
+        + [("dp", str(dp), wa.dp_rows(dp)) for dp in range(n_dp)]
+        + [("stage", str(s), wa.stage_rows(s)) for s in range(n_stages)]
+    )
+    last_stage = wa.stage_rows(n_stages - 1)
+    first_pass = (
+        base
+        + [Variant("ideal", swap=sel) for _, _, sel in attributions]
+        + [Variant("measured", swap=last_stage), Variant("ideal", swap=last_stage)]
+    )
+    times = wa.run(first_pass)
+    t_simulated, t_nodelay, t_ideal = times[:3]
+    attr_times = times[3 : 3 + len(attributions)]
+    ms_removed, ms_added = times[-2:]
+
+    mean_ideal = float(t_ideal.mean())
+    grouped = _group_attributions(attributions, attr_times, mean_ideal, t_ideal)
+    s_dp = np.array([grouped["dp"].overall[str(dp)] for dp in range(n_dp)])
+    s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(n_stages)])
+    worker_slowdown = np.minimum(s_dp[None, :], s_stage[:, None])
+
+    top = top_workers(worker_slowdown, prepared.worker_rank)
+    top_rows = wa.worker_rows(top)
+    mw_removed, mw_added = wa.run(
+        [Variant("measured", swap=top_rows), Variant("ideal", swap=top_rows)]
+    )
+    t_orig = float(t_nodelay.mean())
+    mw = Explained(top, t_orig, mean_ideal, float(mw_removed.mean()), float(mw_added.mean()))
+    ms = Explained(
+        tuple((dp, n_stages - 1) for dp in range(n_dp)),
+        t_orig,
+        mean_ideal,
+        float(ms_removed.mean()),
+        float(ms_added.mean()),
+    )
+
+    t_actual = prepared.actual_step_time
+    launch_slowdown = float(t_actual.mean() / t_nodelay.mean())
+    launch: dict[str, Attribution] | None = None
+    if launch_slowdown >= decompose_threshold:
+        launch_labels = _launch_labels(prepared, labels)
+        launch_groups: list[tuple[str, str, Selection]] = (
+            [("optype", n, wa.nodes_labelled(launch_labels, n)) for n in sorted(set(launch_labels))]
+            + [("dp", str(dp), wa.dp_rows(dp)) for dp in range(n_dp)]
+            + [("stage", str(s), wa.stage_rows(s)) for s in range(n_stages)]
+        )
+        launch_times = wa.run(
+            [Variant("measured", swap=sel, delay="swap") for _, _, sel in launch_groups]
+        )
+        launch = _group_attributions(launch_groups, launch_times, t_orig, t_nodelay)
+
+    return WhatIfResult(
+        steps=prepared.steps,
+        t_actual=t_actual,
+        t_simulated=t_simulated,
+        t_nodelay=t_nodelay,
+        t_ideal=t_ideal,
+        slowdown=t_orig / mean_ideal,
+        launch_slowdown=launch_slowdown,
+        by_optype=grouped["optype"],
+        by_dp_rank=grouped["dp"],
+        by_stage=grouped["stage"],
+        launch_by_optype=launch["optype"] if launch else None,
+        launch_by_dp_rank=launch["dp"] if launch else None,
+        launch_by_stage=launch["stage"] if launch else None,
+        worker_slowdown=worker_slowdown,
+        mw=mw,
+        ms=ms,
+        decompose_threshold=decompose_threshold,
+        ideal_cost=wa.ideal,
+        dropped_steps=prepared.dropped_steps,
+    )
+
+
+def top_workers(
+    worker_slowdown: np.ndarray, worker_rank: np.ndarray
+) -> tuple[tuple[int, int], ...]:
+    """The top 3 % of (dp, stage) workers by S_w, ties broken by the lower global rank."""
+    n_stages, n_dp = worker_slowdown.shape
+    n_top = math.ceil(TOP_WORKER_SHARE * n_stages * n_dp)
+    stage, dp = np.meshgrid(np.arange(n_stages), np.arange(n_dp), indexing="ij")
+    order = np.lexsort((worker_rank.ravel(), -worker_slowdown.ravel()))[:n_top]
+    return tuple((int(dp.ravel()[i]), int(stage.ravel()[i])) for i in order)
+
+
+def _launch_labels(prepared: PreparedTrace, labels: list[str]) -> list[str]:
+    """Optype labels for launch attribution: the pipeline's first op is its own label."""
+    out = list(labels)
+    for i, node in enumerate(prepared.model.nodes):
+        first_compute = node.stage == 0 and node.optype == ot.FORWARD_COMPUTE and node.seq == 0
+        first_recv = node.stage > 0 and node.optype == ot.FORWARD_RECV and node.seq == 0
+        if first_compute or first_recv:
+            out[i] = ot.FIRST_OP
+    return out
+
+
+def _group_attributions(
+    groups: list[tuple[str, str, Selection]],
+    times: list[np.ndarray],
+    baseline_mean: float,
+    baseline: np.ndarray,
+) -> dict[str, Attribution]:
+    out: dict[str, Attribution] = {}
+    for kind in ("optype", "dp", "stage"):
+        overall, per_step = {}, {}
+        for (k, name, _), t in zip(groups, times, strict=True):
+            if k == kind:
+                overall[name] = float(t.mean()) / baseline_mean
+                per_step[name] = t / baseline
+        out[kind] = Attribution(overall, per_step)
+    return out
