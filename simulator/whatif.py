@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 
 from simulator import optypes as ot
-from simulator.engine import CompiledModel, compile_model, simulate
+from simulator.engine import CompiledModel, Timeline, compile_model, simulate
 from simulator.prepare import DroppedStep, PreparedTrace
 
 #: Attribution is reported only when the slowdown reaches this (the reference's default).
@@ -197,6 +197,13 @@ class WhatIfAnalysis:
         for dp, stage in workers:
             mask[stage, dp] = True
         return Selection(self.all_nodes(), mask)
+
+    def ideal_timeline(self) -> Timeline:
+        """Start and end of every op in the ideal step (the same for every DP rank)."""
+        cost = self.ideal_node_cost[:, None].copy()
+        result = simulate(self.compiled, cost, None, np.zeros(1, np.int64), record_timeline=True)
+        assert result.timeline is not None
+        return result.timeline
 
     # -- running variants -------------------------------------------------------------
     def _columns(self, variant: Variant) -> np.ndarray:
