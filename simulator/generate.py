@@ -251,6 +251,21 @@ def compute_schedule(
     return order
 
 
+class _SkeletonStage:
+    """Appends one stage's skeleton ops, numbering each op type's seq in order."""
+
+    def __init__(self, stage: int, rows: list) -> None:
+        self.stage = stage
+        self.rows = rows
+        self.seq = dict.fromkeys(ot.KNOWN_OPTYPES, 0)
+
+    def add(
+        self, optype: str, start: float, end: float, mc: int = -1, gmc: int = -1, mb: int = -1
+    ) -> None:
+        self.rows.append((self.stage, optype, self.seq[optype], start, end, mc, gmc, mb))
+        self.seq[optype] += 1
+
+
 def build_schedule_model(spec: JobSpec) -> tuple[DependencyModel, dict[str, np.ndarray]]:
     """The job's dependency model and per-node attributes (mc, gmc, mb_id, seq).
 
@@ -260,20 +275,8 @@ def build_schedule_model(spec: JobSpec) -> tuple[DependencyModel, dict[str, np.n
     rows: list[tuple[int, str, int, float, float, int, int, int]] = []
     pp, vpp = spec.pp, spec.vpp
     for stage in range(pp):
-        seq = {t: 0 for t in ot.KNOWN_OPTYPES}
+        add = _SkeletonStage(stage, rows).add
         clock = 10.0
-
-        def add(
-            optype: str,
-            start: float,
-            end: float,
-            mc: int = -1,
-            gmc: int = -1,
-            mb: int = -1,
-            stage: int = stage,
-        ) -> None:
-            rows.append((stage, optype, seq[optype], start, end, mc, gmc, mb))
-            seq[optype] += 1
 
         if spec.dp_comm:
             for chunk in range(vpp):
