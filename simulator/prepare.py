@@ -123,7 +123,7 @@ def prepare(
     node_key = _op_key(trace, ref)
     if np.any(node_key[1:] == node_key[:-1]):
         dup = ref[1:][node_key[1:] == node_key[:-1]][0]
-        raise TraceError(f"{src}: duplicate op {trace.describe_row(int(dup))}")
+        raise TraceError(f"{src}: op {trace.describe_row(int(dup))} is recorded more than once")
     names = trace.optype_names
     overlapped = ot.SEPARATE_GRADS_ALL_REDUCE in {names[c] for c in np.unique(trace.optype)}
     model = infer_dependency_model(

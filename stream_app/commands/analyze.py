@@ -53,24 +53,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def parse_steps(spec: str) -> list[int]:
-    """'16-39,404' -> [16, ..., 39, 404]; a clear error for anything else."""
-    steps: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
+def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
+    """Mask of `available` steps named by '16-39,404': ranges keep the steps inside them
+    (step ids need not be contiguous); a single id or a range that matches nothing is an
+    error."""
+    keep = np.zeros(available.shape, dtype=bool)
+    for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
         try:
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
-                steps.extend(range(int(lo), int(hi) + 1))
-            else:
-                steps.append(int(part))
+            lo, sep, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
+            lo_id = int(lo)
+            hi_id = int(hi) if sep else lo_id
         except ValueError:
             raise TraceError(f"--steps: {part!r} is not a step id or a range like 16-39") from None
-    if not steps:
+        hit = (available >= lo_id) & (available <= hi_id)
+        if not hit.any():
+            raise TraceError(f"--steps: no step of the trace in {part!r}")
+        keep |= hit
+    if not keep.any():
         raise TraceError("--steps: no step ids given")
-    return steps
+    return keep
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,13 +81,7 @@ def run(args: argparse.Namespace) -> int:
     meta = load_meta(args.meta)
     prepared = prepare(trace, meta, skip_incomplete_steps=args.skip_incomplete_steps)
     if args.steps:
-        wanted = parse_steps(args.steps)
-        unknown = sorted(set(wanted) - set(prepared.steps.tolist()))
-        if unknown:
-            raise TraceError(
-                f"{args.trace}: --steps names step(s) not in the trace: {unknown[:10]}"
-            )
-        prepared = prepared.select_steps(np.isin(prepared.steps, wanted))
+        prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
     result = analyze(prepared, decompose_threshold=args.decompose_threshold)
     print(
         f"lagscope analyze: {args.trace} ({meta.trial_name}, dp {meta.dp_size} x pp "
