@@ -1,13 +1,25 @@
-"""Shared fixtures. The reference traces live in ../shared/reference-traces beside the
-checkout (never copied into the project); a run without them fails rather than skips."""
+"""Shared fixtures.
+
+- The reference traces live in ../shared/reference-traces beside the checkout (never copied
+  into the project); a run without them fails rather than skips.
+- A real Kafka broker for the whole session: `LAGSCOPE_KAFKA_BOOTSTRAP=host:port` uses an
+  existing broker; otherwise a local KRaft broker is fetched (deploy/kafka_local.py, cached
+  in .cache/kafka/) and started. If it cannot start, the tests that need it fail with the
+  broker's log: they never skip.
+"""
 
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from deploy.kafka_local import KafkaBroker
+from producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_TRACES = Path(
@@ -44,3 +56,39 @@ def analyzed_reference(name: str):
     trace, meta = load_reference(name)
     prepared = prepare(trace, meta)
     return prepared, analyze(prepared)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    existing = os.environ.get("LAGSCOPE_KAFKA_BOOTSTRAP")
+    if existing:
+        yield existing
+        return
+    broker = KafkaBroker(tmp_path_factory.mktemp("kafka"))
+    broker.start()  # raises KafkaLocalError with the broker's log: the test errors out
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def kafka_topics() -> dict[str, str]:
+    """Topic names unique to one test, so tests sharing a broker do not see each other."""
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    return {
+        "topic_ops": f"{prefix}.ops",
+        "topic_deadletter": f"{prefix}.deadletter",
+        "topic_jobs": f"{prefix}.jobs",
+    }
+
+
+@pytest.fixture
+def streamer_config(kafka_bootstrap: str, kafka_topics: dict[str, str], tmp_path: Path):
+    def make(log_dir: Path, **streamer: object) -> LagscopeConfig:
+        return LagscopeConfig(
+            kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap, **kafka_topics),
+            streamer=StreamerSettings(log_dir=log_dir, **{"idle_exit_s": 0.5, **streamer}),
+        )
+
+    return make

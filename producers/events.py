@@ -1,0 +1,439 @@
+"""The event schema: op records, rank-step batches and their wire encoding, job metadata.
+
+This module is the single definition of what travels from training ranks to the stream
+app (DESIGN.md §Events). One *op record* is one timed operation on one rank:
+
+    job_id, attempt, rank, dp_rank, pp_rank, tp_rank, cp_rank, step, optype, microbatch,
+    chunk, seq, start_ns, duration_ns
+
+On the wire and in the local log, ops travel as a **rank-step batch**: the ops of one rank
+in one step, held as columns. The identity fields (job .. step) are stored once per batch;
+the per-op columns are raw little-endian arrays, so encoding and decoding are a few
+`numpy.frombuffer` calls and no per-op Python work.
+
+Encoding, version 1 (all integers little-endian)::
+
+    header   struct "<4sHHIIiiiiiqHH"  magic b"LGSB", version, flags (0), n_ops, attempt,
+                                       rank, dp_rank, pp_rank, tp_rank, cp_rank, step,
+                                       len(job_id utf-8), n_optype_names
+    job_id   utf-8 bytes
+    names    n_optype_names x (u8 length, utf-8 bytes)   the op type dictionary
+    padding  zeros up to a multiple of 8 bytes (keeps the int64 columns aligned)
+    columns  start_ns i8[n], duration_ns i8[n], seq i4[n], microbatch i4[n], chunk i2[n],
+             optype u1[n] (codes into the dictionary)
+    trailer  crc32 u32 of everything before it
+
+Measured on the AR reference trace (tests/bench/producers_bench.py): 27 bytes per op plus
+~70 bytes per batch, against ~250 bytes per op as JSON objects; Kafka's zstd compression
+shrinks the binary form further. The encoder normalizes the op type dictionary (only the
+names used, sorted), so equal content always gives equal bytes and equal `batch_id`:
+a batch re-sent after a crash carries the id of the first send, and sinks drop it.
+
+Op types are data: the encoding carries any name; `simulator.optypes.KNOWN_OPTYPES` is the
+vocabulary the timer accepts by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from simulator.optypes import KNOWN_OPTYPES
+from simulator.trace import JobMeta
+
+__all__ = [
+    "BATCH_MAGIC",
+    "BATCH_VERSION",
+    "KNOWN_OPTYPES",
+    "OP_FIELDS",
+    "JobInfo",
+    "RankStepBatch",
+    "SchemaError",
+    "decode_batch",
+    "encode_batch",
+]
+
+BATCH_MAGIC = b"LGSB"
+BATCH_VERSION = 1
+_HEADER = struct.Struct("<4sHHIIiiiiiqHH")
+_TRAILER = struct.Struct("<I")
+_MAX_OPTYPE_NAMES = 255
+
+#: Per-op columns in encoding order, with their wire dtypes.
+_COLUMNS: tuple[tuple[str, np.dtype], ...] = (
+    ("start_ns", np.dtype("<i8")),
+    ("duration_ns", np.dtype("<i8")),
+    ("seq", np.dtype("<i4")),
+    ("microbatch", np.dtype("<i4")),
+    ("chunk", np.dtype("<i2")),
+    ("optype", np.dtype("u1")),
+)
+_BYTES_PER_OP = sum(dtype.itemsize for _, dtype in _COLUMNS)
+
+#: Fields of one op record, in the order DESIGN.md lists them.
+OP_FIELDS: tuple[str, ...] = (
+    "job_id",
+    "attempt",
+    "rank",
+    "dp_rank",
+    "pp_rank",
+    "tp_rank",
+    "cp_rank",
+    "step",
+    "optype",
+    "microbatch",
+    "chunk",
+    "seq",
+    "start_ns",
+    "duration_ns",
+)
+
+
+class SchemaError(ValueError):
+    """Data that is not a valid encoded batch; the message says what is wrong and where."""
+
+
+class JobInfo(JobMeta):
+    """Job metadata published once per attempt (topic `lagscope.jobs`, compacted).
+
+    Extends the analysis' `JobMeta` (parallel sizes, world size, MFU inputs) with the
+    identity of the run; `dsp_size` is the context-parallel size (`cp_size`).
+    """
+
+    job_id: str = Field(min_length=1)
+    attempt: int = Field(default=0, ge=0)
+
+    @property
+    def cp_size(self) -> int:
+        return self.dsp_size
+
+    @property
+    def key(self) -> str:
+        """Compaction key: one live record per (job, attempt)."""
+        return f"{self.job_id}/{self.attempt}"
+
+    @classmethod
+    def from_meta(cls, meta: JobMeta, *, job_id: str, attempt: int = 0) -> JobInfo:
+        return cls(**meta.model_dump(), job_id=job_id, attempt=attempt)
+
+    def to_meta(self) -> JobMeta:
+        return JobMeta(**self.model_dump(exclude={"job_id", "attempt"}))
+
+
+@dataclass(frozen=True, eq=False)
+class RankStepBatch:
+    """All ops of one rank in one step (or a part of them), as columns of equal length.
+
+    `optype` holds codes into `optype_names`. Construct with `RankStepBatch.build` to get
+    the columns coerced to their wire dtypes and checked.
+    """
+
+    job_id: str
+    attempt: int
+    rank: int
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    cp_rank: int
+    step: int
+    optype_names: tuple[str, ...]
+    optype: np.ndarray
+    microbatch: np.ndarray
+    chunk: np.ndarray
+    seq: np.ndarray
+    start_ns: np.ndarray
+    duration_ns: np.ndarray
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        dp_rank: int,
+        pp_rank: int,
+        tp_rank: int = 0,
+        cp_rank: int = 0,
+        step: int,
+        optype: Sequence[str] | np.ndarray,
+        microbatch: Sequence[int] | np.ndarray,
+        chunk: Sequence[int] | np.ndarray,
+        seq: Sequence[int] | np.ndarray,
+        start_ns: Sequence[int] | np.ndarray,
+        duration_ns: Sequence[int] | np.ndarray,
+        optype_names: Sequence[str] | None = None,
+    ) -> RankStepBatch:
+        """Build a batch; `optype` is names, or codes into `optype_names` when given."""
+        if optype_names is None:
+            names_arr, codes = np.unique(np.asarray(optype, dtype=str), return_inverse=True)
+            names = tuple(str(n) for n in names_arr)
+        else:
+            names = tuple(optype_names)
+            codes = np.asarray(optype)
+        columns = {
+            "microbatch": microbatch,
+            "chunk": chunk,
+            "seq": seq,
+            "start_ns": start_ns,
+            "duration_ns": duration_ns,
+        }
+        batch = cls(
+            job_id=job_id,
+            attempt=int(attempt),
+            rank=int(rank),
+            dp_rank=int(dp_rank),
+            pp_rank=int(pp_rank),
+            tp_rank=int(tp_rank),
+            cp_rank=int(cp_rank),
+            step=int(step),
+            optype_names=names,
+            optype=_as_column("optype", codes, np.dtype("u1")),
+            **{
+                name: _as_column(name, columns[name], dtype)
+                for name, dtype in _COLUMNS
+                if name != "optype"
+            },
+        )
+        batch.validate()
+        return batch
+
+    @property
+    def n_ops(self) -> int:
+        return int(self.start_ns.shape[0])
+
+    def validate(self, where: str = "batch") -> None:
+        """Raise `SchemaError` if the batch breaks an invariant of the schema."""
+        if not self.job_id:
+            raise SchemaError(f"{where}: job_id is empty")
+        if len(self.optype_names) > _MAX_OPTYPE_NAMES:
+            raise SchemaError(
+                f"{where}: {len(self.optype_names)} op type names, at most "
+                f"{_MAX_OPTYPE_NAMES} fit one batch"
+            )
+        n = self.n_ops
+        for name, _ in _COLUMNS:
+            column = getattr(self, name)
+            if column.shape != (n,):
+                raise SchemaError(f"{where}: column {name!r} has shape {column.shape}, want ({n},)")
+        if n and int(self.optype.max()) >= len(self.optype_names):
+            row = int(np.argmax(self.optype >= len(self.optype_names)))
+            raise SchemaError(
+                f"{where}: op {row} has op type code {int(self.optype[row])}, but the batch's "
+                f"dictionary has {len(self.optype_names)} names"
+            )
+        if n and int(self.duration_ns.min()) < 0:
+            row = int(np.argmin(self.duration_ns))
+            raise SchemaError(
+                f"{where}: op {row} has negative duration_ns {int(self.duration_ns[row])}"
+            )
+
+    def optype_strings(self) -> list[str]:
+        return [self.optype_names[c] for c in self.optype.tolist()]
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One dict per op with the fields of `OP_FIELDS` (tests, JSON, debugging)."""
+        head = {
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "rank": self.rank,
+            "dp_rank": self.dp_rank,
+            "pp_rank": self.pp_rank,
+            "tp_rank": self.tp_rank,
+            "cp_rank": self.cp_rank,
+            "step": self.step,
+        }
+        return [
+            {
+                **head,
+                "optype": op,
+                "microbatch": mb,
+                "chunk": ch,
+                "seq": sq,
+                "start_ns": st,
+                "duration_ns": du,
+            }
+            for op, mb, ch, sq, st, du in zip(
+                self.optype_strings(),
+                self.microbatch.tolist(),
+                self.chunk.tolist(),
+                self.seq.tolist(),
+                self.start_ns.tolist(),
+                self.duration_ns.tolist(),
+                strict=True,
+            )
+        ]
+
+    def encode(self) -> bytes:
+        return encode_batch(self)
+
+    @property
+    def batch_id(self) -> str:
+        return batch_id_of(encode_batch(self))
+
+
+def _as_column(name: str, values: Sequence[int] | np.ndarray, dtype: np.dtype) -> np.ndarray:
+    raw = np.asarray(values)
+    if raw.ndim != 1:
+        raise SchemaError(f"column {name!r} must be one-dimensional, got shape {raw.shape}")
+    if raw.size and raw.dtype.kind not in "iub":
+        raise SchemaError(f"column {name!r} must hold integers, got dtype {raw.dtype}")
+    if raw.size and raw.dtype != dtype:
+        info = np.iinfo(dtype)
+        low, high = int(raw.min()), int(raw.max())
+        if low < info.min or high > info.max:
+            raise SchemaError(
+                f"column {name!r} holds values in [{low}, {high}], outside {dtype.name}'s range"
+            )
+    return np.ascontiguousarray(raw, dtype=dtype)
+
+
+def encode_batch(batch: RankStepBatch) -> bytes:
+    """The versioned binary encoding of a batch (see module docstring)."""
+    optype = batch.optype
+    names = batch.optype_names
+    # Normalize the dictionary (only used names, sorted) so equal content → equal bytes.
+    if batch.n_ops:
+        used, inverse = np.unique(optype, return_inverse=True)
+        used_names = [names[c] for c in used.tolist()]
+        order = np.argsort(np.asarray(used_names, dtype=str), kind="stable")
+        rank_of = np.empty_like(order)
+        rank_of[order] = np.arange(order.size)
+        optype = rank_of[inverse].astype(np.uint8)
+        names = tuple(used_names[i] for i in order.tolist())
+    else:
+        names = ()
+    job = batch.job_id.encode()
+    parts = [
+        _HEADER.pack(
+            BATCH_MAGIC,
+            BATCH_VERSION,
+            0,
+            batch.n_ops,
+            batch.attempt,
+            batch.rank,
+            batch.dp_rank,
+            batch.pp_rank,
+            batch.tp_rank,
+            batch.cp_rank,
+            batch.step,
+            len(job),
+            len(names),
+        ),
+        job,
+    ]
+    for name in names:
+        raw = name.encode()
+        parts.append(bytes((len(raw),)) + raw)
+    size = sum(len(p) for p in parts)
+    parts.append(b"\0" * (-size % 8))
+    for name, dtype in _COLUMNS:
+        column = optype if name == "optype" else getattr(batch, name)
+        parts.append(np.ascontiguousarray(column, dtype=dtype).tobytes())
+    body = b"".join(parts)
+    return body + _TRAILER.pack(zlib.crc32(body))
+
+
+def batch_id_of(encoded: bytes | memoryview) -> str:
+    """Deterministic id of an encoded batch: equal content ⇒ equal id (sinks dedupe on it)."""
+    return hashlib.blake2b(encoded, digest_size=16).hexdigest()
+
+
+def peek_header(data: bytes | memoryview, where: str = "batch") -> dict[str, Any]:
+    """The identity fields of an encoded batch, without decoding the columns."""
+    if len(data) < _HEADER.size + _TRAILER.size:
+        raise SchemaError(f"{where}: {len(data)} bytes is too short for a batch header")
+    fields = _HEADER.unpack_from(data, 0)
+    magic, version = fields[0], fields[1]
+    if magic != BATCH_MAGIC:
+        raise SchemaError(f"{where}: bad magic {bytes(magic)!r}, want {BATCH_MAGIC!r}")
+    if version != BATCH_VERSION:
+        raise SchemaError(
+            f"{where}: unknown batch encoding version {version} (this build reads "
+            f"version {BATCH_VERSION})"
+        )
+    n_ops, attempt, rank, dp, pp, tp, cp, step, job_len, n_names = fields[3:]
+    job_end = _HEADER.size + job_len
+    try:
+        job_id = bytes(data[_HEADER.size : job_end]).decode()
+    except UnicodeDecodeError:
+        raise SchemaError(f"{where}: job_id is not valid utf-8") from None
+    return {
+        "job_id": job_id,
+        "attempt": attempt,
+        "rank": rank,
+        "dp_rank": dp,
+        "pp_rank": pp,
+        "tp_rank": tp,
+        "cp_rank": cp,
+        "step": step,
+        "n_ops": n_ops,
+        "_n_names": n_names,
+        "_names_at": job_end,
+    }
+
+
+def decode_batch(data: bytes | memoryview, where: str = "batch") -> RankStepBatch:
+    """Decode and validate an encoded batch; raises `SchemaError` naming `where` and why."""
+    view = memoryview(data)
+    head = peek_header(view, where)
+    body_len = len(view) - _TRAILER.size
+    (stored_crc,) = _TRAILER.unpack_from(view, body_len)
+    if zlib.crc32(view[:body_len]) != stored_crc:
+        raise SchemaError(f"{where}: checksum mismatch (corrupted or truncated batch)")
+    pos = head.pop("_names_at")
+    names: list[str] = []
+    for i in range(head.pop("_n_names")):
+        if pos >= body_len:
+            raise SchemaError(f"{where}: op type dictionary runs past the end (name {i})")
+        length = view[pos]
+        raw = bytes(view[pos + 1 : pos + 1 + length])
+        if len(raw) != length:
+            raise SchemaError(f"{where}: op type dictionary runs past the end (name {i})")
+        try:
+            names.append(raw.decode())
+        except UnicodeDecodeError:
+            raise SchemaError(f"{where}: op type name {i} is not valid utf-8") from None
+        pos += 1 + length
+    pos += -pos % 8
+    n_ops = head.pop("n_ops")
+    expected = pos + n_ops * _BYTES_PER_OP
+    if expected != body_len:
+        raise SchemaError(
+            f"{where}: {n_ops} ops need {expected - pos} column bytes, found {body_len - pos}"
+        )
+    columns: dict[str, np.ndarray] = {}
+    for name, dtype in _COLUMNS:
+        columns[name] = np.frombuffer(view, dtype=dtype, count=n_ops, offset=pos)
+        pos += n_ops * dtype.itemsize
+    batch = RankStepBatch(**head, optype_names=tuple(names), **columns)
+    batch.validate(where)
+    return batch
+
+
+def batch_from_records(records: Sequence[Mapping[str, Any]]) -> RankStepBatch:
+    """Build a batch from op dicts that share one (job, attempt, rank, step) identity."""
+    if not records:
+        raise SchemaError("cannot build a batch from zero records")
+    first = records[0]
+    identity = ("job_id", "attempt", "rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank", "step")
+    for i, record in enumerate(records):
+        for key in identity:
+            if record[key] != first[key]:
+                raise SchemaError(
+                    f"record {i} has {key}={record[key]!r}, but the batch's is {first[key]!r}"
+                )
+    return RankStepBatch.build(
+        **{key: first[key] for key in identity},
+        **{
+            key: [r[key] for r in records]
+            for key in ("optype", "microbatch", "chunk", "seq", "start_ns", "duration_ns")
+        },
+    )

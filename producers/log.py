@@ -1,0 +1,477 @@
+"""The local log: append-only, crash-safe per-rank files between a training rank and the
+streamer sidecar.
+
+Layout: ``<log_dir>/rank-<rank:06d>/<wall_ns:020d>-<counter:04d>.lglog``. File names sort in
+creation order; a writer only ever appends to its newest file and never reopens an old one
+(a restarted writer starts a new file), so a reader knows that every file but the newest
+of a rank is complete.
+
+Every record is self-delimiting and checksummed::
+
+    header  struct "<4sBBHII"  magic b"LGRC", version (1), kind, reserved (0),
+                               payload length, crc32 of (version..length bytes + payload)
+    payload length bytes       kind 1: an encoded rank-step batch (producers.events)
+                               kind 2: JobInfo as JSON
+
+A record is written with a single ``write`` call by the writer's background thread. After a
+crash the last record of a file may be torn; the reader detects it (short payload or
+checksum mismatch), reports it, and keeps everything before it. Garbage between records
+is skipped by scanning for the next magic; every skipped span becomes a `DeadLetter`
+naming the file, the offset and the reason. Nothing here raises on bad data.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+RECORD_MAGIC = b"LGRC"
+RECORD_VERSION = 1
+KIND_BATCH = 1
+KIND_JOB = 2
+KNOWN_KINDS = frozenset({KIND_BATCH, KIND_JOB})
+_HEADER = struct.Struct("<4sBBHII")
+HEADER_SIZE = _HEADER.size
+LOG_SUFFIX = ".lglog"
+RANK_DIR_PREFIX = "rank-"
+#: A writer refuses larger records; a reader treats a larger length field as corruption.
+DEFAULT_MAX_RECORD_BYTES = 16 << 20
+DEFAULT_MAX_FILE_BYTES = 64 << 20
+_READ_CHUNK = 4 << 20
+
+
+def frame_record(kind: int, payload: bytes) -> bytes:
+    """A record's bytes: header + payload (see module docstring)."""
+    fields = struct.pack("<BBHI", RECORD_VERSION, kind, 0, len(payload))
+    crc = zlib.crc32(payload, zlib.crc32(fields))
+    return RECORD_MAGIC + fields + struct.pack("<I", crc) + payload
+
+
+def rank_dir(log_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(log_dir) / f"{RANK_DIR_PREFIX}{rank:06d}"
+
+
+class LogWriter:
+    """Appends records to one rank's log from a background flusher thread.
+
+    `append` only enqueues (the training thread never touches the file system); the
+    flusher writes queued records every `flush_interval_s`, rotating to a new file when the
+    current one would exceed `max_file_bytes`.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        rank: int,
+        *,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        flush_interval_s: float = 0.1,
+        fsync: bool = False,
+    ) -> None:
+        self.directory = rank_dir(log_dir, rank)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_file_bytes = max_file_bytes
+        self.max_record_bytes = max_record_bytes
+        self.flush_interval_s = flush_interval_s
+        self.fsync = fsync
+        self._queue: deque[bytes] = deque()
+        self._wake = threading.Event()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._closed = False
+        self._fd: int | None = None
+        self._file_size = 0
+        self._file_counter = 0
+        self.error: BaseException | None = None
+        self.records_written = 0
+        self._thread = threading.Thread(target=self._run, name=f"lagscope-log-{rank}", daemon=True)
+        self._thread.start()
+
+    def append(self, kind: int, payload: bytes) -> None:
+        if self._closed:
+            raise RuntimeError(f"log writer for {self.directory} is closed")
+        if len(payload) > self.max_record_bytes:
+            raise ValueError(
+                f"record of {len(payload)} bytes exceeds the log's limit of "
+                f"{self.max_record_bytes} bytes ({self.directory})"
+            )
+        record = frame_record(kind, payload)
+        with self._idle:
+            self._pending += 1
+        self._queue.append(record)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Block until everything appended so far is written."""
+        self._wake.set()
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s):
+                raise TimeoutError(f"log flush of {self.directory} timed out")
+        if self.error is not None:
+            raise RuntimeError(f"log writer for {self.directory} failed") from self.error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            try:
+                self._drain()
+            except BaseException as exc:  # surfaced by flush(); the thread must not die silently
+                self.error = exc
+                with self._idle:
+                    self._pending = 0
+                    self._idle.notify_all()
+                return
+            if self._closed and not self._queue:
+                return
+
+    def _drain(self) -> None:
+        while self._queue:
+            chunk: list[bytes] = []
+            size = 0
+            while self._queue:
+                record = self._queue[0]
+                if (
+                    self._fd is not None
+                    and chunk
+                    and (self._file_size + size + len(record) > self.max_file_bytes)
+                ):
+                    break
+                if self._fd is None or (
+                    not chunk
+                    and self._file_size > 0
+                    and self._file_size + len(record) > self.max_file_bytes
+                ):
+                    self._rotate()
+                chunk.append(self._queue.popleft())
+                size += len(record)
+            self._write_all(b"".join(chunk))
+            self._file_size += size
+            self.records_written += len(chunk)
+            with self._idle:
+                self._pending -= len(chunk)
+                self._idle.notify_all()
+
+    def _write_all(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def _rotate(self) -> None:
+        if self._fd is not None:
+            if self.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+        self._file_counter += 1
+        name = f"{time.time_ns():020d}-{self._file_counter:04d}{LOG_SUFFIX}"
+        self._fd = os.open(
+            self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644
+        )
+        self._file_size = 0
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where reading resumes: a file name in a rank directory and a byte offset in it."""
+
+    file: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class Record:
+    kind: int
+    payload: bytes
+    file: str
+    offset: int
+    end: int
+
+    @property
+    def position_after(self) -> Position:
+        return Position(self.file, self.end)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """Bytes that are not a valid record, kept with why and where."""
+
+    source: str
+    offset: int
+    length: int
+    reason: str
+    sample: bytes = b""
+    end: Position | None = None
+
+
+def list_log_files(directory: Path) -> list[str]:
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(LOG_SUFFIX)]
+    except FileNotFoundError:
+        return []
+    return sorted(names)
+
+
+def list_rank_dirs(log_dir: str | os.PathLike[str]) -> list[Path]:
+    try:
+        entries = os.scandir(log_dir)
+    except FileNotFoundError:
+        return []
+    with entries:
+        return sorted(
+            Path(e.path) for e in entries if e.is_dir() and e.name.startswith(RANK_DIR_PREFIX)
+        )
+
+
+class RankLogReader:
+    """Reads one rank directory's records in order, from a resume position, as they appear.
+
+    `read()` returns what is readable now (records and dead letters, in file order) and
+    advances the reader's own position; call it again later to tail. A partial record at
+    the end of the newest file is left for a later call, unless the file has not changed
+    for `torn_grace_s` (its writer died): then it is reported as torn.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        position: Position | None = None,
+        *,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        torn_grace_s: float = 60.0,
+    ) -> None:
+        self.directory = Path(directory)
+        self.position = position
+        self.max_record_bytes = max_record_bytes
+        self.torn_grace_s = torn_grace_s
+
+    def read(self, max_bytes: int = _READ_CHUNK) -> list[Record | DeadLetter]:
+        out: list[Record | DeadLetter] = []
+        budget = max_bytes
+        while budget > 0:
+            files = list_log_files(self.directory)
+            if not files:
+                return out
+            if self.position is None:
+                self.position = Position(files[0], 0)
+            current = self.position.file
+            if current not in files:
+                # Deleted (retention) or never seen: continue with the next newer file.
+                later = [f for f in files if f > current]
+                if not later:
+                    return out
+                self.position = Position(later[0], 0)
+                continue
+            is_newest = current == files[-1]
+            consumed, items, at_end = self._read_file(current, is_newest, budget)
+            out.extend(items)
+            budget -= max(consumed, 1)
+            if at_end and not is_newest:
+                self.position = Position(files[files.index(current) + 1], 0)
+                continue
+            if not items and consumed == 0:
+                return out
+        return out
+
+    def _read_file(
+        self, name: str, is_newest: bool, budget: int
+    ) -> tuple[int, list[Record | DeadLetter], bool]:
+        """Parse records from the current position; returns (bytes consumed, items, at end)."""
+        path = self.directory / name
+        assert self.position is not None
+        start = self.position.offset
+        items: list[Record | DeadLetter] = []
+        try:
+            with open(path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                size = stat.st_size
+                if size < start:
+                    items.append(
+                        DeadLetter(
+                            str(path),
+                            size,
+                            0,
+                            f"file truncated from at least {start} to {size} bytes; "
+                            "re-reading it from the start",
+                        )
+                    )
+                    start = 0
+                    self.position = Position(name, 0)
+                handle.seek(start)
+                data = handle.read(min(max(budget, HEADER_SIZE), size - start))
+                if len(data) >= HEADER_SIZE:
+                    # One record larger than the budget: read exactly that record.
+                    magic, version, _, _, length, _ = _HEADER.unpack_from(data, 0)
+                    whole = HEADER_SIZE + length
+                    if (
+                        magic == RECORD_MAGIC
+                        and version == RECORD_VERSION
+                        and length <= self.max_record_bytes
+                        and len(data) < whole <= size - start
+                    ):
+                        handle.seek(start)
+                        data = handle.read(whole)
+        except FileNotFoundError:
+            return 0, items, True
+        stale = time.time() - stat.st_mtime > self.torn_grace_s
+        tail_is_final = not is_newest or stale
+        pos = 0
+        n = len(data)
+        view = memoryview(data)
+        src = str(path)
+        while pos < n:
+            remaining = n - pos
+            at_file_end = start + n == size
+            if remaining < HEADER_SIZE:
+                if not at_file_end:
+                    break  # header split by our read budget: read it next time
+                if RECORD_MAGIC.startswith(bytes(view[pos : pos + min(4, remaining)])):
+                    if tail_is_final:
+                        items.append(
+                            self._dead(
+                                src,
+                                start + pos,
+                                remaining,
+                                "torn record header at end of file",
+                                view,
+                                pos,
+                            )
+                        )
+                        pos = n
+                    break
+                skip = self._resync(view, pos, n)
+                items.append(
+                    self._dead(
+                        src,
+                        start + pos,
+                        skip - pos,
+                        "garbage: bytes without a record header",
+                        view,
+                        pos,
+                    )
+                )
+                pos = skip
+                continue
+            magic, version, kind, _reserved, length, crc = _HEADER.unpack_from(view, pos)
+            reason = None
+            if magic != RECORD_MAGIC:
+                reason = "garbage: bytes without a record header"
+            elif version != RECORD_VERSION:
+                reason = f"unknown log record version {version} (this build reads {RECORD_VERSION})"
+            elif length > self.max_record_bytes:
+                reason = f"record length {length} exceeds the limit of {self.max_record_bytes}"
+            if reason is not None:
+                skip = self._resync(view, pos + 1, n)
+                if skip == n and not at_file_end:
+                    skip = max(pos + 1, n - 3)  # the next magic may straddle our read
+                items.append(self._dead(src, start + pos, skip - pos, reason, view, pos))
+                pos = skip
+                continue
+            end = pos + HEADER_SIZE + length
+            if end > n:
+                if start + end <= size:
+                    break  # more bytes on disk than we read: next call
+                if not tail_is_final:
+                    break  # the writer may still be writing it
+                # Resync rather than drop the rest: a corrupt length must not hide good
+                # records after it.
+                skip = self._resync(view, pos + 1, n)
+                items.append(
+                    self._dead(
+                        src,
+                        start + pos,
+                        skip - pos,
+                        f"torn record: header says {length} payload bytes, "
+                        f"only {size - start - pos - HEADER_SIZE} present in the file",
+                        view,
+                        pos,
+                    )
+                )
+                pos = skip
+                continue
+            payload = view[pos + HEADER_SIZE : end]
+            if zlib.crc32(payload, zlib.crc32(view[pos + 4 : pos + 12])) != crc:
+                skip = self._resync(view, pos + 1, n)
+                items.append(
+                    self._dead(
+                        src,
+                        start + pos,
+                        skip - pos,
+                        "record checksum mismatch (corrupted or torn)",
+                        view,
+                        pos,
+                    )
+                )
+                pos = skip
+                continue
+            if kind not in KNOWN_KINDS:
+                items.append(
+                    self._dead(
+                        src, start + pos, end - pos, f"unknown record kind {kind}", view, pos
+                    )
+                )
+            else:
+                items.append(Record(kind, bytes(payload), name, start + pos, start + end))
+            pos = end
+        self.position = Position(name, start + pos)
+        for i, item in enumerate(items):
+            if isinstance(item, DeadLetter) and item.end is None:
+                items[i] = DeadLetter(
+                    item.source,
+                    item.offset,
+                    item.length,
+                    item.reason,
+                    item.sample,
+                    Position(name, item.offset + item.length),
+                )
+        return pos, items, start + pos >= size
+
+    @staticmethod
+    def _resync(view: memoryview, start: int, n: int) -> int:
+        found = bytes(view[start:n]).find(RECORD_MAGIC)
+        return n if found < 0 else start + found
+
+    @staticmethod
+    def _dead(
+        source: str, offset: int, length: int, reason: str, view: memoryview, pos: int
+    ) -> DeadLetter:
+        return DeadLetter(source, offset, length, reason, bytes(view[pos : pos + min(length, 64)]))
+
+
+def read_all(
+    directory: str | os.PathLike[str], *, torn_grace_s: float = 0.0
+) -> Iterator[Record | DeadLetter]:
+    """Every record and dead letter of a rank directory, treating it as complete."""
+    reader = RankLogReader(directory, torn_grace_s=torn_grace_s)
+    while True:
+        items = reader.read()
+        if not items:
+            return
+        yield from items

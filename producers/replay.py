@@ -1,0 +1,231 @@
+"""Trace replay: turn a recorded reference trace into what live ranks would have produced.
+
+A reference trace (producers.reference_format) holds start/duration in float32 seconds
+relative to each step's origin. Replay lays the steps back to back on the wall clock from
+a start time (now, unless given): step k's origin is the start plus the spans of the steps
+before it, and op times become `origin + round(start_ts * 1e9)` ns. pp_rank is the trace's
+stage, tp_rank and cp_rank are 0 (the trace holds one TP/CP rank per (dp, stage)).
+
+Output is per-rank local logs (then `lagscope stream` ships them, exactly the production
+path) or batches produced straight to Kafka. Pace: `speed=1` replays in real time (a step's
+batches are written when the step would have ended), `speed=N` N times faster, `speed=0`
+as fast as possible. `repeat=N` replays the trace N times with shifted step numbers (load
+tests).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from producers.config import LagscopeConfig
+from producers.events import BATCH_VERSION, JobInfo, RankStepBatch, batch_id_of
+from producers.log import KIND_BATCH, KIND_JOB, LogWriter
+from simulator.trace import JobMeta, Trace
+
+
+@dataclass
+class ReplayStats:
+    batches: int = 0
+    ops: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def default_job_id(meta: JobMeta) -> str:
+    return f"{meta.trial_name}-{meta.run_id}"
+
+
+def iter_step_batches(
+    trace: Trace,
+    meta: JobMeta,
+    *,
+    job_id: str,
+    attempt: int = 0,
+    start_wall_ns: int,
+    repeat: int = 1,
+) -> Iterator[tuple[int, int, list[RankStepBatch]]]:
+    """Yield (step end offset ns from start, step, batches of all ranks) in step order."""
+    step_values = np.unique(trace.step)
+    if step_values.size == 0:
+        return
+    end = trace.start_ts.astype(np.float64) + trace.duration.astype(np.float64)
+    rank = np.where(
+        trace.rank >= 0, trace.rank, trace.stage.astype(np.int64) * meta.dp_size + trace.dp_rank
+    )
+    order = np.lexsort((trace.start_ts, rank, trace.step))
+    sorted_step = trace.step[order]
+    bounds = np.searchsorted(sorted_step, step_values)
+    bounds = np.append(bounds, order.size)
+    step_stride = int(step_values.max()) + 1
+    offset_ns = 0
+    for cycle in range(repeat):
+        for i, step in enumerate(step_values.tolist()):
+            rows = order[bounds[i] : bounds[i + 1]]
+            span_ns = round(float(end[rows].max()) * 1e9)
+            origin = start_wall_ns + offset_ns
+            ranks = rank[rows]
+            cuts = np.flatnonzero(np.diff(ranks)) + 1
+            batches = []
+            for part in np.split(rows, cuts):
+                first = part[0]
+                batches.append(
+                    RankStepBatch.build(
+                        job_id=job_id,
+                        attempt=attempt,
+                        rank=int(rank[first]),
+                        dp_rank=int(trace.dp_rank[first]),
+                        pp_rank=int(trace.stage[first]),
+                        tp_rank=0,
+                        cp_rank=0,
+                        step=step + cycle * step_stride,
+                        optype=trace.optype[part],
+                        optype_names=trace.optype_names,
+                        microbatch=trace.mb_id[part],
+                        chunk=trace.mc[part],
+                        seq=trace.seq_id[part],
+                        start_ns=origin
+                        + np.round(trace.start_ts[part].astype(np.float64) * 1e9).astype(np.int64),
+                        duration_ns=np.round(trace.duration[part].astype(np.float64) * 1e9).astype(
+                            np.int64
+                        ),
+                    )
+                )
+            offset_ns += span_ns
+            yield offset_ns, step + cycle * step_stride, batches
+
+
+class _Progress:
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total = total
+        self.stream = stream
+        self.begin = time.monotonic()
+        self.last = 0.0
+
+    def update(self, done: int, ops: int, final: bool = False) -> None:
+        if self.stream is None:
+            return
+        now = time.monotonic()
+        if not final and now - self.last < 0.2:
+            return
+        self.last = now
+        elapsed = max(now - self.begin, 1e-9)
+        width = 30
+        filled = int(width * done / max(self.total, 1))
+        self.stream.write(
+            f"\rreplay [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} steps, "
+            f"{ops} ops, {ops / elapsed:,.0f} ops/s"
+        )
+        if final:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def replay(
+    trace: Trace,
+    meta: JobMeta,
+    *,
+    log_dir: str | Path | None = None,
+    kafka: LagscopeConfig | None = None,
+    job_id: str | None = None,
+    attempt: int = 0,
+    speed: float = 0.0,
+    repeat: int = 1,
+    start_wall_ns: int | None = None,
+    progress: TextIO | None = sys.stderr,
+    max_file_bytes: int | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ReplayStats:
+    """Replay `trace` into per-rank logs under `log_dir`, or straight to Kafka."""
+    if (log_dir is None) == (kafka is None):
+        raise ValueError("replay needs exactly one destination: log_dir or kafka")
+    if speed < 0:
+        raise ValueError(f"speed must be >= 0 (0 = as fast as possible), got {speed}")
+    job_id = job_id or default_job_id(meta)
+    info = JobInfo.from_meta(meta, job_id=job_id, attempt=attempt)
+    stats = ReplayStats()
+    begin_wall = time.time_ns() if start_wall_ns is None else start_wall_ns
+    begin = time.monotonic()
+    writers: dict[int, LogWriter] = {}
+    producer = None
+    sink: Callable[[RankStepBatch, bytes], None]
+    if log_dir is not None:
+
+        def sink(batch: RankStepBatch, payload: bytes) -> None:
+            writer = writers.get(batch.rank)
+            if writer is None:
+                options = {} if max_file_bytes is None else {"max_file_bytes": max_file_bytes}
+                writer = writers[batch.rank] = LogWriter(log_dir, batch.rank, **options)
+                if not stats.batches:
+                    writer.append(KIND_JOB, info.model_dump_json().encode())
+            writer.append(KIND_BATCH, payload)
+
+    else:
+        from confluent_kafka import Producer
+
+        assert kafka is not None
+        producer = Producer(
+            {
+                **kafka.kafka.client_config(),
+                "enable.idempotence": True,
+                "acks": "all",
+                "compression.type": kafka.streamer.compression,
+                "linger.ms": kafka.streamer.linger_ms,
+            }
+        )
+        producer.produce(kafka.kafka.topic_jobs, key=info.key.encode(),
+                         value=info.model_dump_json().encode())  # fmt: skip
+
+        def sink(batch: RankStepBatch, payload: bytes) -> None:
+            while True:
+                try:
+                    producer.produce(
+                        kafka.kafka.topic_ops,
+                        key=batch.job_id.encode(),
+                        value=payload,
+                        headers=[
+                            ("lagscope-schema", str(BATCH_VERSION).encode()),
+                            ("lagscope-batch-id", batch_id_of(payload).encode()),
+                            ("lagscope-rank", str(batch.rank).encode()),
+                        ],
+                    )
+                    producer.poll(0)
+                    return
+                except BufferError:
+                    producer.poll(0.1)
+
+    total_steps = int(np.unique(trace.step).size) * repeat
+    bar = _Progress(total_steps, progress)
+    try:
+        for end_offset_ns, _step, batches in iter_step_batches(
+            trace, meta, job_id=job_id, attempt=attempt, start_wall_ns=begin_wall, repeat=repeat
+        ):
+            if speed > 0:
+                # A step's batches exist once the step has ended (that is when a live
+                # rank's timer seals them).
+                due = begin + end_offset_ns / 1e9 / speed
+                delay = due - time.monotonic()
+                if delay > 0:
+                    sleep(delay)
+            for batch in batches:
+                sink(batch, batch.encode())
+                stats.batches += 1
+                stats.ops += batch.n_ops
+            stats.steps += 1
+            bar.update(stats.steps, stats.ops)
+    finally:
+        for writer in writers.values():
+            writer.close()
+        if producer is not None:
+            remaining = producer.flush(60)
+            if remaining:
+                raise RuntimeError(f"{remaining} batches were not delivered to Kafka in 60 s")
+    stats.seconds = time.monotonic() - begin
+    bar.update(stats.steps, stats.ops, final=True)
+    return stats

@@ -1,0 +1,431 @@
+"""The streamer sidecar: tails every rank's local log and ships its batches to Kafka.
+
+One streamer runs per host next to the training ranks (`lagscope stream --log-dir ...`).
+It follows each `rank-NNNNNN/` directory (new files, rotation, truncation, deleted files;
+see producers.log) and produces:
+
+- every rank-step batch record to `lagscope.ops`: value = the batch's encoding exactly as
+  the rank wrote it (no re-encoding), key = job id, headers `lagscope-schema` (encoding
+  version), `lagscope-batch-id` (deterministic, for deduplication) and `lagscope-rank`;
+- job metadata records (JobInfo) once per (job, attempt) to the compacted `lagscope.jobs`,
+  keyed `job/attempt`;
+- everything that is not valid (torn records, garbage, batches that fail to decode) to
+  `lagscope.deadletter` as JSON with the file, offset, length and reason.
+
+Delivery guarantees: the producer is idempotent with acks=all. Positions are checkpointed
+(temp file + fsync + os.replace) only up to the last record whose delivery - and that of
+every record before it in the same rank directory - Kafka confirmed. After kill -9 the
+streamer resumes from the checkpoint and re-sends what was unconfirmed; a re-sent batch
+carries the same batch id, so sinks drop it. When Kafka is down, librdkafka retries; a
+message that still fails makes the streamer rewind that rank to its confirmed position and
+retry after a back-off. The log on disk is the buffer: reading pauses while
+`max_in_flight_bytes` are unconfirmed, so memory stays bounded however long Kafka is away.
+Grouping into rank-step batches happens in the rank's timer (which knows where a step
+ends), so a batch's content - and id - does not depend on when the streamer read it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from producers.config import LagscopeConfig
+from producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
+from producers.log import (
+    KIND_BATCH,
+    KIND_JOB,
+    DeadLetter,
+    Position,
+    RankLogReader,
+    Record,
+    list_rank_dirs,
+)
+
+log = logging.getLogger("lagscope.streamer")
+
+CHECKPOINT_VERSION = 1
+SCHEMA_HEADER = "lagscope-schema"
+BATCH_ID_HEADER = "lagscope-batch-id"
+RANK_HEADER = "lagscope-rank"
+_READ_BUDGET = 2 << 20
+
+
+@dataclass
+class StreamerStats:
+    batches: int = 0
+    ops: int = 0
+    jobs: int = 0
+    dead_letters: int = 0
+    delivery_failures: int = 0
+    rewinds: int = 0
+    bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Pending:
+    """One log item on its way to Kafka; positions advance over delivered prefixes only."""
+
+    end: Position
+    size: int
+    delivered: bool = False
+    failed: bool = False
+
+
+@dataclass
+class _RankState:
+    reader: RankLogReader
+    confirmed: Position | None
+    pending: deque[_Pending] = field(default_factory=deque)
+    rewind: bool = False
+
+
+class Streamer:
+    """Ship local logs to Kafka; `run()` until stopped (or idle, with `idle_exit_s`)."""
+
+    def __init__(self, config: LagscopeConfig, producer: Any = None) -> None:
+        if config.streamer.log_dir is None:
+            raise ValueError("streamer.log_dir is not set (flag --log-dir)")
+        self.config = config
+        self.settings = config.streamer
+        self.log_dir = Path(config.streamer.log_dir)
+        self.checkpoint_path = config.streamer.resolved_checkpoint_path()
+        self.stats = StreamerStats()
+        self._stop = threading.Event()
+        self._ranks: dict[str, _RankState] = {}
+        self._jobs_sent: set[str] = set()
+        self._in_flight_bytes = 0
+        self._checkpoint_dirty = False
+        self._last_checkpoint = 0.0
+        self._backoff_s = 0.0
+        self._producer = producer or self._make_producer()
+        self._load_checkpoint()
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def _make_producer(self) -> Any:
+        from confluent_kafka import Producer
+
+        settings = self.settings
+        config = self.config.kafka.client_config()
+        config.update(
+            {
+                "enable.idempotence": True,
+                "acks": "all",
+                "compression.type": settings.compression,
+                "linger.ms": settings.linger_ms,
+                "message.timeout.ms": settings.delivery_timeout_ms,
+                "queue.buffering.max.kbytes": max(1024, 2 * settings.max_in_flight_bytes // 1024),
+                "batch.size": 1 << 20,
+                "reconnect.backoff.max.ms": 2000,
+            }
+        )
+        config.update(self.config.kafka.client_options)
+        return Producer(config)
+
+    def ensure_topics(self, timeout_s: float = 10.0) -> None:
+        """Create the topics if missing (jobs compacted); best effort, the broker may be down."""
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        kafka = self.config.kafka
+        admin = AdminClient(kafka.client_config())
+        topics = [
+            NewTopic(kafka.topic_ops, num_partitions=-1, replication_factor=-1),
+            NewTopic(kafka.topic_deadletter, num_partitions=-1, replication_factor=-1),
+            NewTopic(
+                kafka.topic_jobs,
+                num_partitions=1,
+                replication_factor=-1,
+                config={"cleanup.policy": "compact"},
+            ),
+        ]
+        try:
+            futures = admin.create_topics(topics, request_timeout=timeout_s)
+        except KafkaException as exc:
+            log.warning("could not create topics: %s", exc)
+            return
+        for name, future in futures.items():
+            try:
+                future.result(timeout=timeout_s)
+            except Exception as exc:
+                if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                    log.warning("could not create topic %s: %s", name, exc)
+
+    def _load_checkpoint(self) -> None:
+        try:
+            raw = json.loads(self.checkpoint_path.read_text())
+        except FileNotFoundError:
+            return
+        except ValueError as exc:
+            # os.replace makes a torn checkpoint impossible; a corrupt one is someone else's
+            # write. Starting over re-sends (deduplicated by batch id) rather than losing data.
+            log.error(
+                "checkpoint %s is unreadable (%s); re-reading all logs", self.checkpoint_path, exc
+            )
+            return
+        if raw.get("version") != CHECKPOINT_VERSION:
+            log.error(
+                "checkpoint %s has unknown version %r; re-reading all logs",
+                self.checkpoint_path,
+                raw.get("version"),
+            )
+            return
+        for name, pos in raw.get("positions", {}).items():
+            position = Position(pos["file"], int(pos["offset"]))
+            self._ranks[name] = _RankState(self._reader(self.log_dir / name, position), position)
+        self._jobs_sent = set(raw.get("jobs_sent", []))
+
+    def _reader(self, directory: Path, position: Position | None) -> RankLogReader:
+        return RankLogReader(directory, position, torn_grace_s=self.settings.torn_grace_s)
+
+    def write_checkpoint(self) -> None:
+        data = {
+            "version": CHECKPOINT_VERSION,
+            "positions": {
+                name: {"file": state.confirmed.file, "offset": state.confirmed.offset}
+                for name, state in sorted(self._ranks.items())
+                if state.confirmed is not None
+            },
+            "jobs_sent": sorted(self._jobs_sent),
+        }
+        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
+        temp = self.checkpoint_path.with_name(self.checkpoint_path.name + ".tmp")
+        with open(temp, "w") as handle:
+            json.dump(data, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, self.checkpoint_path)
+        dir_fd = os.open(self.checkpoint_path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._checkpoint_dirty = False
+        self._last_checkpoint = time.monotonic()
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def run(self) -> StreamerStats:
+        idle_since = time.monotonic()
+        settings = self.settings
+        while not self._stop.is_set():
+            did_work = self.step()
+            now = time.monotonic()
+            if did_work or self._in_flight_bytes:
+                idle_since = now
+            elif settings.idle_exit_s is not None and now - idle_since >= settings.idle_exit_s:
+                break
+            if not did_work:
+                self._producer.poll(settings.poll_interval_s)
+        self.close()
+        return self.stats
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight_bytes and time.monotonic() < deadline:
+            self._producer.poll(0.1)
+            self._advance()
+        self._advance()
+        self.write_checkpoint()
+
+    def step(self) -> bool:
+        """Read what is readable, produce it, serve delivery reports; True if it did work."""
+        self._producer.poll(0)
+        self._advance()
+        if any(state.rewind for state in self._ranks.values()):
+            self._rewind_failed()
+            return True
+        if self._backoff_s and time.monotonic() < self._backoff_s:
+            return False
+        did_work = False
+        for directory in list_rank_dirs(self.log_dir):
+            name = directory.name
+            state = self._ranks.get(name)
+            if state is None:
+                state = self._ranks[name] = _RankState(self._reader(directory, None), None)
+            if self._in_flight_bytes >= self.settings.max_in_flight_bytes:
+                break
+            items = state.reader.read(_READ_BUDGET)
+            for item in items:
+                self._ship(name, state, item)
+                did_work = True
+        self._producer.poll(0)
+        self._advance()
+        if self._checkpoint_dirty and (
+            time.monotonic() - self._last_checkpoint >= self.settings.checkpoint_interval_s
+        ):
+            self.write_checkpoint()
+        return did_work
+
+    # -- producing ------------------------------------------------------------------------
+
+    def _ship(self, rank_name: str, state: _RankState, item: Record | DeadLetter) -> None:
+        kafka = self.config.kafka
+        if isinstance(item, DeadLetter):
+            end = item.end or Position(Path(item.source).name, item.offset + item.length)
+            self._send_dead_letter(
+                state, end, item.source, item.offset, item.length, item.reason, item.sample
+            )
+            return
+        source = str(self.log_dir / rank_name / item.file)
+        if item.kind == KIND_BATCH:
+            try:
+                head = peek_header(item.payload, f"{source}@{item.offset}")
+                _check_batch(item.payload, f"{source}@{item.offset}")
+            except SchemaError as exc:
+                self._send_dead_letter(
+                    state,
+                    item.position_after,
+                    source,
+                    item.offset,
+                    len(item.payload),
+                    str(exc),
+                    item.payload[:64],
+                )
+                return
+            self._produce(
+                state,
+                item.position_after,
+                kafka.topic_ops,
+                key=head["job_id"].encode(),
+                value=item.payload,
+                headers=[
+                    (SCHEMA_HEADER, str(BATCH_VERSION).encode()),
+                    (BATCH_ID_HEADER, batch_id_of(item.payload).encode()),
+                    (RANK_HEADER, str(head["rank"]).encode()),
+                ],
+            )
+            self.stats.batches += 1
+            self.stats.ops += head["n_ops"]
+            return
+        if item.kind == KIND_JOB:
+            try:
+                info = JobInfo.model_validate_json(item.payload)
+            except ValueError as exc:
+                self._send_dead_letter(
+                    state,
+                    item.position_after,
+                    source,
+                    item.offset,
+                    len(item.payload),
+                    f"invalid job metadata: {exc}",
+                    item.payload[:64],
+                )
+                return
+            if info.key in self._jobs_sent:
+                self._track(state, _Pending(item.position_after, 0, delivered=True))
+                return
+            self._produce(state, item.position_after, kafka.topic_jobs,
+                          key=info.key.encode(), value=item.payload,
+                          headers=[(SCHEMA_HEADER, b"job-1")], job_key=info.key)  # fmt: skip
+            self.stats.jobs += 1
+
+    def _send_dead_letter(
+        self, state: _RankState, end: Position, source: str, offset: int, length: int,
+        reason: str, sample: bytes,
+    ) -> None:  # fmt: skip
+        value = json.dumps(
+            {"source": source, "offset": offset, "length": length, "reason": reason,
+             "sample_hex": bytes(sample).hex()}
+        ).encode()  # fmt: skip
+        log.warning("dead letter %s@%d (%d bytes): %s", source, offset, length, reason)
+        self._produce(state, end, self.config.kafka.topic_deadletter, key=source.encode(),
+                      value=value, headers=[(SCHEMA_HEADER, b"deadletter-1")])  # fmt: skip
+        self.stats.dead_letters += 1
+
+    def _track(self, state: _RankState, pending: _Pending) -> None:
+        state.pending.append(pending)
+        self._in_flight_bytes += pending.size
+
+    def _produce(
+        self,
+        state: _RankState,
+        end: Position,
+        topic: str,
+        *,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, bytes]],
+        job_key: str | None = None,
+    ) -> None:
+        pending = _Pending(end, len(value))
+        self._track(state, pending)
+        self.stats.bytes += len(value)
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            if err is None:
+                pending.delivered = True
+                if job_key is not None:
+                    self._jobs_sent.add(job_key)
+            else:
+                pending.failed = True
+                state.rewind = True
+                self.stats.delivery_failures += 1
+                log.warning("delivery to %s failed (%s); will re-send from the log", topic, err)
+
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, headers=headers,
+                                       on_delivery=on_delivery)  # fmt: skip
+                return
+            except BufferError:
+                # librdkafka's queue is full: serve delivery reports until there is room.
+                self._producer.poll(0.1)
+
+    def _advance(self) -> None:
+        """Move each rank's confirmed position over its delivered prefix."""
+        for state in self._ranks.values():
+            pending = state.pending
+            while pending and pending[0].delivered:
+                done = pending.popleft()
+                self._in_flight_bytes -= done.size
+                state.confirmed = done.end
+                self._checkpoint_dirty = True
+
+    def _rewind_failed(self) -> None:
+        """After a failed delivery: wait for the rest in flight, then re-read from the last
+        confirmed position of each affected rank (re-sent batches keep their ids)."""
+        self.stats.rewinds += 1
+        deadline = time.monotonic() + self.settings.delivery_timeout_ms / 1000 + 30
+        while any(not (p.delivered or p.failed) for s in self._ranks.values()
+                  for p in s.pending) and time.monotonic() < deadline:  # fmt: skip
+            self._producer.poll(0.1)
+        self._advance()
+        for name, state in self._ranks.items():
+            if not state.rewind and not state.pending:
+                continue
+            self._in_flight_bytes -= sum(p.size for p in state.pending)
+            state.pending.clear()
+            state.rewind = False
+            state.reader = self._reader(self.log_dir / name, state.confirmed)
+        self._backoff_s = time.monotonic() + min(5.0, 0.5 * self.stats.rewinds)
+
+
+def _check_batch(payload: bytes, where: str) -> None:
+    """Cheap validation on the hot path: the batch's own checksum and declared size.
+
+    The full decode (dictionary, column invariants) runs in the stream app; what the
+    streamer must not forward is bytes that are not a batch at all.
+    """
+    body = memoryview(payload)[:-4]
+    if zlib.crc32(body) != int.from_bytes(payload[-4:], "little"):
+        raise SchemaError(f"{where}: batch checksum mismatch (corrupted batch)")

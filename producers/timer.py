@@ -1,0 +1,514 @@
+"""The timer API that training code calls: time ops, write rank-step batches to the local log.
+
+    timer = OpTimer(job_id="llama-70b", rank=rank, dp_rank=dp, pp_rank=pp, tp_rank=tp,
+                    cp_rank=cp, log_dir="/local/lagscope")
+    timer.step(iteration)
+    with timer.op("forward-compute", microbatch=m, chunk=c):
+        output = model(batch)
+    timer.record("params-all-gather", start_ns=t0, duration_ns=d)   # timed elsewhere
+    timer.close()
+
+Op type names are checked at the call against `simulator.optypes.KNOWN_OPTYPES` (plus
+`extra_optypes`): a typo raises `UnknownOpTypeError` at once instead of producing data no
+one can analyse. `seq` (the op's order among ops of its type in its step on this rank) is
+derived from start times when the step is sealed, so call sites never pass it.
+
+Hot path (host mode): `op()` looks the name up in a dict, takes a scope object from a
+free list, and the scope appends one 6-tuple of ints to a flat `array('q')` on exit: no
+per-op Python objects survive the call, no lock, no I/O. `step(s)` hands the step's
+buffer to a background thread, which converts `perf_counter_ns` stamps to wall-clock ns
+(`time.time_ns` anchor taken at start and refreshed at every seal), derives seq ids, encodes
+one rank-step batch per step (producers.events) and appends it to the local log
+(producers.log), whose own thread writes it. A single `array.extend` call is atomic under
+the GIL, so ops recorded from other threads (or the GC callback) never interleave columns.
+
+CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
+`op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
+and exit (the current stream, or `stream=`); nothing on the hot path waits on the device.
+A resolver thread polls `event.query()` for completed ops, computes the start as
+`reference.elapsed_time(start_event)` after a reference event whose wall-clock time is
+known, and returns events to the pool. The reference is re-calibrated every
+`calibrate_every_s` from the resolver thread: it records an event on a private idle
+stream and waits for *that event* only (`event.synchronize()`, never
+`torch.cuda.synchronize()`), bracketing it with host clock reads.
+
+Why record on the comm stream, and why that is safe with CUDA_DEVICE_MAX_CONNECTIONS=1:
+Megatron-LM sets CUDA_DEVICE_MAX_CONNECTIONS=1 so that all streams feed one hardware work
+queue, in issue order, which is what lets a collective overlap the compute issued after it.
+Timing a collective with events on the *compute* stream would measure the compute stream
+(and a `wait_event`/`wait_stream` to tie the two would add a real cross-stream dependency
+that serialises the overlap away). `Event.record(stream)` on the NCCL/comm stream the
+collective runs on is a marker in that stream only: it adds no wait to any other stream,
+and in the single hardware queue it is a no-op entry between kernels, so the issue order
+and the overlap Megatron relies on are unchanged. Pass `stream=` for collectives launched
+on a side stream (Megatron's `async_op=True` all-gathers/reduce-scatters).
+
+GC probe: with `gc_probe=True` a `gc.callbacks` hook records every collection as a `gc` op
+(the pause is host time on the training thread, the cause the analysis attributes to GC).
+
+Megatron-LM integration (megatron/core, which call sites map to which op types):
+
+- `pipeline_parallel/schedules.py` `forward_step` → `forward-compute` (microbatch = the
+  microbatch index, chunk = the virtual-pipeline model chunk id); `backward_step` →
+  `backward-compute`.
+- `pipeline_parallel/p2p_communication.py` `_communicate` → `forward-send`/`forward-recv`
+  (tensor_send_next / tensor_recv_prev) and `backward-send`/`backward-recv`
+  (tensor_send_prev / tensor_recv_next), timed on the p2p stream.
+- `distributed/param_and_grad_buffer.py` bucket `start_param_sync` → `params-all-gather`,
+  `start_grad_sync` → `grads-reduce-scatter` (distributed optimizer) or
+  `separate-grads-all-reduce` (plain DDP), with `stream=` the comm stream.
+- `distributed/finalize_model_grads.py` `_allreduce_embedding_grads` →
+  `embedding-grads-all-reduce`, `_allreduce_layernorm_grads` → `layernorm-grads-all-reduce`.
+- `optimizer/clip_grads.py` `clip_grad_norm_fp32` all-reduce → `optimizer-clip-main-grad`;
+  `optimizer/optimizer.py` `step` → `optimizer`.
+- `training.py` `train_step`: call `timer.step(iteration)` before the step's first op.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Literal, ParamSpec, TypeVar
+
+import numpy as np
+
+from producers.events import JobInfo, RankStepBatch
+from producers.log import KIND_BATCH, KIND_JOB, LogWriter
+from simulator.optypes import GC, KNOWN_OPTYPES
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Fields per op in the flat hot-path buffer: code, step, microbatch, chunk, start, duration.
+_STRIDE = 6
+_SETTLE_NS = 1_000_000
+
+
+#: Bound once: a module-global lookup is cheaper than `time.perf_counter_ns` per call.
+_perf_ns = time.perf_counter_ns
+
+
+class UnknownOpTypeError(ValueError):
+    """An op type name that the timer does not know (likely a typo at the call site)."""
+
+
+def _wall_minus_perf_ns() -> int:
+    """time_ns() - perf_counter_ns(), from the tightest of a few bracketed samples."""
+    best = None
+    for _ in range(5):
+        before = time.perf_counter_ns()
+        wall = time.time_ns()
+        after = time.perf_counter_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall - (before + after) // 2)
+    assert best is not None
+    return best[1]
+
+
+class _OpScope:
+    """The context manager `OpTimer.op` returns; pooled so the hot path allocates nothing."""
+
+    __slots__ = ("_timer", "chunk", "code", "microbatch", "start", "step")
+
+    def __init__(self, timer: OpTimer) -> None:
+        self._timer = timer
+        self.code = 0
+        self.step = 0
+        self.microbatch = -1
+        self.chunk = 0
+        self.start = 0
+
+    def __enter__(self) -> _OpScope:
+        self.start = _perf_ns()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        end = _perf_ns()
+        start = self.start
+        timer = self._timer
+        timer._buffer.extend(
+            (self.code, self.step, self.microbatch, self.chunk, start, end - start)
+        )
+        timer._free_scopes.append(self)
+
+
+class OpTimer:
+    """Times a rank's ops and writes them, one batch per step, to the local log."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        dp_rank: int,
+        pp_rank: int,
+        tp_rank: int = 0,
+        cp_rank: int = 0,
+        log_dir: str | Path,
+        attempt: int = 0,
+        mode: Literal["auto", "host", "cuda"] = "auto",
+        extra_optypes: Iterable[str] = (),
+        gc_probe: bool = True,
+        job_info: JobInfo | None = None,
+        flush_interval_s: float = 0.2,
+        calibrate_every_s: float = 10.0,
+    ) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.rank = rank
+        self.dp_rank = dp_rank
+        self.pp_rank = pp_rank
+        self.tp_rank = tp_rank
+        self.cp_rank = cp_rank
+        self.optype_names: tuple[str, ...] = tuple(dict.fromkeys((*KNOWN_OPTYPES, *extra_optypes)))
+        self._codes = {name: code for code, name in enumerate(self.optype_names)}
+        self._writer = LogWriter(log_dir, rank, flush_interval_s=flush_interval_s)
+        if job_info is not None:
+            self._writer.append(KIND_JOB, job_info.model_dump_json().encode())
+        self._current_step = 0
+        self._buffer = array("q")
+        self._free_scopes: list[_OpScope] = [_OpScope(self) for _ in range(8)]
+        self._wall_offset_ns = _wall_minus_perf_ns()
+        # seq counters per (step, code), kept for the steps still being sealed.
+        self._seq_counters: dict[tuple[int, int], int] = {}
+        self._sealed: deque[tuple[int, array]] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.batches_written = 0
+        self._cuda: _CudaTimer | None = None
+        if mode == "cuda" or (mode == "auto" and _cuda_available()):
+            self._cuda = _CudaTimer(self, calibrate_every_s)
+        self._gc_start = 0
+        self._gc_probe = gc_probe
+        if gc_probe:
+            gc.callbacks.append(self._on_gc)
+
+    # -- hot path -------------------------------------------------------------------------
+
+    def op(
+        self,
+        optype: str,
+        step: int | None = None,
+        microbatch: int = -1,
+        chunk: int = 0,
+        stream: Any = None,
+    ) -> Any:
+        """Context manager timing one op of type `optype` (a known op type name)."""
+        code = self._codes.get(optype)
+        if code is None:
+            raise self._unknown(optype)
+        if self._cuda is not None:
+            return self._cuda.scope(
+                code, self._current_step if step is None else step, microbatch, chunk, stream
+            )
+        free = self._free_scopes
+        scope = free.pop() if free else _OpScope(self)
+        scope.code = code
+        scope.step = self._current_step if step is None else step
+        scope.microbatch = microbatch
+        scope.chunk = chunk
+        return scope
+
+    def timed(
+        self, optype: str, *, microbatch: int = -1, chunk: int = 0
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorator form of `op`: every call of the function is one op of the current step."""
+        if optype not in self._codes:
+            raise self._unknown(optype)
+
+        def decorate(function: Callable[P, R]) -> Callable[P, R]:
+            @functools.wraps(function)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                with self.op(optype, microbatch=microbatch, chunk=chunk):
+                    return function(*args, **kwargs)
+
+            return wrapper
+
+        return decorate
+
+    def record(
+        self,
+        optype: str,
+        *,
+        start_ns: int,
+        duration_ns: int,
+        step: int | None = None,
+        microbatch: int = -1,
+        chunk: int = 0,
+    ) -> None:
+        """Record an op timed elsewhere; `start_ns` is wall-clock (time.time_ns) ns."""
+        code = self._codes.get(optype)
+        if code is None:
+            raise self._unknown(optype)
+        if duration_ns < 0:
+            raise ValueError(f"duration_ns must be >= 0, got {duration_ns} for {optype!r}")
+        self._buffer.extend(
+            (
+                code,
+                self._current_step if step is None else step,
+                microbatch,
+                chunk,
+                start_ns - self._wall_offset_ns,
+                duration_ns,
+            )
+        )
+
+    def step(self, step: int) -> None:
+        """Start step `step`: ops recorded so far are sealed into their steps' batches."""
+        self._seal()
+        self._current_step = step
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Seal everything recorded so far and wait until it is in the log file."""
+        if self._cuda is not None:
+            self._cuda.drain()
+        self._seal(everything=True)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._gc_probe and self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self.flush()
+        if self._cuda is not None:
+            self._cuda.stop()
+        self._closed = True
+        self._writer.close()
+
+    def __enter__(self) -> OpTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _unknown(self, optype: object) -> UnknownOpTypeError:
+        return UnknownOpTypeError(
+            f"unknown op type {optype!r} on rank {self.rank}; known op types: "
+            f"{', '.join(self.optype_names)} (pass extra_optypes= to OpTimer to add new ones)"
+        )
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter_ns()
+        elif self._gc_start:
+            end = time.perf_counter_ns()
+            self._buffer.extend(
+                (self._codes[GC], self._current_step, -1, 0, self._gc_start, end - self._gc_start)
+            )
+            self._gc_start = 0
+
+    def _seal(self, *, everything: bool = False) -> None:
+        """Hand the filled buffer over and write the batches of buffers that are settled.
+
+        A buffer swapped out less than `_SETTLE_NS` ago is left for the next seal: another
+        thread (the GC callback, a comm thread calling record()) may have loaded the old
+        buffer reference just before the swap and still be appending to it.
+        """
+        with self._lock:
+            now = time.perf_counter_ns()
+            if self._buffer:
+                buffer, self._buffer = self._buffer, array("q")
+                self._sealed.append((now, buffer))
+            while self._sealed and (everything or now - self._sealed[0][0] > _SETTLE_NS):
+                self._write_batches(self._sealed.popleft()[1])
+            self._wall_offset_ns = _wall_minus_perf_ns()
+
+    def _write_batches(self, buffer: array) -> None:
+        ops = np.frombuffer(buffer, dtype=np.int64).reshape(-1, _STRIDE)
+        if not ops.size:
+            return
+        code, step, microbatch, chunk, start, duration = ops.T
+        # Ops sorted by (step, start): seq is the order of starts within (step, op type).
+        order = np.lexsort((start, step))
+        ops = ops[order]
+        code, step, microbatch, chunk, start, duration = ops.T
+        for s in np.unique(step).tolist():
+            rows = np.flatnonzero(step == s)
+            step_codes = code[rows]
+            seq = np.empty(rows.size, dtype=np.int64)
+            for c in np.unique(step_codes).tolist():
+                where = np.flatnonzero(step_codes == c)
+                base = self._seq_counters.get((s, c), 0)
+                seq[where] = np.arange(base, base + where.size)
+                self._seq_counters[(s, c)] = base + where.size
+            batch = RankStepBatch.build(
+                job_id=self.job_id,
+                attempt=self.attempt,
+                rank=self.rank,
+                dp_rank=self.dp_rank,
+                pp_rank=self.pp_rank,
+                tp_rank=self.tp_rank,
+                cp_rank=self.cp_rank,
+                step=s,
+                optype=step_codes,
+                optype_names=self.optype_names,
+                microbatch=microbatch[rows],
+                chunk=chunk[rows],
+                seq=seq,
+                start_ns=start[rows] + self._wall_offset_ns,
+                duration_ns=duration[rows],
+            )
+            self._writer.append(KIND_BATCH, batch.encode())
+            self.batches_written += 1
+        # Forget counters of steps well behind the current one (bounded memory).
+        if len(self._seq_counters) > 4096:
+            horizon = self._current_step - 16
+            self._seq_counters = {k: v for k, v in self._seq_counters.items() if k[0] >= horizon}
+
+
+def owner_lock(timer: OpTimer) -> threading.Lock:
+    return timer._lock
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class _CudaTimer:
+    """CUDA-event timing: pooled events, resolved off the hot path (see module docstring)."""
+
+    def __init__(self, owner: OpTimer, calibrate_every_s: float) -> None:
+        import torch  # lazily: the host-mode timer must work without torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("OpTimer(mode='cuda') needs torch with a CUDA device")
+        self._torch = torch
+        self._owner = owner
+        self._pool: list[Any] = []
+        self._pending: deque[tuple[int, int, int, int, Any, Any]] = deque()
+        self._pending_lock = threading.Lock()
+        self._resolved = array("q")
+        self._calibrate_every_s = calibrate_every_s
+        self._side_stream = torch.cuda.Stream()
+        self._reference: Any = None
+        self._reference_wall_ns = 0
+        self._last_calibration = 0.0
+        self._calibrate()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._resolve_loop, name="lagscope-cuda-timer", daemon=True
+        )
+        self._thread.start()
+
+    def _event(self) -> Any:
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return self._torch.cuda.Event(enable_timing=True)
+
+    def scope(self, code: int, step: int, microbatch: int, chunk: int, stream: Any) -> Any:
+        return _CudaScope(self, code, step, microbatch, chunk, stream)
+
+    def _calibrate(self) -> None:
+        event = self._torch.cuda.Event(enable_timing=True)
+        before = time.time_ns()
+        event.record(self._side_stream)
+        event.synchronize()  # waits for this one marker only, on the resolver thread
+        after = time.time_ns()
+        self._reference = event
+        self._reference_wall_ns = (before + after) // 2
+        self._last_calibration = time.monotonic()
+
+    def _resolve_loop(self) -> None:
+        while not self._stop.wait(0.01):
+            self.resolve()
+            if time.monotonic() - self._last_calibration > self._calibrate_every_s:
+                self._calibrate()
+
+    def resolve(self) -> int:
+        """Move completed ops to the resolved buffer; write steps nothing is pending for."""
+        resolved = 0
+        owner = self._owner
+        with self._pending_lock:
+            # The training thread appends while we scan: rotate through the items present
+            # now (never swap the deque, which would lose a concurrent append).
+            for _ in range(len(self._pending)):
+                item = self._pending.popleft()
+                code, step, microbatch, chunk, start_ev, end_ev = item
+                if not end_ev.query():
+                    self._pending.append(item)
+                    continue
+                # elapsed_time is in ms (float, ~0.5 µs resolution).
+                start_ns = self._reference_wall_ns + round(
+                    self._reference.elapsed_time(start_ev) * 1e6
+                )
+                duration_ns = max(0, round(start_ev.elapsed_time(end_ev) * 1e6))
+                self._resolved.extend(
+                    (code, step, microbatch, chunk, start_ns - owner._wall_offset_ns, duration_ns)
+                )
+                self._pool.append(start_ev)
+                self._pool.append(end_ev)
+                resolved += 1
+            pending_steps = [item[1] for item in tuple(self._pending)]
+        cutoff = min([owner._current_step, *pending_steps])
+        self._write_steps_before(cutoff)
+        return resolved
+
+    def _write_steps_before(self, cutoff: int | None) -> None:
+        if not self._resolved:
+            return
+        ops = np.frombuffer(self._resolved, dtype=np.int64).reshape(-1, _STRIDE)
+        done = ops[:, 1] < cutoff if cutoff is not None else np.ones(len(ops), dtype=bool)
+        if not done.any():
+            return
+        ready = array("q", ops[done].ravel().tobytes())
+        self._resolved = array("q", ops[~done].ravel().tobytes())
+        with owner_lock(self._owner):
+            self._owner._write_batches(ready)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait (off the hot path: at flush/close) for pending events; write everything."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            self.resolve()
+            time.sleep(0.001)
+        self.resolve()
+        self._write_steps_before(None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _CudaScope:
+    __slots__ = ("_cuda", "_end", "_start", "chunk", "code", "microbatch", "step", "stream")
+
+    def __init__(
+        self, cuda: _CudaTimer, code: int, step: int, microbatch: int, chunk: int, stream: Any
+    ) -> None:
+        self._cuda = cuda
+        self.code = code
+        self.step = step
+        self.microbatch = microbatch
+        self.chunk = chunk
+        self.stream = stream
+
+    def __enter__(self) -> _CudaScope:
+        cuda = self._cuda
+        stream = self.stream or cuda._torch.cuda.current_stream()
+        self._start = cuda._event()
+        self._end = cuda._event()
+        self._start.record(stream)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stream = self.stream or self._cuda._torch.cuda.current_stream()
+        self._end.record(stream)
+        self._cuda._pending.append(
+            (self.code, self.step, self.microbatch, self.chunk, self._start, self._end)
+        )

@@ -1,0 +1,54 @@
+"""Reading topics back in tests (a real consumer against the real broker)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+
+@dataclass(frozen=True)
+class Message:
+    key: bytes | None
+    value: bytes
+    headers: dict[str, bytes]
+
+
+def consume_all(bootstrap: str, topic: str, *, timeout_s: float = 60.0) -> list[Message]:
+    """Every message of `topic` from the beginning to the current end of each partition."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"test-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        metadata = consumer.list_topics(topic, timeout=10)
+        partitions = metadata.topics[topic].partitions
+        if metadata.topics[topic].error is not None or not partitions:
+            return []  # the topic was never written to
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        at_end: set[int] = set()
+        out: list[Message] = []
+        while len(at_end) < len(partitions):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic} did not reach its end in {timeout_s}s")
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error() is not None:
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    at_end.add(msg.partition())
+                    continue
+                raise RuntimeError(f"consuming {topic}: {msg.error()}")
+            at_end.discard(msg.partition())
+            out.append(Message(msg.key(), msg.value(), dict(msg.headers() or [])))
+        return out
+    finally:
+        consumer.close()
