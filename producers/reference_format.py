@@ -68,8 +68,19 @@ def write_trace(trace: Trace, path: str | Path) -> None:
     arrays["optype"] = pa.DictionaryArray.from_arrays(
         pa.array(trace.optype, type=pa.int8()), pa.array(list(trace.optype_names))
     )
-    order = ["dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id",
-             "mc", "mb_id", "gmc"]
+    order = [
+        "dp_rank",
+        "stage",
+        "rank",
+        "step",
+        "optype",
+        "start_ts",
+        "duration",
+        "seq_id",
+        "mc",
+        "mb_id",
+        "gmc",
+    ]
     pq.write_table(pa.table({k: arrays[k] for k in order}), Path(path))
 
 

@@ -160,8 +160,9 @@ class Trace:
 
     def _validate(self, allow_unknown_optypes: bool) -> None:
         present = np.unique(self.optype)
-        unknown = [self.optype_names[c] for c in present if self.optype_names[c] not in
-                   KNOWN_OPTYPES]
+        unknown = [
+            self.optype_names[c] for c in present if self.optype_names[c] not in KNOWN_OPTYPES
+        ]
         if unknown and not allow_unknown_optypes:
             first = int(np.flatnonzero(self.optype == self.optype_names.index(unknown[0]))[0])
             raise TraceError(
