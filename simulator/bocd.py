@@ -321,7 +321,8 @@ class BocdBank:
         if not candidate.any():
             return []
         picked = np.flatnonzero(candidate)
-        recent_mass = np.exp(_logsumexp_rows(log_run[picked, : cfg.max_detection_lag + 1]))
+        log_recent = _logsumexp_rows(log_run[picked, : cfg.max_detection_lag + 1])
+        recent_mass = np.minimum(np.exp(log_recent), 1.0)  # rounding can exceed 1
         series = rows[picked]
         # The detector's latest observation is number count - 2 (median filter lag).
         onsets = self.obs_count[series] - 1 - likeliest_run[picked]
