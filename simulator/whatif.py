@@ -326,9 +326,7 @@ def analyze(
     Attributions are always computed (M_W needs them); `decomposed` tells whether the
     slowdown passed `decompose_threshold`, which reporting uses to gate them.
     """
-    wa = WhatIfAnalysis(
-        prepared, ideal, compiled=compiled, max_cells_per_pass=max_cells_per_pass
-    )
+    wa = WhatIfAnalysis(prepared, ideal, compiled=compiled, max_cells_per_pass=max_cells_per_pass)
     n_stages, n_dp = prepared.n_stages, prepared.n_dp
     labels = [ot.report_label(t) for t in prepared.node_optype]
     label_names = sorted(set(labels))

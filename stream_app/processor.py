@@ -121,7 +121,7 @@ class _RunningIdeal:
         for optype, nodes in by_optype.items():
             if ot.is_compute(optype):
                 values = prepared.duration[nodes]
-                self.sums[optype] = self.sums.get(optype, 0.0) + float(values.sum(np.float64))
+                self.sums[optype] = self.sums.get(optype, 0.0) + float(values.sum(dtype=np.float64))
                 self.counts[optype] = self.counts.get(optype, 0) + values.size
             else:
                 values = prepared.cost[nodes].ravel()
@@ -148,9 +148,7 @@ class _RunningIdeal:
     def restore(self, state: dict[str, Any]) -> None:
         self.sums = dict(state["sums"])
         self.counts = dict(state["counts"])
-        self.recent = {
-            k: deque(v, maxlen=self.window_steps) for k, v in state["recent"].items()
-        }
+        self.recent = {k: deque(v, maxlen=self.window_steps) for k, v in state["recent"].items()}
 
 
 class _JobState:
@@ -255,32 +253,62 @@ class StepProcessor:
         if job is None:
             self.counters["steps_unanalysed"] += 1
             info = JobInfo(job_id=job_id, attempt=attempt, dp_size=1, pp_size=1, world_size=1)
-            return StepOutput(job_id, attempt, step, start_ns, False, (), None, info,
-                              reason="no job metadata arrived for this job")
+            return StepOutput(
+                job_id,
+                attempt,
+                step,
+                start_ns,
+                False,
+                (),
+                None,
+                info,
+                reason="no job metadata arrived for this job",
+            )
         info = job.info
         expected = {(dp, pp) for dp in range(info.dp_size) for pp in range(info.pp_size)}
         missing = tuple(sorted(expected - set(window.batches)))
         complete_dp = [
-            dp for dp in range(info.dp_size)
+            dp
+            for dp in range(info.dp_size)
             if all((dp, pp) in window.batches for pp in range(info.pp_size))
         ]
         if missing:
             self.counters["steps_incomplete"] += 1
         if not complete_dp:
             self.counters["steps_unanalysed"] += 1
-            return StepOutput(job_id, attempt, step, start_ns, False, missing, None, info,
-                              reason="no pipeline replica reported all its stages")
+            return StepOutput(
+                job_id,
+                attempt,
+                step,
+                start_ns,
+                False,
+                missing,
+                None,
+                info,
+                reason="no pipeline replica reported all its stages",
+            )
         batches = [window.batches[dp, pp] for dp in complete_dp for pp in range(info.pp_size)]
         try:
             result, prepared = self._analyse(job, batches, complete_dp)
         except TraceError as exc:
             self.counters["steps_unanalysed"] += 1
-            return StepOutput(job_id, attempt, step, start_ns, not missing, missing, None, info,
-                              reason=str(exc))
+            return StepOutput(
+                job_id, attempt, step, start_ns, not missing, missing, None, info, reason=str(exc)
+            )
         changes = self._detect(job, step, result, prepared, complete=not missing)
         analysed = tuple(complete_dp) if missing else ()
-        return StepOutput(job_id, attempt, step, start_ns, not missing, missing, result, info,
-                          changes=changes, analysed_dp_ranks=analysed)
+        return StepOutput(
+            job_id,
+            attempt,
+            step,
+            start_ns,
+            not missing,
+            missing,
+            result,
+            info,
+            changes=changes,
+            analysed_dp_ranks=analysed,
+        )
 
     def _analyse(
         self, job: _JobState, batches: list[RankStepBatch], dp_ranks: list[int]
@@ -300,8 +328,12 @@ class StepProcessor:
             ideal[optype] = _own_ideal(prepared, optype)
         if job.compiled is None:
             job.compiled = compile_model(job.model)
-        result = analyze(prepared, ideal=ideal, compiled=job.compiled,
-                         decompose_threshold=self.settings.decompose_threshold)
+        result = analyze(
+            prepared,
+            ideal=ideal,
+            compiled=job.compiled,
+            decompose_threshold=self.settings.decompose_threshold,
+        )
         return result, prepared
 
     def _detect(
@@ -315,8 +347,7 @@ class StepProcessor:
     ) -> tuple[DetectedChange, ...]:
         if not complete:
             return ()
-        compute = np.isin(np.array(prepared.node_optype),
-                          [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
+        compute = np.isin(np.array(prepared.node_optype), [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
         stage = prepared.model.node_stage()
         per_worker = np.zeros((prepared.n_stages, prepared.n_dp))
         np.add.at(per_worker, stage[compute], prepared.duration[compute, 0, :])
@@ -393,9 +424,7 @@ class StepProcessor:
                 window.batches[batch.dp_rank, batch.pp_rank] = batch
             processor.windows[key] = window
         for key, steps in state["closed"].items():
-            processor.closed[key] = deque(
-                steps, maxlen=processor.settings.closed_steps_remembered
-            )
+            processor.closed[key] = deque(steps, maxlen=processor.settings.closed_steps_remembered)
             processor._closed_sets[key] = set(steps)
         for key, saved in state["jobs"].items():
             job = _JobState(JobInfo.model_validate(saved["info"]), processor.settings)
@@ -429,17 +458,36 @@ def batches_to_trace(
     names = sorted({n for b in batches for n in b.optype_names})
     code_of = {n: i for i, n in enumerate(names)}
     origin = min(int(b.start_ns.min()) for b in batches if b.n_ops)
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in (
-        "dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id", "mc",
-        "gmc", "mb_id")}
+    parts: dict[str, list[np.ndarray]] = {
+        k: []
+        for k in (
+            "dp_rank",
+            "stage",
+            "rank",
+            "step",
+            "optype",
+            "start_ts",
+            "duration",
+            "seq_id",
+            "mc",
+            "gmc",
+            "mb_id",
+        )
+    }
     for b in batches:
         n = b.n_ops
         remap = np.array([code_of[x] for x in b.optype_names], dtype=np.int16)
         codes = remap[b.optype] if n else np.zeros(0, np.int16)
-        chunked = np.isin(np.array(b.optype_names)[b.optype], list(_CHUNKED_OPTYPES)) if n \
+        chunked = (
+            np.isin(np.array(b.optype_names)[b.optype], list(_CHUNKED_OPTYPES))
+            if n
             else np.zeros(0, bool)
-        compute = np.isin(np.array(b.optype_names)[b.optype],
-                          [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE]) if n else np.zeros(0, bool)
+        )
+        compute = (
+            np.isin(np.array(b.optype_names)[b.optype], [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
+            if n
+            else np.zeros(0, bool)
+        )
         chunk = np.maximum(b.chunk.astype(np.int32), 0)
         dp = renumber[b.dp_rank] if renumber is not None else b.dp_rank
         parts["dp_rank"].append(np.full(n, dp, np.int32))
