@@ -42,7 +42,7 @@ class DiagnosisSettings(BaseModel):
     #: M_W / M_S from which workers / the last stage are the cause.
     explains_share: float = Field(default=0.5, gt=0, le=2)
     #: Forward/backward correlation from which sequence-length imbalance is named.
-    correlation_threshold: float = Field(default=0.7, gt=0, le=1)
+    correlation_threshold: float = Field(default=0.85, gt=0, le=1)
     #: A forward compute this many times its stage's median is a pause outlier.
     gc_outlier_factor: float = Field(default=1.5, gt=1)
     #: A comm group whose median transfer exceeds this x its op type's median is suspect.
@@ -87,8 +87,12 @@ class Diagnosis:
 
 
 def forward_backward_correlation(prepared: PreparedTrace) -> float:
-    """Pearson correlation of forward and backward time of the same micro-batch on a middle
-    stage (k-th forward with k-th backward of the same step and DP rank)."""
+    """Correlation of forward and backward time of the same micro-batch on a middle stage.
+
+    Times are centred on their worker-step mean first, so only the variation between the
+    micro-batches of one step counts; drifts from step to step (clocks, other jobs) that
+    move forward and backward together would otherwise look like sequence imbalance.
+    """
     n_stages = prepared.n_stages
     stage = n_stages // 2 if n_stages > 2 else 0
     fwd = {
@@ -104,8 +108,10 @@ def forward_backward_correlation(prepared: PreparedTrace) -> float:
     pairs = sorted(set(fwd) & set(bwd))
     if len(pairs) < 2:
         return float("nan")
-    f = prepared.duration[[fwd[k] for k in pairs]].astype(np.float64).ravel()
-    b = prepared.duration[[bwd[k] for k in pairs]].astype(np.float64).ravel()
+    f = prepared.duration[[fwd[k] for k in pairs]].astype(np.float64)
+    b = prepared.duration[[bwd[k] for k in pairs]].astype(np.float64)
+    f = (f - f.mean(axis=0, keepdims=True)).ravel()
+    b = (b - b.mean(axis=0, keepdims=True)).ravel()
     if f.std() == 0 or b.std() == 0:
         return 0.0
     return float(np.corrcoef(f, b)[0, 1])
@@ -434,12 +440,6 @@ def diagnose(
                 base_time / result.mw.t_removed,
             )
         )
-    elif result.ms.removed_share >= cfg.explains_share and prepared.n_stages > 1:
-        cause = "last_stage_imbalance"
-        summary = f"the last stage explains {result.ms.removed_share:.0%} of the slowdown"
-        move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)
-        if move:
-            advice.append(move)
     elif correlation >= cfg.correlation_threshold:
         cause = "sequence_imbalance"
         summary = (
@@ -447,6 +447,12 @@ def diagnose(
             f"({correlation:.2f}): sequence lengths are unbalanced"
         )
         advice.append(advise_balanced_packing(prepared, base_time, compiled))
+    elif result.ms.removed_share >= cfg.explains_share and prepared.n_stages > 1:
+        cause = "last_stage_imbalance"
+        summary = f"the last stage explains {result.ms.removed_share:.0%} of the slowdown"
+        move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)
+        if move:
+            advice.append(move)
     elif fwd_outliers > 2 * max(bwd_outliers, 0.005):
         cause = "gc_pauses"
         summary = (

@@ -148,3 +148,18 @@ def test_ski_rental_escalation():
     assert step["action"] == "re-split micro-batches"
     assert step["next_action"] == "re-arrange topology" and step["next_action_at_loss_s"] == 600
     assert escalation(8 * 2000.0, 8, cfg)["action"].startswith("checkpoint and restart")
+
+
+@pytest.mark.parametrize(
+    "name, cause",
+    [("AR", "slow_workers"), ("SE", "sequence_imbalance"), ("ST", "last_stage_imbalance")],
+)
+def test_reference_traces_get_the_papers_diagnosis(reference_dir, name, cause):
+    """AR has an artificially slowed worker, SE sequence-length imbalance, ST a heavy last
+    stage (the paper's own reading of these traces)."""
+    from tests.conftest import analyzed_reference
+
+    prepared, result = analyzed_reference(name)
+    diagnosis = diagnose(result, prepared)
+    assert diagnosis.cause == cause
+    assert all(a.predicted_speedup > 1.0 for a in diagnosis.advice)
