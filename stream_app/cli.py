@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from simulator.trace import TraceError
 
 #: Modules that contribute sub-commands, in the order `lagscope --help` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("stream_app.commands.analyze",)
+COMMAND_MODULES: tuple[str, ...] = ("stream_app.commands.analyze", "stream_app.commands.query")
 
 
 def build_parser() -> argparse.ArgumentParser:
