@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "stream_app.commands.analyze",
     "stream_app.commands.generate",
     "stream_app.commands.changepoints",
+    "stream_app.commands.query",
     "producers.commands",
 )
 
