@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "stream_app.commands.generate",
     "stream_app.commands.changepoints",
     "stream_app.commands.query",
+    "stream_app.commands.run",
     "producers.commands",
 )
 

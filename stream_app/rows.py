@@ -12,13 +12,20 @@ delays, as `lagscope analyze` reports it):
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from simulator.diagnose import Diagnosis
 from simulator.trace import JobMeta
 from simulator.whatif import Attribution, WhatIfResult
 from stream_app.sink import SinkBatch
+
+if TYPE_CHECKING:
+    from stream_app.processor import StepOutput
 
 #: attribution.kind of each attribution of a result.
 ATTRIBUTION_KINDS: tuple[tuple[str, str], ...] = (
@@ -171,4 +178,122 @@ def _worker_rows(
         "pp_rank": stage.astype(np.uint32),
         "slowdown": per_step.ravel().astype(np.float64),
         "version": np.full(n, version, dtype=np.uint64),
+    }
+
+
+def rows_from_outputs(outputs: Sequence[StepOutput], *, version: int = 0) -> SinkBatch:
+    """Closed steps of the step processor (any jobs, complete or not) as one batch.
+
+    Incomplete steps are stored with `complete = false` and the global ranks that never
+    reported; their figures cover the DP replicas that were whole (renumbered back to their
+    real DP ranks), or are NaN when nothing could be analysed. Change points become
+    `changepoints` rows.
+    """
+    if not outputs:
+        raise ValueError("rows_from_outputs: no outputs")
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for out in outputs:
+        ts = np.array([out.start_ns / 1e9])
+        meta = out.info.to_meta()
+        if out.result is not None:
+            part = rows_from_result(out.job_id, out.attempt, out.result, ts, meta, version=version)
+            if out.analysed_dp_ranks:
+                real = np.asarray(out.analysed_dp_ranks, dtype=np.uint32)
+                part.tables["worker_slowdown"]["dp_rank"] = real[
+                    np.asarray(part.tables["worker_slowdown"]["dp_rank"], dtype=np.int64)
+                ]
+                dp_rows = np.asarray(part.tables["attribution"]["kind"]) == "dp_rank"
+                names = np.asarray(part.tables["attribution"]["name"], dtype=object)
+                names[dp_rows] = [str(real[int(n)]) for n in names[dp_rows]]
+                part.tables["attribution"]["name"] = names
+        else:
+            part = SinkBatch("")
+            part.add("steps", _unanalysed_step(out, ts, version))
+        steps = part.tables["steps"]
+        steps["complete"] = np.array([out.complete])
+        tp_cp = meta.tp_size * meta.dsp_size
+        steps["missing_ranks"] = [[(pp * meta.dp_size + dp) * tp_cp for dp, pp in out.missing]]
+        if out.changes:
+            part.add(
+                "changepoints",
+                {
+                    "job_id": [out.job_id] * len(out.changes),
+                    "attempt": [out.attempt] * len(out.changes),
+                    "series": [c.series for c in out.changes],
+                    "step": [c.step for c in out.changes],
+                    "ts": [out.start_ns / 1e9] * len(out.changes),
+                    "kind": [c.kind for c in out.changes],
+                    "before_mean": [c.before_mean for c in out.changes],
+                    "after_mean": [c.after_mean for c in out.changes],
+                    "probability": [c.probability for c in out.changes],
+                    "version": [version] * len(out.changes),
+                },
+            )
+        for table, columns in part.tables.items():
+            tables.setdefault(table, []).append(columns)
+    first, last = outputs[0], outputs[-1]
+    batch = SinkBatch(
+        f"{first.job_id}/{first.attempt}/{first.step}-{last.step}/{len(outputs)}/{version}"
+    )
+    for table, parts in tables.items():
+        batch.add(table, {name: _concat([p[name] for p in parts]) for name in parts[0]})
+    return batch
+
+
+def _concat(parts: list) -> list | np.ndarray:
+    if all(isinstance(p, np.ndarray) and p.dtype != object for p in parts):
+        return np.concatenate(parts)
+    return [v for p in parts for v in (p.tolist() if isinstance(p, np.ndarray) else p)]
+
+
+def _unanalysed_step(out: StepOutput, ts: np.ndarray, version: int) -> dict[str, Any]:
+    nan = np.array([np.nan])
+    return {
+        "job_id": [out.job_id],
+        "attempt": [out.attempt],
+        "step": [out.step],
+        "ts": ts,
+        "complete": [False],
+        "missing_ranks": [[]],
+        "actual_s": nan,
+        "simulated_s": nan,
+        "ideal_s": nan,
+        "slowdown": nan,
+        "launch_slowdown": nan,
+        "waste": nan,
+        "mfu_actual": nan,
+        "mfu_ideal": nan,
+        "n_gpus": [out.info.world_size],
+        "gpu_seconds": nan,
+        "gpu_seconds_wasted": nan,
+        "processed_at": [time.time()],
+        "version": [version],
+    }
+
+
+def diagnosis_rows(
+    job_id: str, attempt: int, step: int, start_ns: int, diagnosis: Diagnosis, *, version: int = 0
+) -> dict[str, list]:
+    """The `diagnoses` row of a diagnosis made at `step`."""
+    best = max((a.predicted_speedup for a in diagnosis.advice), default=None)
+    return {
+        "job_id": [job_id],
+        "attempt": [attempt],
+        "step": [step],
+        "ts": [start_ns / 1e9],
+        "cause": [diagnosis.cause],
+        "evidence": [
+            json.dumps({"summary": diagnosis.summary, **diagnosis.evidence}, default=float)
+        ],
+        "advice": [
+            json.dumps(
+                {
+                    "advice": [a.as_dict() for a in diagnosis.advice],
+                    "escalation": diagnosis.escalation,
+                },
+                default=float,
+            )
+        ],
+        "predicted_speedup": [best],
+        "version": [version],
     }
