@@ -205,7 +205,7 @@ class BocdBank:
             ]
         )
         self._log_hazard = log(cfg.hazard)
-        self._log_survival = log1p_neg(cfg.hazard)
+        self._log_survival = log1p(-cfg.hazard)
 
     # ------------------------------------------------------------------ updating
 
@@ -440,11 +440,6 @@ def _log_ratio_error(before: np.ndarray, after: np.ndarray) -> float:
 
 def _scalar(value: Any) -> Any:
     return value.item() if isinstance(value, np.ndarray | np.generic) else value
-
-
-def log1p_neg(probability: float) -> float:
-    """log(1 - p), accurate for small p."""
-    return float(np.log1p(-probability))
 
 
 def sliding_window_changepoints(
