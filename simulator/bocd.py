@@ -229,8 +229,8 @@ class BocdBank:
         self.history_steps[rows, slot] = step
         self.obs_count[rows] += 1
         counts = self.obs_count[rows]
-        # The detector sees the median of three consecutive observations, one observation
-        # late: a lone spike vanishes, a step keeps its exact position.
+        # The detector reads each observation once its successor has arrived (see
+        # `_despiked`), so it runs one observation behind the history.
         warmup = self.config.warmup
         just_warm = counts == warmup + 1
         if just_warm.any():

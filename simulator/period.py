@@ -13,14 +13,18 @@ whole ACF costs O(K n log n) for K distinct tokens and n calls.
 
 Missing calls (a tracer that drops records) shift everything after them by one position,
 so the ACF at the period decays roughly like (1 - drop rate)^period and may never reach
-the threshold. Token counts, unlike positions, are barely affected: every token occurs a
-whole number of times per iteration, the rarest one (the anchor) once, so counts over the
-number of iterations round to calls per iteration, and their sum is the period. (This
-assumes every call type recurs every iteration; occasional calls, such as checkpoint
-collectives, should be filtered out before when calls can be missing.) Either way, iterations are
-then delimited by the anchor's occurrences, and the number of calls between two anchors
-says how many iterations the interval spans: a missing anchor makes a two-iteration gap
-that is reported as such instead of as one slow iteration.
+the threshold. Counts, unlike positions, are barely affected. Every call type recurs a
+whole number of times per iteration and the rarest one, the anchor, once; between two
+consecutive anchors lies one iteration, so a token's (nearly) largest count over those
+intervals is its calls per iteration, which missing calls can only lower, and the sum
+over tokens is the period. (This assumes every call type recurs every iteration: filter
+out occasional calls, such as checkpoint collectives, when calls can be missing.) The
+counts also guard the ACF against a long steady 1F1B phase, which repeats every few calls
+and can reach the threshold at a fraction of the iteration.
+
+Either way, iterations are delimited by the anchor's occurrences, and the calls between two
+anchors say how many iterations the interval spans: a missing anchor makes a two-iteration
+gap that is reported as such, not as one slow iteration.
 """
 
 from __future__ import annotations
