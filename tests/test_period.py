@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simulator.collective_gen import (
     CollectiveCalls,
@@ -73,6 +75,51 @@ def test_iteration_times_within_one_percent(name: str, missing: float) -> None:
         assert measured.mean() == pytest.approx(durations[low:high].mean(), rel=0.01)
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    pp_size=st.sampled_from([1, 2, 4, 8]),
+    stage_fraction=st.floats(0.0, 0.999),
+    microbatches=st.sampled_from([1, 2, 4, 8, 16, 32]),
+    dp_buckets=st.integers(1, 4),
+    distributed_optimizer=st.booleans(),
+    missing=st.sampled_from([0.0, 0.005, 0.02]),
+    jitter_cv=st.floats(0.01, 0.03),
+    seed=st.integers(0, 2**16),
+)
+def test_any_pipeline_shape(
+    pp_size: int,
+    stage_fraction: float,
+    microbatches: int,
+    dp_buckets: int,
+    distributed_optimizer: bool,
+    missing: float,
+    jitter_cv: float,
+    seed: int,
+) -> None:
+    shape = PipelineRankShape(
+        pp_size=pp_size,
+        stage=int(stage_fraction * pp_size),
+        microbatches=microbatches,
+        dp_buckets=dp_buckets,
+        distributed_optimizer=distributed_optimizer,
+    )
+    calls = generate_collective_calls(
+        np.random.default_rng(seed),
+        shape,
+        n_steps=120,
+        jitter_cv=jitter_cv,
+        missing_fraction=missing,
+    )
+    found = iteration_times(calls.call_types, calls.sizes, calls.timestamps)
+    assert found.period_calls == true_period(shape)
+    anchor_type, anchor_size = found.anchor
+    steps = calls.true_step[(calls.call_types == anchor_type) & (calls.sizes == anchor_size)]
+    assert found.boundary_times.size == steps[-1] - steps[0] + 1
+    starts = calls.true_step_starts
+    true_mean = (starts[steps[-1]] - starts[steps[0]]) / (steps[-1] - steps[0])
+    assert found.mean_iteration_time == pytest.approx(true_mean, rel=0.01)
+
+
 def test_a_missing_anchor_is_a_gap_not_a_slow_iteration() -> None:
     calls = generate(SHAPES["pp4-first-mb8"], 0.0, seed=1)
     # Drop every once-per-iteration call of iteration 12, so no anchor can mark it.
@@ -129,3 +176,13 @@ def test_encode_calls_distinguishes_type_and_size() -> None:
     )
     assert tokens[0] == tokens[3] and len(set(tokens.tolist())) == 3
     assert sorted(vocabulary) == [("a", 1), ("a", 2), ("b", 1)]
+
+
+def test_too_short_a_capture_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least two calls"):
+        iteration_times(np.array(["a"]), np.array([1]), np.array([0.0]))
+    one_iteration = np.array(["a", "b", "b", "c"])
+    with pytest.raises(ValueError, match="fewer than two iterations"):
+        iteration_times(one_iteration, np.ones(4, dtype=np.int64), np.arange(4.0))
+    with pytest.raises(ValueError, match="one entry per call"):
+        iteration_times(one_iteration, np.ones(4, dtype=np.int64), np.arange(3.0))
