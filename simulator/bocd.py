@@ -151,6 +151,7 @@ _STATE_ARRAYS: tuple[str, ...] = (
     "log_run_prob",
     "mean",
     "beta",
+    "log_beta",
     "history_values",
     "history_steps",
     "regime_start",
@@ -179,6 +180,7 @@ class BocdBank:
         # length only (slot r has seen exactly r observations), so they are shared vectors.
         self.mean = np.zeros((n_series, runs))
         self.beta = np.full((n_series, runs), cfg.prior_beta)
+        self.log_beta = np.full((n_series, runs), log(cfg.prior_beta))
         self.history_values = np.full((n_series, history), np.nan)
         self.history_steps = np.full((n_series, history), -1, dtype=np.int64)
         #: Observation number where the current verified regime began.
@@ -190,7 +192,8 @@ class BocdBank:
         run = np.arange(cfg.max_run_length, dtype=np.float64)
         kappa = cfg.prior_kappa + run
         alpha = cfg.prior_alpha + run / 2.0
-        self._kappa = kappa
+        self._alpha = alpha
+        self._inverse_kappa_plus_one = 1.0 / (kappa + 1.0)
         # Student-t predictive with df 2a, location mu, scale^2 b(k+1)/(a k):
         # log p = C - log(b)/2 - (a + 1/2) log(1 + (x - mu)^2 k / (2 b (k + 1))).
         self._half_shrink = kappa / (2.0 * (kappa + 1.0))
@@ -202,7 +205,7 @@ class BocdBank:
             ]
         )
         self._log_hazard = log(cfg.hazard)
-        self._log_survival = log1p_neg(cfg.hazard)
+        self._log_survival = log1p(-cfg.hazard)
 
     # ------------------------------------------------------------------ updating
 
@@ -226,8 +229,8 @@ class BocdBank:
         self.history_steps[rows, slot] = step
         self.obs_count[rows] += 1
         counts = self.obs_count[rows]
-        # The detector sees the median of three consecutive observations, one observation
-        # late: a lone spike vanishes, a step keeps its exact position.
+        # The detector reads each observation once its successor has arrived (see
+        # `_despiked`), so it runs one observation behind the history.
         warmup = self.config.warmup
         just_warm = counts == warmup + 1
         if just_warm.any():
@@ -279,37 +282,51 @@ class BocdBank:
             self._advance(rows, self._despiked(rows, np.full(rows.size, count)))
 
     def _advance(self, rows: np.ndarray | slice, z: np.ndarray) -> None:
-        cfg = self.config
-        log_run = self.log_run_prob[rows]
         mean = self.mean[rows]
         beta = self.beta[rows]
         deviation = z[:, None] - mean
         spread = deviation * deviation
         spread *= self._half_shrink
-        log_pred = np.log1p(spread / beta)
-        log_pred *= -self._exponent
-        log_pred -= 0.5 * np.log(beta)
-        log_pred += self._log_norm
-        joint = log_run + log_pred
-
+        grown_beta = beta + spread  # each run's beta once it includes z
+        log_grown_beta = np.log(grown_beta)
+        # Student-t log predictive, rewritten so that one log serves it and the update:
+        # C - log(b)/2 - (a + 1/2) log(1 + s/b) = C + a log(b) - (a + 1/2) log(b + s).
+        joint = self.log_beta[rows] * self._alpha
+        joint -= self._exponent * log_grown_beta
+        joint += self._log_norm
+        joint += self.log_run_prob[rows]
+        # Growth and change-point terms sum to the evidence, which is thus the normalizer.
+        log_evidence = _logsumexp_rows(joint)
+        survive = (self._log_survival - log_evidence)[:, None]
         new_log_run = np.empty_like(joint)
-        new_log_run[:, 0] = _logsumexp_rows(joint) + self._log_hazard
-        new_log_run[:, 1:] = joint[:, :-1] + self._log_survival
+        new_log_run[:, 0] = self._log_hazard
+        np.add(joint[:, :-1], survive, out=new_log_run[:, 1:])
         # The last slot absorbs every run length >= R-1.
-        new_log_run[:, -1] = np.logaddexp(new_log_run[:, -1], joint[:, -1] + self._log_survival)
-        new_log_run -= _logsumexp_rows(new_log_run)[:, None]
+        new_log_run[:, -1] = np.logaddexp(new_log_run[:, -1], joint[:, -1] + survive[:, 0])
+        deviation *= self._inverse_kappa_plus_one
+        deviation += mean  # now each run's posterior mean once it includes z
+        cfg = self.config
+        self._shift_in(self.log_run_prob, rows, new_log_run, None)
+        self._shift_in(self.mean, rows, deviation, 0.0)
+        self._shift_in(self.beta, rows, grown_beta, cfg.prior_beta)
+        self._shift_in(self.log_beta, rows, log_grown_beta, log(cfg.prior_beta))
 
-        new_mean = np.empty_like(mean)
-        new_mean[:, 0] = 0.0
-        kappa = self._kappa[:-1]
-        new_mean[:, 1:] = (kappa * mean[:, :-1] + z[:, None]) / (kappa + 1.0)
-        new_beta = np.empty_like(beta)
-        new_beta[:, 0] = cfg.prior_beta
-        new_beta[:, 1:] = beta[:, :-1] + spread[:, :-1]
-
-        self.log_run_prob[rows] = new_log_run
-        self.mean[rows] = new_mean
-        self.beta[rows] = new_beta
+    @staticmethod
+    def _shift_in(
+        state: np.ndarray, rows: np.ndarray | slice, grown: np.ndarray, fresh: float | None
+    ) -> None:
+        """Store run r's grown statistics as run r+1's; `fresh` starts run 0 (None: as is)."""
+        if fresh is None:
+            state[rows] = grown
+            return
+        if isinstance(rows, slice):
+            state[:, 1:] = grown[:, :-1]
+            state[:, 0] = fresh
+            return
+        shifted = np.empty_like(grown)
+        shifted[:, 1:] = grown[:, :-1]
+        shifted[:, 0] = fresh
+        state[rows] = shifted
 
     def _detect(self, rows: np.ndarray, target: np.ndarray | slice, step: int) -> list[ChangePoint]:
         cfg = self.config
@@ -423,11 +440,6 @@ def _log_ratio_error(before: np.ndarray, after: np.ndarray) -> float:
 
 def _scalar(value: Any) -> Any:
     return value.item() if isinstance(value, np.ndarray | np.generic) else value
-
-
-def log1p_neg(probability: float) -> float:
-    """log(1 - p), accurate for small p."""
-    return float(np.log1p(-probability))
 
 
 def sliding_window_changepoints(

@@ -6,6 +6,8 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from simulator.bocd import (
@@ -225,3 +227,24 @@ def test_baseline_finds_a_clean_step() -> None:
     values = step_series([(100, 1.0), (100, 1.5)], cv=0.0, seed=0)
     [(index, kind, before, after)] = sliding_window_changepoints(values, 10, 0.1)
     assert (index, kind, before, after) == (100, "onset", 1.0, 1.5)
+
+
+def test_constant_warmup_then_a_step() -> None:
+    values = np.concatenate([np.full(100, 3.0), np.full(100, 3.6)])  # no jitter at all
+    events = run_bank(values[:, None])
+    assert [(e.kind, e.index) for e in events] == [("onset", 100)]
+    assert events[0].before_mean == 3.0 and events[0].after_mean == 3.6
+
+
+@settings(max_examples=15, deadline=None)
+@given(scale=st.floats(min_value=1e-3, max_value=1e3), seed=st.integers(0, 2**16))
+def test_detections_do_not_depend_on_the_time_unit(scale: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    slowdown = rng.uniform(0.15, 0.9)
+    values = step_series([(150, 1.0), (120, 1.0 + slowdown), (150, 1.0)], cv=0.03, seed=seed)
+    reference = run_bank(values[:, None])
+    rescaled = run_bank(scale * values[:, None])
+    assert [(e.kind, e.index) for e in rescaled] == [(e.kind, e.index) for e in reference]
+    assert [e.kind for e in reference] == ["onset", "recovery"]
+    assert abs(reference[0].index - 150) <= TOLERANCE
+    assert abs(reference[1].index - 270) <= TOLERANCE

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.bocd import BocdBank, BocdConfig
+from simulator.bocd import BocdBank, BocdConfig, relative_change
 from simulator.trace import TraceError
 
 REQUIRED_COLUMNS = ("series", "index", "value")
@@ -41,9 +41,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.min_relative_change,
         help="verification threshold: relative change of the regime means (default %(default)s)",
     )
-    parser.add_argument("--hazard", type=float, default=defaults.hazard)
-    parser.add_argument("--max-run-length", type=int, default=defaults.max_run_length)
-    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument(
+        "--hazard",
+        type=float,
+        default=defaults.hazard,
+        help="prior probability of a new regime at each observation (default %(default).4g)",
+    )
+    parser.add_argument(
+        "--max-run-length",
+        type=int,
+        default=defaults.max_run_length,
+        help="run lengths kept per series (default %(default)s)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=defaults.warmup,
+        help="observations per series that set its scale before detection (default %(default)s)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -163,7 +178,9 @@ def format_table(changes: list[dict[str, Any]]) -> str:
         f"{'change':>8}  {'prob':>5}"
     ]
     for change in changes:
-        ratio = change["after_mean"] / change["before_mean"] - 1.0
+        # Signed larger-over-smaller change, the quantity the threshold applies to.
+        sign = 1.0 if change["kind"] == "onset" else -1.0
+        ratio = sign * relative_change(change["before_mean"], change["after_mean"])
         lines.append(
             f"{change['series']:<{width}}  {change['index']:>10}  {change['kind']:<8}  "
             f"{change['before_mean']:>10.4g}  {change['after_mean']:>10.4g}  "
