@@ -21,6 +21,7 @@ import datetime as dt
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -143,18 +144,24 @@ def parse_dsn(dsn: str) -> ParsedDsn:
 class ClickHouseSink:
     """Writes `SinkBatch`es to ClickHouse (embedded chDB or a server) and runs queries."""
 
-    def __init__(self, dsn: str = DEFAULT_DSN, *, connect_timeout_s: float = 10.0):
+    def __init__(
+        self, dsn: str = DEFAULT_DSN, *, create: bool = True, connect_timeout_s: float = 10.0
+    ):
+        """Open the store. create=False: a chDB directory that does not exist is an error
+        (a reader should not conjure an empty store out of a mistyped path)."""
         import clickhouse_connect
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         self.dsn = parse_dsn(dsn)
         self._column_types: dict[str, dict[str, tuple[str, bool]]] = {}
+        if self.dsn.kind == "chdb" and self.dsn.path:
+            data_dir = Path(self.dsn.path)
+            if create:
+                data_dir.mkdir(parents=True, exist_ok=True)
+            elif not data_dir.is_dir():
+                raise StoreError(f"DSN {self.dsn.shown}: no chDB store in {data_dir}")
         try:
             if self.dsn.kind == "chdb":
-                if self.dsn.path:
-                    from pathlib import Path
-
-                    Path(self.dsn.path).mkdir(parents=True, exist_ok=True)
                 self.client = clickhouse_connect.get_client(
                     interface="chdb", path=self.dsn.path or ":memory:"
                 )
@@ -190,13 +197,24 @@ class ClickHouseSink:
             self.client.database = name
 
     def ensure_schema(self, *, ops_ttl_days: int = schema.DEFAULT_OPS_TTL_DAYS) -> list[int]:
-        """Create the database and apply pending migrations; returns the versions applied."""
+        """Create the database, apply pending migrations and set the TTL of raw ops;
+        returns the migration versions applied."""
         self._use_database(create=True)
         try:
             applied = schema.apply_migrations(self, ops_ttl_days=ops_ttl_days)
         finally:
             self._column_types.clear()
+        if self.ops_ttl_days() != ops_ttl_days:
+            self._command(schema.ops_ttl_sql(ops_ttl_days))
         return applied
+
+    def ops_ttl_days(self) -> int | None:
+        """Days raw ops are kept, as the `ops` table says."""
+        found = self._command(
+            "SELECT extract(engine_full, 'toIntervalDay\\((\\d+)\\)') FROM system.tables "
+            "WHERE database = currentDatabase() AND name = 'ops'"
+        )
+        return int(found) if found else None
 
     def schema_version(self) -> int:
         return schema.current_version(self)

@@ -155,7 +155,10 @@ def test_migrations_resume_after_a_partial_run(chdb_dsn: str) -> None:
         assert rows == [(1,)]
 
 
-def test_ops_ttl_days_must_be_positive() -> None:
+def test_ops_ttl_is_configurable(store: ClickHouseSink) -> None:
+    assert store.ops_ttl_days() == schema.DEFAULT_OPS_TTL_DAYS
+    store.ensure_schema(ops_ttl_days=30)
+    assert store.ops_ttl_days() == 30
     with pytest.raises(ValueError, match="ops_ttl_days"):
         schema.migrations(ops_ttl_days=0)
 
