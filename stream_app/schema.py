@@ -30,9 +30,9 @@ sums; `rollup_retraction_sql` mirrors the view's SELECT with negated aggregates)
 rollup holds sums and counts only (averages are sum / count): a maximum cannot be retracted;
 take maxima from `steps FINAL`.
 
-Reads: `steps`, `worker_slowdown`, `jobs`, ... with `FINAL`. An attribution name present in
-an old version of a step but absent from the new one stays in `attribution`; readers that
-care join on the step's latest version (`version = (SELECT max(version) FROM steps ...)`).
+Reads: `steps`, `attribution`, `worker_slowdown`, `jobs`, ... with `FINAL`. When a step is
+superseded the sink also deletes the old version's `attribution` and `worker_slowdown`
+rows (a name may vanish from the new version, and FINAL only replaces rows of equal key).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Both go through clickhouse-connect (1.12+ drives chDB in-process behind the same
 interface), so the sink has one code path. Writes follow the idempotence design of
 `stream_app.schema`: every insert carries a deterministic `insert_deduplication_token`
 derived from the batch's `dedup_token`, a step already stored at the same or a newer
-version is skipped, and a superseded version is retracted from the minute rollup first.
+version is skipped, and a superseded version is retracted from the minute rollup first
+and its attribution / worker_slowdown rows are deleted.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ WRITABLE_TABLES: tuple[str, ...] = (
     "dead_letters",
     "steps",
 )
+
+#: Per-step tables written with `steps` from the same what-if result: a re-processed
+#: step's new version replaces their rows of the old version as a whole.
+SUPERSEDED_WITH_STEPS: tuple[str, ...] = ("attribution", "worker_slowdown")
 
 _DATETIME64 = re.compile(r"^(?:Nullable\()?DateTime64\((\d)")
 _NULLABLE_FLOAT = re.compile(r"^Nullable\(Float(32|64)\)$")
@@ -276,8 +281,12 @@ class ClickHouseSink:
             if table in batch.tables
         }
         skipped = retracted = 0
+        superseded: list[tuple[str, int, int, int]] = []
         if "steps" in prepared:
-            prepared["steps"], skipped, superseded = self._newer_steps(prepared["steps"])
+            prepared["steps"], skipped, superseded, stored = self._newer_steps(prepared["steps"])
+            for table in SUPERSEDED_WITH_STEPS:
+                if table in prepared:
+                    prepared[table] = _drop_stored_versions(prepared[table], stored)
             if superseded:
                 self._command(
                     schema.rollup_retraction_sql(),
@@ -287,11 +296,25 @@ class ClickHouseSink:
                 retracted = len(superseded)
         inserted: dict[str, int] = {}
         for table, columns in prepared.items():
+            if table == "steps" and superseded:
+                self._delete_superseded_step_rows(superseded)
             n_rows = len(next(iter(columns.values())))
             inserted[table] = n_rows
             if n_rows:
                 self._insert(table, columns, f"{batch.dedup_token}/{table}")
         return WriteReport(inserted, skipped, retracted)
+
+    def _delete_superseded_step_rows(self, superseded: list[tuple[str, int, int, int]]) -> None:
+        """Delete the superseded versions' rows from the per-step result tables: the new
+        version may lack some of them (an attribution name that vanished), and FINAL only
+        replaces rows of the same key. Runs before the steps insert, so a crash before it
+        is redone by the replay."""
+        for table in SUPERSEDED_WITH_STEPS:
+            self._command(
+                f"DELETE FROM {table} WHERE (job_id, attempt, step, version) IN "
+                "{keys:Array(Tuple(String, UInt32, UInt64, UInt64))}",
+                {"keys": superseded},
+            )
 
     def _insert(self, table: str, columns: dict[str, pa.Array], token: str) -> None:
         # Arrow: columnar all the way (numpy buffers, dictionary-encoded LowCardinality)
@@ -309,9 +332,15 @@ class ClickHouseSink:
 
     def _newer_steps(
         self, columns: dict[str, pa.Array]
-    ) -> tuple[dict[str, pa.Array], int, list[tuple[str, int, int, int]]]:
+    ) -> tuple[
+        dict[str, pa.Array],
+        int,
+        list[tuple[str, int, int, int]],
+        dict[tuple[str, int, int], int],
+    ]:
         """Keep the steps rows newer than what is stored (and the newest of duplicates in
-        the batch); list the stored versions they supersede."""
+        the batch); list the stored versions they supersede, and return the stored version
+        of each step of the batch."""
         keys = list(
             zip(
                 _python_values(columns["job_id"]),
@@ -343,7 +372,7 @@ class ClickHouseSink:
                     superseded.append((*key, old))
         mask = pa.array(keep)
         kept = {name: values.filter(mask) for name, values in columns.items()}
-        return kept, len(keys) - int(keep.sum()), sorted(superseded)
+        return kept, len(keys) - int(keep.sum()), sorted(superseded), stored
 
     def _table_columns(self, table: str) -> dict[str, tuple[str, bool]]:
         """column -> (type, must be given) of a table, from the store itself."""
@@ -407,6 +436,24 @@ def _to_arrow(values: ColumnData, type_: str) -> pa.Array:
 
 def _sequence(values: ColumnData) -> np.ndarray | list:
     return values if isinstance(values, np.ndarray) else list(values)
+
+
+def _drop_stored_versions(
+    columns: dict[str, pa.Array], stored: dict[tuple[str, int, int], int]
+) -> dict[str, pa.Array]:
+    """Rows of a per-step table without those of a step version already stored or older
+    (a replay or a stale re-processing)."""
+    if not stored:
+        return columns
+    keys = zip(
+        _python_values(columns["job_id"]),
+        _python_values(columns["attempt"]),
+        _python_values(columns["step"]),
+        _python_values(columns["version"]),
+        strict=True,
+    )
+    keep = pa.array([version > stored.get((j, a, s), -1) for j, a, s, version in keys])
+    return {name: values.filter(keep) for name, values in columns.items()}
 
 
 def _python_values(array: pa.Array) -> list:
