@@ -7,7 +7,8 @@ interrupted half-way (or two processes migrating at once) is safely re-run.
 Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a step range):
 
 - `ops` (job_id, attempt, step, rank, start, optype, seq): raw ops of a step for the
-  timeline drill-down; partitioned by day and TTL-limited (`ops_ttl_days`, default 7).
+  timeline drill-down; partitioned by day and TTL-limited (`ops_ttl_days`, default 7,
+  changed by `ensure_schema(ops_ttl_days=...)`).
 - `steps` (job_id, attempt, step): one row per analysed step; the slowdown / MFU panels.
 - `attribution` (job_id, attempt, kind, name, step): one series per (kind, name), read as
   "S_X over steps" for a kind (optype, dp_rank, stage, launch_*).
@@ -29,9 +30,9 @@ sums; `rollup_retraction_sql` mirrors the view's SELECT with negated aggregates)
 rollup holds sums and counts only (averages are sum / count): a maximum cannot be retracted;
 take maxima from `steps FINAL`.
 
-Reads: `steps`, `worker_slowdown`, `jobs`, ... with `FINAL`. An attribution name present in
-an old version of a step but absent from the new one stays in `attribution`; readers that
-care join on the step's latest version (`version = (SELECT max(version) FROM steps ...)`).
+Reads: `steps`, `attribution`, `worker_slowdown`, `jobs`, ... with `FINAL`. When a step is
+superseded the sink also deletes the old version's `attribution` and `worker_slowdown`
+rows (a name may vanish from the new version, and FINAL only replaces rows of equal key).
 """
 
 from __future__ import annotations
@@ -95,10 +96,27 @@ class Migration:
     statements: tuple[str, ...]
 
 
-def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...]:
-    """All migrations, in order. `ops_ttl_days` only shapes the table when first created."""
-    if not isinstance(ops_ttl_days, int) or ops_ttl_days < 1:
+def _check_ttl_days(ops_ttl_days: int) -> None:
+    if not isinstance(ops_ttl_days, int) or isinstance(ops_ttl_days, bool) or ops_ttl_days < 1:
         raise ValueError(f"ops_ttl_days must be a positive integer, got {ops_ttl_days!r}")
+
+
+def _ops_ttl(ops_ttl_days: int) -> str:
+    return f"TTL toDateTime(start) + INTERVAL {ops_ttl_days} DAY"
+
+
+def ops_ttl_sql(ops_ttl_days: int) -> str:
+    """ALTER of the raw ops' retention. Existing parts are not rewritten: expired ones are
+    dropped as merges and TTL passes reach them."""
+    _check_ttl_days(ops_ttl_days)
+    return (
+        f"ALTER TABLE ops MODIFY {_ops_ttl(ops_ttl_days)} SETTINGS materialize_ttl_after_modify = 0"
+    )
+
+
+def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...]:
+    """All migrations, in order (`ops_ttl_days`: the retention `ops` is created with)."""
+    _check_ttl_days(ops_ttl_days)
     rollup_columns = ", ".join(f"{name} {type_}" for name, type_, _ in STEPS_1M_COLUMNS)
     return (
         Migration(
@@ -116,7 +134,7 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
                 ) ENGINE = ReplacingMergeTree
                 PARTITION BY toDate(start)
                 ORDER BY (job_id, attempt, step, rank, start, optype, seq)
-                TTL toDateTime(start) + INTERVAL {ops_ttl_days} DAY
+                {_ops_ttl(ops_ttl_days)}
                 {_SETTINGS}, ttl_only_drop_parts = 1""",
                 f"""CREATE TABLE IF NOT EXISTS steps (
                     job_id LowCardinality(String), attempt UInt32, step {_STEP}, ts {_TS3},

@@ -12,20 +12,22 @@ Both go through clickhouse-connect (1.12+ drives chDB in-process behind the same
 interface), so the sink has one code path. Writes follow the idempotence design of
 `stream_app.schema`: every insert carries a deterministic `insert_deduplication_token`
 derived from the batch's `dedup_token`, a step already stored at the same or a newer
-version is skipped, and a superseded version is retracted from the minute rollup first.
+version is skipped, and a superseded version is retracted from the minute rollup first
+and its attribution / worker_slowdown rows are deleted.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
+import pyarrow as pa
 
 from stream_app import schema
 
@@ -48,8 +50,13 @@ WRITABLE_TABLES: tuple[str, ...] = (
     "steps",
 )
 
+#: Per-step tables written with `steps` from the same what-if result: a re-processed
+#: step's new version replaces their rows of the old version as a whole.
+SUPERSEDED_WITH_STEPS: tuple[str, ...] = ("attribution", "worker_slowdown")
+
 _DATETIME64 = re.compile(r"^(?:Nullable\()?DateTime64\((\d)")
 _NULLABLE_FLOAT = re.compile(r"^Nullable\(Float(32|64)\)$")
+_ARROW_TIME_UNITS = {0: "s", 3: "ms", 6: "us", 9: "ns"}
 
 
 class StoreError(Exception):
@@ -142,18 +149,24 @@ def parse_dsn(dsn: str) -> ParsedDsn:
 class ClickHouseSink:
     """Writes `SinkBatch`es to ClickHouse (embedded chDB or a server) and runs queries."""
 
-    def __init__(self, dsn: str = DEFAULT_DSN, *, connect_timeout_s: float = 10.0):
+    def __init__(
+        self, dsn: str = DEFAULT_DSN, *, create: bool = True, connect_timeout_s: float = 10.0
+    ):
+        """Open the store. create=False: a chDB directory that does not exist is an error
+        (a reader should not conjure an empty store out of a mistyped path)."""
         import clickhouse_connect
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         self.dsn = parse_dsn(dsn)
         self._column_types: dict[str, dict[str, tuple[str, bool]]] = {}
+        if self.dsn.kind == "chdb" and self.dsn.path:
+            data_dir = Path(self.dsn.path)
+            if create:
+                data_dir.mkdir(parents=True, exist_ok=True)
+            elif not data_dir.is_dir():
+                raise StoreError(f"DSN {self.dsn.shown}: no chDB store in {data_dir}")
         try:
             if self.dsn.kind == "chdb":
-                if self.dsn.path:
-                    from pathlib import Path
-
-                    Path(self.dsn.path).mkdir(parents=True, exist_ok=True)
                 self.client = clickhouse_connect.get_client(
                     interface="chdb", path=self.dsn.path or ":memory:"
                 )
@@ -189,13 +202,24 @@ class ClickHouseSink:
             self.client.database = name
 
     def ensure_schema(self, *, ops_ttl_days: int = schema.DEFAULT_OPS_TTL_DAYS) -> list[int]:
-        """Create the database and apply pending migrations; returns the versions applied."""
+        """Create the database, apply pending migrations and set the TTL of raw ops;
+        returns the migration versions applied."""
         self._use_database(create=True)
         try:
             applied = schema.apply_migrations(self, ops_ttl_days=ops_ttl_days)
         finally:
             self._column_types.clear()
+        if self.ops_ttl_days() != ops_ttl_days:
+            self._command(schema.ops_ttl_sql(ops_ttl_days))
         return applied
+
+    def ops_ttl_days(self) -> int | None:
+        """Days raw ops are kept, as the `ops` table says."""
+        found = self._command(
+            "SELECT extract(engine_full, 'toIntervalDay\\((\\d+)\\)') FROM system.tables "
+            "WHERE database = currentDatabase() AND name = 'ops'"
+        )
+        return int(found) if found else None
 
     def schema_version(self) -> int:
         return schema.current_version(self)
@@ -257,8 +281,12 @@ class ClickHouseSink:
             if table in batch.tables
         }
         skipped = retracted = 0
+        superseded: list[tuple[str, int, int, int]] = []
         if "steps" in prepared:
-            prepared["steps"], skipped, superseded = self._newer_steps(prepared["steps"])
+            prepared["steps"], skipped, superseded, stored = self._newer_steps(prepared["steps"])
+            for table in SUPERSEDED_WITH_STEPS:
+                if table in prepared:
+                    prepared[table] = _drop_stored_versions(prepared[table], stored)
             if superseded:
                 self._command(
                     schema.rollup_retraction_sql(),
@@ -268,40 +296,60 @@ class ClickHouseSink:
                 retracted = len(superseded)
         inserted: dict[str, int] = {}
         for table, columns in prepared.items():
-            n_rows = len(next(iter(columns.values()))) if columns else 0
+            if table == "steps" and superseded:
+                self._delete_superseded_step_rows(superseded)
+            n_rows = len(next(iter(columns.values())))
             inserted[table] = n_rows
             if n_rows:
                 self._insert(table, columns, f"{batch.dedup_token}/{table}")
         return WriteReport(inserted, skipped, retracted)
 
-    def _insert(self, table: str, columns: dict[str, list | np.ndarray], token: str) -> None:
+    def _delete_superseded_step_rows(self, superseded: list[tuple[str, int, int, int]]) -> None:
+        """Delete the superseded versions' rows from the per-step result tables: the new
+        version may lack some of them (an attribution name that vanished), and FINAL only
+        replaces rows of the same key. Runs before the steps insert, so a crash before it
+        is redone by the replay."""
+        for table in SUPERSEDED_WITH_STEPS:
+            self._command(
+                f"DELETE FROM {table} WHERE (job_id, attempt, step, version) IN "
+                "{keys:Array(Tuple(String, UInt32, UInt64, UInt64))}",
+                {"keys": superseded},
+            )
+
+    def _insert(self, table: str, columns: dict[str, pa.Array], token: str) -> None:
+        # Arrow: columnar all the way (numpy buffers, dictionary-encoded LowCardinality)
+        # instead of the client's per-value Native serialisation, ~5x faster for ops.
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         try:
-            self.client.insert(
+            self.client.insert_arrow(
                 table,
-                list(columns.values()),
-                column_names=list(columns),
-                column_oriented=True,
+                pa.table(columns),
                 settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
             )
         except (ClickHouseError, OSError) as exc:
             raise StoreError(f"{self.dsn.shown}: insert into {table} failed: {exc}") from None
 
     def _newer_steps(
-        self, columns: dict[str, list | np.ndarray]
-    ) -> tuple[dict[str, list | np.ndarray], int, list[tuple[str, int, int, int]]]:
+        self, columns: dict[str, pa.Array]
+    ) -> tuple[
+        dict[str, pa.Array],
+        int,
+        list[tuple[str, int, int, int]],
+        dict[tuple[str, int, int], int],
+    ]:
         """Keep the steps rows newer than what is stored (and the newest of duplicates in
-        the batch); list the stored versions they supersede."""
+        the batch); list the stored versions they supersede, and return the stored version
+        of each step of the batch."""
         keys = list(
             zip(
-                (str(j) for j in columns["job_id"]),
-                (int(a) for a in columns["attempt"]),
-                (int(s) for s in columns["step"]),
+                _python_values(columns["job_id"]),
+                _python_values(columns["attempt"]),
+                _python_values(columns["step"]),
                 strict=True,
             )
         )
-        versions = [int(v) for v in columns["version"]]
+        versions = _python_values(columns["version"])
         newest_in_batch: dict[tuple[str, int, int], int] = {}
         for i, key in enumerate(keys):
             best = newest_in_batch.get(key)
@@ -322,8 +370,9 @@ class ClickHouseSink:
                 keep[i] = True
                 if old is not None:
                     superseded.append((*key, old))
-        kept = {name: _take(values, keep) for name, values in columns.items()}
-        return kept, len(keys) - int(keep.sum()), sorted(superseded)
+        mask = pa.array(keep)
+        kept = {name: values.filter(mask) for name, values in columns.items()}
+        return kept, len(keys) - int(keep.sum()), sorted(superseded), stored
 
     def _table_columns(self, table: str) -> dict[str, tuple[str, bool]]:
         """column -> (type, must be given) of a table, from the store itself."""
@@ -343,7 +392,7 @@ class ClickHouseSink:
 
     def _prepare_columns(
         self, token: str, table: str, columns: Mapping[str, ColumnData]
-    ) -> dict[str, list | np.ndarray]:
+    ) -> dict[str, pa.Array]:
         where = f"SinkBatch {token!r}, table {table}"
         known = self._table_columns(table)
         unknown = sorted(set(columns) - set(known))
@@ -357,55 +406,83 @@ class ClickHouseSink:
         lengths = {name: len(values) for name, values in columns.items()}
         if len(set(lengths.values())) > 1:
             raise StoreError(f"{where}: columns differ in length: {lengths}")
-        out: dict[str, list | np.ndarray] = {}
+        out: dict[str, pa.Array] = {}
         for name, values in columns.items():
             type_ = known[name][0]
             try:
-                out[name] = _convert(values, type_)
-            except (TypeError, ValueError) as exc:
+                out[name] = _to_arrow(values, type_)
+            except (TypeError, ValueError, pa.ArrowException) as exc:
                 raise StoreError(f"{where}, column {name} ({type_}): {exc}") from None
         return out
 
 
-def _convert(values: ColumnData, type_: str) -> list | np.ndarray:
-    """Values in the form the client writes fastest and correctly for `type_`."""
+def _to_arrow(values: ColumnData, type_: str) -> pa.Array:
+    """An Arrow array that ClickHouse reads into a column of type `type_`."""
     match = _DATETIME64.match(type_)
     if match:
-        return _datetime64_ticks(values, int(match.group(1)))
+        precision = int(match.group(1))
+        ticks = _datetime64_ticks(values, precision)
+        unit = _ARROW_TIME_UNITS.get(precision)
+        return pa.array(ticks, type=pa.timestamp(unit)) if unit else pa.array(ticks)
     if _NULLABLE_FLOAT.match(type_):
-        return [None if v is None or math.isnan(v) else float(v) for v in values]
-    if isinstance(values, np.ndarray):
-        return values
-    return list(values)
+        floats = [None if v is None else float(v) for v in values]
+        return pa.array(floats, type=pa.float64(), from_pandas=True)  # NaN -> null
+    if "LowCardinality(String)" in type_:
+        return pa.array(_sequence(values), type=pa.string()).dictionary_encode()
+    if type_ == "String":
+        return pa.array(_sequence(values), type=pa.string())
+    return pa.array(_sequence(values))
 
 
-def _datetime64_ticks(values: ColumnData, precision: int) -> list[int]:
+def _sequence(values: ColumnData) -> np.ndarray | list:
+    return values if isinstance(values, np.ndarray) else list(values)
+
+
+def _drop_stored_versions(
+    columns: dict[str, pa.Array], stored: dict[tuple[str, int, int], int]
+) -> dict[str, pa.Array]:
+    """Rows of a per-step table without those of a step version already stored or older
+    (a replay or a stale re-processing)."""
+    if not stored:
+        return columns
+    keys = zip(
+        _python_values(columns["job_id"]),
+        _python_values(columns["attempt"]),
+        _python_values(columns["step"]),
+        _python_values(columns["version"]),
+        strict=True,
+    )
+    keep = pa.array([version > stored.get((j, a, s), -1) for j, a, s, version in keys])
+    return {name: values.filter(keep) for name, values in columns.items()}
+
+
+def _python_values(array: pa.Array) -> list:
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    return array.to_pylist()
+
+
+def _datetime64_ticks(values: ColumnData, precision: int) -> np.ndarray:
     """Integer ticks of a DateTime64(precision) column from epoch seconds, numpy
     datetime64 or datetime objects."""
     scale = 10**precision
     array = np.asarray(values)
     if np.issubdtype(array.dtype, np.datetime64):
         nanoseconds = array.astype("datetime64[ns]").astype(np.int64)
-        return (nanoseconds // 10 ** (9 - precision)).tolist()
+        return nanoseconds // 10 ** (9 - precision)
     if array.dtype.kind in "fiu":
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise ValueError("timestamps must be finite seconds since the epoch")
         if array.dtype.kind == "f":
-            return np.rint(array.astype(np.float64) * scale).astype(np.int64).tolist()
-        return (array.astype(np.int64) * scale).tolist()
+            return np.rint(array.astype(np.float64) * scale).astype(np.int64)
+        return array.astype(np.int64) * scale
     out = []
     for value in values:
         if not isinstance(value, dt.datetime):
             raise TypeError(f"expected epoch seconds or datetimes, got {type(value).__name__}")
         moment = value if value.tzinfo else value.replace(tzinfo=dt.UTC)
         out.append(round(moment.timestamp() * scale))
-    return out
-
-
-def _take(values: list | np.ndarray, keep: np.ndarray) -> list | np.ndarray:
-    if isinstance(values, np.ndarray):
-        return values[keep]
-    return [v for v, k in zip(values, keep, strict=True) if k]
+    return np.array(out, dtype=np.int64)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -55,6 +55,13 @@ def test_sql_error_exits_2_without_traceback(dsn: str, capsys) -> None:
     assert "Traceback" not in err
 
 
+def test_missing_chdb_directory_exits_2(tmp_path, capsys) -> None:
+    missing = tmp_path / "nothing-here"
+    assert main(["query", "SELECT 1", "--dsn", f"chdb://{missing}"]) == 2
+    assert "no chDB store" in capsys.readouterr().err
+    assert not missing.exists()
+
+
 @pytest.mark.parametrize("bad", ["postgres://h/db", "chdb:///x?colour=red"])
 def test_bad_dsn_exits_2(bad: str, capsys) -> None:
     assert main(["query", "SELECT 1", "--dsn", bad]) == 2

@@ -155,7 +155,10 @@ def test_migrations_resume_after_a_partial_run(chdb_dsn: str) -> None:
         assert rows == [(1,)]
 
 
-def test_ops_ttl_days_must_be_positive() -> None:
+def test_ops_ttl_is_configurable(store: ClickHouseSink) -> None:
+    assert store.ops_ttl_days() == schema.DEFAULT_OPS_TTL_DAYS
+    store.ensure_schema(ops_ttl_days=30)
+    assert store.ops_ttl_days() == 30
     with pytest.raises(ValueError, match="ops_ttl_days"):
         schema.migrations(ops_ttl_days=0)
 
@@ -192,6 +195,29 @@ def test_reprocessed_step_replaces_the_old_version_in_tables_and_rollup(
     assert late.steps_skipped == 3
     assert stored_steps(store)[:2] == (3, 5.5)
     assert rollup(store) == (3, 3, 5.5, 3, round(wasted, 9), 3)
+
+
+def test_superseded_step_loses_attribution_names_absent_from_the_new_version(
+    store: ClickHouseSink,
+) -> None:
+    store.write(step_batch([1, 2, 3], slowdown=1.5, version=1))
+    store.write(step_batch([2, 3], slowdown=2.0, version=2))
+    # A name absent from the new version does not linger from the old one.
+    batch = SinkBatch("job-a/0/3-3/3")
+    batch.add("steps", steps_columns([3], slowdown=2.5, version=3))
+    only_forward = attribution_columns([3], 2.5, version=3)
+    batch.add("attribution", {k: v[:1] for k, v in only_forward.items()})
+    store.write(batch)
+    _, rows = store.query("SELECT name, slowdown FROM attribution FINAL WHERE step = 3")
+    assert rows == [("forward-compute", 2.5)]
+    # A stale replay with new content (past the token window) does not resurrect it.
+    stale = step_batch([2, 3], slowdown=2.0, version=2)
+    stale.dedup_token += "/re-batched"
+    assert store.write(stale).inserted["attribution"] == 0
+    _, rows = store.query("SELECT name, slowdown FROM attribution FINAL WHERE step = 3")
+    assert rows == [("forward-compute", 2.5)]
+    wasted = 16 * (1 - 1 / 1.5) + 16 * (1 - 1 / 2.0) + 16 * (1 - 1 / 2.5)
+    assert rollup(store) == (3, 3, 6.0, 3, round(wasted, 9), 3)
 
 
 def test_rollup_survives_a_crash_between_retraction_and_insert(

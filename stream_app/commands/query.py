@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     dsn = args.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN
     try:
-        with ClickHouseSink(dsn) as store:
+        with ClickHouseSink(dsn, create=False) as store:
             columns, rows = store.query(args.sql)
     except StoreError as exc:
         print(f"lagscope query: error: {exc}", file=sys.stderr)
