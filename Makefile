@@ -5,9 +5,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REFERENCE_TRACES ?= ../shared/reference-traces
 
-.PHONY: install demo test lint bench clean
+.PHONY: install chromium demo test lint bench clean
 
-install: $(STAMP)
+install: $(STAMP) chromium
+
+# The HTML report is checked in a real headless Chromium: Debian's package, installed here
+# when missing (CI and the dev machines run as root; elsewhere install it yourself).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		else echo "chromium is missing: install Debian's chromium package (apt-get install chromium)" >&2; exit 1; fi; }
 
 # Re-installs only when the project's declared dependencies change.
 $(STAMP): pyproject.toml

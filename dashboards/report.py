@@ -34,6 +34,8 @@ class ReportData:
     mfu_ideal: float | None = None
     incomplete_steps: int = 0
     timeline_file: str | None = None
+    #: Slow episodes (onset step, recovery step or None, their own diagnosis).
+    episodes: list[tuple[int, int | None, Diagnosis]] = field(default_factory=list)
 
 
 def _reds(value: float) -> str:
@@ -157,6 +159,18 @@ def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
     return "".join(parts)
 
 
+def _diagnosis_html(d: Diagnosis, heading: str) -> str:
+    advice = "".join(
+        f"<li><b>{html.escape(a.action)}</b> — predicted speed-up "
+        f"{a.predicted_speedup:.3f}×: {html.escape(a.detail)}</li>"
+        for a in d.advice
+    )
+    return (
+        f"<h3>{html.escape(heading)}</h3><p class='cause'><b>{html.escape(d.cause)}</b>: "
+        f"{html.escape(d.summary)}</p><ul>{advice}</ul>"
+    )
+
+
 def render_report(data: ReportData) -> str:
     r = data.result
     steps = data.step_ids if data.step_ids is not None else [int(s) for s in r.steps]
@@ -195,11 +209,6 @@ def render_report(data: ReportData) -> str:
     diagnosis_html = ""
     if data.diagnosis is not None:
         d = data.diagnosis
-        advice = "".join(
-            f"<li><b>{html.escape(a.action)}</b> — predicted speed-up "
-            f"{a.predicted_speedup:.3f}×: {html.escape(a.detail)}</li>"
-            for a in d.advice
-        )
         esc = d.escalation
         ladder = (
             (
@@ -217,10 +226,10 @@ def render_report(data: ReportData) -> str:
             if esc
             else ""
         )
-        diagnosis_html = (
-            f"<h2>Diagnosis</h2><p class='cause'><b>{html.escape(d.cause)}</b>: "
-            f"{html.escape(d.summary)}</p><ul>{advice}</ul>{ladder}"
-        )
+        diagnosis_html = "<h2>Diagnosis</h2>" + _diagnosis_html(d, "whole run") + ladder
+        for onset, recovery, episode in data.episodes:
+            span = f"steps {onset}–{recovery}" if recovery is not None else f"since step {onset}"
+            diagnosis_html += _diagnosis_html(episode, f"slow episode, {span}")
     changes_rows = "".join(
         f"<tr><td>{c['step']}</td><td class='{c['kind']}'>{c['kind']}</td>"
         f"<td>{html.escape(str(c['series']))}</td><td>{c.get('before_mean', float('nan')):.4g}"

@@ -32,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeline", type=Path, help="write a Perfetto/Chrome trace (actual vs ideal) here"
     )
+    parser.add_argument("--report", type=Path, help="write the self-contained HTML report here")
     parser.add_argument(
         "--steps",
         help="analyse only these steps, e.g. '16-39,404,410' (inputs are still derived from "
@@ -113,6 +114,23 @@ def run(args: argparse.Namespace) -> int:
             title=f"{meta.trial_name}: worker slowdown S_w",
         )
         print(f"  heatmap written to {args.heatmap}")
+    if args.report:
+        from dashboards.report import ReportData, render_report
+
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(
+            render_report(
+                ReportData(
+                    title=f"lagscope: {meta.trial_name}",
+                    subtitle=f"{args.trace} — dp {meta.dp_size} x pp {meta.pp_size} x tp "
+                    f"{meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size}",
+                    result=result,
+                    diagnosis=diagnosis,
+                    timeline_file=str(args.timeline) if args.timeline else None,
+                )
+            )
+        )
+        print(f"  report written to {args.report}")
     if args.timeline:
         ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
         events = trace_events(prepared, ideal.start[:, 0], ideal.end[:, 0])

@@ -247,6 +247,7 @@ def report_data(job: JobReport) -> ReportData:
         mfu_actual=float(np.mean(job.mfu_actual)) if job.mfu_actual else None,
         mfu_ideal=float(np.mean(job.mfu_ideal)) if job.mfu_ideal else None,
         incomplete_steps=len(job.incomplete_steps),
+        episodes=[(e.onset, e.recovery, e.diagnosis) for e in job.episodes],
     )
 
 
