@@ -202,34 +202,192 @@ def _compute_mask(prepared: PreparedTrace) -> np.ndarray:
     return np.isin(np.array(prepared.node_optype), COMPUTE_LABELS)
 
 
+def resplit_costs(
+    prepared: PreparedTrace, cost: np.ndarray
+) -> tuple[np.ndarray, dict[int, int], int]:
+    """Costs after giving slow pipeline replicas fewer micro-batches: each replica's compute
+    scales with its new micro-batch count (the global batch is unchanged). Returns the new
+    costs, the changed counts {dp: count} and the current count per replica."""
+    compute = _compute_mask(prepared)
+    stage = prepared.model.node_stage()
+    per_worker = np.zeros((prepared.n_stages, prepared.n_dp))
+    np.add.at(per_worker, stage[compute], cost[compute].mean(axis=1))
+    n_mb = max(
+        1, sum(1 for n in prepared.model.nodes if n.stage == 0 and n.optype == ot.FORWARD_COMPUTE)
+    )
+    counts = balanced_microbatches(per_worker.max(axis=0) / n_mb, n_mb * prepared.n_dp)
+    scaled = cost.astype(np.float64).copy()
+    scaled[compute] *= (counts / n_mb)[None, None, :]
+    return scaled, {int(r): int(c) for r, c in enumerate(counts) if c != n_mb}, n_mb
+
+
 def advise_resplit(
     prepared: PreparedTrace, base_time: float, compiled: CompiledModel
 ) -> Advice | None:
     """Give slow pipeline replicas fewer micro-batches (the global batch is unchanged)."""
     if prepared.n_dp < 2:
         return None
-    compute = _compute_mask(prepared)
-    stage = prepared.model.node_stage()
-    per_worker = np.zeros((prepared.n_stages, prepared.n_dp))
-    np.add.at(per_worker, stage[compute], prepared.duration[compute].mean(axis=1))
-    n_mb = max(
-        1,
-        int(
-            sum(1 for n in prepared.model.nodes if n.stage == 0 and n.optype == ot.FORWARD_COMPUTE)
-        ),
-    )
-    per_mb = per_worker.max(axis=0) / n_mb
-    counts = balanced_microbatches(per_mb, n_mb * prepared.n_dp)
-    if np.all(counts == n_mb):
+    cost, changed, n_mb = resplit_costs(prepared, prepared.cost)
+    if not changed:
         return None
-    scale = counts / n_mb
-    cost = prepared.cost.astype(np.float64).copy()
-    cost[compute] *= scale[None, None, :]
     predicted = base_time / resimulated_step_time(prepared, cost, compiled)
-    changed = {int(r): int(c) for r, c in enumerate(counts) if c != n_mb}
     return Advice(
         "re-split micro-batches",
         f"give DP ranks {changed} micro-batches instead of {n_mb} each (global batch unchanged)",
+        predicted,
+    )
+
+
+def verified_slow_workers(
+    result: WhatIfResult,
+    prepared: PreparedTrace,
+    compiled: CompiledModel,
+    *,
+    candidates: int = 8,
+    min_share: float = 0.15,
+) -> list[tuple[tuple[int, int], float]]:
+    """Workers that are slow on their own, best first, with the share of the slowdown each
+    explains alone (ideal job + only that worker as measured).
+
+    The worker score S_w = min(S_dp, S_stage) also lights up "ghosts": with stragglers at
+    (dp a, stage x) and (dp b, stage y), the crossings (a, y) and (b, x) score as high.
+    Re-simulating each top-scoring candidate alone tells them apart.
+    """
+    order = np.argsort(-result.worker_slowdown, axis=None, kind="stable")[:candidates]
+    n_dp = result.worker_slowdown.shape[1]
+    workers = [(int(i % n_dp), int(i // n_dp)) for i in order]
+    analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
+    times = analysis.run([Variant("ideal", swap=analysis.worker_rows([w])) for w in workers])
+    excess = float(result.t_nodelay.mean() - result.t_ideal.mean())
+    if excess <= 0:
+        return []
+    shares = [
+        (w, float(t.mean() - result.t_ideal.mean()) / excess)
+        for w, t in zip(workers, times, strict=True)
+    ]
+    return sorted((ws for ws in shares if ws[1] >= min_share), key=lambda ws: -ws[1])
+
+
+def _verified_removal(
+    result: WhatIfResult, prepared: PreparedTrace, compiled: CompiledModel
+) -> tuple[list[tuple[tuple[int, int], float]], float, float]:
+    """Verified slow workers, the share of the slowdown removing them all explains, and
+    the mean step time without them."""
+    suspects = verified_slow_workers(result, prepared, compiled)
+    if not suspects:
+        return [], result.mw.removed_share, result.mw.t_removed
+    analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
+    rows = analysis.worker_rows([w for w, _ in suspects])
+    removed = float(analysis.run([Variant("measured", swap=rows)])[0].mean())
+    tori, tideal = float(result.t_nodelay.mean()), float(result.t_ideal.mean())
+    share = (tori - removed) / (tori - tideal) if tori > tideal else 0.0
+    return suspects, share, removed
+
+
+def _few_verified_workers(
+    result: WhatIfResult,
+    prepared: PreparedTrace,
+    compiled: CompiledModel,
+    evidence: dict[str, Any],
+    cfg: DiagnosisSettings,
+) -> bool:
+    """A handful of individually slow workers that M_W's top-3 % selection missed (it can
+    pick ghosts). Many slow workers are not "individual" stragglers."""
+    suspects, share, _ = _verified_removal(result, prepared, compiled)
+    n_workers = result.worker_slowdown.size
+    return (
+        bool(suspects) and len(suspects) <= max(2, n_workers // 8) and (share >= cfg.explains_share)
+    )
+
+
+def _slow_workers(
+    result: WhatIfResult,
+    prepared: PreparedTrace,
+    compiled: CompiledModel,
+    base_time: float,
+    evidence: dict[str, Any],
+    advice: list[Advice],
+) -> tuple[str, str]:
+    suspects, share, removed = _verified_removal(result, prepared, compiled)
+    evidence["verified_workers"] = [
+        {"dp": d, "stage": s, "share": part} for (d, s), part in suspects
+    ]
+    evidence["verified_workers_share"] = share
+    if suspects and share >= result.mw.removed_share:
+        named, explained, t_removed = tuple(w for w, _ in suspects), share, removed
+    else:
+        named, explained = result.mw.workers, result.mw.removed_share
+        t_removed = result.mw.t_removed
+    workers = ", ".join(f"(dp {d}, pp {s})" for d, s in named)
+    resplit = advise_resplit(prepared, base_time, compiled)
+    if resplit:
+        advice.append(resplit)
+    consolidate = advise_consolidation(prepared, named, base_time, compiled)
+    if consolidate:
+        advice.append(consolidate)
+    advice.append(
+        Advice(
+            "remove the straggler",
+            f"restart without {workers} (spare node or smaller DP)",
+            base_time / t_removed,
+        )
+    )
+    return "slow_workers", f"worker(s) {workers} explain {explained:.0%} of the slowdown"
+
+
+def consolidated_placement(
+    workers: tuple[tuple[int, int], ...], n_stages: int, n_dp: int
+) -> dict[tuple[int, int], tuple[int, int]]:
+    """Moves (dp, stage) -> (dp, stage) that gather slow workers into as few pipeline
+    replicas as possible. A worker keeps its stage (its layers); it swaps places with a
+    healthy worker of the same stage in the target replica."""
+    by_stage: dict[int, list[int]] = {}
+    for dp, stage in workers:
+        by_stage.setdefault(stage, []).append(dp)
+    # Replicas needed = the most slow workers any one stage has; fill the replicas that
+    # already hold the most slow workers first.
+    needed = max(len(v) for v in by_stage.values())
+    load = {dp: sum(1 for d, _ in workers if d == dp) for dp in range(n_dp)}
+    targets = sorted(range(n_dp), key=lambda dp: (-load[dp], dp))[:needed]
+    moves: dict[tuple[int, int], tuple[int, int]] = {}
+    for stage, dps in by_stage.items():
+        free = [t for t in targets if t not in dps]
+        for dp in dps:
+            if dp not in targets:
+                moves[dp, stage] = (free.pop(0), stage)
+    return moves
+
+
+def advise_consolidation(
+    prepared: PreparedTrace,
+    workers: tuple[tuple[int, int], ...],
+    base_time: float,
+    compiled: CompiledModel,
+) -> Advice | None:
+    """Slow workers spread over pipeline replicas each hold their replica back; gathered
+    into the fewest replicas, only those lag, and a re-split gives them fewer
+    micro-batches. Advised only when that beats re-splitting without moving anyone."""
+    moves = consolidated_placement(workers, prepared.n_stages, prepared.n_dp)
+    if not moves or prepared.n_dp < 2:
+        return None
+    stage = prepared.model.node_stage()
+    cost = prepared.cost.astype(np.float64).copy()
+    for (dp, s), (to_dp, _) in moves.items():
+        nodes = np.flatnonzero(stage == s)
+        cost[nodes, :, dp], cost[nodes, :, to_dp] = (
+            cost[nodes, :, to_dp].copy(),
+            cost[nodes, :, dp].copy(),
+        )
+    consolidated, changed, n_mb = resplit_costs(prepared, cost)
+    predicted = base_time / resimulated_step_time(prepared, consolidated, compiled)
+    alone, _, _ = resplit_costs(prepared, prepared.cost)
+    if predicted <= base_time / resimulated_step_time(prepared, alone, compiled):
+        return None
+    shown = ", ".join(f"(dp {d}, pp {s}) -> dp {t}" for (d, s), (t, _) in moves.items())
+    return Advice(
+        "consolidate stragglers",
+        f"swap ranks so the slow workers share pipeline replicas ({shown}), then give DP "
+        f"ranks {changed} micro-batches instead of {n_mb} each",
         predicted,
     )
 
@@ -427,19 +585,7 @@ def diagnose(
         )
         advice.append(advise_healthy_links(prepared, base_time, compiled, cfg.slow_group_factor))
     elif result.mw.removed_share >= cfg.explains_share:
-        workers = ", ".join(f"(dp {d}, pp {s})" for d, s in result.mw.workers)
-        cause = "slow_workers"
-        summary = f"worker(s) {workers} explain {result.mw.removed_share:.0%} of the slowdown"
-        resplit = advise_resplit(prepared, base_time, compiled)
-        if resplit:
-            advice.append(resplit)
-        advice.append(
-            Advice(
-                "remove the straggler",
-                f"restart without {workers} (spare node or smaller DP)",
-                base_time / result.mw.t_removed,
-            )
-        )
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice)
     elif correlation >= cfg.correlation_threshold:
         cause = "sequence_imbalance"
         summary = (
@@ -464,6 +610,8 @@ def diagnose(
                 prepared, base_time, compiled, cfg.gc_outlier_factor, cfg.planned_gc_interval_steps
             )
         )
+    elif _few_verified_workers(result, prepared, compiled, evidence, cfg):
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice)
     else:
         cause = "unattributed"
         top = evidence["top_optype"]
