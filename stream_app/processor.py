@@ -101,7 +101,18 @@ class StepOutput:
 @dataclass
 class _Window:
     first_seen: float
-    batches: dict[tuple[int, int], RankStepBatch] = field(default_factory=dict)
+    #: Batches per (dp, pp) coordinate: a rank-step may arrive in several parts (a huge
+    #: step, or ops recorded after the step was sealed).
+    batches: dict[tuple[int, int], list[RankStepBatch]] = field(default_factory=dict)
+    fingerprints: set[tuple[int, int, bytes]] = field(default_factory=set)
+
+    def all_batches(self) -> list[RankStepBatch]:
+        return [b for parts in self.batches.values() for b in parts]
+
+
+def _fingerprint(batch: RankStepBatch) -> tuple[int, int, bytes]:
+    """Identity of a batch's content: a re-sent batch has the same ops at the same times."""
+    return (batch.dp_rank, batch.pp_rank, batch.start_ns.tobytes() + batch.seq.tobytes())
 
 
 class _RunningIdeal:
@@ -210,11 +221,12 @@ class StepProcessor:
         window = self.windows.get(key)
         if window is None:
             window = self.windows[key] = _Window(first_seen=self.clock())
-        coordinate = (batch.dp_rank, batch.pp_rank)
-        if coordinate in window.batches:
+        fingerprint = _fingerprint(batch)
+        if fingerprint in window.fingerprints:
             self.counters["duplicate_batches"] += 1
             return []
-        window.batches[coordinate] = batch
+        window.fingerprints.add(fingerprint)
+        window.batches.setdefault((batch.dp_rank, batch.pp_rank), []).append(batch)
         self.counters["ops"] += batch.n_ops
         job = self.jobs.get(job_key)
         if job is not None and len(window.batches) == job.info.dp_size * job.info.pp_size:
@@ -248,7 +260,7 @@ class StepProcessor:
         remembered.append(step)
         closed_set.add(step)
         self.counters["steps_closed"] += 1
-        start_ns = min(int(b.start_ns.min()) for b in window.batches.values() if b.n_ops)
+        start_ns = min(int(b.start_ns.min()) for b in window.all_batches() if b.n_ops)
         job = self.jobs.get(job_key)
         if job is None:
             self.counters["steps_unanalysed"] += 1
@@ -287,7 +299,9 @@ class StepProcessor:
                 info,
                 reason="no pipeline replica reported all its stages",
             )
-        batches = [window.batches[dp, pp] for dp in complete_dp for pp in range(info.pp_size)]
+        batches = [
+            b for dp in complete_dp for pp in range(info.pp_size) for b in window.batches[dp, pp]
+        ]
         try:
             result, prepared = self._analyse(job, batches, complete_dp)
         except TraceError as exc:
@@ -393,7 +407,7 @@ class StepProcessor:
             "settings": self.settings.model_dump(),
             "counters": dict(self.counters),
             "windows": {
-                key: {"age_s": self.clock() - w.first_seen, "batches": list(w.batches.values())}
+                key: {"age_s": self.clock() - w.first_seen, "batches": w.all_batches()}
                 for key, w in self.windows.items()
             },
             "closed": {key: list(steps) for key, steps in self.closed.items()},
@@ -421,7 +435,8 @@ class StepProcessor:
         for key, saved in state["windows"].items():
             window = _Window(first_seen=now - saved["age_s"])
             for batch in saved["batches"]:
-                window.batches[batch.dp_rank, batch.pp_rank] = batch
+                window.batches.setdefault((batch.dp_rank, batch.pp_rank), []).append(batch)
+                window.fingerprints.add(_fingerprint(batch))
             processor.windows[key] = window
         for key, steps in state["closed"].items():
             processor.closed[key] = deque(steps, maxlen=processor.settings.closed_steps_remembered)

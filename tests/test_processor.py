@@ -155,3 +155,31 @@ def test_change_points_of_a_slow_worker_episode():
     assert [k for k, _ in kinds] == ["onset", "recovery"], kinds
     assert abs(kinds[0][1] - 40) <= 3 and abs(kinds[1][1] - 70) <= 3
     assert any(c.series == "dp/1" and c.kind == "onset" for c in changes)
+
+
+def test_a_rank_step_in_several_parts_is_merged(reference_dir):
+    """The timer splits huge steps into several batches of the same rank-step: the parts
+    are joined, only exact re-sends are dropped, and the result equals the whole's."""
+    import dataclasses
+
+    info, steps = stream_of("ST")
+    batches = steps[0][2]
+    whole = StepProcessor()
+    whole.on_job(info)
+    expected = next(o for b in batches for o in whole.on_batch(b))
+
+    first, half = batches[0], batches[0].n_ops // 2
+    columns = ("optype", "microbatch", "chunk", "seq", "start_ns", "duration_ns")
+    parts = [
+        dataclasses.replace(first, **{c: getattr(first, c)[sl] for c in columns})
+        for sl in (slice(0, half), slice(half, None))
+    ]
+    split = StepProcessor()
+    split.on_job(info)
+    outputs = []
+    for batch in [parts[0], parts[0], parts[1], *batches[1:]]:
+        outputs.extend(split.on_batch(batch))
+    assert split.counters["duplicate_batches"] == 1
+    assert len(outputs) == 1
+    assert outputs[0].result.t_nodelay[0] == expected.result.t_nodelay[0]
+    assert outputs[0].result.slowdown == expected.result.slowdown
