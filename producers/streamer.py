@@ -109,6 +109,8 @@ class Streamer:
         self._checkpoint_dirty = False
         self._last_checkpoint = 0.0
         self._backoff_s = 0.0
+        self._fatal = False
+        self._owns_producer = producer is None
         self._producer = producer or self._make_producer()
         self._load_checkpoint()
 
@@ -129,10 +131,22 @@ class Streamer:
                 "queue.buffering.max.kbytes": max(1024, 2 * settings.max_in_flight_bytes // 1024),
                 "batch.size": 1 << 20,
                 "reconnect.backoff.max.ms": 2000,
+                "error_cb": self._on_client_error,
             }
         )
         config.update(self.config.kafka.client_options)
         return Producer(config)
+
+    def _on_client_error(self, err: Any) -> None:
+        if err.fatal():
+            # The idempotent producer cannot continue (e.g. fenced): rewind every rank and
+            # start a new producer; already-sent batches are re-sent with their ids.
+            log.error("fatal Kafka producer error: %s; restarting the producer", err)
+            self._fatal = True
+            for state in self._ranks.values():
+                state.rewind = True
+        else:
+            log.warning("Kafka: %s", err)
 
     def ensure_topics(self, timeout_s: float = 10.0) -> None:
         """Create the topics if missing (jobs compacted); best effort, the broker may be down."""
@@ -379,6 +393,8 @@ class Streamer:
             else:
                 pending.failed = True
                 state.rewind = True
+                if err.fatal():
+                    self._fatal = True
                 self.stats.delivery_failures += 1
                 log.warning("delivery to %s failed (%s); will re-send from the log", topic, err)
 
@@ -410,6 +426,10 @@ class Streamer:
                   for p in s.pending) and time.monotonic() < deadline:  # fmt: skip
             self._producer.poll(0.1)
         self._advance()
+        if self._fatal and self._owns_producer:
+            self._producer.purge()
+            self._producer = self._make_producer()
+            self._fatal = False
         for name, state in self._ranks.items():
             if not state.rewind and not state.pending:
                 continue
