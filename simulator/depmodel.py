@@ -8,6 +8,7 @@ and assumed to hold for every step and DP rank, following WHATIF.md §A3 rule by
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ class DependencyModel:
     noop_nodes: frozenset[int]
     overlapped_dp: bool
     has_dp_comm: bool
+    #: Topological level of every node (comm groups contracted); computed when absent.
+    level: np.ndarray | None = None
 
     @property
     def n_nodes(self) -> int:
@@ -142,8 +145,8 @@ class _Builder:
         earliest_end = min(o.end for o in compute)
         live_recvs = [r for r in recvs if r.start <= latest_start + P2P_NOOP_TOLERANCE_S]
         live_sends = [s for s in sends if s.end >= earliest_end - P2P_NOOP_TOLERANCE_S]
-        self.noops.update(o.node for o in recvs if o not in live_recvs)
-        self.noops.update(o.node for o in sends if o not in live_sends)
+        live_nodes = {o.node for o in live_recvs} | {o.node for o in live_sends}
+        self.noops.update(o.node for o in recvs + sends if o.node not in live_nodes)
 
         peer_offset = {"send": 1, "recv": -1} if direction == "forward" else {"send": -1, "recv": 1}
         paired: dict[str, list[int]] = {"send": [], "recv": []}
@@ -321,8 +324,8 @@ def infer_dependency_model(
         overlapped_dp=overlapped_dp,
         has_dp_comm=has_dp_comm,
     )
-    topological_levels(model)  # raises on a cycle, naming the ops in it
-    return model
+    # Raises on a cycle, naming the ops in it.
+    return dataclasses.replace(model, level=topological_levels(model))
 
 
 def topological_levels(model: DependencyModel) -> np.ndarray:
@@ -332,42 +335,47 @@ def topological_levels(model: DependencyModel) -> np.ndarray:
     all members of a group share a level and every dependency sits on an earlier level.
     Raises `TraceError` naming the ops on a cycle.
     """
+    if model.level is not None:
+        return model.level
     n = model.n_nodes
-    unit_of = np.arange(n)
+    unit_of = list(range(n))
+    members: list[list[int]] = [[i] for i in range(n)]
     for g, group in enumerate(model.groups):
-        unit_of[list(group.members)] = n + g
-    unit_ids = sorted(set(unit_of.tolist()))
-    members: dict[int, list[int]] = defaultdict(list)
-    for node, unit in enumerate(unit_of.tolist()):
-        members[unit].append(node)
-    unit_deps: dict[int, set[int]] = {
-        u: {int(unit_of[d]) for m in members[u] for d in model.deps[m]} for u in unit_ids
-    }
-    for u, ds in unit_deps.items():
-        if u in ds:
-            raise TraceError(
-                "dependency cycle inside one comm group: "
-                + ", ".join(str(model.nodes[m]) for m in members[u])
-            )
-    successors: dict[int, list[int]] = defaultdict(list)
-    remaining = {u: len(ds) for u, ds in unit_deps.items()}
-    for u, ds in unit_deps.items():
-        for d in ds:
+        for m in group.members:
+            unit_of[m] = n + g
+        members.append(list(group.members))
+    n_units = n + len(model.groups)
+    alive = [bool(members[u]) and (u >= n or unit_of[u] == u) for u in range(n_units)]
+    unit_deps: list[set[int]] = [set() for _ in range(n_units)]
+    for u in range(n_units):
+        if alive[u]:
+            for m in members[u]:
+                unit_deps[u].update(unit_of[d] for d in model.deps[m])
+            if u in unit_deps[u]:
+                raise TraceError(
+                    "dependency cycle inside one comm group: "
+                    + ", ".join(str(model.nodes[m]) for m in members[u])
+                )
+    successors: list[list[int]] = [[] for _ in range(n_units)]
+    remaining = [len(d) for d in unit_deps]
+    for u in range(n_units):
+        for d in unit_deps[u]:
             successors[d].append(u)
-    level = {u: 0 for u in unit_ids}
-    ready = [u for u in unit_ids if remaining[u] == 0]
+    level = [0] * n_units
+    ready = [u for u in range(n_units) if alive[u] and remaining[u] == 0]
     done = 0
     while ready:
         u = ready.pop()
         done += 1
         for v in successors[u]:
-            level[v] = max(level[v], level[u] + 1)
+            if level[u] + 1 > level[v]:
+                level[v] = level[u] + 1
             remaining[v] -= 1
             if remaining[v] == 0:
                 ready.append(v)
-    if done != len(unit_ids):
-        stuck = [m for u in unit_ids if remaining[u] > 0 for m in members[u]]
+    if done != sum(alive):
+        stuck = [m for u in range(n_units) if alive[u] and remaining[u] > 0 for m in members[u]]
         names = ", ".join(str(model.nodes[m]) for m in stuck[:12])
         more = f" and {len(stuck) - 12} more" if len(stuck) > 12 else ""
         raise TraceError(f"dependency model has a cycle; ops that can never start: {names}{more}")
-    return np.array([level[int(unit_of[i])] for i in range(n)], dtype=np.int64)
+    return np.array([level[unit_of[i]] for i in range(n)], dtype=np.int64)

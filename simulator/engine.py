@@ -27,11 +27,13 @@ from simulator.depmodel import DependencyModel, topological_levels
 class _Level:
     #: Nodes of this level: plain ops first, then comm members sorted by group.
     ops: np.ndarray
-    #: (n_ops, k) indices into the end buffer; padded with the sentinels.
-    deps: np.ndarray
+    #: Dependency slots: deps[j] holds, for every op, its j-th dependency's row in the end
+    #: buffer (padded with the sentinel rows), so max over slots = latest dependency end.
+    deps: tuple[np.ndarray, ...]
     n_plain: int
-    #: reduceat offsets of each group's members within the comm part.
-    group_offsets: np.ndarray
+    #: reduceat offsets of each group's members within the comm part; None when every
+    #: group of the level is a singleton (its start is then just the member's start).
+    group_offsets: np.ndarray | None
     #: group (local index) of each comm member.
     member_group: np.ndarray
     synced: np.ndarray
@@ -58,29 +60,41 @@ def compile_model(model: DependencyModel) -> CompiledModel:
     n = model.n_nodes
     zero_row, void_row = n, n + 1
     level_of = topological_levels(model)
+    by_level = np.argsort(level_of, kind="stable")
+    bounds = np.searchsorted(level_of[by_level], np.arange(int(level_of.max()) + 2 if n else 1))
+    group_of = model.group_of.tolist()
     levels = []
-    for level in range(int(level_of.max()) + 1 if n else 0):
-        nodes = np.flatnonzero(level_of == level)
-        plain = [int(v) for v in nodes if model.group_of[v] < 0]
-        group_ids = sorted({int(model.group_of[v]) for v in nodes if model.group_of[v] >= 0})
+    for level in range(bounds.size - 1):
+        nodes = by_level[bounds[level] : bounds[level + 1]].tolist()
+        plain = [v for v in nodes if group_of[v] < 0]
+        group_ids = sorted({group_of[v] for v in nodes if group_of[v] >= 0})
         members = [m for g in group_ids for m in model.groups[g].members]
         sizes = [len(model.groups[g].members) for g in group_ids]
-        ops = np.array(plain + members, dtype=np.int64)
+        ops = plain + members
         width = max(1, max(len(model.deps[v]) for v in ops))
-        deps = np.full((ops.size, width), void_row, dtype=np.int64)
-        for i, v in enumerate(ops):
-            d = model.deps[v]
-            if d:
-                deps[i, : len(d)] = d
-            else:
-                deps[i, :] = zero_row
+        slots = []
+        for j in range(width):
+            slots.append(
+                np.array(
+                    [
+                        model.deps[v][j]
+                        if j < len(model.deps[v])
+                        else (void_row if model.deps[v] else zero_row)
+                        for v in ops
+                    ],
+                    dtype=np.int64,
+                )
+            )
         synced = np.array([model.groups[g].dp_synchronized for g in group_ids], dtype=bool)
+        all_singletons = all(size == 1 for size in sizes)
         levels.append(
             _Level(
-                ops=ops,
-                deps=deps,
+                ops=np.array(ops, dtype=np.int64),
+                deps=tuple(slots),
                 n_plain=len(plain),
-                group_offsets=np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64),
+                group_offsets=None
+                if all_singletons
+                else np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64),
                 member_group=np.repeat(np.arange(len(sizes)), sizes),
                 synced=synced,
                 any_synced=bool(synced.any()),
@@ -126,14 +140,17 @@ def simulate(
     end[compiled.zero_row] = 0.0
     end[compiled.void_row] = -np.inf
     starts = np.empty((n, n_cols), dtype=np.float64) if record_timeline else None
-    earliest = np.full(n_cols, np.inf)
+    # Without launch delays every op starts at or after 0, and ops without dependencies
+    # start exactly at 0, so the step's earliest start is 0.
+    earliest = np.full(n_cols, np.inf) if delay is not None else np.zeros(n_cols)
 
     for level in compiled.levels:
-        gathered = end[level.deps]
-        start = gathered[:, 0] if gathered.shape[1] == 1 else gathered.max(axis=1)
+        start = end[level.deps[0]]
+        for slot in level.deps[1:]:
+            np.maximum(start, end[slot], out=start)
         if delay is not None:
             start += delay[level.ops]
-        np.minimum(earliest, start.min(axis=0), out=earliest)
+            np.minimum(earliest, start.min(axis=0), out=earliest)
         if starts is not None:
             starts[level.ops] = start
         p = level.n_plain
@@ -141,7 +158,10 @@ def simulate(
             plain = level.ops[:p]
             end[plain] = start[:p] + cost[plain]
         if p < level.ops.size:
-            group_start = np.maximum.reduceat(start[p:], level.group_offsets, axis=0)
+            if level.group_offsets is None:
+                group_start = start[p:]
+            else:
+                group_start = np.maximum.reduceat(start[p:], level.group_offsets, axis=0)
             if level.any_synced:
                 synced_start = np.maximum.reduceat(
                     group_start[level.synced], segment_offsets, axis=1

@@ -103,8 +103,13 @@ def prepare(
     meta: JobMeta,
     *,
     skip_incomplete_steps: bool = False,
+    model: DependencyModel | None = None,
 ) -> PreparedTrace:
-    """Validate the trace's structure, infer the dependency model, derive inputs."""
+    """Validate the trace's structure, infer the dependency model, derive inputs.
+
+    With `model` (inferred earlier, e.g. from a job's first step), the trace is mapped
+    onto it instead: streaming analyses infer once per job, not once per step.
+    """
     if trace.n_rows == 0:
         raise TraceError(f"{trace.source}: the trace has no rows")
     src = trace.source
@@ -118,39 +123,39 @@ def prepare(
     start = (trace.start_ts - origin[step_idx]).astype(np.float32)
     end = (start + trace.duration).astype(np.float32)
 
-    ref = np.flatnonzero((trace.dp_rank == 0) & (trace.step == step_ids[0]))
-    ref = ref[np.lexsort((trace.seq_id[ref], trace.optype[ref], trace.stage[ref]))]
-    node_key = _op_key(trace, ref)
-    if np.any(node_key[1:] == node_key[:-1]):
-        dup = ref[1:][node_key[1:] == node_key[:-1]][0]
-        raise TraceError(f"{src}: duplicate op {trace.describe_row(int(dup))}")
     names = trace.optype_names
-    overlapped = ot.SEPARATE_GRADS_ALL_REDUCE in {names[c] for c in np.unique(trace.optype)}
-    model = infer_dependency_model(
-        trace.stage[ref],
-        [names[c] for c in trace.optype[ref]],
-        trace.seq_id[ref],
-        start[ref],
-        end[ref],
-        trace.mc[ref],
-        trace.gmc[ref],
-        n_stages=n_stages,
-        vpp=meta.vpp_size,
-        has_dp_comm=n_dp * meta.dsp_size > 1,
-        overlapped_dp=overlapped,
-    )
+    if model is None:
+        model = _infer_from_first_step(trace, meta, step_ids[0], start, end, n_dp, n_stages)
+    elif model.node_stage().max(initial=0) + 1 != n_stages:
+        raise TraceError(
+            f"{src}: the trace has {n_stages} stage(s) but the job's dependency model "
+            f"{int(model.node_stage().max(initial=0)) + 1}"
+        )
 
-    row_key = _op_key(trace, np.arange(trace.n_rows))
-    node_of_row = np.searchsorted(node_key, row_key)
-    node_of_row_clipped = np.minimum(node_of_row, node_key.size - 1)
-    unknown = node_key[node_of_row_clipped] != row_key
+    # Map every row to its node through a sorted (stage, optype, seq) key.
+    code_of = {name: code for code, name in enumerate(names)}
+    max_seq = int(max(trace.seq_id.max(), max((n.seq for n in model.nodes), default=0))) + 1
+    node_key = np.array(
+        [
+            (n.stage * (len(names) + 1) + code_of.get(n.optype, len(names))) * max_seq + n.seq
+            for n in model.nodes
+        ],
+        dtype=np.int64,
+    )
+    row_key = (trace.stage.astype(np.int64) * (len(names) + 1) + trace.optype) * max_seq
+    row_key += trace.seq_id
+    by_key = np.argsort(node_key)
+    sorted_keys = node_key[by_key]
+    position = np.minimum(np.searchsorted(sorted_keys, row_key), sorted_keys.size - 1)
+    unknown = sorted_keys[position] != row_key
     if unknown.any():
         row = int(np.flatnonzero(unknown)[0])
         raise TraceError(
             f"{src}: op {trace.describe_row(row)} does not occur on dp 0 in the first step "
-            f"({int(step_ids[0])}); every worker must run the same ops in every step "
-            f"({int(unknown.sum())} such row(s))"
+            f"the dependency model was inferred from; every worker must run the same ops in "
+            f"every step ({int(unknown.sum())} such row(s))"
         )
+    node_of_row = by_key[position]
     n_nodes = model.n_nodes
     n_steps = step_ids.size
     flat = (node_of_row * n_steps + step_idx) * n_dp + trace.dp_rank
@@ -220,6 +225,40 @@ def prepare(
         keep = ~np.isin(step_ids, [d.step for d in dropped])
         prepared = prepared.select_steps(keep)
     return prepared
+
+
+def _infer_from_first_step(
+    trace: Trace,
+    meta: JobMeta,
+    first_step: int,
+    start: np.ndarray,
+    end: np.ndarray,
+    n_dp: int,
+    n_stages: int,
+) -> DependencyModel:
+    """The dependency model of the reference slice: dp rank 0 in the first step."""
+    src = trace.source
+    ref = np.flatnonzero((trace.dp_rank == 0) & (trace.step == first_step))
+    ref = ref[np.lexsort((trace.seq_id[ref], trace.optype[ref], trace.stage[ref]))]
+    key = _op_key(trace, ref)
+    if np.any(key[1:] == key[:-1]):
+        dup = ref[1:][key[1:] == key[:-1]][0]
+        raise TraceError(f"{src}: op {trace.describe_row(int(dup))} is recorded more than once")
+    names = trace.optype_names
+    overlapped = ot.SEPARATE_GRADS_ALL_REDUCE in {names[c] for c in np.unique(trace.optype)}
+    return infer_dependency_model(
+        trace.stage[ref],
+        [names[c] for c in trace.optype[ref]],
+        trace.seq_id[ref],
+        start[ref],
+        end[ref],
+        trace.mc[ref],
+        trace.gmc[ref],
+        n_stages=n_stages,
+        vpp=meta.vpp_size,
+        has_dp_comm=n_dp * meta.dsp_size > 1,
+        overlapped_dp=overlapped,
+    )
 
 
 def _op_key(trace: Trace, rows: np.ndarray) -> np.ndarray:

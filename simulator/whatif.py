@@ -19,15 +19,16 @@ from typing import Literal
 import numpy as np
 
 from simulator import optypes as ot
-from simulator.engine import CompiledModel, compile_model, simulate
+from simulator.engine import CompiledModel, Timeline, compile_model, simulate
 from simulator.prepare import DroppedStep, PreparedTrace
 
 #: Attribution is reported only when the slowdown reaches this (the reference's default).
 DEFAULT_DECOMPOSE_THRESHOLD = 1.03
 #: Share of workers that M_W blames: the top 3 %.
 TOP_WORKER_SHARE = 0.03
-#: Columns simulated per engine pass; bounds the engine's buffers to ~8 bytes x this.
-DEFAULT_MAX_CELLS_PER_PASS = 4_000_000
+#: (node x column) cells simulated per engine pass: each float64 buffer of the pass is at
+#: most 8 bytes x this, which bounds memory whatever the job's size.
+DEFAULT_MAX_CELLS_PER_PASS = 1_500_000
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,13 @@ class WhatIfAnalysis:
             mask[stage, dp] = True
         return Selection(self.all_nodes(), mask)
 
+    def ideal_timeline(self) -> Timeline:
+        """Start and end of every op in the ideal step (the same for every DP rank)."""
+        cost = self.ideal_node_cost[:, None].copy()
+        result = simulate(self.compiled, cost, None, np.zeros(1, np.int64), record_timeline=True)
+        assert result.timeline is not None
+        return result.timeline
+
     # -- running variants -------------------------------------------------------------
     def _columns(self, variant: Variant) -> np.ndarray:
         """DP ranks a variant must simulate: all, or the changed ones plus one ideal."""
@@ -211,76 +219,97 @@ class WhatIfAnalysis:
         untouched = np.flatnonzero(~touched)
         return np.concatenate([changed, untouched[:1]]) if untouched.size else changed
 
-    def _inputs(
-        self, variant: Variant, dp_cols: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray | None, int]:
+    def _fill(
+        self, variant: Variant, dp_cols: np.ndarray, cost: np.ndarray, delay: np.ndarray | None
+    ) -> None:
+        """Write a variant's inputs into its slice of a pass's buffers ([node, column])."""
         prep = self.prepared
-        n_steps = prep.n_steps
-        pure_ideal = variant.cost == "ideal" and variant.swap is None and variant.delay == "none"
-        steps_simulated = 1 if pure_ideal else n_steps
-        col_step = np.repeat(np.arange(steps_simulated), dp_cols.size)
-        col_dp = np.tile(dp_cols, steps_simulated)
-        ideal = np.broadcast_to(self.ideal_node_cost[:, None], (prep.model.n_nodes, col_dp.size))
+        n = prep.model.n_nodes
+        n_steps = cost.shape[1] // dp_cols.size
+        all_dp = dp_cols.size == prep.n_dp and np.array_equal(dp_cols, np.arange(prep.n_dp))
+
+        def measured(values: np.ndarray) -> np.ndarray:
+            if all_dp:
+                return values.reshape(n, -1)  # a view: columns are (step, dp) in order
+            return values[:, :, dp_cols].reshape(n, -1)
+
+        ideal = self.ideal_node_cost[:, None]
         if variant.cost == "measured":
-            cost = prep.cost[:, col_step, col_dp].astype(np.float64)
+            cost[:] = measured(prep.cost)
         else:
-            cost = np.array(ideal)
+            cost[:] = ideal
         swap = None
         if variant.swap is not None:
+            col_dp = np.tile(dp_cols, n_steps)
             swap = variant.swap.nodes[:, None] & variant.swap.workers[self.node_stage][:, col_dp]
             if variant.delay != "swap":
-                other = ideal if variant.cost == "measured" else prep.cost[:, col_step, col_dp]
-                cost = np.where(swap, other, cost)
-        delay = None
-        if variant.delay != "none":
-            delay = prep.launch_delay[:, col_step, col_dp].astype(np.float64)
-            if variant.delay == "swap":
-                delay = np.where(swap, delay, 0.0)
-        return cost, delay, steps_simulated
+                other = (
+                    np.broadcast_to(ideal, cost.shape)
+                    if variant.cost == "measured"
+                    else measured(prep.cost)
+                )
+                np.copyto(cost, other, where=swap)
+        if delay is not None:
+            if variant.delay == "none":
+                delay[:] = 0.0
+            elif variant.delay == "all":
+                delay[:] = measured(prep.launch_delay)
+            else:
+                delay[:] = 0.0
+                np.copyto(delay, measured(prep.launch_delay), where=swap)
 
     def run(self, variants: list[Variant]) -> list[np.ndarray]:
-        """Step time of every variant, [step] each."""
-        n_steps = self.prepared.n_steps
-        n_nodes = max(1, self.prepared.model.n_nodes)
-        results: list[np.ndarray] = [np.empty(0)] * len(variants)
-        batch: list[tuple[int, np.ndarray, np.ndarray | None, int, int]] = []
-        cells = 0
+        """Step time of every variant, [step] each.
 
-        def flush() -> None:
-            nonlocal batch, cells
-            if not batch:
-                return
-            costs = np.concatenate([b[1] for b in batch], axis=1)
-            any_delay = any(b[2] is not None for b in batch)
-            delays = None
-            if any_delay:
-                delays = np.concatenate(
-                    [b[2] if b[2] is not None else np.zeros_like(b[1]) for b in batch], axis=1
-                )
-            offsets, col = [], 0
-            for _, cost, _, steps_simulated, width in batch:
-                offsets.extend(range(col, col + cost.shape[1], width))
-                col += cost.shape[1]
-                del steps_simulated
-            times = simulate(self.compiled, costs, delays, np.array(offsets, dtype=np.int64))
-            seg = 0
-            for index, _, _, steps_simulated, _ in batch:
-                t = times.step_time[seg : seg + steps_simulated]
-                results[index] = (
-                    np.broadcast_to(t, (n_steps,)).copy() if steps_simulated == 1 else t
-                )
-                seg += steps_simulated
-            batch, cells = [], 0
-
+        Variants are packed into passes of at most `max_cells_per_pass` (node x column)
+        cells; variants with launch delays share passes so the others need no delay buffer.
+        """
+        prep = self.prepared
+        n_nodes = prep.model.n_nodes
+        plans = []
         for index, variant in enumerate(variants):
             dp_cols = self._columns(variant)
-            cost, delay, steps_simulated = self._inputs(variant, dp_cols)
-            if cells and cells + cost.size > self.max_cells_per_pass:
-                flush()
-            batch.append((index, cost, delay, steps_simulated, dp_cols.size))
-            cells += cost.size * (2 if delay is not None else 1)
-        flush()
-        del n_nodes
+            pure_ideal = variant.cost == "ideal" and variant.swap is None
+            steps_simulated = 1 if pure_ideal and variant.delay == "none" else prep.n_steps
+            plans.append((index, variant, dp_cols, steps_simulated))
+        plans.sort(key=lambda plan: plan[1].delay != "none")
+
+        results: list[np.ndarray] = [np.empty(0)] * len(variants)
+        passes: list[list] = []
+        cells = 0
+        for plan in plans:
+            width = plan[2].size * plan[3] * n_nodes
+            with_delay = plan[1].delay != "none"
+            if (
+                not passes
+                or cells + width > self.max_cells_per_pass
+                or (passes[-1][0][1].delay != "none") != with_delay
+            ):
+                passes.append([])
+                cells = 0
+            passes[-1].append(plan)
+            cells += width
+
+        for group in passes:
+            n_cols = sum(plan[2].size * plan[3] for plan in group)
+            cost = np.empty((n_nodes, n_cols))
+            delay = np.empty((n_nodes, n_cols)) if group[0][1].delay != "none" else None
+            offsets: list[int] = []
+            col = 0
+            for _, variant, dp_cols, steps_simulated in group:
+                width = dp_cols.size * steps_simulated
+                part = slice(col, col + width)
+                self._fill(
+                    variant, dp_cols, cost[:, part], None if delay is None else delay[:, part]
+                )
+                offsets.extend(range(col, col + width, dp_cols.size))
+                col += width
+            times = simulate(self.compiled, cost, delay, np.array(offsets, dtype=np.int64))
+            segment = 0
+            for index, _, _, steps_simulated in group:
+                step_time = times.step_time[segment : segment + steps_simulated]
+                results[index] = np.broadcast_to(step_time, (prep.n_steps,)).copy()
+                segment += steps_simulated
         return results
 
 

@@ -1,8 +1,11 @@
-"""Shared fixtures: a real Kafka broker for the whole session.
+"""Shared fixtures.
 
-`LAGSCOPE_KAFKA_BOOTSTRAP=host:port` uses an existing broker; otherwise a local KRaft
-broker is fetched (deploy/kafka_local.py, cached in .cache/kafka/) and started. If it
-cannot start, the tests that need it fail with the broker's log: they never skip.
+- The reference traces live in ../shared/reference-traces beside the checkout (never copied
+  into the project); a run without them fails rather than skips.
+- A real Kafka broker for the whole session: `LAGSCOPE_KAFKA_BOOTSTRAP=host:port` uses an
+  existing broker; otherwise a local KRaft broker is fetched (deploy/kafka_local.py, cached
+  in .cache/kafka/) and started. If it cannot start, the tests that need it fail with the
+  broker's log: they never skip.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,40 @@ from deploy.kafka_local import KafkaBroker
 from producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_TRACES = REPO_ROOT.parent / "shared" / "reference-traces"
+REFERENCE_TRACES = Path(
+    os.environ.get("LAGSCOPE_REFERENCE_TRACES", REPO_ROOT.parent / "shared" / "reference-traces")
+)
+REFERENCE_NAMES = ("AR", "SE", "ST")
+
+
+@pytest.fixture(scope="session")
+def reference_dir() -> Path:
+    if not (REFERENCE_TRACES / "trace-AR.parquet").exists():
+        pytest.fail(
+            f"reference traces not found in {REFERENCE_TRACES}; set LAGSCOPE_REFERENCE_TRACES"
+        )
+    return REFERENCE_TRACES
+
+
+@cache
+def load_reference(name: str):
+    """(trace, meta) of a reference trace, cached for the session."""
+    from producers.reference_format import load_meta, load_trace
+
+    return (
+        load_trace(REFERENCE_TRACES / f"trace-{name}.parquet"),
+        load_meta(REFERENCE_TRACES / f"meta-{name}.yaml"),
+    )
+
+
+@cache
+def analyzed_reference(name: str):
+    from simulator.prepare import prepare
+    from simulator.whatif import analyze
+
+    trace, meta = load_reference(name)
+    prepared = prepare(trace, meta)
+    return prepared, analyze(prepared)
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,121 @@
-"""`lagscope analyze`: batch what-if analysis of a recorded trace."""
+"""`lagscope analyze`: batch what-if analysis of a recorded trace (thin adapter)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from producers.reference_format import load_meta, load_trace
+from simulator.prepare import prepare
+from simulator.summary import result_to_dict, summary_lines
+from simulator.timeline import trace_events
+from simulator.trace import TraceError
+from simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, WhatIfAnalysis, analyze
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("analyze", help="what-if analysis of a recorded trace")
-    parser.add_argument("--trace", required=True)
-    parser.add_argument("--meta", required=True)
+    parser = subparsers.add_parser(
+        "analyze",
+        help="what-if analysis of a recorded trace",
+        description="How fast would the steps have been without stragglers, and who is to "
+        "blame? Reads a reference-format trace (parquet) and its job metadata (yaml).",
+    )
+    parser.add_argument("--trace", required=True, type=Path, help="trace parquet file")
+    parser.add_argument("--meta", required=True, type=Path, help="job metadata yaml file")
+    parser.add_argument("--json", type=Path, help="write the full result as JSON here")
+    parser.add_argument("--heatmap", type=Path, help="write the DPxPP worker heatmap PNG here")
+    parser.add_argument(
+        "--timeline", type=Path, help="write a Perfetto/Chrome trace (actual vs ideal) here"
+    )
+    parser.add_argument(
+        "--steps",
+        help="analyse only these steps, e.g. '16-39,404,410' (inputs are still derived from "
+        "the whole trace; ideal values come from the kept steps)",
+    )
+    parser.add_argument(
+        "--skip-incomplete-steps",
+        action="store_true",
+        help="drop steps where some worker lacks ops instead of failing (they are listed)",
+    )
+    parser.add_argument(
+        "--decompose-threshold",
+        type=float,
+        default=DEFAULT_DECOMPOSE_THRESHOLD,
+        help="report attributions only when the slowdown reaches this (default %(default)s)",
+    )
+    parser.add_argument(
+        "--always-decompose", action="store_true", help="report attributions at any slowdown"
+    )
     parser.set_defaults(handler=run)
 
 
+def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
+    """Mask of `available` steps named by '16-39,404': ranges keep the steps inside them
+    (step ids need not be contiguous); a single id or a range that matches nothing is an
+    error."""
+    keep = np.zeros(available.shape, dtype=bool)
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        try:
+            lo, sep, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
+            lo_id = int(lo)
+            hi_id = int(hi) if sep else lo_id
+        except ValueError:
+            raise TraceError(f"--steps: {part!r} is not a step id or a range like 16-39") from None
+        hit = (available >= lo_id) & (available <= hi_id)
+        if not hit.any():
+            raise TraceError(f"--steps: no step of the trace in {part!r}")
+        keep |= hit
+    if not keep.any():
+        raise TraceError("--steps: no step ids given")
+    return keep
+
+
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("analysis engine lands in the next commits")
+    trace = load_trace(args.trace)
+    meta = load_meta(args.meta)
+    prepared = prepare(trace, meta, skip_incomplete_steps=args.skip_incomplete_steps)
+    if args.steps:
+        prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
+    result = analyze(prepared, decompose_threshold=args.decompose_threshold)
+    print(
+        f"lagscope analyze: {args.trace} ({meta.trial_name}, dp {meta.dp_size} x pp "
+        f"{meta.pp_size} x tp {meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size})"
+    )
+    for line in summary_lines(result):
+        print("  " + line)
+    if args.json:
+        _write(
+            args.json,
+            json.dumps(result_to_dict(result, always_decompose=args.always_decompose), indent=2),
+        )
+    if args.heatmap:
+        from dashboards.heatmap import draw_worker_heatmap
+
+        args.heatmap.parent.mkdir(parents=True, exist_ok=True)
+        draw_worker_heatmap(
+            result.worker_slowdown,
+            args.heatmap,
+            dp_size=meta.dp_size,
+            pp_size=meta.pp_size,
+            title=f"{meta.trial_name}: worker slowdown S_w",
+        )
+        print(f"  heatmap written to {args.heatmap}")
+    if args.timeline:
+        ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
+        events = trace_events(prepared, ideal.start[:, 0], ideal.end[:, 0])
+        _write(args.timeline, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        print(f"  timeline written to {args.timeline} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if path.suffix == ".json" and path.name.startswith("analysis"):
+        print(f"  result written to {path}", file=sys.stdout)

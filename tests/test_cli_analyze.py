@@ -1,0 +1,140 @@
+"""`lagscope analyze` end to end: the summary, the JSON document, heatmap and timeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stream_app.cli import main
+
+
+def run_cli(*args: str) -> int:
+    return main(list(args))
+
+
+def test_analyze_writes_json_heatmap_and_timeline(reference_dir, tmp_path, capsys):
+    out = tmp_path / "st.json"
+    heatmap = tmp_path / "st.png"
+    timeline = tmp_path / "timeline.json"
+    code = run_cli(
+        "analyze",
+        "--trace",
+        str(reference_dir / "trace-ST.parquet"),
+        "--meta",
+        str(reference_dir / "meta-ST.yaml"),
+        "--json",
+        str(out),
+        "--heatmap",
+        str(heatmap),
+        "--timeline",
+        str(timeline),
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "slowdown S          1.1787" in printed
+    assert "verdict" in printed and "last pipeline stage (pp 3)" in printed
+
+    doc = json.loads(out.read_text())
+    for key in (
+        "slowdown",
+        "launch_slowdown",
+        "waste",
+        "by_optype",
+        "by_dp_rank",
+        "by_stage",
+        "mw",
+        "ms",
+        "steps",
+    ):
+        assert key in doc
+    assert doc["by_stage"]["3"] == pytest.approx(1.2323, rel=1e-3)
+    assert doc["launch_by_optype"] is None
+    step = doc["steps"]["23"]
+    assert set(step) >= {"actual", "simulated", "ideal", "slowdown"}
+    assert step["slowdown"] == pytest.approx(step["simulated"] / step["ideal"])
+
+    assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(timeline.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    pids = {e["pid"] for e in spans}
+    assert pids == {0, 1, 2}  # dp 0, dp 1 and the ideal
+    ideal_spans = [e for e in spans if e["pid"] == 2]
+    actual_spans = [e for e in spans if e["pid"] == 0]
+    assert len(ideal_spans) == len(actual_spans) == 106 * 32
+    assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_gated_attribution_is_null_below_threshold(reference_dir, tmp_path):
+    out = tmp_path / "r.json"
+    args = [
+        "analyze",
+        "--trace",
+        str(reference_dir / "trace-ST.parquet"),
+        "--meta",
+        str(reference_dir / "meta-ST.yaml"),
+        "--json",
+        str(out),
+        "--decompose-threshold",
+        "2.0",
+    ]
+    assert run_cli(*args) == 0
+    assert json.loads(out.read_text())["by_optype"] is None
+    assert run_cli(*args, "--always-decompose") == 0
+    assert json.loads(out.read_text())["by_optype"]["forward-compute"] > 1.0
+
+
+def test_steps_subset(reference_dir, tmp_path):
+    out = tmp_path / "r.json"
+    assert (
+        run_cli(
+            "analyze",
+            "--trace",
+            str(reference_dir / "trace-ST.parquet"),
+            "--meta",
+            str(reference_dir / "meta-ST.yaml"),
+            "--json",
+            str(out),
+            "--steps",
+            "23-34,1048",
+        )
+        == 0
+    )
+    assert list(json.loads(out.read_text())["steps"]) == ["23", "25", "33", "34", "1048"]
+
+
+def test_steps_not_in_trace_is_an_error(reference_dir, capsys):
+    code = run_cli(
+        "analyze",
+        "--trace",
+        str(reference_dir / "trace-ST.parquet"),
+        "--meta",
+        str(reference_dir / "meta-ST.yaml"),
+        "--steps",
+        "24",
+    )
+    assert code == 2
+    assert "no step of the trace in '24'" in capsys.readouterr().err
+
+
+def test_console_script_exit_code(reference_dir, tmp_path):
+    """The installed entry point reports errors on stderr with a non-zero exit code."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stream_app.cli",
+            "analyze",
+            "--trace",
+            str(tmp_path / "missing.parquet"),
+            "--meta",
+            str(reference_dir / "meta-ST.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "missing.parquet: no such file" in proc.stderr

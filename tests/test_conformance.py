@@ -1,0 +1,100 @@
+"""lagscope's batch analysis reproduces the reference analyzer on the three real traces."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import REFERENCE_NAMES, analyzed_reference
+
+RTOL = 1e-3
+#: Nodes / edges / comm groups of each trace's dependency model (WHATIF.md §A3).
+MODEL_SIZES = {"ST": (106, 165, 34), "SE": (78, 121, 22), "AR": (666, 1229, 202)}
+
+
+def expected(reference_dir, kind: str, name: str) -> dict:
+    return json.loads((reference_dir / f"{kind}-{name}.json").read_text())
+
+
+def assert_close(actual: float, wanted: float, what: str) -> None:
+    assert actual == pytest.approx(wanted, rel=RTOL), f"{what}: {actual} != {wanted}"
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_dependency_model_size(reference_dir, name):
+    prepared, _ = analyzed_reference(name)
+    model = prepared.model
+    assert (model.n_nodes, model.n_edges, len(model.groups)) == MODEL_SIZES[name]
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_headline_figures(reference_dir, name):
+    _, result = analyzed_reference(name)
+    ref = expected(reference_dir, "result", name)
+    assert_close(result.slowdown, ref["blocking_slowdown"], "slowdown")
+    assert_close(result.launch_slowdown, ref["launch_slowdown"], "launch_slowdown")
+    assert result.waste == pytest.approx(1 - 1 / ref["blocking_slowdown"], rel=RTOL)
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+@pytest.mark.parametrize("kind", ["optype", "dp_rank", "stage"])
+def test_attribution(reference_dir, name, kind):
+    _, result = analyzed_reference(name)
+    wanted = expected(reference_dir, "result", name)[f"blocking_decompose_by_{kind}"]
+    got = {"optype": result.by_optype, "dp_rank": result.by_dp_rank, "stage": result.by_stage}[
+        kind
+    ].overall
+    assert set(got) == set(wanted)
+    for group, value in wanted.items():
+        assert_close(got[group], value, f"{kind} {group}")
+    # The reference reports groups in descending order of slowdown.
+    ranked = [g for g, _ in getattr(result, f"by_{kind}").ranked()]
+    assert [wanted[g] for g in ranked] == sorted(wanted.values(), reverse=True)
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_per_step_times_and_attribution(reference_dir, name):
+    _, result = analyzed_reference(name)
+    ref = expected(reference_dir, "result", name)
+    steps = [str(int(s)) for s in result.steps]
+    assert steps == list(ref["step_t_base"])
+    np.testing.assert_allclose(result.t_actual, [ref["step_t_base"][s] for s in steps], rtol=RTOL)
+    np.testing.assert_allclose(
+        result.t_nodelay, [ref["step_t_nodelay"][s] for s in steps], rtol=RTOL
+    )
+    np.testing.assert_allclose(result.t_ideal, [ref["step_t_noblk"][s] for s in steps], rtol=RTOL)
+    per_step = ref["blocking_decompose_by_optype_per_step"]
+    for i, step in enumerate(steps):
+        for label, value in per_step[step].items():
+            assert_close(result.by_optype.per_step[label][i], value, f"step {step} {label}")
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_mw_ms(reference_dir, name):
+    _, result = analyzed_reference(name)
+    for kind, explained in (("mw", result.mw), ("ms", result.ms)):
+        ref = expected(reference_dir, kind, name)
+        assert_close(explained.removed_share, ref["rem"], f"{kind} rem")
+        assert_close(explained.added_share, ref["add"], f"{kind} add")
+        for field, attr in (
+            ("tori", "t_original"),
+            ("tideal", "t_ideal"),
+            ("trem", "t_removed"),
+            ("tadd", "t_added"),
+        ):
+            assert_close(getattr(explained, attr), ref[field], f"{kind} {field}")
+
+
+def test_top_workers_match_the_paper(reference_dir):
+    assert analyzed_reference("AR")[1].mw.workers == ((0, 0),)
+    assert analyzed_reference("SE")[1].mw.workers == ((8, 1), (27, 1))
+    assert analyzed_reference("ST")[1].mw.workers == ((1, 3),)
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+def test_simulation_reproduces_measured_step_times(reference_dir, name):
+    _, result = analyzed_reference(name)
+    assert result.simulation_error < 1e-4
+    assert result.launch_by_optype is None  # launch slowdown is below the gate on all three
