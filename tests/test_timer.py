@@ -152,3 +152,47 @@ def test_cuda_mode_records_events_without_synchronizing(tmp_path: Path) -> None:
     assert batch.n_ops == 4
     assert (batch.duration_ns > 0).all()
     assert abs(int(batch.start_ns[0]) - time.time_ns()) < 60e9
+
+
+def test_huge_step_is_split_into_batches_with_continuous_seq(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import producers.timer as timer_module
+
+    monkeypatch.setattr(timer_module, "MAX_OPS_PER_BATCH", 100)
+    with _timer(tmp_path) as timer:
+        timer.step(1)
+        for mb in range(250):
+            with timer.op("forward-compute", microbatch=mb):
+                pass
+    batches = _batches(tmp_path, 3)
+    assert [b.n_ops for b in batches] == [100, 100, 50]
+    assert all(b.step == 1 for b in batches)
+    seqs = [s for b in batches for s in b.seq.tolist()]
+    assert seqs == list(range(250))
+    # Parts differ in content, so each has its own batch id.
+    assert len({b.batch_id for b in batches}) == 3
+
+
+def test_ops_from_other_threads_are_kept(tmp_path: Path) -> None:
+    import threading
+
+    with _timer(tmp_path) as timer:
+        timer.step(0)
+
+        def comm_thread() -> None:
+            for i in range(2000):
+                timer.record("params-all-gather", start_ns=time.time_ns(), duration_ns=i)
+
+        thread = threading.Thread(target=comm_thread)
+        thread.start()
+        for step in range(1, 50):
+            for _ in range(40):
+                with timer.op("forward-compute"):
+                    pass
+            timer.step(step)
+        thread.join()
+    batches = _batches(tmp_path, 3)
+    kinds = [o["optype"] for b in batches for o in b.to_records()]
+    assert kinds.count("params-all-gather") == 2000
+    assert kinds.count("forward-compute") == 49 * 40

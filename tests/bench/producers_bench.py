@@ -40,6 +40,29 @@ def _timer_overhead_ns(log_dir: Path, n: int = 200_000) -> float:
     return best
 
 
+class _NullScope:
+    __slots__ = ()
+
+    def __enter__(self) -> _NullScope:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _null_with_ns(n: int = 200_000) -> float:
+    """What an empty `with` block costs on this machine: the floor for any Python timer."""
+    scope = _NullScope()
+    best = float("inf")
+    for _ in range(5):
+        begin = time.perf_counter_ns()
+        for _ in range(n):
+            with scope:
+                pass
+        best = min(best, (time.perf_counter_ns() - begin) / n)
+    return best
+
+
 def _bytes_per_op() -> dict[str, float]:
     trace = load_trace(REFERENCE_TRACES / "trace-AR.parquet")
     meta = load_meta(REFERENCE_TRACES / "meta-AR.yaml")
@@ -91,6 +114,10 @@ def run() -> list[dict]:
         rows.append({
             "benchmark": "producers: timer overhead per op (host mode, with op(...))",
             "value": _timer_overhead_ns(work / "timer"), "unit": "ns/op", "target": "< 1000",
+        })  # fmt: skip
+        rows.append({
+            "benchmark": "producers: reference, an empty with-block on this machine",
+            "value": _null_with_ns(), "unit": "ns/op", "target": "(context)",
         })  # fmt: skip
         sizes = _bytes_per_op()
         for name, value in sizes.items():
