@@ -300,21 +300,17 @@ class Streamer:
                 state, end, item.source, item.offset, item.length, item.reason, item.sample
             )
             return
-        source = str(self.log_dir / rank_name / item.file)
         if item.kind == KIND_BATCH:
             try:
-                head = peek_header(item.payload, f"{source}@{item.offset}")
-                _check_batch(item.payload, f"{source}@{item.offset}")
+                head = peek_header(item.payload)
+                _check_batch(item.payload)
             except SchemaError as exc:
+                # The file path is built only here: pathlib per record costs more than the rest.
+                source = str(self.log_dir / rank_name / item.file)
                 self._send_dead_letter(
-                    state,
-                    item.position_after,
-                    source,
-                    item.offset,
-                    len(item.payload),
-                    str(exc),
-                    item.payload[:64],
-                )
+                    state, item.position_after, source, item.offset, len(item.payload),
+                    f"{source}@{item.offset}: {exc}", item.payload[:64],
+                )  # fmt: skip
                 return
             self._produce(
                 state,
@@ -332,6 +328,7 @@ class Streamer:
             self.stats.ops += head["n_ops"]
             return
         if item.kind == KIND_JOB:
+            source = str(self.log_dir / rank_name / item.file)
             try:
                 info = JobInfo.model_validate_json(item.payload)
             except ValueError as exc:
@@ -440,7 +437,7 @@ class Streamer:
         self._backoff_s = time.monotonic() + min(5.0, 0.5 * self.stats.rewinds)
 
 
-def _check_batch(payload: bytes, where: str) -> None:
+def _check_batch(payload: bytes, where: str = "batch") -> None:
     """Cheap validation on the hot path: the batch's own checksum and declared size.
 
     The full decode (dictionary, column invariants) runs in the stream app; what the
