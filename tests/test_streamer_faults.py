@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from deploy.kafka_local import KafkaBroker
-from producers.events import decode_batch
+from producers.events import batch_id_of, decode_batch
+from producers.log import list_log_files, list_rank_dirs
 from producers.reference_format import load_meta, load_trace
 from producers.replay import default_job_id, iter_step_batches, replay
 from producers.streamer import BATCH_ID_HEADER
@@ -65,34 +66,76 @@ def _check_delivery(messages: list[Message], expected: Counter) -> int:
     return len(messages) - len(by_id)
 
 
+def _shipped_everything(log_dir: Path) -> bool:
+    """Whether the checkpoint says every rank's log was read and confirmed to its end."""
+    checkpoint = log_dir / ".streamer-checkpoint.json"
+    if not checkpoint.exists():
+        return False
+    positions = json.loads(checkpoint.read_text())["positions"]
+    for directory in list_rank_dirs(log_dir):
+        last = list_log_files(directory)[-1]
+        position = positions.get(directory.name)
+        if position != {"file": last, "offset": (directory / last).stat().st_size}:
+            return False
+    return True
+
+
+def _check_batches(messages: list[Message], expected_ids: set[bytes]) -> int:
+    """Batch-level check for large runs: ids are content hashes, so equal id sets mean equal
+    op sets; each message's content must hash to its id. Returns the duplicate count."""
+    by_id: dict[bytes, bytes] = {}
+    for message in messages:
+        batch_id = message.headers[BATCH_ID_HEADER]
+        assert batch_id_of(message.value).encode() == batch_id
+        if batch_id in by_id:
+            assert by_id[batch_id] == message.value, "one batch id, two different contents"
+        by_id[batch_id] = message.value
+    missing = expected_ids - set(by_id)
+    extra = set(by_id) - expected_ids
+    assert not missing, f"{len(missing)} batches lost"
+    assert not extra, f"{len(extra)} batches that were never written"
+    return len(messages) - len(by_id)
+
+
 def test_kill_9_at_random_points_loses_nothing(
     tmp_path: Path, kafka_bootstrap: str, kafka_topics: dict[str, str]
 ) -> None:
-    repeat = 20  # 2.3 M ops, 14,080 batches, ~67 MB of logs in 1 MiB files
+    repeat = 40  # 4.7 M ops, 28,160 batches, ~134 MB of logs in 4 MiB files
     log_dir = tmp_path / "logs"
     trace = load_trace(REFERENCE_TRACES / "trace-AR.parquet")
     meta = load_meta(REFERENCE_TRACES / "meta-AR.yaml")
     stats = replay(trace, meta, log_dir=log_dir, start_wall_ns=START_NS, repeat=repeat,
-                   progress=None, max_file_bytes=1 << 20)  # fmt: skip
+                   progress=None, max_file_bytes=4 << 20)  # fmt: skip
     seed = int(os.environ.get("LAGSCOPE_FAULT_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
-    command = _stream_cmd(log_dir, kafka_bootstrap, kafka_topics, idle_s=1.0)
+    command = _stream_cmd(log_dir, kafka_bootstrap, kafka_topics, idle_s=0.3)
     kills_mid_stream = 0
-    for _ in range(12):
+    for _ in range(14):
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)  # fmt: skip
-        time.sleep(rng.uniform(0.3, 1.3))
-        if process.poll() is None:
-            process.kill()  # SIGKILL: no flush, no final checkpoint
-            kills_mid_stream += 1
+        time.sleep(rng.uniform(0.4, 0.9))  # ~0.35 s of it is interpreter start-up
+        still_running = process.poll() is None
+        process.kill()  # SIGKILL: no flush, no final checkpoint
         process.wait()
+        if still_running and not _shipped_everything(log_dir):
+            kills_mid_stream += 1
     final = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr[-3000:]
+    assert _shipped_everything(log_dir)
     assert kills_mid_stream >= 10, f"seed {seed}: only {kills_mid_stream} kills mid-stream"
 
-    messages = consume_all(kafka_bootstrap, kafka_topics["topic_ops"], timeout_s=120)
-    duplicates = _check_delivery(messages, _expected_ops(repeat))
+    expected_ids = {
+        batch.batch_id.encode()
+        for _, _, batches in iter_step_batches(
+            trace, meta, job_id=default_job_id(meta), start_wall_ns=START_NS, repeat=repeat
+        )
+        for batch in batches
+    }
+    assert len(expected_ids) == stats.batches
+    messages = consume_all(kafka_bootstrap, kafka_topics["topic_ops"], timeout_s=180)
+    duplicates = _check_batches(messages, expected_ids)
     assert len(messages) - duplicates == stats.batches
+    print(f"seed {seed}: {kills_mid_stream} kills mid-stream, {duplicates} re-sent duplicates")
     assert len(consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])) >= 1
 
 
