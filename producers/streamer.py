@@ -276,9 +276,12 @@ class Streamer:
             state = self._ranks.get(name)
             if state is None:
                 state = self._ranks[name] = _RankState(self._reader(directory, None), None)
-            if self._in_flight_bytes >= self.settings.max_in_flight_bytes:
+            room = self.settings.max_in_flight_bytes - self._in_flight_bytes
+            if room <= 0:
                 break
-            items = state.reader.read(_READ_BUDGET)
+            # Never read more than fits: unconfirmed bytes stay bounded by about one record
+            # over the limit, however long Kafka is away.
+            items = state.reader.read(min(_READ_BUDGET, room))
             for item in items:
                 self._ship(name, state, item)
                 did_work = True

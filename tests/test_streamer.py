@@ -69,6 +69,12 @@ def test_reference_trace_reaches_kafka_exactly_once_in_batches(
     info = JobInfo.model_validate_json(jobs[0].value)
     assert (info.job_id, info.world_size, info.pp_size) == ("AR-0", 64, 4)
     assert jobs[0].key == b"AR-0/0"
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    resource = ConfigResource(ConfigResource.Type.TOPIC, kafka_topics["topic_jobs"])
+    configs = admin.describe_configs([resource])[resource].result(timeout=10)
+    assert configs["cleanup.policy"].value == "compact"
     assert consume_all(kafka_bootstrap, kafka_topics["topic_deadletter"]) == []
 
 
@@ -186,3 +192,29 @@ def test_replay_straight_into_kafka(
     assert sum(decode_batch(m.value).n_ops for m in messages) == trace.n_rows
     (job,) = consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])
     assert job.key == b"st-direct/3"
+
+
+def test_unreachable_kafka_keeps_memory_bounded_and_position_unconfirmed(tmp_path: Path) -> None:
+    from deploy.kafka_local import free_port
+    from producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
+
+    log_dir = tmp_path / "logs"
+    with LogWriter(log_dir, 1) as writer:
+        for step in range(400):
+            writer.append(KIND_BATCH, _batch(step, n=50).encode())  # ~1.5 KB each
+    limit = 20_000
+    config = LagscopeConfig(
+        kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}"),
+        streamer=StreamerSettings(log_dir=log_dir, max_in_flight_bytes=limit),
+    )
+    streamer = Streamer(config)
+    peak = 0
+    for _ in range(30):
+        streamer.step()
+        peak = max(peak, streamer._in_flight_bytes)
+        streamer._producer.poll(0.02)
+    assert 0 < peak <= limit + 2_000
+    assert streamer.stats.batches < 30  # it stopped reading, the log stays the buffer
+    streamer.close(timeout_s=0.5)
+    checkpoint = json.loads((log_dir / ".streamer-checkpoint.json").read_text())
+    assert checkpoint["positions"] == {}  # nothing confirmed, nothing claimed
