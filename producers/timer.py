@@ -25,6 +25,9 @@ ops recorded from other threads (or the GC callback) never interleave fields. Th
 per-op allocation is that tuple (it also counts toward gen-0 GC thresholds: one cheap
 young collection per ~700 ops, which the GC probe reports like any other).
 
+`mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
+names are still checked (a typo fails on every rank alike), nothing is timed or written.
+
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
 and exit (the current stream, or `stream=`); nothing on the hot path waits on the device.
@@ -112,6 +115,19 @@ def _wall_minus_perf_ns() -> int:
     return best[1]
 
 
+class _NullScope:
+    __slots__ = ()
+
+    def __enter__(self) -> _NullScope:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        return None
+
+
+_NULL_SCOPE = _NullScope()
+
+
 class _OpScope:
     """The context manager `OpTimer.op` returns; pooled so the hot path allocates only the
     op's tuple. Bound methods are cached: the timer's buffer list is never replaced."""
@@ -149,7 +165,7 @@ class OpTimer:
         cp_rank: int = 0,
         log_dir: str | Path,
         attempt: int = 0,
-        mode: Literal["auto", "host", "cuda"] = "auto",
+        mode: Literal["auto", "host", "cuda", "off"] = "auto",
         extra_optypes: Iterable[str] = (),
         gc_probe: bool = True,
         job_info: JobInfo | None = None,
@@ -182,9 +198,15 @@ class OpTimer:
         if mode == "cuda" or (mode == "auto" and _cuda_available()):
             self._cuda = _CudaTimer(self, calibrate_every_s)
         self._gc_start = 0
-        self._gc_probe = gc_probe
-        if gc_probe:
+        self._gc_probe = gc_probe and mode != "off"
+        if self._gc_probe:
             gc.callbacks.append(self._on_gc)
+        if mode == "off":
+            # Lighter mode for ranks the analysis does not need (all but one TP/CP rank per
+            # (dp, pp) coordinate): names are still checked, nothing is timed or written.
+            # Instance attributes shadow the methods, so "on" ranks pay nothing for this.
+            self.op = self._op_off  # type: ignore[method-assign]
+            self.record = self._record_off  # type: ignore[method-assign]
 
     # -- hot path -------------------------------------------------------------------------
 
@@ -208,6 +230,18 @@ class OpTimer:
         scope = free.pop() if free else _OpScope(self)
         scope.head = (code, self._current_step if step is None else step, microbatch, chunk)
         return scope
+
+    def _op_off(
+        self, optype: str, step: int | None = None, microbatch: int = -1, chunk: int = 0,
+        stream: Any = None,
+    ) -> Any:  # fmt: skip
+        if optype not in self._codes:
+            raise self._unknown(optype)
+        return _NULL_SCOPE
+
+    def _record_off(self, optype: str, **_: Any) -> None:
+        if optype not in self._codes:
+            raise self._unknown(optype)
 
     def timed(
         self, optype: str, *, microbatch: int = -1, chunk: int = 0

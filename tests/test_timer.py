@@ -196,3 +196,15 @@ def test_ops_from_other_threads_are_kept(tmp_path: Path) -> None:
     kinds = [o["optype"] for b in batches for o in b.to_records()]
     assert kinds.count("params-all-gather") == 2000
     assert kinds.count("forward-compute") == 49 * 40
+
+
+def test_off_mode_checks_names_but_writes_nothing(tmp_path: Path) -> None:
+    with _timer(tmp_path, mode="off", gc_probe=True) as timer:
+        timer.step(0)
+        with timer.op("forward-compute", microbatch=0):
+            pass
+        timer.record("optimizer", start_ns=0, duration_ns=1)
+        gc.collect()
+        with pytest.raises(UnknownOpTypeError):
+            timer.op("forward-comptue")
+    assert _batches(tmp_path, 3) == []
