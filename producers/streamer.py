@@ -47,6 +47,7 @@ from producers.log import (
     Position,
     RankLogReader,
     Record,
+    list_log_files,
     list_rank_dirs,
 )
 
@@ -228,6 +229,19 @@ class Streamer:
             os.close(dir_fd)
         self._checkpoint_dirty = False
         self._last_checkpoint = time.monotonic()
+        if self.settings.delete_shipped:
+            self._delete_shipped()
+
+    def _delete_shipped(self) -> None:
+        """Remove files wholly before each rank's checkpointed position (already durable)."""
+        for name, state in self._ranks.items():
+            if state.confirmed is None:
+                continue
+            directory = self.log_dir / name
+            for file in list_log_files(directory):
+                if file >= state.confirmed.file:
+                    break
+                (directory / file).unlink(missing_ok=True)
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -260,6 +274,15 @@ class Streamer:
             self._advance()
         self._advance()
         self.write_checkpoint()
+        if self._in_flight_bytes and self._owns_producer:
+            # Unconfirmed messages are dropped from memory, not from the log: the checkpoint
+            # stays before them and the next run re-sends them.
+            log.warning(
+                "%d bytes unconfirmed at shutdown; they are re-sent on the next run",
+                self._in_flight_bytes,
+            )
+            self._producer.purge()
+            self._producer.poll(0)
 
     def step(self) -> bool:
         """Read what is readable, produce it, serve delivery reports; True if it did work."""

@@ -216,5 +216,22 @@ def test_unreachable_kafka_keeps_memory_bounded_and_position_unconfirmed(tmp_pat
     assert 0 < peak <= limit + 2_000
     assert streamer.stats.batches < 30  # it stopped reading, the log stays the buffer
     streamer.close(timeout_s=0.5)
+    del streamer  # stop the client's reconnect attempts
     checkpoint = json.loads((log_dir / ".streamer-checkpoint.json").read_text())
     assert checkpoint["positions"] == {}  # nothing confirmed, nothing claimed
+
+
+def test_delete_shipped_removes_only_confirmed_files(
+    tmp_path: Path, streamer_config, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    log_dir = tmp_path / "logs"
+    with LogWriter(log_dir, 2, max_file_bytes=3_000) as writer:
+        for step in range(30):
+            writer.append(KIND_BATCH, _batch(step, n=10).encode())
+    files_before = sorted(p.name for p in rank_dir(log_dir, 2).iterdir())
+    assert len(files_before) > 3
+    Streamer(streamer_config(log_dir, delete_shipped=True)).run()
+    left = sorted(p.name for p in rank_dir(log_dir, 2).iterdir())
+    assert left == files_before[-1:]  # the newest file may still grow: kept
+    delivered = consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
+    assert sorted(decode_batch(m.value).step for m in delivered) == list(range(30))
