@@ -422,6 +422,10 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+#: A calibration whose host-clock bracket is wider than this is not precise enough to use.
+_MAX_BRACKET_NS = 200_000
+
+
 class _CudaTimer:
     """CUDA-event timing: pooled events, resolved off the hot path (see module docstring)."""
 
@@ -438,8 +442,7 @@ class _CudaTimer:
         self._resolved: list[tuple[tuple[int, int, int, int], int, int]] = []
         self._calibrate_every_s = calibrate_every_s
         self._side_stream = torch.cuda.Stream()
-        self._reference: Any = None
-        self._reference_wall_ns = 0
+        self._reference: tuple[Any, int] | None = None
         self._last_calibration = 0.0
         self._calibrate()
         self._stop = threading.Event()
@@ -457,15 +460,25 @@ class _CudaTimer:
     def scope(self, code: int, step: int, microbatch: int, chunk: int, stream: Any) -> Any:
         return _CudaScope(self, code, step, microbatch, chunk, stream)
 
-    def _calibrate(self) -> None:
+    def _calibrate(self) -> bool:
+        """Pin a reference event to the host clock; True if the new reference was taken.
+
+        The marker's wall time is only known to lie between the host reads around it. With
+        CUDA_DEVICE_MAX_CONNECTIONS=1 the side stream shares the one hardware queue, so the
+        marker can wait behind queued kernels: a bracket wider than `_MAX_BRACKET_NS` says
+        nothing precise, so it is discarded and the previous reference is kept.
+        """
         event = self._torch.cuda.Event(enable_timing=True)
         before = time.time_ns()
         event.record(self._side_stream)
         event.synchronize()  # waits for this one marker only, on the resolver thread
         after = time.time_ns()
-        self._reference = event
-        self._reference_wall_ns = (before + after) // 2
         self._last_calibration = time.monotonic()
+        if self._reference is not None and after - before > _MAX_BRACKET_NS:
+            return False
+        # One tuple assignment: resolve() never sees an event paired with another's time.
+        self._reference = (event, (before + after) // 2)
+        return True
 
     def _resolve_loop(self) -> None:
         while not self._stop.wait(0.01):
@@ -487,9 +500,8 @@ class _CudaTimer:
                     self._pending.append(item)
                     continue
                 # elapsed_time is in ms (float, ~0.5 µs resolution).
-                start_ns = self._reference_wall_ns + round(
-                    self._reference.elapsed_time(start_ev) * 1e6
-                )
+                reference_event, reference_wall_ns = self._reference
+                start_ns = reference_wall_ns + round(reference_event.elapsed_time(start_ev) * 1e6)
                 duration_ns = max(0, round(start_ev.elapsed_time(end_ev) * 1e6))
                 self._resolved.append(
                     ((code, step, microbatch, chunk), start_ns - owner._wall_offset_ns, duration_ns)
