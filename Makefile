@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The main job: a generated 128-GPU job with stragglers through timers, logs, the embedded
+# pipeline and chDB, ending in a summary and out/demo/report.html.
 demo: install
-	$(BIN)/lagscope analyze --trace $(REFERENCE_TRACES)/trace-AR.parquet \
-		--meta $(REFERENCE_TRACES)/meta-AR.yaml --heatmap out/heatmap-AR.png \
-		--json out/analysis-AR.json --timeline out/timeline-AR.json
+	$(BIN)/lagscope demo --out out/demo
 
 lint: install
 	$(BIN)/ruff check .

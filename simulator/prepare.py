@@ -98,6 +98,34 @@ class PreparedTrace:
         )
 
 
+def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
+    """Steps prepared separately (same model and DP ranks) as one prepared trace."""
+    first = parts[0]
+    for part in parts[1:]:
+        if part.model.nodes != first.model.nodes or part.n_dp != first.n_dp:
+            raise TraceError(
+                f"{part.source}: cannot join steps with different dependency models or DP sizes"
+            )
+
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts], axis=1)
+
+    return PreparedTrace(
+        model=first.model,
+        meta=first.meta,
+        steps=np.concatenate([p.steps for p in parts]),
+        n_dp=first.n_dp,
+        start=joined("start"),
+        duration=joined("duration"),
+        cost=joined("cost"),
+        launch_delay=joined("launch_delay"),
+        actual_step_time=np.concatenate([p.actual_step_time for p in parts]),
+        worker_rank=first.worker_rank,
+        dropped_steps=tuple(d for p in parts for d in p.dropped_steps),
+        source=first.source,
+    )
+
+
 def prepare(
     trace: Trace,
     meta: JobMeta,

@@ -319,13 +319,14 @@ def analyze(
     ideal: dict[str, float] | None = None,
     decompose_threshold: float = DEFAULT_DECOMPOSE_THRESHOLD,
     max_cells_per_pass: int = DEFAULT_MAX_CELLS_PER_PASS,
+    compiled: CompiledModel | None = None,
 ) -> WhatIfResult:
     """The full what-if analysis of a prepared trace (WHATIF.md §A5).
 
     Attributions are always computed (M_W needs them); `decomposed` tells whether the
     slowdown passed `decompose_threshold`, which reporting uses to gate them.
     """
-    wa = WhatIfAnalysis(prepared, ideal, max_cells_per_pass=max_cells_per_pass)
+    wa = WhatIfAnalysis(prepared, ideal, compiled=compiled, max_cells_per_pass=max_cells_per_pass)
     n_stages, n_dp = prepared.n_stages, prepared.n_dp
     labels = [ot.report_label(t) for t in prepared.node_optype]
     label_names = sorted(set(labels))

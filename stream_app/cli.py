@@ -13,6 +13,10 @@ from simulator.trace import TraceError
 #: Modules that contribute sub-commands, in the order `lagscope --help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "stream_app.commands.analyze",
+    "stream_app.commands.generate",
+    "stream_app.commands.changepoints",
+    "stream_app.commands.query",
+    "stream_app.commands.run",
     "producers.commands",
 )
 

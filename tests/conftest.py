@@ -92,3 +92,19 @@ def streamer_config(kafka_bootstrap: str, kafka_topics: dict[str, str], tmp_path
         )
 
     return make
+
+
+@pytest.fixture(scope="session")
+def chdb_dir(tmp_path_factory) -> Path:
+    """The one chDB data directory of the test session: chDB opens a single directory per
+    process, so every test that needs a store shares it (each with its own database)."""
+    return tmp_path_factory.mktemp("chdb")
+
+
+@pytest.fixture
+def chdb_dsn(chdb_dir: Path, request) -> str:
+    """DSN of a fresh database (named after the test) in the session's chDB directory."""
+    import re
+
+    name = re.sub(r"\W", "_", request.node.name)[:60]
+    return f"chdb://{chdb_dir}?database=t_{name}"

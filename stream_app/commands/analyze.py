@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from producers.reference_format import load_meta, load_trace
+from simulator.diagnose import diagnose
 from simulator.prepare import prepare
 from simulator.summary import result_to_dict, summary_lines
 from simulator.timeline import trace_events
@@ -89,11 +90,17 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in summary_lines(result):
         print("  " + line)
-    if args.json:
-        _write(
-            args.json,
-            json.dumps(result_to_dict(result, always_decompose=args.always_decompose), indent=2),
+    diagnosis = diagnose(result, prepared)
+    print(f"  diagnosis           {diagnosis.cause}: {diagnosis.summary}")
+    for advice in diagnosis.advice:
+        print(
+            f"  advice              {advice.action} (predicted speed-up "
+            f"{advice.predicted_speedup:.3f}x): {advice.detail}"
         )
+    if args.json:
+        document = result_to_dict(result, always_decompose=args.always_decompose)
+        document["diagnosis"] = diagnosis.as_dict()
+        _write(args.json, json.dumps(document, indent=2))
     if args.heatmap:
         from dashboards.heatmap import draw_worker_heatmap
 

@@ -1,0 +1,273 @@
+"""The self-contained HTML report: one file, no network at view time, for people without
+Grafana. Charts are inline SVG drawn here (no JavaScript library to fetch)."""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from simulator.diagnose import Diagnosis
+from simulator.summary import verdict
+from simulator.whatif import WhatIfResult
+
+HEAT_MIN, HEAT_MAX = 1.0, 1.5
+
+
+@dataclass
+class ReportData:
+    title: str
+    result: WhatIfResult
+    subtitle: str = ""
+    diagnosis: Diagnosis | None = None
+    #: Per-step slowdown to plot (defaults to the result's own steps).
+    step_ids: list[int] | None = None
+    step_slowdown: list[float] | None = None
+    #: Change points: dicts with step, kind ("onset"|"recovery"), series.
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    gpu_hours: float | None = None
+    gpu_hours_wasted: float | None = None
+    mfu_actual: float | None = None
+    mfu_ideal: float | None = None
+    incomplete_steps: int = 0
+    timeline_file: str | None = None
+
+
+def _reds(value: float) -> str:
+    """Colour of a heatmap cell: white at 1.0 to dark red at 1.5 and above."""
+    if not math.isfinite(value):
+        return "#eeeeee"
+    t = min(max((value - HEAT_MIN) / (HEAT_MAX - HEAT_MIN), 0.0), 1.0)
+    stops = [(255, 245, 240), (252, 146, 114), (222, 45, 38), (103, 0, 13)]
+    pos = t * (len(stops) - 1)
+    i = min(int(pos), len(stops) - 2)
+    f = pos - i
+    r, g, b = (round(a + (c - a) * f) for a, c in zip(stops[i], stops[i + 1], strict=True))
+    return f"rgb({r},{g},{b})"
+
+
+def heatmap_svg(worker_slowdown: np.ndarray) -> str:
+    n_stages, n_dp = worker_slowdown.shape
+    cell = max(14, min(48, 900 // max(n_dp, 1)))
+    left, top = 60, 20
+    width, height = left + n_dp * cell + 10, top + n_stages * cell + 40
+    parts = [
+        f'<svg class="chart" id="heatmap" width="{width}" height="{height}" '
+        f'role="img" aria-label="worker heatmap">'
+    ]
+    for stage in range(n_stages):
+        parts.append(
+            f'<text x="{left - 8}" y="{top + stage * cell + cell / 2 + 4}" '
+            f'text-anchor="end">pp {stage}</text>'
+        )
+        for dp in range(n_dp):
+            value = float(worker_slowdown[stage, dp])
+            x, y = left + dp * cell, top + stage * cell
+            label = f"dp {dp}, pp {stage}: S_w = {value:.3f}"
+            parts.append(
+                f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" '
+                f'fill="{_reds(value)}"><title>{label}</title></rect>'
+            )
+            if cell >= 28:
+                color = "#fff" if value > 1.3 else "#222"
+                parts.append(
+                    f'<text x="{x + cell / 2}" y="{y + cell / 2 + 4}" '
+                    f'text-anchor="middle" font-size="10" fill="{color}">'
+                    f"{value:.2g}</text>"
+                )
+    step = max(1, n_dp // 16)
+    for dp in range(0, n_dp, step):
+        parts.append(
+            f'<text x="{left + dp * cell + cell / 2}" y="{top + n_stages * cell + 14}" '
+            f'text-anchor="middle" font-size="10">{dp}</text>'
+        )
+    parts.append(
+        f'<text x="{left + n_dp * cell / 2}" y="{height - 6}" '
+        f'text-anchor="middle">DP rank</text></svg>'
+    )
+    return "".join(parts)
+
+
+def line_svg(steps: list[int], values: list[float], changes: list[dict[str, Any]]) -> str:
+    width, height, left, top, bottom = 900, 260, 50, 15, 35
+    parts = [
+        f'<svg class="chart" id="steps" width="{width}" height="{height}" role="img" '
+        f'aria-label="slowdown per step">'
+    ]
+    if not steps:
+        return parts[0] + "<text x='20' y='40'>no steps</text></svg>"
+    xs = np.asarray(steps, dtype=float)
+    ys = np.asarray(values, dtype=float)
+    x0, x1 = float(xs.min()), float(max(xs.max(), xs.min() + 1))
+    y0, y1 = min(1.0, float(np.nanmin(ys))), max(1.05, float(np.nanmax(ys)) * 1.02)
+
+    def px(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * (width - left - 10)
+
+    def py(y: float) -> float:
+        return top + (y1 - y) / (y1 - y0) * (height - top - bottom)
+
+    for tick in np.linspace(y0, y1, 5):
+        parts.append(
+            f'<line x1="{left}" x2="{width - 10}" y1="{py(tick):.1f}" '
+            f'y2="{py(tick):.1f}" stroke="#ddd"/><text x="{left - 6}" '
+            f'y="{py(tick) + 4:.1f}" text-anchor="end" font-size="10">{tick:.2f}</text>'
+        )
+    for change in changes:
+        x = px(float(change["step"]))
+        color = "#d62728" if change["kind"] == "onset" else "#2ca02c"
+        label = html.escape(f"{change['kind']} at step {change['step']} ({change['series']})")
+        parts.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{height - bottom}" '
+            f'stroke="{color}" stroke-width="2" stroke-dasharray="4 3">'
+            f"<title>{label}</title></line>"
+        )
+    points = " ".join(
+        f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True) if math.isfinite(y)
+    )
+    parts.append(f'<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>')
+    parts.append(
+        f'<text x="{left}" y="{height - 8}" font-size="11">step {int(x0)}</text>'
+        f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">'
+        f"step {int(x1)}</text></svg>"
+    )
+    return "".join(parts)
+
+
+def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
+    width, row, left = 520, 22, 190
+    height = 10 + row * max(len(items), 1)
+    top = max((v for _, v in items), default=1.0)
+    scale_max = max(top, 1.05)
+    parts = [f'<svg class="chart" id="{chart_id}" width="{width}" height="{height}" role="img">']
+    for i, (name, value) in enumerate(items):
+        y = 5 + i * row
+        bar = (max(value, 1.0) - 1.0) / (scale_max - 1.0) * (width - left - 60)
+        parts.append(
+            f'<text x="{left - 6}" y="{y + 14}" text-anchor="end" font-size="12">'
+            f'{html.escape(name)}</text><rect x="{left}" y="{y + 3}" '
+            f'width="{max(bar, 1):.1f}" height="{row - 6}" fill="#e6550d"/>'
+            f'<text x="{left + max(bar, 1) + 4:.1f}" y="{y + 14}" font-size="11">'
+            f"{value:.3f}</text>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_report(data: ReportData) -> str:
+    r = data.result
+    steps = data.step_ids if data.step_ids is not None else [int(s) for s in r.steps]
+    slowdowns = (
+        data.step_slowdown
+        if data.step_slowdown is not None
+        else [float(v) for v in r.step_slowdown]
+    )
+    tiles = [("slowdown S", f"{r.slowdown:.3f}"), ("waste", f"{r.waste:.1%}")]
+    if data.gpu_hours_wasted is not None:
+        tiles.append(
+            (
+                "GPU-hours wasted",
+                f"{data.gpu_hours_wasted:,.1f}"
+                + (f" of {data.gpu_hours:,.1f}" if data.gpu_hours else ""),
+            )
+        )
+    if data.mfu_actual is not None and data.mfu_ideal is not None:
+        tiles.append(
+            ("MFU actual / straggler-free", f"{data.mfu_actual:.1%} / {data.mfu_ideal:.1%}")
+        )
+    tiles.append(("M_W (top workers)", f"{r.mw.removed_share:.0%}"))
+    tiles.append(("M_S (last stage)", f"{r.ms.removed_share:.0%}"))
+    tiles.append(
+        (
+            "steps",
+            f"{len(steps)}"
+            + (f" ({data.incomplete_steps} incomplete)" if data.incomplete_steps else ""),
+        )
+    )
+    tile_html = "".join(
+        f'<div class="tile"><div class="k">{html.escape(k)}</div>'
+        f'<div class="v">{html.escape(v)}</div></div>'
+        for k, v in tiles
+    )
+    diagnosis_html = ""
+    if data.diagnosis is not None:
+        d = data.diagnosis
+        advice = "".join(
+            f"<li><b>{html.escape(a.action)}</b> — predicted speed-up "
+            f"{a.predicted_speedup:.3f}×: {html.escape(a.detail)}</li>"
+            for a in d.advice
+        )
+        esc = d.escalation
+        ladder = (
+            (
+                f"<p>Escalation (ski rental): accumulated loss "
+                f"{esc.get('accumulated_loss_s', 0):,.0f} s of job time → "
+                f"<b>{html.escape(str(esc.get('action')))}</b>"
+                + (
+                    f"; next: {html.escape(str(esc['next_action']))} at "
+                    f"{esc['next_action_at_loss_s']:,.0f} s"
+                    if esc.get("next_action")
+                    else ""
+                )
+                + "</p>"
+            )
+            if esc
+            else ""
+        )
+        diagnosis_html = (
+            f"<h2>Diagnosis</h2><p class='cause'><b>{html.escape(d.cause)}</b>: "
+            f"{html.escape(d.summary)}</p><ul>{advice}</ul>{ladder}"
+        )
+    changes_rows = "".join(
+        f"<tr><td>{c['step']}</td><td class='{c['kind']}'>{c['kind']}</td>"
+        f"<td>{html.escape(str(c['series']))}</td><td>{c.get('before_mean', float('nan')):.4g}"
+        f"</td><td>{c.get('after_mean', float('nan')):.4g}</td></tr>"
+        for c in data.changes
+    )
+    changes_html = (
+        f"<table><tr><th>step</th><th>kind</th><th>series</th><th>before</th>"
+        f"<th>after</th></tr>{changes_rows}</table>"
+        if data.changes
+        else "<p>No verified change point.</p>"
+    )
+    timeline_html = ""
+    if data.timeline_file:
+        timeline_html = (
+            f"<h2>Timeline</h2><p>Open <code>{html.escape(data.timeline_file)}"
+            f"</code> in <a href='https://ui.perfetto.dev'>ui.perfetto.dev</a> "
+            f"(Open trace file): one process per DP rank with the measured ops, and "
+            f"one with the ideal step.</p>"
+        )
+    top = 8
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(data.title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1000px; }}
+h1 {{ margin-bottom: 0; }} .sub {{ color: #666; margin-top: 4px; }}
+.tiles {{ display: flex; flex-wrap: wrap; gap: 12px; margin: 16px 0; }}
+.tile {{ border: 1px solid #ddd; border-radius: 6px; padding: 10px 14px; min-width: 140px; }}
+.tile .k {{ color: #666; font-size: 12px; }} .tile .v {{ font-size: 22px; font-weight: 600; }}
+.verdict {{ background: #fff4e5; border-left: 4px solid #e6550d; padding: 8px 12px; }}
+svg.chart text {{ font-family: system-ui, sans-serif; font-size: 11px; }}
+table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding: 3px 8px; }}
+td.onset {{ color: #d62728; }} td.recovery {{ color: #2ca02c; }}
+.row {{ display: flex; flex-wrap: wrap; gap: 24px; }}
+</style></head><body>
+<h1>{html.escape(data.title)}</h1><p class="sub">{html.escape(data.subtitle)}</p>
+<div class="tiles">{tile_html}</div>
+<p class="verdict">{html.escape(verdict(r))}</p>
+{diagnosis_html}
+<h2>Worker heatmap (S_w = min(S_dp, S_stage))</h2>{heatmap_svg(r.worker_slowdown)}
+<h2>Slowdown per step</h2><p>Dashed lines: change points (red onset, green recovery).</p>
+{line_svg(steps, slowdowns, data.changes)}
+<h2>Change points</h2>{changes_html}
+<h2>Attribution (S with only this group straggling)</h2>
+<div class="row"><div><h3>by op type</h3>{bars_svg(r.by_optype.ranked()[:top], "by-optype")}</div>
+<div><h3>by stage</h3>{bars_svg(r.by_stage.ranked()[:top], "by-stage")}</div>
+<div><h3>by DP rank (top {top})</h3>{bars_svg(r.by_dp_rank.ranked()[:top], "by-dp")}</div></div>
+{timeline_html}
+</body></html>
+"""

@@ -1,0 +1,106 @@
+"""`lagscope query "SELECT ..."`: ad-hoc SQL against the store (thin adapter).
+
+The store is `--dsn`, else the environment's LAGSCOPE_CLICKHOUSE_DSN, else the embedded
+chDB store in ./lagscope-data/chdb (`chdb://./lagscope-data/chdb`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, StoreError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "query",
+        help="run SQL against the lagscope store",
+        description="Run one SQL statement against the lagscope ClickHouse store and print "
+        "the result. Tables: steps, attribution, worker_slowdown, changepoints, diagnoses, "
+        "jobs, ops, dead_letters, steps_1m (read derived tables with FINAL).",
+    )
+    parser.add_argument("sql", help='the statement, e.g. "SELECT * FROM steps FINAL LIMIT 5"')
+    parser.add_argument(
+        "--dsn",
+        help=f"chdb:///dir or http(s)://user:pass@host:8123/db (default: ${DSN_ENV}, "
+        f"else {DEFAULT_DSN})",
+    )
+    parser.add_argument(
+        "--format", choices=("table", "csv", "json"), default="table", help="output format"
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    dsn = args.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN
+    try:
+        with ClickHouseSink(dsn, create=False) as store:
+            columns, rows = store.query(args.sql)
+    except StoreError as exc:
+        print(f"lagscope query: error: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        records = [dict(zip(columns, map(_plain, row), strict=True)) for row in rows]
+        print(json.dumps(records, indent=2))
+    elif args.format == "csv":
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows([_text(v) for v in row] for row in rows)
+    else:
+        print_table(columns, rows)
+    return 0
+
+
+def print_table(columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+    cells = [[_text(v) for v in row] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    numeric = [
+        all(isinstance(row[i], int | float) and not isinstance(row[i], bool) for row in rows)
+        for i in range(len(columns))
+    ]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    print(line(columns))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print(line(row))
+    print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready value: datetimes as ISO text, NaN/inf as null."""
+    if isinstance(value, dt.datetime | dt.date):
+        return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dt.datetime | dt.date):
+        return value.isoformat()
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(_plain(value))
+    return str(value)

@@ -1,0 +1,314 @@
+"""`lagscope run` (logs -> step processor -> chDB, one process) and `lagscope demo` (the
+README's main job: a generated 3D-parallel job with stragglers, timed through the real
+timer API into per-rank logs, analysed by the embedded pipeline, summarised and reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dashboards.report import ReportData, render_report
+from producers.events import JobInfo
+from producers.timer import OpTimer
+from simulator.generate import GcPauses, JobSpec, LastStageImbalance, SlowWorker, generate_job
+from simulator.trace import Trace
+from stream_app.embedded import EmbeddedRunner, JobReport, RunReport
+from stream_app.processor import ProcessorSettings
+from stream_app.sink import DSN_ENV, ClickHouseSink
+
+H100_BF16_PEAK_FLOPS = 989e12
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser(
+        "run",
+        help="analyse per-rank logs in one process (no Kafka) into the store",
+        description="Tails every rank's log under --logs, analyses each step as it closes and "
+        "writes the results to ClickHouse (embedded chDB by default).",
+    )
+    run.add_argument("--logs", type=Path, required=True, help="log directory of the ranks")
+    run.add_argument("--dsn", help=f"store DSN (default ${DSN_ENV} or chdb://<logs>/../chdb)")
+    run.add_argument("--follow", action="store_true", help="keep tailing until idle")
+    run.add_argument("--idle-exit-s", type=float, default=30.0)
+    run.add_argument(
+        "--lateness-s",
+        type=float,
+        default=30.0,
+        help="close a step this long after its first batch even if ranks miss",
+    )
+    run.add_argument("--report", type=Path, help="write the HTML report here")
+    run.set_defaults(handler=run_logs_command)
+
+    demo = subparsers.add_parser(
+        "demo", help="the whole pipeline on a generated job with stragglers (under a minute)"
+    )
+    demo.add_argument("--out", type=Path, default=Path("out/demo"))
+    demo.add_argument("--steps", type=int, default=120)
+    demo.add_argument("--seed", type=int, default=7)
+    demo.set_defaults(handler=demo_command)
+
+
+def _progress(total_ops: int | None):
+    last = [0.0]
+
+    def show(report: RunReport) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.25:
+            return
+        last[0] = now
+        steps = sum(j.steps for j in report.jobs.values())
+        if total_ops:
+            done = min(report.ops / total_ops, 1.0)
+            bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
+            sys.stderr.write(f"\r  pipeline [{bar}] {steps} steps, {report.ops:,} ops")
+        else:
+            sys.stderr.write(f"\r  pipeline: {steps} steps, {report.ops:,} ops")
+        sys.stderr.flush()
+
+    return show
+
+
+def run_logs_command(args: argparse.Namespace) -> int:
+    import os
+
+    dsn = args.dsn or os.environ.get(DSN_ENV) or f"chdb://{args.logs.resolve().parent}/chdb"
+    sink = ClickHouseSink(dsn)
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s))
+    report = runner.run_logs(
+        args.logs, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=_progress(None)
+    )
+    sys.stderr.write("\n")
+    for job in report.jobs.values():
+        print_job_summary(job)
+        if args.report and job.rollup is not None:
+            args.report.write_text(render_report(report_data(job)))
+            print(f"  report written to {args.report}")
+    print(f"  store: {dsn}  ({report.dead_letters} dead letter(s))")
+    return 0
+
+
+def write_logs_with_timers(trace: Trace, info: JobInfo, log_dir: Path, start_wall_ns: int) -> int:
+    """Record every op of `trace` through one host-mode `OpTimer` per rank, as a training
+    job instrumented with lagscope would, laying steps back to back from `start_wall_ns`."""
+    end = trace.start_ts.astype(np.float64) + trace.duration
+    steps = np.unique(trace.step)
+    spans = np.array([end[trace.step == s].max() for s in steps])
+    origin = dict(
+        zip(
+            steps.tolist(),
+            (start_wall_ns + np.concatenate(([0], np.cumsum(spans[:-1]))) * 1e9)
+            .astype(np.int64)
+            .tolist(),
+            strict=True,
+        )
+    )
+    names = np.array(trace.optype_names)
+    order = np.lexsort((trace.seq_id, trace.start_ts, trace.step, trace.stage, trace.dp_rank))
+    written = 0
+    worker = np.stack([trace.dp_rank[order], trace.stage[order]], axis=1)
+    cuts = np.flatnonzero(np.any(np.diff(worker, axis=0) != 0, axis=1)) + 1
+    for rows in np.split(order, cuts):
+        first = rows[0]
+        timer = OpTimer(
+            job_id=info.job_id,
+            attempt=info.attempt,
+            rank=int(trace.rank[first]),
+            dp_rank=int(trace.dp_rank[first]),
+            pp_rank=int(trace.stage[first]),
+            log_dir=log_dir,
+            mode="host",
+            gc_probe=False,
+            job_info=info,
+        )
+        current = None
+        for row in rows.tolist():
+            step = int(trace.step[row])
+            if step != current:
+                timer.step(step)
+                current = step
+            timer.record(
+                str(names[trace.optype[row]]),
+                start_ns=origin[step] + round(float(trace.start_ts[row]) * 1e9),
+                duration_ns=round(float(trace.duration[row]) * 1e9),
+                step=step,
+                microbatch=int(trace.mb_id[row]),
+                chunk=max(int(trace.mc[row]), 0),
+            )
+            written += 1
+        timer.close()
+    return written
+
+
+def demo_spec(steps: int, seed: int) -> JobSpec:
+    """A 128-GPU job (dp 8 x pp 4 x tp 4): a worker slows down from step 40% to 70% of the
+    run, rare GC pauses, and a last stage 15% heavier than the others."""
+    return JobSpec(
+        name="demo-llm",
+        dp=8,
+        pp=4,
+        tp=4,
+        microbatches=8,
+        steps=steps,
+        seed=seed,
+        first_step_id=1000,
+        stragglers=(
+            SlowWorker(
+                dp=5, stage=2, factor=1.6, start_step=int(steps * 0.4), end_step=int(steps * 0.7)
+            ),
+            GcPauses(probability=0.01, pause_s=0.08),
+            LastStageImbalance(factor=1.15),
+        ),
+    )
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    began = time.monotonic()
+    out: Path = args.out
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    (out / "logs").mkdir(parents=True)
+    spec = demo_spec(args.steps, args.seed)
+    print(
+        f"lagscope demo: {spec.dp * spec.pp * spec.tp} GPUs (dp {spec.dp} x pp {spec.pp} x "
+        f"tp {spec.tp}), {spec.microbatches} micro-batches, {spec.steps} steps"
+    )
+    job = generate_job(spec)
+    # Model FLOPs chosen so the straggler-free job runs at 45 % MFU on H100s.
+    flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
+    meta = job.meta.model_copy(
+        update={"model_flops_per_step": flops, "gpu_peak_flops": H100_BF16_PEAK_FLOPS}
+    )
+    info = JobInfo.from_meta(meta, job_id="demo-llm", attempt=0)
+    total_time = float(job.truth.t_injected.sum())
+    n_ops = write_logs_with_timers(
+        job.trace, info, out / "logs", time.time_ns() - int(total_time * 1e9)
+    )
+    print(
+        f"  1. generated the job and recorded {n_ops:,} ops through OpTimer (host mode) into "
+        f"{out / 'logs'}"
+    )
+    dsn = f"chdb://{out.resolve()}/chdb"
+    sink = ClickHouseSink(dsn)
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0))
+    report = runner.run_logs(out / "logs", progress=_progress(n_ops))
+    sys.stderr.write("\n")
+    print(f"  2. embedded pipeline: {report.ops:,} ops in {report.seconds:.1f} s into {dsn}")
+    job_report = report.jobs["demo-llm", 0]
+    print_job_summary(job_report)
+    truth = job.truth
+    print(
+        f"  ground truth: slowdown {truth.slowdown:.3f} over the clean job; slow worker "
+        f"(dp 5, pp 2) from step {1000 + int(spec.steps * 0.4)} to "
+        f"{1000 + int(spec.steps * 0.7)}"
+    )
+    report_path = out / "report.html"
+    report_path.write_text(render_report(report_data(job_report)))
+    print(f"  report: {report_path}")
+    print(
+        f"  try:    .venv/bin/lagscope query --dsn {dsn} "
+        f'"SELECT step, slowdown, mfu_actual FROM steps FINAL ORDER BY slowdown DESC LIMIT 5"'
+    )
+    print(f"  done in {time.monotonic() - began:.1f} s")
+    return 0
+
+
+def report_data(job: JobReport) -> ReportData:
+    assert job.rollup is not None
+    info = job.info
+    return ReportData(
+        title=f"lagscope: {info.job_id} (attempt {info.attempt})",
+        subtitle=f"{info.world_size} GPUs: dp {info.dp_size} x pp {info.pp_size} x tp "
+        f"{info.tp_size} x cp {info.dsp_size}, vpp {info.vpp_size}",
+        result=job.rollup,
+        diagnosis=job.diagnosis,
+        step_ids=job.step_ids,
+        step_slowdown=job.step_slowdown,
+        changes=[
+            {
+                "step": c.step,
+                "kind": c.kind,
+                "series": c.series,
+                "before_mean": c.before_mean,
+                "after_mean": c.after_mean,
+            }
+            for c in job.changes
+        ],
+        gpu_hours=job.gpu_seconds / 3600,
+        gpu_hours_wasted=job.gpu_seconds_wasted / 3600,
+        mfu_actual=float(np.mean(job.mfu_actual)) if job.mfu_actual else None,
+        mfu_ideal=float(np.mean(job.mfu_ideal)) if job.mfu_ideal else None,
+        incomplete_steps=len(job.incomplete_steps),
+    )
+
+
+def print_job_summary(job: JobReport) -> None:
+    info = job.info
+    print(
+        f"  job {info.job_id} attempt {info.attempt}: {job.steps} steps closed"
+        + (f", {len(job.incomplete_steps)} incomplete" if job.incomplete_steps else "")
+    )
+    if job.rollup is None:
+        print("    nothing could be analysed")
+        return
+    r = job.rollup
+    print(
+        f"    slowdown S {r.slowdown:.3f} (waste {r.waste:.1%}); "
+        f"GPU-hours wasted {job.gpu_seconds_wasted / 3600:,.2f} of "
+        f"{job.gpu_seconds / 3600:,.2f}"
+    )
+    if job.mfu_actual:
+        print(
+            f"    MFU actual {np.mean(job.mfu_actual):.1%} vs straggler-free "
+            f"{np.mean(job.mfu_ideal):.1%}"
+        )
+    top = sorted(
+        (
+            (float(r.worker_slowdown[s, d]), d, s)
+            for s in range(r.worker_slowdown.shape[0])
+            for d in range(r.worker_slowdown.shape[1])
+        ),
+        reverse=True,
+    )[:3]
+    print("    top stragglers " + ", ".join(f"(dp {d}, pp {s}) S_w={v:.3f}" for v, d, s in top))
+    step_changes = [c for c in job.changes if c.series == "step_time"] or job.changes[:6]
+    for c in step_changes:
+        print(
+            f"    change point: {c.kind} at step {c.step} on {c.series} "
+            f"({c.before_mean:.3f} -> {c.after_mean:.3f})"
+        )
+    worker_changes = {(c.series, c.kind, c.step) for c in job.changes if c.series != "step_time"}
+    if worker_changes:
+        shown = ", ".join(f"{s} {k}@{st}" for s, k, st in sorted(worker_changes)[:6])
+        print(f"    per-series changes: {shown}")
+    if job.diagnosis is not None:
+        d = job.diagnosis
+        print(f"    diagnosis: {d.cause}: {d.summary}")
+        for a in d.advice:
+            print(
+                f"    advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x): "
+                f"{a.detail}"
+            )
+        esc = d.escalation
+        for episode in job.episodes:
+            end = f"to step {episode.recovery}" if episode.recovery is not None else "ongoing"
+            ed = episode.diagnosis
+            print(f"    episode from step {episode.onset} {end}: {ed.cause}: {ed.summary}")
+            for a in ed.advice:
+                print(
+                    f"      advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x)"
+                    f": {a.detail}"
+                )
+        if esc:
+            print(
+                f"    escalation: {esc['action']} (loss so far {esc['accumulated_loss_s']:,.0f}"
+                f" s of job time)"
+            )

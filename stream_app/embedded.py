@@ -1,0 +1,306 @@
+"""The embedded host: per-rank logs -> step processor -> ClickHouse (chDB), in one process.
+
+No Kafka: the runner reads every rank's log directory itself (the same reader the streamer
+sidecar uses), hands job metadata and rank-step batches to the step processor, and writes
+closed steps to the store in batches. Torn, garbage or undecodable records go to the
+`dead_letters` table with their reason; the rest flows on. At the end (or on demand) the
+job-level roll-up is analysed, diagnosed, and the diagnosis stored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from producers.events import JobInfo, RankStepBatch, SchemaError, batch_id_of, decode_batch
+from producers.log import KIND_BATCH, KIND_JOB, DeadLetter, RankLogReader, list_rank_dirs
+from simulator.diagnose import Diagnosis, diagnose
+from simulator.prepare import concat_steps
+from simulator.whatif import WhatIfResult, analyze
+from stream_app.processor import DetectedChange, ProcessorSettings, StepOutput, StepProcessor
+from stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
+from stream_app.sink import ClickHouseSink, SinkBatch
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A slow period of the job: from a verified onset of its step time to the recovery."""
+
+    onset: int
+    recovery: int | None
+    diagnosis: Diagnosis
+
+
+@dataclass
+class JobReport:
+    """What the embedded run learned about one job attempt."""
+
+    info: JobInfo
+    steps: int = 0
+    incomplete_steps: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    changes: list[DetectedChange] = field(default_factory=list)
+    rollup: WhatIfResult | None = None
+    diagnosis: Diagnosis | None = None
+    gpu_seconds: float = 0.0
+    gpu_seconds_wasted: float = 0.0
+    mfu_actual: list[float] = field(default_factory=list)
+    mfu_ideal: list[float] = field(default_factory=list)
+    step_ids: list[int] = field(default_factory=list)
+    step_slowdown: list[float] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)
+
+
+@dataclass
+class RunReport:
+    jobs: dict[tuple[str, int], JobReport] = field(default_factory=dict)
+    dead_letters: int = 0
+    ops: int = 0
+    seconds: float = 0.0
+
+
+class EmbeddedRunner:
+    """Feeds per-rank logs through a `StepProcessor` into a `ClickHouseSink`."""
+
+    def __init__(
+        self,
+        sink: ClickHouseSink,
+        settings: ProcessorSettings | None = None,
+        *,
+        write_every_steps: int = 32,
+        store_raw_ops: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sink = sink
+        self.processor = StepProcessor(settings, clock)
+        self.write_every_steps = write_every_steps
+        self.store_raw_ops = store_raw_ops
+        self.report = RunReport()
+        self._pending: list[StepOutput] = []
+        self._raw_ops: list[dict[str, np.ndarray | list]] = []
+        self._dead: list[tuple[str, str, str, bytes]] = []
+        self._writes = 0
+
+    # -- input --------------------------------------------------------------------------
+    def run_logs(
+        self,
+        log_dir: str | Path,
+        *,
+        follow: bool = False,
+        idle_exit_s: float = 0.0,
+        progress: Callable[[RunReport], None] | None = None,
+    ) -> RunReport:
+        """Read every rank's log under `log_dir` until it is exhausted (or, with `follow`,
+        until nothing new arrived for `idle_exit_s`), then close all open steps."""
+        started = time.monotonic()
+        readers: dict[Path, RankLogReader] = {}
+        last_data = time.monotonic()
+        while True:
+            for directory in list_rank_dirs(log_dir):
+                readers.setdefault(
+                    directory, RankLogReader(directory, torn_grace_s=0.0 if not follow else 5.0)
+                )
+            got_any = False
+            for directory, reader in readers.items():
+                for item in reader.read():
+                    got_any = True
+                    self._consume(directory.name, item)
+            self._emit(self.processor.tick())
+            if progress is not None:
+                progress(self.report)
+            if got_any:
+                last_data = time.monotonic()
+                continue
+            if not follow or time.monotonic() - last_data >= idle_exit_s:
+                break
+            time.sleep(0.2)
+        self._emit(self.processor.flush())
+        self._write(force=True)
+        self.finish()
+        self.report.seconds = time.monotonic() - started
+        return self.report
+
+    def _consume(self, source: str, item: object) -> None:
+        if isinstance(item, DeadLetter):
+            self._dead_letter("", f"{source}/{item.source}@{item.offset}", item.reason, item.sample)
+            return
+        if item.kind == KIND_JOB:
+            try:
+                info = JobInfo.model_validate_json(item.payload)
+            except ValueError as exc:
+                self._dead_letter(
+                    "",
+                    f"{source}/{item.file}@{item.offset}",
+                    f"invalid job metadata: {exc}",
+                    item.payload,
+                )
+                return
+            if (info.job_id, info.attempt) not in self.processor.jobs:
+                self.processor.on_job(info)
+                self.report.jobs[info.job_id, info.attempt] = JobReport(info)
+                batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}")
+                batch.add("jobs", job_rows(info.job_id, info.attempt, info.to_meta(), time.time()))
+                self.sink.write(batch)
+            return
+        if item.kind != KIND_BATCH:
+            self._dead_letter(
+                "",
+                f"{source}/{item.file}@{item.offset}",
+                f"unknown record kind {item.kind}",
+                item.payload,
+            )
+            return
+        try:
+            batch = decode_batch(item.payload, where=f"{source}/{item.file}@{item.offset}")
+        except SchemaError as exc:
+            self._dead_letter("", f"{source}/{item.file}@{item.offset}", str(exc), item.payload)
+            return
+        self.report.ops += batch.n_ops
+        if self.store_raw_ops and batch.tp_rank == 0 and batch.cp_rank == 0:
+            self._raw_ops.append(_raw_op_rows(batch, batch_id_of(item.payload)))
+        self._emit(self.processor.on_batch(batch))
+
+    def _dead_letter(self, job_id: str, source: str, reason: str, payload: bytes) -> None:
+        self.report.dead_letters += 1
+        self._dead.append((job_id, source, reason, payload))
+
+    # -- output -------------------------------------------------------------------------
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            job = self.report.jobs.get((out.job_id, out.attempt))
+            if job is None:
+                job = self.report.jobs[out.job_id, out.attempt] = JobReport(out.info)
+            job.steps += 1
+            if not out.complete:
+                job.incomplete_steps.append((out.step, out.missing))
+            job.changes.extend(out.changes)
+            if out.result is not None:
+                r = out.result
+                slowdown = float(r.step_slowdown[0])
+                actual = float(r.t_actual[0])
+                job.step_ids.append(out.step)
+                job.step_slowdown.append(slowdown)
+                gpu_seconds = actual * out.info.world_size
+                job.gpu_seconds += gpu_seconds
+                job.gpu_seconds_wasted += gpu_seconds * (1 - 1 / slowdown)
+                meta = out.info
+                if meta.model_flops_per_step and meta.gpu_peak_flops:
+                    peak = meta.world_size * meta.gpu_peak_flops
+                    job.mfu_actual.append(meta.model_flops_per_step / (actual * peak))
+                    job.mfu_ideal.append(meta.model_flops_per_step / (float(r.t_ideal[0]) * peak))
+            self._pending.append(out)
+        self._write()
+
+    def _write(self, *, force: bool = False) -> None:
+        if self._pending and (force or len(self._pending) >= self.write_every_steps):
+            by_job: dict[tuple[str, int], list[StepOutput]] = {}
+            for out in self._pending:
+                by_job.setdefault((out.job_id, out.attempt), []).append(out)
+            for outputs in by_job.values():
+                batch = rows_from_outputs(outputs)
+                if self._raw_ops:
+                    batch.add("ops", _join_rows(self._raw_ops))
+                    self._raw_ops = []
+                self.sink.write(batch)
+            self._pending = []
+        if self._dead and (force or len(self._dead) >= 64):
+            batch = SinkBatch(f"dead/{self._writes}/{len(self._dead)}")
+            batch.add(
+                "dead_letters",
+                {
+                    "ts": [time.time()] * len(self._dead),
+                    "job_id": [d[0] for d in self._dead],
+                    "source": [d[1] for d in self._dead],
+                    "reason": [d[2] for d in self._dead],
+                    "payload": [d[3].hex() for d in self._dead],
+                },
+            )
+            self.sink.write(batch)
+            self._dead = []
+        if force and self._raw_ops:
+            batch = SinkBatch(f"ops/{self._writes}")
+            batch.add("ops", _join_rows(self._raw_ops))
+            self.sink.write(batch)
+            self._raw_ops = []
+        self._writes += 1
+
+    def finish(self) -> None:
+        """Roll up, diagnose and store the diagnosis of every job seen."""
+        for (job_id, attempt), job in self.report.jobs.items():
+            rollup = self.processor.rollup(job_id, attempt)
+            if rollup is None:
+                continue
+            job.rollup = rollup
+            state = self.processor.jobs[job_id, attempt]
+            prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
+            job.diagnosis = diagnose(rollup, prepared, wasted_gpu_s=job.gpu_seconds_wasted)
+            job.episodes = self._episodes(job, prepared, rollup)
+            last = int(rollup.steps[-1])
+            batch = SinkBatch(f"diagnosis/{job_id}/{attempt}/{last}")
+            batch.add(
+                "diagnoses", diagnosis_rows(job_id, attempt, last, time.time_ns(), job.diagnosis)
+            )
+            self.sink.write(batch)
+
+    def _episodes(self, job: JobReport, prepared, rollup: WhatIfResult) -> list[Episode]:
+        """Diagnose every onset..recovery episode of the step time on its own steps, with
+        the whole run's ideal: a straggler that came and went is named even when the
+        run-wide diagnosis is dominated by something permanent."""
+        episodes = []
+        onsets = sorted(
+            c.step for c in job.changes if c.series == "step_time" and c.kind == "onset"
+        )
+        recoveries = sorted(
+            c.step for c in job.changes if c.series == "step_time" and c.kind == "recovery"
+        )
+        for onset in onsets:
+            recovery = next((r for r in recoveries if r > onset), None)
+            inside = (prepared.steps >= onset) & (
+                prepared.steps < (recovery if recovery is not None else np.inf)
+            )
+            if inside.sum() < 2:
+                continue
+            part = prepared.select_steps(inside)
+            result = analyze(
+                part,
+                ideal=rollup.ideal_cost,
+                decompose_threshold=self.processor.settings.decompose_threshold,
+            )
+            episodes.append(Episode(onset, recovery, diagnose(result, part)))
+        return episodes
+
+
+def _raw_op_rows(batch: RankStepBatch, batch_id: str) -> dict[str, np.ndarray | list]:
+    n = batch.n_ops
+    names = np.array(batch.optype_names, dtype=object)
+    return {
+        "job_id": [batch.job_id] * n,
+        "attempt": np.full(n, batch.attempt, np.uint32),
+        "step": np.full(n, batch.step, np.uint64),
+        "rank": np.full(n, batch.rank, np.uint32),
+        "dp_rank": np.full(n, batch.dp_rank, np.uint32),
+        "pp_rank": np.full(n, batch.pp_rank, np.uint32),
+        "tp_rank": np.full(n, batch.tp_rank, np.uint32),
+        "cp_rank": np.full(n, batch.cp_rank, np.uint32),
+        "optype": names[batch.optype].tolist(),
+        "seq": batch.seq.astype(np.uint32),
+        "microbatch": np.maximum(batch.microbatch, 0).astype(np.uint32),
+        "chunk": np.maximum(batch.chunk, 0).astype(np.uint32),
+        "start": batch.start_ns.astype("datetime64[ns]"),
+        "duration_ns": batch.duration_ns.astype(np.uint64),
+        "batch_id": [batch_id] * n,
+    }
+
+
+def _join_rows(parts: list[dict[str, np.ndarray | list]]) -> dict[str, np.ndarray | list]:
+    joined: dict[str, np.ndarray | list] = {}
+    for name in parts[0]:
+        values = [p[name] for p in parts]
+        if isinstance(values[0], np.ndarray):
+            joined[name] = np.concatenate(values)
+        else:
+            joined[name] = [v for part in values for v in part]
+    return joined

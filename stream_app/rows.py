@@ -1,0 +1,299 @@
+"""Rows of the store from a what-if analysis: `steps`, `attribution`, `worker_slowdown`
+(and `jobs`), as one `SinkBatch`.
+
+Figures per step (slowdown S = simulated / ideal, the what-if slowdown without launch
+delays, as `lagscope analyze` reports it):
+
+- gpu_seconds = actual_s x world_size; gpu_seconds_wasted = gpu_seconds x (1 - 1/S)
+- mfu_actual = model_flops_per_step / (actual_s x world_size x gpu_peak_flops), mfu_ideal
+  likewise with ideal_s; NULL when the job's FLOPs or the GPU's peak is unknown.
+- worker slowdown of (dp, pp) = min(S_dp, S_stage) of that step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from simulator.diagnose import Diagnosis
+from simulator.trace import JobMeta
+from simulator.whatif import Attribution, WhatIfResult
+from stream_app.sink import SinkBatch
+
+if TYPE_CHECKING:
+    from stream_app.processor import StepOutput
+
+#: attribution.kind of each attribution of a result.
+ATTRIBUTION_KINDS: tuple[tuple[str, str], ...] = (
+    ("optype", "by_optype"),
+    ("dp_rank", "by_dp_rank"),
+    ("stage", "by_stage"),
+    ("launch_optype", "launch_by_optype"),
+    ("launch_dp_rank", "launch_by_dp_rank"),
+    ("launch_stage", "launch_by_stage"),
+)
+
+
+def rows_from_result(
+    job_id: str,
+    attempt: int,
+    result: WhatIfResult,
+    step_start_ts: np.ndarray,
+    meta: JobMeta,
+    *,
+    version: int = 0,
+    processed_at: float | None = None,
+) -> SinkBatch:
+    """The analysed steps of `result` as a batch for `ClickHouseSink.write`.
+
+    step_start_ts: wall-clock start of each of `result.steps` (epoch seconds or numpy
+    datetime64). version: higher for a re-processing of the same steps (e.g. the
+    changelog offset); the dedup token is derived from it, so it must be deterministic.
+    """
+    steps = np.asarray(result.steps, dtype=np.int64)
+    n_steps = steps.size
+    step_start_ts = np.asarray(step_start_ts)
+    if step_start_ts.shape != (n_steps,):
+        raise ValueError(
+            f"rows_from_result({job_id!r}): step_start_ts has shape {step_start_ts.shape}, "
+            f"expected ({n_steps},) like result.steps"
+        )
+    if n_steps == 0:
+        raise ValueError(f"rows_from_result({job_id!r}): the result has no steps")
+    world = meta.world_size
+    actual = np.asarray(result.t_actual, dtype=np.float64)
+    ideal = np.asarray(result.t_ideal, dtype=np.float64)
+    slowdown = np.asarray(result.step_slowdown, dtype=np.float64)
+    gpu_seconds = actual * world
+
+    batch = SinkBatch(f"{job_id}/{attempt}/{steps.min()}-{steps.max()}/{version}")
+    batch.add(
+        "steps",
+        {
+            "job_id": [job_id] * n_steps,
+            "attempt": np.full(n_steps, attempt, dtype=np.uint32),
+            "step": steps.astype(np.uint64),
+            "ts": step_start_ts,
+            "complete": np.ones(n_steps, dtype=bool),
+            "missing_ranks": [[] for _ in range(n_steps)],
+            "actual_s": actual,
+            "simulated_s": np.asarray(result.t_nodelay, dtype=np.float64),
+            "ideal_s": ideal,
+            "slowdown": slowdown,
+            "launch_slowdown": np.asarray(result.launch_step_slowdown, dtype=np.float64),
+            "waste": 1.0 - 1.0 / slowdown,
+            "mfu_actual": _mfu(meta, actual),
+            "mfu_ideal": _mfu(meta, ideal),
+            "n_gpus": np.full(n_steps, world, dtype=np.uint32),
+            "gpu_seconds": gpu_seconds,
+            "gpu_seconds_wasted": gpu_seconds * (1.0 - 1.0 / slowdown),
+            "processed_at": np.full(n_steps, time.time() if processed_at is None else processed_at),
+            "version": np.full(n_steps, version, dtype=np.uint64),
+        },
+    )
+    batch.add("attribution", _attribution_rows(job_id, attempt, result, step_start_ts, version))
+    batch.add("worker_slowdown", _worker_rows(job_id, attempt, result, step_start_ts, version))
+    return batch
+
+
+def job_rows(
+    job_id: str, attempt: int, meta: JobMeta, started: float, *, version: int = 0
+) -> dict[str, list]:
+    """The `jobs` row of a job attempt (add it to a batch with `batch.add("jobs", ...)`)."""
+    return {
+        "job_id": [job_id],
+        "attempt": [attempt],
+        "dp_size": [meta.dp_size],
+        "pp_size": [meta.pp_size],
+        "tp_size": [meta.tp_size],
+        "cp_size": [meta.dsp_size],
+        "vpp_size": [meta.vpp_size],
+        "world_size": [meta.world_size],
+        "model_flops_per_step": [meta.model_flops_per_step],
+        "gpu_peak_flops": [meta.gpu_peak_flops],
+        "started": [started],
+        "meta": [meta.model_dump_json()],
+        "version": [version],
+    }
+
+
+def _mfu(meta: JobMeta, step_seconds: np.ndarray) -> np.ndarray:
+    if meta.model_flops_per_step is None or meta.gpu_peak_flops is None:
+        return np.full(step_seconds.shape, np.nan)  # stored as NULL
+    return meta.model_flops_per_step / (step_seconds * meta.world_size * meta.gpu_peak_flops)
+
+
+def _attribution_rows(
+    job_id: str, attempt: int, result: WhatIfResult, ts: np.ndarray, version: int
+) -> dict[str, object]:
+    kinds: list[str] = []
+    names: list[str] = []
+    values: list[np.ndarray] = []
+    for kind, attr in ATTRIBUTION_KINDS:
+        attribution: Attribution | None = getattr(result, attr)
+        if attribution is None:
+            continue
+        for name, series in attribution.per_step.items():
+            kinds.append(kind)
+            names.append(name)
+            values.append(np.asarray(series, dtype=np.float64))
+    n_steps, n_series = len(result.steps), len(values)
+    # Rows are series-major: series k covers rows k*n_steps ... (k+1)*n_steps - 1.
+    return {
+        "job_id": [job_id] * (n_steps * n_series),
+        "attempt": np.full(n_steps * n_series, attempt, dtype=np.uint32),
+        "step": np.tile(np.asarray(result.steps, dtype=np.uint64), n_series),
+        "ts": np.tile(ts, n_series),
+        "kind": np.repeat(np.array(kinds, dtype=object), n_steps),
+        "name": np.repeat(np.array(names, dtype=object), n_steps),
+        "slowdown": np.concatenate(values) if values else np.zeros(0),
+        "version": np.full(n_steps * n_series, version, dtype=np.uint64),
+    }
+
+
+def worker_slowdown_per_step(result: WhatIfResult) -> np.ndarray:
+    """[step, stage, dp]: min(S_dp, S_stage) of each step."""
+    n_stages, n_dp = result.worker_slowdown.shape
+    by_dp = np.stack([result.by_dp_rank.per_step[str(d)] for d in range(n_dp)], axis=1)
+    by_stage = np.stack([result.by_stage.per_step[str(s)] for s in range(n_stages)], axis=1)
+    return np.minimum(by_dp[:, None, :], by_stage[:, :, None])
+
+
+def _worker_rows(
+    job_id: str, attempt: int, result: WhatIfResult, ts: np.ndarray, version: int
+) -> dict[str, object]:
+    per_step = worker_slowdown_per_step(result)
+    n = per_step.size
+    step_index, stage, dp = np.unravel_index(np.arange(n), per_step.shape)
+    return {
+        "job_id": [job_id] * n,
+        "attempt": np.full(n, attempt, dtype=np.uint32),
+        "step": np.asarray(result.steps, dtype=np.uint64)[step_index],
+        "ts": ts[step_index],
+        "dp_rank": dp.astype(np.uint32),
+        "pp_rank": stage.astype(np.uint32),
+        "slowdown": per_step.ravel().astype(np.float64),
+        "version": np.full(n, version, dtype=np.uint64),
+    }
+
+
+def rows_from_outputs(outputs: Sequence[StepOutput], *, version: int = 0) -> SinkBatch:
+    """Closed steps of the step processor (any jobs, complete or not) as one batch.
+
+    Incomplete steps are stored with `complete = false` and the global ranks that never
+    reported; their figures cover the DP replicas that were whole (renumbered back to their
+    real DP ranks), or are NaN when nothing could be analysed. Change points become
+    `changepoints` rows.
+    """
+    if not outputs:
+        raise ValueError("rows_from_outputs: no outputs")
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for out in outputs:
+        ts = np.array([out.start_ns / 1e9])
+        meta = out.info.to_meta()
+        if out.result is not None:
+            part = rows_from_result(out.job_id, out.attempt, out.result, ts, meta, version=version)
+            if out.analysed_dp_ranks:
+                real = np.asarray(out.analysed_dp_ranks, dtype=np.uint32)
+                part.tables["worker_slowdown"]["dp_rank"] = real[
+                    np.asarray(part.tables["worker_slowdown"]["dp_rank"], dtype=np.int64)
+                ]
+                dp_rows = np.asarray(part.tables["attribution"]["kind"]) == "dp_rank"
+                names = np.asarray(part.tables["attribution"]["name"], dtype=object)
+                names[dp_rows] = [str(real[int(n)]) for n in names[dp_rows]]
+                part.tables["attribution"]["name"] = names
+        else:
+            part = SinkBatch("")
+            part.add("steps", _unanalysed_step(out, ts, version))
+        steps = part.tables["steps"]
+        steps["complete"] = np.array([out.complete])
+        tp_cp = meta.tp_size * meta.dsp_size
+        steps["missing_ranks"] = [[(pp * meta.dp_size + dp) * tp_cp for dp, pp in out.missing]]
+        if out.changes:
+            part.add(
+                "changepoints",
+                {
+                    "job_id": [out.job_id] * len(out.changes),
+                    "attempt": [out.attempt] * len(out.changes),
+                    "series": [c.series for c in out.changes],
+                    "step": [c.step for c in out.changes],
+                    "ts": [out.start_ns / 1e9] * len(out.changes),
+                    "kind": [c.kind for c in out.changes],
+                    "before_mean": [c.before_mean for c in out.changes],
+                    "after_mean": [c.after_mean for c in out.changes],
+                    "probability": [c.probability for c in out.changes],
+                    "version": [version] * len(out.changes),
+                },
+            )
+        for table, columns in part.tables.items():
+            tables.setdefault(table, []).append(columns)
+    first, last = outputs[0], outputs[-1]
+    batch = SinkBatch(
+        f"{first.job_id}/{first.attempt}/{first.step}-{last.step}/{len(outputs)}/{version}"
+    )
+    for table, parts in tables.items():
+        batch.add(table, {name: _concat([p[name] for p in parts]) for name in parts[0]})
+    return batch
+
+
+def _concat(parts: list) -> list | np.ndarray:
+    if all(isinstance(p, np.ndarray) and p.dtype != object for p in parts):
+        return np.concatenate(parts)
+    return [v for p in parts for v in (p.tolist() if isinstance(p, np.ndarray) else p)]
+
+
+def _unanalysed_step(out: StepOutput, ts: np.ndarray, version: int) -> dict[str, Any]:
+    nan = np.array([np.nan])
+    return {
+        "job_id": [out.job_id],
+        "attempt": [out.attempt],
+        "step": [out.step],
+        "ts": ts,
+        "complete": [False],
+        "missing_ranks": [[]],
+        "actual_s": nan,
+        "simulated_s": nan,
+        "ideal_s": nan,
+        "slowdown": nan,
+        "launch_slowdown": nan,
+        "waste": nan,
+        "mfu_actual": nan,
+        "mfu_ideal": nan,
+        "n_gpus": [out.info.world_size],
+        "gpu_seconds": nan,
+        "gpu_seconds_wasted": nan,
+        "processed_at": [time.time()],
+        "version": [version],
+    }
+
+
+def diagnosis_rows(
+    job_id: str, attempt: int, step: int, start_ns: int, diagnosis: Diagnosis, *, version: int = 0
+) -> dict[str, list]:
+    """The `diagnoses` row of a diagnosis made at `step`."""
+    best = max((a.predicted_speedup for a in diagnosis.advice), default=None)
+    return {
+        "job_id": [job_id],
+        "attempt": [attempt],
+        "step": [step],
+        "ts": [start_ns / 1e9],
+        "cause": [diagnosis.cause],
+        "evidence": [
+            json.dumps({"summary": diagnosis.summary, **diagnosis.evidence}, default=float)
+        ],
+        "advice": [
+            json.dumps(
+                {
+                    "advice": [a.as_dict() for a in diagnosis.advice],
+                    "escalation": diagnosis.escalation,
+                },
+                default=float,
+            )
+        ],
+        "predicted_speedup": [best],
+        "version": [version],
+    }

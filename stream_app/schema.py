@@ -1,0 +1,232 @@
+"""ClickHouse schema of the lagscope store, created by ordered, idempotent migrations.
+
+Every applied migration is recorded in `schema_version`; `apply_migrations` runs the ones
+above the recorded version, in order. Each statement is `IF NOT EXISTS`, so a migration
+interrupted half-way (or two processes migrating at once) is safely re-run.
+
+Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a step range):
+
+- `ops` (job_id, attempt, step, rank, start, optype, seq): raw ops of a step for the
+  timeline drill-down; partitioned by day and TTL-limited (`ops_ttl_days`, default 7,
+  changed by `ensure_schema(ops_ttl_days=...)`).
+- `steps` (job_id, attempt, step): one row per analysed step; the slowdown / MFU panels.
+- `attribution` (job_id, attempt, kind, name, step): one series per (kind, name), read as
+  "S_X over steps" for a kind (optype, dp_rank, stage, launch_*).
+- `worker_slowdown` (job_id, attempt, step, pp_rank, dp_rank): the DPxPP heatmap of a step
+  range.
+- `changepoints` (job_id, attempt, series, step, kind), `diagnoses` (job_id, attempt,
+  step, cause), `jobs` (job_id, attempt), `dead_letters` (job_id, source, ts, ...).
+- `steps_1m` (job_id, attempt, minute): minute rollup of `steps`, filled by the
+  materialized view `steps_1m_mv`.
+
+Idempotence. Derived tables are ReplacingMergeTree(version): a re-processed step is written
+with a higher `version` and reads take the latest (`FINAL`, or argMax by version).
+Identical replays are dropped at insert by `insert_deduplication_token`, which plain
+MergeTree honours within `non_replicated_deduplication_window` blocks; a deduplicated
+insert does not fire the materialized views, so the rollup is not doubled either. A
+changed re-processing does fire the view, so the sink first writes a retraction of the
+superseded version into the rollup (`steps_1m` is a SummingMergeTree of signed counts and
+sums; `rollup_retraction_sql` mirrors the view's SELECT with negated aggregates). Hence the
+rollup holds sums and counts only (averages are sum / count): a maximum cannot be retracted;
+take maxima from `steps FINAL`.
+
+Reads: `steps`, `attribution`, `worker_slowdown`, `jobs`, ... with `FINAL`. When a step is
+superseded the sink also deletes the old version's `attribution` and `worker_slowdown`
+rows (a name may vanish from the new version, and FINAL only replaces rows of equal key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+SCHEMA_VERSION_TABLE = "schema_version"
+DEFAULT_OPS_TTL_DAYS = 7
+#: Recent insert blocks whose tokens a table remembers: replays after a crash come within
+#: minutes, i.e. well inside this many batches.
+DEDUP_WINDOW = 10_000
+
+_SETTINGS = f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}"
+# Codecs: timestamps and step ids grow steadily (Delta/DoubleDelta), float series change
+# slowly (Gorilla), small integers have few significant bits (T64); ZSTD on top.
+_TS3 = "DateTime64(3) CODEC(DoubleDelta, ZSTD(1))"
+_STEP = "UInt64 CODEC(Delta, ZSTD(1))"
+_SMALL = "UInt32 CODEC(T64, ZSTD(1))"
+_FLOAT = "Float64 CODEC(Gorilla, ZSTD(1))"
+_VERSION = "UInt64 CODEC(Delta, ZSTD(1))"
+
+#: Columns of the minute rollup of `steps`: (name, type, aggregate over `steps` rows).
+STEPS_1M_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("steps", "Int64", "count()"),
+    ("complete_steps", "Int64", "countIf(complete)"),
+    ("slowdown_sum", "Float64", "sumIf(slowdown, isFinite(slowdown))"),
+    ("slowdown_count", "Int64", "countIf(isFinite(slowdown))"),
+    ("gpu_seconds", "Float64", "sumIf(gpu_seconds, isFinite(gpu_seconds))"),
+    (
+        "gpu_seconds_wasted",
+        "Float64",
+        "sumIf(gpu_seconds_wasted, isFinite(gpu_seconds_wasted))",
+    ),
+    ("mfu_sum", "Float64", "sumIf(assumeNotNull(mfu_actual), isFinite(mfu_actual))"),
+    ("mfu_count", "Int64", "countIf(isFinite(mfu_actual))"),
+)
+_ROLLUP_KEY = "job_id, attempt, toStartOfMinute(ts) AS minute"
+
+
+def _rollup_select(sign: str) -> str:
+    aggregates = ", ".join(f"{sign}{expr} AS {name}" for name, _, expr in STEPS_1M_COLUMNS)
+    return f"SELECT {_ROLLUP_KEY}, {aggregates}"
+
+
+def rollup_retraction_sql() -> str:
+    """INSERT of the negated rollup contribution of given (job_id, attempt, step, version)
+    rows of `steps` (parameter `keys`); `LIMIT 1 BY` guards against an unmerged duplicate."""
+    return (
+        f"INSERT INTO steps_1m {_rollup_select('-')} FROM ("
+        "SELECT * FROM steps WHERE (job_id, attempt, step, version) IN "
+        "{keys:Array(Tuple(String, UInt32, UInt64, UInt64))} "
+        "LIMIT 1 BY job_id, attempt, step, version) GROUP BY job_id, attempt, minute"
+    )
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+def _check_ttl_days(ops_ttl_days: int) -> None:
+    if not isinstance(ops_ttl_days, int) or isinstance(ops_ttl_days, bool) or ops_ttl_days < 1:
+        raise ValueError(f"ops_ttl_days must be a positive integer, got {ops_ttl_days!r}")
+
+
+def _ops_ttl(ops_ttl_days: int) -> str:
+    return f"TTL toDateTime(start) + INTERVAL {ops_ttl_days} DAY"
+
+
+def ops_ttl_sql(ops_ttl_days: int) -> str:
+    """ALTER of the raw ops' retention. Existing parts are not rewritten: expired ones are
+    dropped as merges and TTL passes reach them."""
+    _check_ttl_days(ops_ttl_days)
+    return (
+        f"ALTER TABLE ops MODIFY {_ops_ttl(ops_ttl_days)} SETTINGS materialize_ttl_after_modify = 0"
+    )
+
+
+def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...]:
+    """All migrations, in order (`ops_ttl_days`: the retention `ops` is created with)."""
+    _check_ttl_days(ops_ttl_days)
+    rollup_columns = ", ".join(f"{name} {type_}" for name, type_, _ in STEPS_1M_COLUMNS)
+    return (
+        Migration(
+            1,
+            "tables, minute rollup of steps",
+            (
+                f"""CREATE TABLE IF NOT EXISTS ops (
+                    job_id LowCardinality(String), attempt UInt32, step {_STEP},
+                    rank {_SMALL}, dp_rank {_SMALL}, pp_rank {_SMALL}, tp_rank {_SMALL},
+                    cp_rank {_SMALL}, optype LowCardinality(String), seq {_SMALL},
+                    microbatch {_SMALL}, chunk {_SMALL},
+                    start DateTime64(9) CODEC(Delta, ZSTD(1)),
+                    duration_ns UInt64 CODEC(T64, ZSTD(1)),
+                    batch_id String CODEC(ZSTD(1))
+                ) ENGINE = ReplacingMergeTree
+                PARTITION BY toDate(start)
+                ORDER BY (job_id, attempt, step, rank, start, optype, seq)
+                {_ops_ttl(ops_ttl_days)}
+                {_SETTINGS}, ttl_only_drop_parts = 1""",
+                f"""CREATE TABLE IF NOT EXISTS steps (
+                    job_id LowCardinality(String), attempt UInt32, step {_STEP}, ts {_TS3},
+                    complete Bool, missing_ranks Array(UInt32),
+                    actual_s {_FLOAT}, simulated_s {_FLOAT}, ideal_s {_FLOAT},
+                    slowdown {_FLOAT}, launch_slowdown {_FLOAT}, waste {_FLOAT},
+                    mfu_actual Nullable(Float64), mfu_ideal Nullable(Float64),
+                    n_gpus UInt32, gpu_seconds {_FLOAT}, gpu_seconds_wasted {_FLOAT},
+                    processed_at DateTime64(3) CODEC(Delta, ZSTD(1)), version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt, step) {_SETTINGS}""",
+                f"""CREATE TABLE IF NOT EXISTS attribution (
+                    job_id LowCardinality(String), attempt UInt32, step {_STEP}, ts {_TS3},
+                    kind LowCardinality(String), name LowCardinality(String),
+                    slowdown {_FLOAT}, version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt, kind, name, step) {_SETTINGS}""",
+                f"""CREATE TABLE IF NOT EXISTS worker_slowdown (
+                    job_id LowCardinality(String), attempt UInt32, step {_STEP}, ts {_TS3},
+                    dp_rank {_SMALL}, pp_rank {_SMALL}, slowdown {_FLOAT}, version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt, step, pp_rank, dp_rank) {_SETTINGS}""",
+                f"""CREATE TABLE IF NOT EXISTS changepoints (
+                    job_id LowCardinality(String), attempt UInt32,
+                    series LowCardinality(String), step {_STEP}, ts {_TS3},
+                    kind LowCardinality(String), before_mean Float64, after_mean Float64,
+                    probability Float64, version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt, series, step, kind) {_SETTINGS}""",
+                f"""CREATE TABLE IF NOT EXISTS diagnoses (
+                    job_id LowCardinality(String), attempt UInt32, step {_STEP}, ts {_TS3},
+                    cause LowCardinality(String), evidence String CODEC(ZSTD(3)),
+                    advice String CODEC(ZSTD(3)), predicted_speedup Nullable(Float64),
+                    version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt, step, cause) {_SETTINGS}""",
+                f"""CREATE TABLE IF NOT EXISTS jobs (
+                    job_id LowCardinality(String), attempt UInt32,
+                    dp_size UInt32, pp_size UInt32, tp_size UInt32, cp_size UInt32,
+                    vpp_size UInt32, world_size UInt32,
+                    model_flops_per_step Nullable(Float64), gpu_peak_flops Nullable(Float64),
+                    started DateTime64(3), meta String CODEC(ZSTD(3)), version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt) {_SETTINGS}""",
+                f"""CREATE TABLE IF NOT EXISTS dead_letters (
+                    ts DateTime64(3) CODEC(Delta, ZSTD(1)), job_id LowCardinality(String),
+                    source LowCardinality(String), reason String CODEC(ZSTD(3)),
+                    payload String CODEC(ZSTD(3)),
+                    payload_hash UInt64 MATERIALIZED cityHash64(payload)
+                ) ENGINE = ReplacingMergeTree
+                ORDER BY (job_id, source, ts, payload_hash) {_SETTINGS}""",
+                f"""CREATE TABLE IF NOT EXISTS steps_1m (
+                    job_id LowCardinality(String), attempt UInt32,
+                    minute DateTime CODEC(DoubleDelta, ZSTD(1)), {rollup_columns}
+                ) ENGINE = SummingMergeTree
+                ORDER BY (job_id, attempt, minute) {_SETTINGS}""",
+                f"""CREATE MATERIALIZED VIEW IF NOT EXISTS steps_1m_mv TO steps_1m AS
+                {_rollup_select("")} FROM steps GROUP BY job_id, attempt, minute""",
+            ),
+        ),
+    )
+
+
+class CommandRunner(Protocol):
+    def command(self, cmd: str, parameters: dict | None = None, settings: dict | None = None):
+        """Run one statement (the clickhouse-connect client's `command`)."""
+
+
+def current_version(client: CommandRunner) -> int:
+    client.command(
+        f"CREATE TABLE IF NOT EXISTS {SCHEMA_VERSION_TABLE} (version UInt32, "
+        "description String, applied_at DateTime64(3) DEFAULT now64(3)) "
+        "ENGINE = ReplacingMergeTree ORDER BY version"
+    )
+    return int(client.command(f"SELECT max(version) FROM {SCHEMA_VERSION_TABLE}") or 0)
+
+
+def apply_migrations(
+    client: CommandRunner, *, ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS
+) -> list[int]:
+    """Apply the migrations above the recorded version, in order; returns those applied."""
+    applied: list[int] = []
+    version = current_version(client)
+    for migration in migrations(ops_ttl_days):
+        if migration.version <= version:
+            continue
+        for statement in migration.statements:
+            client.command(statement)
+        client.command(
+            f"INSERT INTO {SCHEMA_VERSION_TABLE} (version, description) "
+            "VALUES ({version:UInt32}, {description:String})",
+            parameters={"version": migration.version, "description": migration.description},
+        )
+        applied.append(migration.version)
+    return applied

@@ -1,0 +1,490 @@
+"""The ClickHouse sink: one DSN, idempotent columnar writes, parameter-bound queries.
+
+DSN forms (one setting, `LAGSCOPE_CLICKHOUSE_DSN`):
+
+- `chdb:///abs/dir`, `chdb://./rel/dir`, `chdb://memory`: the embedded chDB engine (no
+  server) keeping its data in that directory; `?database=name` picks a database (default
+  `default`). chDB opens one directory per process: every sink of a process must name the
+  same one.
+- `http://user:pass@host:8123/db`, `https://...:8443/db`: a ClickHouse server.
+
+Both go through clickhouse-connect (1.12+ drives chDB in-process behind the same client
+interface), so the sink has one code path. Writes follow the idempotence design of
+`stream_app.schema`: every insert carries a deterministic `insert_deduplication_token`
+derived from the batch's `dedup_token`, a step already stored at the same or a newer
+version is skipped, and a superseded version is retracted from the minute rollup first
+and its attribution / worker_slowdown rows are deleted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import numpy as np
+import pyarrow as pa
+
+from stream_app import schema
+
+#: Default DSN: an embedded chDB store under the working directory.
+DEFAULT_DSN = "chdb://./lagscope-data/chdb"
+DSN_ENV = "LAGSCOPE_CLICKHOUSE_DSN"
+
+ColumnData = Sequence[Any] | np.ndarray
+
+#: Tables a batch may write, in write order: `steps` last, because a stored step is what
+#: marks its version as written (see `ClickHouseSink.write`).
+WRITABLE_TABLES: tuple[str, ...] = (
+    "jobs",
+    "ops",
+    "attribution",
+    "worker_slowdown",
+    "changepoints",
+    "diagnoses",
+    "dead_letters",
+    "steps",
+)
+
+#: Per-step tables written with `steps` from the same what-if result: a re-processed
+#: step's new version replaces their rows of the old version as a whole.
+SUPERSEDED_WITH_STEPS: tuple[str, ...] = ("attribution", "worker_slowdown")
+
+_DATETIME64 = re.compile(r"^(?:Nullable\()?DateTime64\((\d)")
+_NULLABLE_FLOAT = re.compile(r"^Nullable\(Float(32|64)\)$")
+_ARROW_TIME_UNITS = {0: "s", 3: "ms", 6: "us", 9: "ns"}
+
+
+class StoreError(Exception):
+    """A problem with the store: a bad DSN, an unreachable server, a failed statement, or
+    a batch that does not fit the schema. The message names what and where."""
+
+
+@dataclass
+class SinkBatch:
+    """One idempotent write: per table, columnar data (column name -> list or numpy
+    array, all columns of a table equally long).
+
+    `dedup_token` must be deterministic for the content (e.g. f"{job}/{attempt}/{first
+    step}-{last step}/{version}"): a batch written again with the same token is dropped.
+    Timestamp columns (DateTime64) take float seconds since the epoch, numpy datetime64
+    or datetime objects. NaN in a Nullable float column is stored as NULL.
+    """
+
+    dedup_token: str
+    tables: dict[str, dict[str, ColumnData]] = field(default_factory=dict)
+
+    def add(self, table: str, columns: Mapping[str, ColumnData]) -> None:
+        if table in self.tables:
+            raise ValueError(f"SinkBatch {self.dedup_token!r}: table {table!r} added twice")
+        self.tables[table] = dict(columns)
+
+    def row_count(self, table: str) -> int:
+        columns = self.tables.get(table)
+        return len(next(iter(columns.values()))) if columns else 0
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    #: Rows sent per table (after skipping steps already stored at that version or newer).
+    inserted: dict[str, int]
+    #: Steps rows skipped as replays or stale versions.
+    steps_skipped: int
+    #: Superseded step versions retracted from the minute rollup.
+    steps_retracted: int
+
+
+@dataclass(frozen=True)
+class ParsedDsn:
+    kind: str  # "chdb" or "http"
+    path: str | None = None  # chdb data directory; None keeps data in memory
+    database: str | None = None
+    url: str | None = None  # http(s) DSN for clickhouse-connect
+
+    @property
+    def shown(self) -> str:
+        """The DSN without its password, for messages."""
+        if self.kind == "chdb":
+            return f"chdb://{self.path or 'memory'}" + (
+                f"?database={self.database}" if self.database else ""
+            )
+        parts = urlsplit(self.url or "")
+        netloc = parts.hostname or ""
+        if parts.port:
+            netloc += f":{parts.port}"
+        if parts.username:
+            netloc = f"{parts.username}:***@{netloc}"
+        return f"{parts.scheme}://{netloc}{parts.path}"
+
+
+def parse_dsn(dsn: str) -> ParsedDsn:
+    """Split a DSN into what the client needs; a DSN of another form is a StoreError."""
+    if not isinstance(dsn, str) or not dsn.strip():
+        raise StoreError("ClickHouse DSN is empty; expected chdb:///dir or http://host:8123/db")
+    dsn = dsn.strip()
+    if dsn.startswith("chdb://"):
+        rest, _, query = dsn.removeprefix("chdb://").partition("?")
+        options = parse_qs(query)
+        unknown = sorted(set(options) - {"database"})
+        if unknown:
+            raise StoreError(f"DSN {dsn!r}: unknown option(s) {', '.join(unknown)}")
+        path = unquote(rest)
+        database = options.get("database", [None])[0]
+        in_memory = path in ("", "memory", ":memory:")
+        return ParsedDsn("chdb", path=None if in_memory else path, database=database)
+    parts = urlsplit(dsn)
+    if parts.scheme in ("http", "https") and parts.hostname:
+        database = parts.path.strip("/") or None
+        return ParsedDsn("http", database=database, url=dsn)
+    raise StoreError(
+        f"DSN {dsn.split('@')[-1]!r} is not supported: use chdb:///path/to/dir (embedded) "
+        "or http(s)://user:pass@host:8123/db (server)"
+    )
+
+
+class ClickHouseSink:
+    """Writes `SinkBatch`es to ClickHouse (embedded chDB or a server) and runs queries."""
+
+    def __init__(
+        self, dsn: str = DEFAULT_DSN, *, create: bool = True, connect_timeout_s: float = 10.0
+    ):
+        """Open the store. create=False: a chDB directory that does not exist is an error
+        (a reader should not conjure an empty store out of a mistyped path)."""
+        import clickhouse_connect
+        from clickhouse_connect.driver.exceptions import ClickHouseError
+
+        self.dsn = parse_dsn(dsn)
+        self._column_types: dict[str, dict[str, tuple[str, bool]]] = {}
+        if self.dsn.kind == "chdb" and self.dsn.path:
+            data_dir = Path(self.dsn.path)
+            if create:
+                data_dir.mkdir(parents=True, exist_ok=True)
+            elif not data_dir.is_dir():
+                raise StoreError(f"DSN {self.dsn.shown}: no chDB store in {data_dir}")
+        try:
+            if self.dsn.kind == "chdb":
+                self.client = clickhouse_connect.get_client(
+                    interface="chdb", path=self.dsn.path or ":memory:"
+                )
+            else:
+                # The database may not exist yet: connect to the server's default one and
+                # switch after `CREATE DATABASE` (see `_use_database`).
+                parts = urlsplit(self.dsn.url or "")
+                self.client = clickhouse_connect.get_client(
+                    interface=parts.scheme,
+                    host=parts.hostname,
+                    port=parts.port or (8443 if parts.scheme == "https" else 8123),
+                    username=unquote(parts.username or "default"),
+                    password=unquote(parts.password or ""),
+                    connect_timeout=connect_timeout_s,
+                )
+        except (ClickHouseError, OSError) as exc:
+            raise StoreError(f"cannot open ClickHouse store {self.dsn.shown}: {exc}") from None
+        self._use_database(create=False)
+
+    # -- schema -------------------------------------------------------------------------
+    def _use_database(self, *, create: bool) -> None:
+        name = self.dsn.database
+        if not name:
+            return
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise StoreError(f"DSN {self.dsn.shown}: database name {name!r} is not an identifier")
+        if create:
+            self._command(f"CREATE DATABASE IF NOT EXISTS `{name}`")
+        exists = self._command(
+            "SELECT count() FROM system.databases WHERE name = {name:String}", {"name": name}
+        )
+        if int(exists or 0):
+            self.client.database = name
+
+    def ensure_schema(self, *, ops_ttl_days: int = schema.DEFAULT_OPS_TTL_DAYS) -> list[int]:
+        """Create the database, apply pending migrations and set the TTL of raw ops;
+        returns the migration versions applied."""
+        self._use_database(create=True)
+        try:
+            applied = schema.apply_migrations(self, ops_ttl_days=ops_ttl_days)
+        finally:
+            self._column_types.clear()
+        if self.ops_ttl_days() != ops_ttl_days:
+            self._command(schema.ops_ttl_sql(ops_ttl_days))
+        return applied
+
+    def ops_ttl_days(self) -> int | None:
+        """Days raw ops are kept, as the `ops` table says."""
+        found = self._command(
+            "SELECT extract(engine_full, 'toIntervalDay\\((\\d+)\\)') FROM system.tables "
+            "WHERE database = currentDatabase() AND name = 'ops'"
+        )
+        return int(found) if found else None
+
+    def schema_version(self) -> int:
+        return schema.current_version(self)
+
+    # -- statements ---------------------------------------------------------------------
+    def command(
+        self, cmd: str, parameters: dict | None = None, settings: dict | None = None
+    ) -> Any:
+        """One statement with bound parameters; a failure is a StoreError."""
+        return self._command(cmd, parameters, settings)
+
+    def _command(
+        self, cmd: str, parameters: dict | None = None, settings: dict | None = None
+    ) -> Any:
+        from clickhouse_connect.driver.exceptions import ClickHouseError
+
+        try:
+            return self.client.command(cmd, parameters=parameters, settings=settings)
+        except (ClickHouseError, OSError) as exc:
+            raise StoreError(f"{self.dsn.shown}: {_first_line(exc)}") from None
+
+    def query(
+        self, sql: str, parameters: dict | None = None
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run a SELECT with bound parameters ({name:Type} placeholders); returns
+        (column names, rows)."""
+        from clickhouse_connect.driver.exceptions import ClickHouseError
+
+        try:
+            result = self.client.query(sql, parameters=parameters)
+        except (ClickHouseError, OSError) as exc:
+            raise StoreError(f"{self.dsn.shown}: query failed: {_first_line(exc)}") from None
+        return list(result.column_names), list(result.result_rows)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> ClickHouseSink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- writes -------------------------------------------------------------------------
+    def write(self, batch: SinkBatch) -> WriteReport:
+        """Insert a batch idempotently: replaying it, or writing an older version of its
+        steps, changes nothing; a newer version of a step replaces the stored one."""
+        if not batch.dedup_token:
+            raise StoreError("SinkBatch has no dedup_token; it must identify the content")
+        unknown = sorted(set(batch.tables) - set(WRITABLE_TABLES))
+        if unknown:
+            raise StoreError(
+                f"SinkBatch {batch.dedup_token!r}: unknown table(s) {', '.join(unknown)}; "
+                f"writable: {', '.join(WRITABLE_TABLES)}"
+            )
+        prepared = {
+            table: self._prepare_columns(batch.dedup_token, table, batch.tables[table])
+            for table in WRITABLE_TABLES
+            if table in batch.tables
+        }
+        skipped = retracted = 0
+        superseded: list[tuple[str, int, int, int]] = []
+        if "steps" in prepared:
+            prepared["steps"], skipped, superseded, stored = self._newer_steps(prepared["steps"])
+            for table in SUPERSEDED_WITH_STEPS:
+                if table in prepared:
+                    prepared[table] = _drop_stored_versions(prepared[table], stored)
+            if superseded:
+                self._command(
+                    schema.rollup_retraction_sql(),
+                    {"keys": superseded},
+                    {"insert_deduplication_token": f"{batch.dedup_token}/steps_1m-retraction"},
+                )
+                retracted = len(superseded)
+        inserted: dict[str, int] = {}
+        for table, columns in prepared.items():
+            if table == "steps" and superseded:
+                self._delete_superseded_step_rows(superseded)
+            n_rows = len(next(iter(columns.values())))
+            inserted[table] = n_rows
+            if n_rows:
+                self._insert(table, columns, f"{batch.dedup_token}/{table}")
+        return WriteReport(inserted, skipped, retracted)
+
+    def _delete_superseded_step_rows(self, superseded: list[tuple[str, int, int, int]]) -> None:
+        """Delete the superseded versions' rows from the per-step result tables: the new
+        version may lack some of them (an attribution name that vanished), and FINAL only
+        replaces rows of the same key. Runs before the steps insert, so a crash before it
+        is redone by the replay."""
+        for table in SUPERSEDED_WITH_STEPS:
+            self._command(
+                f"DELETE FROM {table} WHERE (job_id, attempt, step, version) IN "
+                "{keys:Array(Tuple(String, UInt32, UInt64, UInt64))}",
+                {"keys": superseded},
+            )
+
+    def _insert(self, table: str, columns: dict[str, pa.Array], token: str) -> None:
+        # Arrow: columnar all the way (numpy buffers, dictionary-encoded LowCardinality)
+        # instead of the client's per-value Native serialisation, ~5x faster for ops.
+        from clickhouse_connect.driver.exceptions import ClickHouseError
+
+        try:
+            self.client.insert_arrow(
+                table,
+                pa.table(columns),
+                settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
+            )
+        except (ClickHouseError, OSError) as exc:
+            raise StoreError(f"{self.dsn.shown}: insert into {table} failed: {exc}") from None
+
+    def _newer_steps(
+        self, columns: dict[str, pa.Array]
+    ) -> tuple[
+        dict[str, pa.Array],
+        int,
+        list[tuple[str, int, int, int]],
+        dict[tuple[str, int, int], int],
+    ]:
+        """Keep the steps rows newer than what is stored (and the newest of duplicates in
+        the batch); list the stored versions they supersede, and return the stored version
+        of each step of the batch."""
+        keys = list(
+            zip(
+                _python_values(columns["job_id"]),
+                _python_values(columns["attempt"]),
+                _python_values(columns["step"]),
+                strict=True,
+            )
+        )
+        versions = _python_values(columns["version"])
+        newest_in_batch: dict[tuple[str, int, int], int] = {}
+        for i, key in enumerate(keys):
+            best = newest_in_batch.get(key)
+            if best is None or versions[i] > versions[best]:
+                newest_in_batch[key] = i
+        _, stored_rows = self.query(
+            "SELECT job_id, attempt, step, max(version) FROM steps "
+            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))} "
+            "GROUP BY job_id, attempt, step",
+            {"keys": list(newest_in_batch)},
+        )
+        stored = {(j, int(a), int(s)): int(v) for j, a, s, v in stored_rows}
+        keep = np.zeros(len(keys), dtype=bool)
+        superseded: list[tuple[str, int, int, int]] = []
+        for key, i in newest_in_batch.items():
+            old = stored.get(key)
+            if old is None or versions[i] > old:
+                keep[i] = True
+                if old is not None:
+                    superseded.append((*key, old))
+        mask = pa.array(keep)
+        kept = {name: values.filter(mask) for name, values in columns.items()}
+        return kept, len(keys) - int(keep.sum()), sorted(superseded), stored
+
+    def _table_columns(self, table: str) -> dict[str, tuple[str, bool]]:
+        """column -> (type, must be given) of a table, from the store itself."""
+        if table not in self._column_types:
+            _, rows = self.query(
+                "SELECT name, type, default_kind FROM system.columns "
+                "WHERE database = currentDatabase() AND table = {table:String} "
+                "ORDER BY position",
+                {"table": table},
+            )
+            if not rows:
+                raise StoreError(
+                    f"{self.dsn.shown}: table {table} does not exist; run ensure_schema() first"
+                )
+            self._column_types[table] = {name: (t, not kind) for name, t, kind in rows}
+        return self._column_types[table]
+
+    def _prepare_columns(
+        self, token: str, table: str, columns: Mapping[str, ColumnData]
+    ) -> dict[str, pa.Array]:
+        where = f"SinkBatch {token!r}, table {table}"
+        known = self._table_columns(table)
+        unknown = sorted(set(columns) - set(known))
+        if unknown:
+            raise StoreError(f"{where}: unknown column(s) {', '.join(unknown)}")
+        missing = [
+            name for name, (_, required) in known.items() if required and name not in columns
+        ]
+        if missing:
+            raise StoreError(f"{where}: missing column(s) {', '.join(missing)}")
+        lengths = {name: len(values) for name, values in columns.items()}
+        if len(set(lengths.values())) > 1:
+            raise StoreError(f"{where}: columns differ in length: {lengths}")
+        out: dict[str, pa.Array] = {}
+        for name, values in columns.items():
+            type_ = known[name][0]
+            try:
+                out[name] = _to_arrow(values, type_)
+            except (TypeError, ValueError, pa.ArrowException) as exc:
+                raise StoreError(f"{where}, column {name} ({type_}): {exc}") from None
+        return out
+
+
+def _to_arrow(values: ColumnData, type_: str) -> pa.Array:
+    """An Arrow array that ClickHouse reads into a column of type `type_`."""
+    match = _DATETIME64.match(type_)
+    if match:
+        precision = int(match.group(1))
+        ticks = _datetime64_ticks(values, precision)
+        unit = _ARROW_TIME_UNITS.get(precision)
+        return pa.array(ticks, type=pa.timestamp(unit)) if unit else pa.array(ticks)
+    if _NULLABLE_FLOAT.match(type_):
+        floats = [None if v is None else float(v) for v in values]
+        return pa.array(floats, type=pa.float64(), from_pandas=True)  # NaN -> null
+    if "LowCardinality(String)" in type_:
+        return pa.array(_sequence(values), type=pa.string()).dictionary_encode()
+    if type_ == "String":
+        return pa.array(_sequence(values), type=pa.string())
+    return pa.array(_sequence(values))
+
+
+def _sequence(values: ColumnData) -> np.ndarray | list:
+    return values if isinstance(values, np.ndarray) else list(values)
+
+
+def _drop_stored_versions(
+    columns: dict[str, pa.Array], stored: dict[tuple[str, int, int], int]
+) -> dict[str, pa.Array]:
+    """Rows of a per-step table without those of a step version already stored or older
+    (a replay or a stale re-processing)."""
+    if not stored:
+        return columns
+    keys = zip(
+        _python_values(columns["job_id"]),
+        _python_values(columns["attempt"]),
+        _python_values(columns["step"]),
+        _python_values(columns["version"]),
+        strict=True,
+    )
+    keep = pa.array([version > stored.get((j, a, s), -1) for j, a, s, version in keys])
+    return {name: values.filter(keep) for name, values in columns.items()}
+
+
+def _python_values(array: pa.Array) -> list:
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    return array.to_pylist()
+
+
+def _datetime64_ticks(values: ColumnData, precision: int) -> np.ndarray:
+    """Integer ticks of a DateTime64(precision) column from epoch seconds, numpy
+    datetime64 or datetime objects."""
+    scale = 10**precision
+    array = np.asarray(values)
+    if np.issubdtype(array.dtype, np.datetime64):
+        nanoseconds = array.astype("datetime64[ns]").astype(np.int64)
+        return nanoseconds // 10 ** (9 - precision)
+    if array.dtype.kind in "fiu":
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise ValueError("timestamps must be finite seconds since the epoch")
+        if array.dtype.kind == "f":
+            return np.rint(array.astype(np.float64) * scale).astype(np.int64)
+        return array.astype(np.int64) * scale
+    out = []
+    for value in values:
+        if not isinstance(value, dt.datetime):
+            raise TypeError(f"expected epoch seconds or datetimes, got {type(value).__name__}")
+        moment = value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+        out.append(round(moment.timestamp() * scale))
+    return np.array(out, dtype=np.int64)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,68 @@
+"""`lagscope query`: table, CSV and JSON output from chDB; clear errors, exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stream_app.cli import main
+from stream_app.sink import ClickHouseSink
+
+
+@pytest.fixture
+def dsn(chdb_dsn: str) -> str:
+    with ClickHouseSink(chdb_dsn) as store:
+        store.ensure_schema()
+        store.command(
+            "INSERT INTO jobs (job_id, attempt, world_size, started, meta) VALUES "
+            "('job-a', 0, 8, 1700000000, '{}'), ('job-b', 1, 16, 1700000060, '{}')"
+        )
+    return chdb_dsn
+
+
+SQL = "SELECT job_id, attempt, world_size, started FROM jobs FINAL ORDER BY job_id"
+
+
+def test_query_prints_a_table(dsn: str, capsys) -> None:
+    assert main(["query", SQL, "--dsn", dsn]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["job_id", "attempt", "world_size", "started"]
+    assert lines[2].split()[:3] == ["job-a", "0", "8"]
+    assert lines[-1] == "(2 rows)"
+
+
+def test_query_csv_and_json(dsn: str, capsys) -> None:
+    assert main(["query", SQL, "--dsn", dsn, "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "job_id,attempt,world_size,started"
+    assert lines[2].startswith("job-b,1,16,")
+    assert main(["query", SQL, "--dsn", dsn, "--format", "json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert records[1]["job_id"] == "job-b" and records[1]["world_size"] == 16
+
+
+def test_dsn_from_the_environment(dsn: str, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("LAGSCOPE_CLICKHOUSE_DSN", dsn)
+    assert main(["query", "SELECT count() AS n FROM jobs FINAL"]) == 0
+    assert "2" in capsys.readouterr().out.splitlines()[2]
+
+
+def test_sql_error_exits_2_without_traceback(dsn: str, capsys) -> None:
+    assert main(["query", "SELECT * FROM no_such_table", "--dsn", dsn]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lagscope query: error: ") and "no_such_table" in err
+    assert "Traceback" not in err
+
+
+def test_missing_chdb_directory_exits_2(tmp_path, capsys) -> None:
+    missing = tmp_path / "nothing-here"
+    assert main(["query", "SELECT 1", "--dsn", f"chdb://{missing}"]) == 2
+    assert "no chDB store" in capsys.readouterr().err
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("bad", ["postgres://h/db", "chdb:///x?colour=red"])
+def test_bad_dsn_exits_2(bad: str, capsys) -> None:
+    assert main(["query", "SELECT 1", "--dsn", bad]) == 2
+    assert "DSN" in capsys.readouterr().err

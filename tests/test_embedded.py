@@ -1,0 +1,108 @@
+"""The embedded host end to end: timers -> per-rank logs -> step processor -> chDB."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from producers.events import JobInfo
+from simulator.generate import JobSpec, SlowWorker, generate_job
+from stream_app.commands.run import demo_spec, write_logs_with_timers
+from stream_app.embedded import EmbeddedRunner
+from stream_app.processor import ProcessorSettings
+from stream_app.sink import ClickHouseSink
+
+
+@pytest.fixture(scope="module")
+def demo_run(chdb_dir, tmp_path_factory):
+    """A 60-step demo job through the whole embedded pipeline, once for this module."""
+    logs = tmp_path_factory.mktemp("logs")
+    spec = demo_spec(steps=60, seed=3)
+    job = generate_job(spec)
+    info = JobInfo.from_meta(
+        job.meta.model_copy(update={"model_flops_per_step": 1e17, "gpu_peak_flops": 989e12}),
+        job_id="emb",
+        attempt=0,
+    )
+    # Recent wall-clock times: the raw `ops` table keeps a few days only (TTL).
+    n_ops = write_logs_with_timers(job.trace, info, logs, time.time_ns() - 3_600_000_000_000)
+    # A garbage log file in one rank's directory: reported, the rest flows on.
+    (sorted(logs.iterdir())[0] / "99999999999999999999-0001.lglog").write_bytes(b"\x00garbage" * 50)
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=embedded_demo")
+    sink.ensure_schema()
+    report = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0)).run_logs(logs)
+    return job, spec, n_ops, report, sink
+
+
+def scalar(sink, sql):
+    return sink.query(sql)[1][0][0]
+
+
+def test_every_op_and_step_lands_in_the_store(demo_run):
+    job, spec, n_ops, report, sink = demo_run
+    assert report.ops == n_ops == job.trace.n_rows
+    assert scalar(sink, "SELECT count() FROM ops") == n_ops
+    assert scalar(sink, "SELECT count() FROM steps FINAL WHERE complete") == spec.steps
+    assert scalar(sink, "SELECT count() FROM steps") == spec.steps  # no duplicates
+    assert report.dead_letters >= 1
+    assert scalar(sink, "SELECT count() FROM dead_letters") == report.dead_letters
+
+
+def test_step_numbers_match_the_batch_analysis(demo_run):
+    from simulator.prepare import prepare
+    from simulator.whatif import analyze
+
+    job, _, _, report, sink = demo_run
+    batch = analyze(prepare(job.trace, job.meta))
+    _, rows = sink.query("SELECT step, simulated_s FROM steps FINAL ORDER BY step")
+    assert [r[0] for r in rows] == [int(s) for s in batch.steps]
+    for (_, simulated), expected in zip(rows, batch.t_nodelay, strict=True):
+        assert simulated == pytest.approx(expected, rel=1e-4)
+    rollup = report.jobs["emb", 0].rollup
+    assert rollup.slowdown == pytest.approx(batch.slowdown, rel=1e-3)
+
+
+def test_change_points_and_episode_diagnosis(demo_run):
+    _, spec, _, report, sink = demo_run
+    slow = next(s for s in spec.stragglers if isinstance(s, SlowWorker))
+    onset, recovery = 1000 + slow.start_step, 1000 + slow.end_step
+    _, rows = sink.query(
+        "SELECT kind, step FROM changepoints FINAL WHERE series = 'step_time' ORDER BY step"
+    )
+    kinds = [r[0] for r in rows]
+    assert kinds == ["onset", "recovery"]
+    assert abs(rows[0][1] - onset) <= 3 and abs(rows[1][1] - recovery) <= 3
+    episode = report.jobs["emb", 0].episodes[0]
+    assert episode.diagnosis.cause == "slow_workers"
+    assert episode.diagnosis.evidence["mw_workers"][0] == {"dp": slow.dp, "stage": slow.stage}
+    cause, advice = sink.query("SELECT cause, advice FROM diagnoses FINAL")[1][0]
+    assert cause == report.jobs["emb", 0].diagnosis.cause
+    assert "escalation" in json.loads(advice)
+
+
+def test_mfu_and_waste_are_stored(demo_run):
+    _, _, _, report, sink = demo_run
+    mfu, mfu_ideal, wasted = sink.query(
+        "SELECT avg(mfu_actual), avg(mfu_ideal), sum(gpu_seconds_wasted) FROM steps FINAL"
+    )[1][0]
+    assert 0 < mfu < mfu_ideal
+    assert wasted == pytest.approx(report.jobs["emb", 0].gpu_seconds_wasted, rel=1e-6)
+
+
+def test_a_silent_rank_makes_incomplete_steps(chdb_dir, tmp_path):
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=12, name="silent", seed=2)
+    job = generate_job(spec)
+    info = JobInfo.from_meta(job.meta, job_id="silent")
+    keep = ~((job.trace.dp_rank == 1) & (job.trace.stage == 1) & (job.trace.step >= 6))
+    write_logs_with_timers(job.trace.select(keep), info, tmp_path, time.time_ns())
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=embedded_silent")
+    sink.ensure_schema()
+    report = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0)).run_logs(tmp_path)
+    assert [s for s, _ in report.jobs["silent", 0].incomplete_steps] == list(range(6, 12))
+    _, rows = sink.query(
+        "SELECT step, missing_ranks FROM steps FINAL WHERE NOT complete ORDER BY step"
+    )
+    missing_rank = (1 * spec.dp + 1) * spec.tp
+    assert rows == [(s, [missing_rank]) for s in range(6, 12)]

@@ -1,0 +1,157 @@
+"""The step processor: windows, lateness, incremental analysis, roll-up, restart."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from producers.events import JobInfo
+from producers.replay import default_job_id, iter_step_batches
+from simulator.generate import JobSpec, SlowWorker, generate_job
+from stream_app.processor import ProcessorSettings, StepProcessor
+from tests.conftest import analyzed_reference, load_reference
+
+
+class FakeClock:
+    """A clock the test advances by hand (the processor's lateness is processing time)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stream_of(name_or_job, start_ns=1_700_000_000_000_000_000):
+    if isinstance(name_or_job, str):
+        trace, meta = load_reference(name_or_job)
+    else:
+        trace, meta = name_or_job.trace, name_or_job.meta
+    job_id = default_job_id(meta)
+    info = JobInfo.from_meta(meta, job_id=job_id)
+    steps = list(iter_step_batches(trace, meta, job_id=job_id, start_wall_ns=start_ns))
+    return info, steps
+
+
+@pytest.mark.parametrize("name", ["AR", "SE", "ST"])
+def test_rollup_equals_batch_analysis(reference_dir, name):
+    info, steps = stream_of(name)
+    processor = StepProcessor()
+    processor.on_job(info)
+    outputs = []
+    for _, _, batches in steps:
+        for batch in batches[::-1]:  # arrival order does not matter
+            outputs.extend(processor.on_batch(batch))
+    assert [o.step for o in outputs] == [s for _, s, _ in steps]
+    assert all(o.complete and o.result is not None for o in outputs)
+    rollup = processor.rollup(info.job_id)
+    _, batch = analyzed_reference(name)
+    assert rollup.slowdown == pytest.approx(batch.slowdown, rel=1e-3)
+    assert rollup.launch_slowdown == pytest.approx(batch.launch_slowdown, rel=1e-3)
+    assert rollup.mw.removed_share == pytest.approx(batch.mw.removed_share, rel=1e-3, abs=1e-4)
+    assert rollup.ms.removed_share == pytest.approx(batch.ms.removed_share, rel=1e-3, abs=1e-4)
+    for kind in ("by_optype", "by_dp_rank", "by_stage"):
+        got, want = getattr(rollup, kind).overall, getattr(batch, kind).overall
+        assert set(got) == set(want)
+        for group in want:
+            assert got[group] == pytest.approx(want[group], rel=1e-3), (kind, group)
+    # Per-step simulated times do not depend on the ideal: they equal the batch ones.
+    np.testing.assert_allclose([o.result.t_nodelay[0] for o in outputs], batch.t_nodelay, rtol=1e-4)
+
+
+def test_missing_rank_closes_after_timeout_and_is_named(reference_dir):
+    info, steps = stream_of("ST")
+    clock = FakeClock()
+    processor = StepProcessor(ProcessorSettings(lateness_s=10.0), clock)
+    processor.on_job(info)
+    outputs = []
+    silent = (1, 2)  # dp 1, pp 2 stops reporting from the 10th step on
+    for i, (_, _, batches) in enumerate(steps):
+        clock.now += 1.0
+        for batch in batches:
+            if i >= 10 and (batch.dp_rank, batch.pp_rank) == silent:
+                continue
+            outputs.extend(processor.on_batch(batch))
+        outputs.extend(processor.tick())
+    clock.now += 100.0
+    outputs.extend(processor.tick())
+    assert len(outputs) == len(steps)
+    incomplete = [o for o in outputs if not o.complete]
+    assert [o.step for o in incomplete] == [s for _, s, _ in steps[10:]]
+    for o in incomplete:
+        assert o.missing == (silent,)
+        # The replica that is whole (dp 0) is still analysed.
+        assert o.result is not None and o.analysed_dp_ranks == (0,)
+    assert processor.counters["steps_incomplete"] == len(steps) - 10
+    # The rank's batch arriving after its step closed is counted, not merged.
+    late = [b for b in steps[12][2] if (b.dp_rank, b.pp_rank) == silent]
+    assert processor.on_batch(late[0]) == []
+    assert processor.counters["late_batches"] == 1
+
+
+def test_duplicates_and_other_tp_ranks_are_dropped(reference_dir):
+    info, steps = stream_of("ST")
+    processor = StepProcessor()
+    processor.on_job(info)
+    _, _, batches = steps[0]
+    for batch in batches[:-1]:
+        assert processor.on_batch(batch) == []
+    assert processor.on_batch(batches[0]) == []
+    assert processor.counters["duplicate_batches"] == 1
+    import dataclasses
+
+    assert processor.on_batch(dataclasses.replace(batches[-1], tp_rank=1)) == []
+    assert processor.counters["non_representative_batches"] == 1
+    assert len(processor.on_batch(batches[-1])) == 1
+
+
+def test_restart_from_state_gives_identical_results(reference_dir):
+    info, steps = stream_of("ST")
+
+    def run(split: int | None):
+        processor = StepProcessor()
+        processor.on_job(info)
+        outs = []
+        for i, (_, _, batches) in enumerate(steps):
+            for j, batch in enumerate(batches):
+                if split is not None and (i, j) == (split, 3):
+                    state = pickle.dumps(processor.state_dict())
+                    processor = StepProcessor.from_state(pickle.loads(state))
+                outs.extend(processor.on_batch(batch))
+        return outs, processor
+
+    straight, p1 = run(None)
+    resumed, p2 = run(17)
+    assert [o.step for o in resumed] == [o.step for o in straight]
+    for a, b in zip(straight, resumed, strict=True):
+        assert a.result.slowdown == b.result.slowdown
+        assert [c.step for c in a.changes] == [c.step for c in b.changes]
+    assert p1.rollup(info.job_id).slowdown == p2.rollup(info.job_id).slowdown
+
+
+def test_change_points_of_a_slow_worker_episode():
+    spec = JobSpec(
+        dp=2,
+        pp=2,
+        microbatches=4,
+        steps=90,
+        name="episode",
+        seed=5,
+        stragglers=(SlowWorker(dp=1, stage=0, factor=1.6, start_step=40, end_step=70),),
+    )
+    job = generate_job(spec)
+    info, steps = stream_of(job)
+    processor = StepProcessor()
+    processor.on_job(info)
+    changes = []
+    for _, _, batches in steps:
+        for batch in batches:
+            for out in processor.on_batch(batch):
+                changes.extend(out.changes)
+    step_time = [c for c in changes if c.series == "step_time"]
+    kinds = [(c.kind, c.step) for c in step_time]
+    assert [k for k, _ in kinds] == ["onset", "recovery"], kinds
+    assert abs(kinds[0][1] - 40) <= 3 and abs(kinds[1][1] - 70) <= 3
+    assert any(c.series == "dp/1" and c.kind == "onset" for c in changes)
