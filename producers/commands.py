@@ -23,6 +23,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stream.add_argument(
         "--idle-exit-s", type=float, help="exit after this many idle seconds (backfills, tests)"
     )
+    stream.add_argument(
+        "--delete-shipped",
+        action="store_true",
+        default=None,
+        help="delete log files once Kafka confirmed everything in them",
+    )
     stream.set_defaults(handler=run_stream)
 
     replay = subparsers.add_parser(
@@ -97,6 +103,7 @@ def run_stream(args: argparse.Namespace) -> int:
                 "compression": args.compression,
                 "torn_grace_s": args.torn_grace_s,
                 "idle_exit_s": args.idle_exit_s,
+                "delete_shipped": args.delete_shipped,
             },
         )
         streamer = Streamer(config)

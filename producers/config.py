@@ -93,6 +93,9 @@ class StreamerSettings(BaseModel):
     #: Exit after this many seconds with nothing new and nothing unconfirmed (backfills,
     #: tests); None = run until stopped.
     idle_exit_s: float | None = Field(default=None, ge=0)
+    #: Delete a rank's log files once everything in them is confirmed by Kafka (and the
+    #: checkpoint says so). Off by default: the logs are also the local record of the run.
+    delete_shipped: bool = False
 
     def resolved_checkpoint_path(self) -> Path:
         if self.checkpoint_path is not None:

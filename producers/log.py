@@ -320,6 +320,8 @@ class RankLogReader:
                             0,
                             f"file truncated from at least {start} to {size} bytes; "
                             "re-reading it from the start",
+                            # Resume at 0, not at `size`: what is there now is unread.
+                            end=Position(name, 0),
                         )
                     )
                     start = 0

@@ -47,6 +47,7 @@ from producers.log import (
     Position,
     RankLogReader,
     Record,
+    list_log_files,
     list_rank_dirs,
 )
 
@@ -109,6 +110,8 @@ class Streamer:
         self._checkpoint_dirty = False
         self._last_checkpoint = 0.0
         self._backoff_s = 0.0
+        self._fatal = False
+        self._owns_producer = producer is None
         self._producer = producer or self._make_producer()
         self._load_checkpoint()
 
@@ -129,10 +132,22 @@ class Streamer:
                 "queue.buffering.max.kbytes": max(1024, 2 * settings.max_in_flight_bytes // 1024),
                 "batch.size": 1 << 20,
                 "reconnect.backoff.max.ms": 2000,
+                "error_cb": self._on_client_error,
             }
         )
         config.update(self.config.kafka.client_options)
         return Producer(config)
+
+    def _on_client_error(self, err: Any) -> None:
+        if err.fatal():
+            # The idempotent producer cannot continue (e.g. fenced): rewind every rank and
+            # start a new producer; already-sent batches are re-sent with their ids.
+            log.error("fatal Kafka producer error: %s; restarting the producer", err)
+            self._fatal = True
+            for state in self._ranks.values():
+                state.rewind = True
+        else:
+            log.warning("Kafka: %s", err)
 
     def ensure_topics(self, timeout_s: float = 10.0) -> None:
         """Create the topics if missing (jobs compacted); best effort, the broker may be down."""
@@ -214,6 +229,19 @@ class Streamer:
             os.close(dir_fd)
         self._checkpoint_dirty = False
         self._last_checkpoint = time.monotonic()
+        if self.settings.delete_shipped:
+            self._delete_shipped()
+
+    def _delete_shipped(self) -> None:
+        """Remove files wholly before each rank's checkpointed position (already durable)."""
+        for name, state in self._ranks.items():
+            if state.confirmed is None:
+                continue
+            directory = self.log_dir / name
+            for file in list_log_files(directory):
+                if file >= state.confirmed.file:
+                    break
+                (directory / file).unlink(missing_ok=True)
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -246,6 +274,15 @@ class Streamer:
             self._advance()
         self._advance()
         self.write_checkpoint()
+        if self._in_flight_bytes and self._owns_producer:
+            # Unconfirmed messages are dropped from memory, not from the log: the checkpoint
+            # stays before them and the next run re-sends them.
+            log.warning(
+                "%d bytes unconfirmed at shutdown; they are re-sent on the next run",
+                self._in_flight_bytes,
+            )
+            self._producer.purge()
+            self._producer.poll(0)
 
     def step(self) -> bool:
         """Read what is readable, produce it, serve delivery reports; True if it did work."""
@@ -262,9 +299,12 @@ class Streamer:
             state = self._ranks.get(name)
             if state is None:
                 state = self._ranks[name] = _RankState(self._reader(directory, None), None)
-            if self._in_flight_bytes >= self.settings.max_in_flight_bytes:
+            room = self.settings.max_in_flight_bytes - self._in_flight_bytes
+            if room <= 0:
                 break
-            items = state.reader.read(_READ_BUDGET)
+            # Never read more than fits: unconfirmed bytes stay bounded by about one record
+            # over the limit, however long Kafka is away.
+            items = state.reader.read(min(_READ_BUDGET, room))
             for item in items:
                 self._ship(name, state, item)
                 did_work = True
@@ -286,21 +326,17 @@ class Streamer:
                 state, end, item.source, item.offset, item.length, item.reason, item.sample
             )
             return
-        source = str(self.log_dir / rank_name / item.file)
         if item.kind == KIND_BATCH:
             try:
-                head = peek_header(item.payload, f"{source}@{item.offset}")
-                _check_batch(item.payload, f"{source}@{item.offset}")
+                head = peek_header(item.payload)
+                _check_batch(item.payload)
             except SchemaError as exc:
+                # The file path is built only here: pathlib per record costs more than the rest.
+                source = str(self.log_dir / rank_name / item.file)
                 self._send_dead_letter(
-                    state,
-                    item.position_after,
-                    source,
-                    item.offset,
-                    len(item.payload),
-                    str(exc),
-                    item.payload[:64],
-                )
+                    state, item.position_after, source, item.offset, len(item.payload),
+                    f"{source}@{item.offset}: {exc}", item.payload[:64],
+                )  # fmt: skip
                 return
             self._produce(
                 state,
@@ -318,6 +354,7 @@ class Streamer:
             self.stats.ops += head["n_ops"]
             return
         if item.kind == KIND_JOB:
+            source = str(self.log_dir / rank_name / item.file)
             try:
                 info = JobInfo.model_validate_json(item.payload)
             except ValueError as exc:
@@ -379,6 +416,8 @@ class Streamer:
             else:
                 pending.failed = True
                 state.rewind = True
+                if err.fatal():
+                    self._fatal = True
                 self.stats.delivery_failures += 1
                 log.warning("delivery to %s failed (%s); will re-send from the log", topic, err)
 
@@ -410,6 +449,10 @@ class Streamer:
                   for p in s.pending) and time.monotonic() < deadline:  # fmt: skip
             self._producer.poll(0.1)
         self._advance()
+        if self._fatal and self._owns_producer:
+            self._producer.purge()
+            self._producer = self._make_producer()
+            self._fatal = False
         for name, state in self._ranks.items():
             if not state.rewind and not state.pending:
                 continue
@@ -420,7 +463,7 @@ class Streamer:
         self._backoff_s = time.monotonic() + min(5.0, 0.5 * self.stats.rewinds)
 
 
-def _check_batch(payload: bytes, where: str) -> None:
+def _check_batch(payload: bytes, where: str = "batch") -> None:
     """Cheap validation on the hot path: the batch's own checksum and declared size.
 
     The full decode (dictionary, column invariants) runs in the stream app; what the

@@ -14,13 +14,19 @@ one can analyse. `seq` (the op's order among ops of its type in its step on this
 derived from start times when the step is sealed, so call sites never pass it.
 
 Hot path (host mode): `op()` looks the name up in a dict, takes a scope object from a
-free list, and the scope appends one 6-tuple of ints to a flat `array('q')` on exit: no
-per-op Python objects survive the call, no lock, no I/O. `step(s)` hands the step's
+free list, and the scope appends one 6-tuple of ints to a list on exit (measured the
+cheapest container: `list.append` of a tuple costs ~20 ns, `array.extend` with the same
+tuple several hundred); no lock, no I/O. `step(s)` hands the step's
 buffer to a background thread, which converts `perf_counter_ns` stamps to wall-clock ns
 (`time.time_ns` anchor taken at start and refreshed at every seal), derives seq ids, encodes
 one rank-step batch per step (producers.events) and appends it to the local log
-(producers.log), whose own thread writes it. A single `array.extend` call is atomic under
-the GIL, so ops recorded from other threads (or the GC callback) never interleave columns.
+(producers.log), whose own thread writes it. `list.append` is atomic under the GIL, so
+ops recorded from other threads (or the GC callback) never interleave fields. The one
+per-op allocation is that tuple (it also counts toward gen-0 GC thresholds: one cheap
+young collection per ~700 ops, which the GC probe reports like any other).
+
+`mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
+names are still checked (a typo fails on every rank alike), nothing is timed or written.
 
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
@@ -70,7 +76,6 @@ import functools
 import gc
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -85,9 +90,8 @@ from simulator.optypes import GC, KNOWN_OPTYPES
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: Fields per op in the flat hot-path buffer: code, step, microbatch, chunk, start, duration.
-_STRIDE = 6
-_SETTLE_NS = 1_000_000
+#: A rank-step with more ops than this is written as several batches (log record limit).
+MAX_OPS_PER_BATCH = 200_000
 
 
 #: Bound once: a module-global lookup is cheaper than `time.perf_counter_ns` per call.
@@ -111,17 +115,29 @@ def _wall_minus_perf_ns() -> int:
     return best[1]
 
 
-class _OpScope:
-    """The context manager `OpTimer.op` returns; pooled so the hot path allocates nothing."""
+class _NullScope:
+    __slots__ = ()
 
-    __slots__ = ("_timer", "chunk", "code", "microbatch", "start", "step")
+    def __enter__(self) -> _NullScope:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        return None
+
+
+_NULL_SCOPE = _NullScope()
+
+
+class _OpScope:
+    """The context manager `OpTimer.op` returns; pooled so the hot path allocates only the
+    op's tuple. Bound methods are cached: the timer's buffer list is never replaced."""
+
+    __slots__ = ("_append", "_release", "head", "start")
 
     def __init__(self, timer: OpTimer) -> None:
-        self._timer = timer
-        self.code = 0
-        self.step = 0
-        self.microbatch = -1
-        self.chunk = 0
+        self._append = timer._buffer.append
+        self._release = timer._free_scopes.append
+        self.head: tuple[int, int, int, int] = (0, 0, -1, 0)
         self.start = 0
 
     def __enter__(self) -> _OpScope:
@@ -131,11 +147,8 @@ class _OpScope:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         end = _perf_ns()
         start = self.start
-        timer = self._timer
-        timer._buffer.extend(
-            (self.code, self.step, self.microbatch, self.chunk, start, end - start)
-        )
-        timer._free_scopes.append(self)
+        self._append((self.head, start, end - start))
+        self._release(self)
 
 
 class OpTimer:
@@ -152,7 +165,7 @@ class OpTimer:
         cp_rank: int = 0,
         log_dir: str | Path,
         attempt: int = 0,
-        mode: Literal["auto", "host", "cuda"] = "auto",
+        mode: Literal["auto", "host", "cuda", "off"] = "auto",
         extra_optypes: Iterable[str] = (),
         gc_probe: bool = True,
         job_info: JobInfo | None = None,
@@ -172,12 +185,12 @@ class OpTimer:
         if job_info is not None:
             self._writer.append(KIND_JOB, job_info.model_dump_json().encode())
         self._current_step = 0
-        self._buffer = array("q")
-        self._free_scopes: list[_OpScope] = [_OpScope(self) for _ in range(8)]
+        self._buffer: list[tuple[tuple[int, int, int, int], int, int]] = []
+        self._free_scopes: list[_OpScope] = []
+        self._free_scopes.extend(_OpScope(self) for _ in range(8))
         self._wall_offset_ns = _wall_minus_perf_ns()
         # seq counters per (step, code), kept for the steps still being sealed.
         self._seq_counters: dict[tuple[int, int], int] = {}
-        self._sealed: deque[tuple[int, array]] = deque()
         self._lock = threading.Lock()
         self._closed = False
         self.batches_written = 0
@@ -185,9 +198,15 @@ class OpTimer:
         if mode == "cuda" or (mode == "auto" and _cuda_available()):
             self._cuda = _CudaTimer(self, calibrate_every_s)
         self._gc_start = 0
-        self._gc_probe = gc_probe
-        if gc_probe:
+        self._gc_probe = gc_probe and mode != "off"
+        if self._gc_probe:
             gc.callbacks.append(self._on_gc)
+        if mode == "off":
+            # Lighter mode for ranks the analysis does not need (all but one TP/CP rank per
+            # (dp, pp) coordinate): names are still checked, nothing is timed or written.
+            # Instance attributes shadow the methods, so "on" ranks pay nothing for this.
+            self.op = self._op_off  # type: ignore[method-assign]
+            self.record = self._record_off  # type: ignore[method-assign]
 
     # -- hot path -------------------------------------------------------------------------
 
@@ -209,11 +228,20 @@ class OpTimer:
             )
         free = self._free_scopes
         scope = free.pop() if free else _OpScope(self)
-        scope.code = code
-        scope.step = self._current_step if step is None else step
-        scope.microbatch = microbatch
-        scope.chunk = chunk
+        scope.head = (code, self._current_step if step is None else step, microbatch, chunk)
         return scope
+
+    def _op_off(
+        self, optype: str, step: int | None = None, microbatch: int = -1, chunk: int = 0,
+        stream: Any = None,
+    ) -> Any:  # fmt: skip
+        if optype not in self._codes:
+            raise self._unknown(optype)
+        return _NULL_SCOPE
+
+    def _record_off(self, optype: str, **_: Any) -> None:
+        if optype not in self._codes:
+            raise self._unknown(optype)
 
     def timed(
         self, optype: str, *, microbatch: int = -1, chunk: int = 0
@@ -248,12 +276,9 @@ class OpTimer:
             raise self._unknown(optype)
         if duration_ns < 0:
             raise ValueError(f"duration_ns must be >= 0, got {duration_ns} for {optype!r}")
-        self._buffer.extend(
+        self._buffer.append(
             (
-                code,
-                self._current_step if step is None else step,
-                microbatch,
-                chunk,
+                (code, self._current_step if step is None else step, microbatch, chunk),
                 start_ns - self._wall_offset_ns,
                 duration_ns,
             )
@@ -270,7 +295,7 @@ class OpTimer:
         """Seal everything recorded so far and wait until it is in the log file."""
         if self._cuda is not None:
             self._cuda.drain()
-        self._seal(everything=True)
+        self._seal()
         self._writer.flush()
 
     def close(self) -> None:
@@ -303,68 +328,86 @@ class OpTimer:
             self._gc_start = time.perf_counter_ns()
         elif self._gc_start:
             end = time.perf_counter_ns()
-            self._buffer.extend(
-                (self._codes[GC], self._current_step, -1, 0, self._gc_start, end - self._gc_start)
+            self._buffer.append(
+                ((self._codes[GC], self._current_step, -1, 0), self._gc_start, end - self._gc_start)
             )
             self._gc_start = 0
 
-    def _seal(self, *, everything: bool = False) -> None:
-        """Hand the filled buffer over and write the batches of buffers that are settled.
+    def _seal(self) -> None:
+        """Write the batches of everything recorded so far.
 
-        A buffer swapped out less than `_SETTLE_NS` ago is left for the next seal: another
-        thread (the GC callback, a comm thread calling record()) may have loaded the old
-        buffer reference just before the swap and still be appending to it.
+        The buffer list is never replaced (scopes hold its bound `append`): we copy it and
+        delete exactly the copied prefix, so an op appended by another thread (the GC
+        callback, a comm thread calling record()) in between is kept for the next seal.
         """
         with self._lock:
-            now = time.perf_counter_ns()
-            if self._buffer:
-                buffer, self._buffer = self._buffer, array("q")
-                self._sealed.append((now, buffer))
-            while self._sealed and (everything or now - self._sealed[0][0] > _SETTLE_NS):
-                self._write_batches(self._sealed.popleft()[1])
+            taken = self._buffer.copy()
+            del self._buffer[: len(taken)]
+            if taken:
+                self._write_batches(_rows(taken))
             self._wall_offset_ns = _wall_minus_perf_ns()
 
-    def _write_batches(self, buffer: array) -> None:
-        ops = np.frombuffer(buffer, dtype=np.int64).reshape(-1, _STRIDE)
+    def _write_batches(self, ops: np.ndarray) -> None:
         if not ops.size:
             return
-        code, step, microbatch, chunk, start, duration = ops.T
         # Ops sorted by (step, start): seq is the order of starts within (step, op type).
-        order = np.lexsort((start, step))
-        ops = ops[order]
+        ops = ops[np.lexsort((ops[:, 4], ops[:, 1]))]
         code, step, microbatch, chunk, start, duration = ops.T
         for s in np.unique(step).tolist():
-            rows = np.flatnonzero(step == s)
-            step_codes = code[rows]
-            seq = np.empty(rows.size, dtype=np.int64)
+            step_rows = np.flatnonzero(step == s)
+            step_codes = code[step_rows]
+            step_seq = np.empty(step_rows.size, dtype=np.int64)
             for c in np.unique(step_codes).tolist():
                 where = np.flatnonzero(step_codes == c)
                 base = self._seq_counters.get((s, c), 0)
-                seq[where] = np.arange(base, base + where.size)
+                step_seq[where] = np.arange(base, base + where.size)
                 self._seq_counters[(s, c)] = base + where.size
-            batch = RankStepBatch.build(
-                job_id=self.job_id,
-                attempt=self.attempt,
-                rank=self.rank,
-                dp_rank=self.dp_rank,
-                pp_rank=self.pp_rank,
-                tp_rank=self.tp_rank,
-                cp_rank=self.cp_rank,
-                step=s,
-                optype=step_codes,
-                optype_names=self.optype_names,
-                microbatch=microbatch[rows],
-                chunk=chunk[rows],
-                seq=seq,
-                start_ns=start[rows] + self._wall_offset_ns,
-                duration_ns=duration[rows],
-            )
-            self._writer.append(KIND_BATCH, batch.encode())
-            self.batches_written += 1
+            for part in range(0, step_rows.size, MAX_OPS_PER_BATCH):
+                rows = step_rows[part : part + MAX_OPS_PER_BATCH]
+                seq = step_seq[part : part + MAX_OPS_PER_BATCH]
+                self._write_batch(s, code[rows], microbatch[rows], chunk[rows], seq,
+                                  start[rows], duration[rows])  # fmt: skip
         # Forget counters of steps well behind the current one (bounded memory).
         if len(self._seq_counters) > 4096:
             horizon = self._current_step - 16
             self._seq_counters = {k: v for k, v in self._seq_counters.items() if k[0] >= horizon}
+
+    def _write_batch(
+        self,
+        step: int,
+        codes: np.ndarray,
+        microbatch: np.ndarray,
+        chunk: np.ndarray,
+        seq: np.ndarray,
+        start: np.ndarray,
+        duration: np.ndarray,
+    ) -> None:
+        batch = RankStepBatch.build(
+            job_id=self.job_id,
+            attempt=self.attempt,
+            rank=self.rank,
+            dp_rank=self.dp_rank,
+            pp_rank=self.pp_rank,
+            tp_rank=self.tp_rank,
+            cp_rank=self.cp_rank,
+            step=step,
+            optype=codes,
+            optype_names=self.optype_names,
+            microbatch=microbatch,
+            chunk=chunk,
+            seq=seq,
+            start_ns=start + self._wall_offset_ns,
+            duration_ns=duration,
+        )
+        self._writer.append(KIND_BATCH, batch.encode())
+        self.batches_written += 1
+
+
+def _rows(buffer: list[tuple[tuple[int, int, int, int], int, int]]) -> np.ndarray:
+    """Hot-path tuples ((code, step, microbatch, chunk), start, duration) as an (n, 6) array."""
+    heads = np.array([op[0] for op in buffer], dtype=np.int64).reshape(-1, 4)
+    times = np.array([op[1:] for op in buffer], dtype=np.int64).reshape(-1, 2)
+    return np.concatenate([heads, times], axis=1)
 
 
 def owner_lock(timer: OpTimer) -> threading.Lock:
@@ -377,6 +420,10 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+#: A calibration whose host-clock bracket is wider than this is not precise enough to use.
+_MAX_BRACKET_NS = 200_000
 
 
 class _CudaTimer:
@@ -392,11 +439,10 @@ class _CudaTimer:
         self._pool: list[Any] = []
         self._pending: deque[tuple[int, int, int, int, Any, Any]] = deque()
         self._pending_lock = threading.Lock()
-        self._resolved = array("q")
+        self._resolved: list[tuple[tuple[int, int, int, int], int, int]] = []
         self._calibrate_every_s = calibrate_every_s
         self._side_stream = torch.cuda.Stream()
-        self._reference: Any = None
-        self._reference_wall_ns = 0
+        self._reference: tuple[Any, int] | None = None
         self._last_calibration = 0.0
         self._calibrate()
         self._stop = threading.Event()
@@ -414,15 +460,25 @@ class _CudaTimer:
     def scope(self, code: int, step: int, microbatch: int, chunk: int, stream: Any) -> Any:
         return _CudaScope(self, code, step, microbatch, chunk, stream)
 
-    def _calibrate(self) -> None:
+    def _calibrate(self) -> bool:
+        """Pin a reference event to the host clock; True if the new reference was taken.
+
+        The marker's wall time is only known to lie between the host reads around it. With
+        CUDA_DEVICE_MAX_CONNECTIONS=1 the side stream shares the one hardware queue, so the
+        marker can wait behind queued kernels: a bracket wider than `_MAX_BRACKET_NS` says
+        nothing precise, so it is discarded and the previous reference is kept.
+        """
         event = self._torch.cuda.Event(enable_timing=True)
         before = time.time_ns()
         event.record(self._side_stream)
         event.synchronize()  # waits for this one marker only, on the resolver thread
         after = time.time_ns()
-        self._reference = event
-        self._reference_wall_ns = (before + after) // 2
         self._last_calibration = time.monotonic()
+        if self._reference is not None and after - before > _MAX_BRACKET_NS:
+            return False
+        # One tuple assignment: resolve() never sees an event paired with another's time.
+        self._reference = (event, (before + after) // 2)
+        return True
 
     def _resolve_loop(self) -> None:
         while not self._stop.wait(0.01):
@@ -444,12 +500,11 @@ class _CudaTimer:
                     self._pending.append(item)
                     continue
                 # elapsed_time is in ms (float, ~0.5 µs resolution).
-                start_ns = self._reference_wall_ns + round(
-                    self._reference.elapsed_time(start_ev) * 1e6
-                )
+                reference_event, reference_wall_ns = self._reference
+                start_ns = reference_wall_ns + round(reference_event.elapsed_time(start_ev) * 1e6)
                 duration_ns = max(0, round(start_ev.elapsed_time(end_ev) * 1e6))
-                self._resolved.extend(
-                    (code, step, microbatch, chunk, start_ns - owner._wall_offset_ns, duration_ns)
+                self._resolved.append(
+                    ((code, step, microbatch, chunk), start_ns - owner._wall_offset_ns, duration_ns)
                 )
                 self._pool.append(start_ev)
                 self._pool.append(end_ev)
@@ -462,14 +517,13 @@ class _CudaTimer:
     def _write_steps_before(self, cutoff: int | None) -> None:
         if not self._resolved:
             return
-        ops = np.frombuffer(self._resolved, dtype=np.int64).reshape(-1, _STRIDE)
+        ops = _rows(self._resolved)
         done = ops[:, 1] < cutoff if cutoff is not None else np.ones(len(ops), dtype=bool)
         if not done.any():
             return
-        ready = array("q", ops[done].ravel().tobytes())
-        self._resolved = array("q", ops[~done].ravel().tobytes())
+        self._resolved = [((r[0], r[1], r[2], r[3]), r[4], r[5]) for r in ops[~done].tolist()]
         with owner_lock(self._owner):
-            self._owner._write_batches(ready)
+            self._owner._write_batches(ops[done])
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait (off the hot path: at flush/close) for pending events; write everything."""

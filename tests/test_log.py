@@ -158,6 +158,8 @@ def test_garbage_file_and_truncated_file_do_not_stop_the_reader(tmp_path: Path) 
     )
     items = reader.read()
     assert "truncated" in _dead(items)[0].reason
+    # Resuming from the dead letter's position must re-read the file, not skip it.
+    assert _dead(items)[0].end == Position("00000000000000000003-0001.lglog", 0)
     assert _records(items) == good
 
 

@@ -69,6 +69,12 @@ def test_reference_trace_reaches_kafka_exactly_once_in_batches(
     info = JobInfo.model_validate_json(jobs[0].value)
     assert (info.job_id, info.world_size, info.pp_size) == ("AR-0", 64, 4)
     assert jobs[0].key == b"AR-0/0"
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    resource = ConfigResource(ConfigResource.Type.TOPIC, kafka_topics["topic_jobs"])
+    configs = admin.describe_configs([resource])[resource].result(timeout=10)
+    assert configs["cleanup.policy"].value == "compact"
     assert consume_all(kafka_bootstrap, kafka_topics["topic_deadletter"]) == []
 
 
@@ -124,3 +130,108 @@ def test_bad_records_go_to_dead_letters_and_good_ones_are_delivered(
         assert expected in reasons, reasons
     assert all(d["source"].endswith(".lglog") and d["length"] > 0 for d in dead)
     assert sum(d["length"] for d in dead if "rank-000008" in d["source"]) == 2048
+
+
+def test_streamer_tails_live_logs_through_rotation_and_deletion(
+    tmp_path: Path, streamer_config, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    log_dir = tmp_path / "logs"
+    streamer = Streamer(streamer_config(log_dir, torn_grace_s=0.0))
+
+    def pump() -> None:
+        for _ in range(50):
+            streamer.step()
+            if not streamer._in_flight_bytes:
+                return
+            streamer._producer.poll(0.05)
+
+    sent = []
+    writer = LogWriter(log_dir, 7, max_file_bytes=2_000, flush_interval_s=0.01)
+    for step in range(40):
+        batch = _batch(step, n=10)
+        writer.append(KIND_BATCH, batch.encode())
+        sent.append(batch)
+        if step % 5 == 4:
+            writer.flush()
+            pump()
+    writer.flush()
+    pump()
+    files = sorted(rank_dir(log_dir, 7).iterdir())
+    assert len(files) >= 6  # rotated
+    # Retention deletes shipped files; a late rank appears; nothing breaks.
+    for old in files[:5]:
+        old.unlink()
+    with LogWriter(log_dir, 8) as late:
+        late.append(KIND_BATCH, _batch(99).encode())
+    sent.append(_batch(99))
+    pump()
+    for step in range(40, 45):
+        writer.append(KIND_BATCH, _batch(step, n=10).encode())
+        sent.append(_batch(step, n=10))
+    writer.close()
+    pump()
+    streamer.close()
+
+    delivered = [
+        decode_batch(m.value) for m in consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
+    ]
+    assert sorted(b.batch_id for b in delivered) == sorted(b.batch_id for b in sent)
+    checkpoint = json.loads((log_dir / ".streamer-checkpoint.json").read_text())
+    assert set(checkpoint["positions"]) == {"rank-000007", "rank-000008"}
+
+
+def test_replay_straight_into_kafka(
+    streamer_config, tmp_path: Path, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    trace = load_trace(REFERENCE_TRACES / "trace-ST.parquet")
+    meta = load_meta(REFERENCE_TRACES / "meta-ST.yaml")
+    config = streamer_config(tmp_path)
+    stats = replay(trace, meta, kafka=config, progress=None, job_id="st-direct", attempt=3)
+    messages = consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
+    assert len(messages) == stats.batches
+    assert sum(decode_batch(m.value).n_ops for m in messages) == trace.n_rows
+    (job,) = consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])
+    assert job.key == b"st-direct/3"
+
+
+def test_unreachable_kafka_keeps_memory_bounded_and_position_unconfirmed(tmp_path: Path) -> None:
+    from deploy.kafka_local import free_port
+    from producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
+
+    log_dir = tmp_path / "logs"
+    with LogWriter(log_dir, 1) as writer:
+        for step in range(400):
+            writer.append(KIND_BATCH, _batch(step, n=50).encode())  # ~1.5 KB each
+    limit = 20_000
+    config = LagscopeConfig(
+        kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}"),
+        streamer=StreamerSettings(log_dir=log_dir, max_in_flight_bytes=limit),
+    )
+    streamer = Streamer(config)
+    peak = 0
+    for _ in range(30):
+        streamer.step()
+        peak = max(peak, streamer._in_flight_bytes)
+        streamer._producer.poll(0.02)
+    assert 0 < peak <= limit + 2_000
+    assert streamer.stats.batches < 30  # it stopped reading, the log stays the buffer
+    streamer.close(timeout_s=0.5)
+    del streamer  # stop the client's reconnect attempts
+    checkpoint = json.loads((log_dir / ".streamer-checkpoint.json").read_text())
+    assert checkpoint["positions"] == {}  # nothing confirmed, nothing claimed
+
+
+def test_delete_shipped_removes_only_confirmed_files(
+    tmp_path: Path, streamer_config, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    log_dir = tmp_path / "logs"
+    with LogWriter(log_dir, 2, max_file_bytes=3_000) as writer:
+        for step in range(30):
+            writer.append(KIND_BATCH, _batch(step, n=10).encode())
+    files_before = sorted(p.name for p in rank_dir(log_dir, 2).iterdir())
+    assert len(files_before) > 3
+    Streamer(streamer_config(log_dir, delete_shipped=True)).run()
+    left = sorted(p.name for p in rank_dir(log_dir, 2).iterdir())
+    assert left == files_before[-1:]  # the newest file may still grow: kept
+    delivered = consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
+    assert sorted(decode_batch(m.value).step for m in delivered) == list(range(30))
