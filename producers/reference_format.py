@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import yaml
 from pydantic import ValidationError
 
-from simulator.trace import JobMeta, Trace, TraceError
+from simulator.trace import JobMeta, Trace, TraceError, describe_validation_error
 
 #: Physical types used when writing, matching the reference files.
 _WRITE_TYPES: dict[str, pa.DataType] = {
@@ -98,9 +98,7 @@ def load_meta(path: str | Path) -> JobMeta:
     try:
         return JobMeta.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'meta'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = describe_validation_error(exc, "meta")
         raise TraceError(f"{path}: invalid job metadata: {problems}") from None
 
 

@@ -13,13 +13,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from simulator.optypes import KNOWN_OPTYPES
 
 
 class TraceError(ValueError):
     """Input that cannot be analysed; the message names the source and what is at fault."""
+
+
+def describe_validation_error(exc: ValidationError, what: str) -> str:
+    """'field.sub: message; ...' of a pydantic error, for one-line messages."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}" for e in exc.errors())
 
 
 class JobMeta(BaseModel):
@@ -105,13 +110,22 @@ class Trace:
             f"stage {int(self.stage[row])}, op {self.optype_of(row)}_{int(self.seq_id[row])})"
         )
 
-    def select(self, mask: np.ndarray) -> Trace:
-        """A trace of the rows where `mask` is true (same vocabulary, same source)."""
+    def select(self, rows: np.ndarray) -> Trace:
+        """A trace of some rows: a boolean mask or indices (repeats allowed), same
+        vocabulary and source. Not re-validated."""
         return Trace(
-            **{name: getattr(self, name)[mask] for name in _ARRAY_FIELDS},
+            **{name: getattr(self, name)[rows] for name in TRACE_ARRAYS},
             optype_names=self.optype_names,
             source=self.source,
         )
+
+    def columns(self) -> dict[str, np.ndarray | tuple[str, ...]]:
+        """Copies of the columns, as `Trace.from_columns` takes them back."""
+        out: dict[str, np.ndarray | tuple[str, ...]] = {
+            name: getattr(self, name).copy() for name in TRACE_ARRAYS
+        }
+        out["optype_names"] = self.optype_names
+        return out
 
     @classmethod
     def from_columns(
@@ -192,7 +206,8 @@ class Trace:
                 )
 
 
-_ARRAY_FIELDS = (*TRACE_COLUMNS, "optype")
+#: The per-row arrays of a trace.
+TRACE_ARRAYS: tuple[str, ...] = (*TRACE_COLUMNS, "optype")
 
 
 def _optype_codes(

@@ -40,7 +40,7 @@ from simulator.bocd import BocdBank, BocdConfig
 from simulator.depmodel import DependencyModel
 from simulator.engine import CompiledModel, compile_model
 from simulator.prepare import PreparedTrace, concat_steps, prepare
-from simulator.trace import Trace, TraceError
+from simulator.trace import TRACE_ARRAYS, Trace, TraceError
 from simulator.whatif import WhatIfResult, analyze
 
 _CHUNKED_OPTYPES = frozenset(
@@ -473,22 +473,7 @@ def batches_to_trace(
     names = sorted({n for b in batches for n in b.optype_names})
     code_of = {n: i for i, n in enumerate(names)}
     origin = min(int(b.start_ns.min()) for b in batches if b.n_ops)
-    parts: dict[str, list[np.ndarray]] = {
-        k: []
-        for k in (
-            "dp_rank",
-            "stage",
-            "rank",
-            "step",
-            "optype",
-            "start_ts",
-            "duration",
-            "seq_id",
-            "mc",
-            "gmc",
-            "mb_id",
-        )
-    }
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in TRACE_ARRAYS}
     for b in batches:
         n = b.n_ops
         remap = np.array([code_of[x] for x in b.optype_names], dtype=np.int16)

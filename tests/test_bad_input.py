@@ -114,26 +114,7 @@ def test_inconsistent_meta(reference_dir, tmp_path, capsys):
 def test_duplicate_rows_are_rejected(reference_dir):
     trace, meta = load_reference("ST")
     doubled = np.concatenate([np.arange(trace.n_rows), [7]])
-    dup = Trace(
-        **{
-            k: getattr(trace, k)[doubled]
-            for k in (
-                "dp_rank",
-                "stage",
-                "rank",
-                "step",
-                "optype",
-                "start_ts",
-                "duration",
-                "seq_id",
-                "mc",
-                "gmc",
-                "mb_id",
-            )
-        },
-        optype_names=trace.optype_names,
-        source="dup",
-    )
+    dup = trace.select(doubled)
     with pytest.raises(TraceError, match="recorded more than once"):
         prepare(dup, meta)
 
@@ -141,26 +122,8 @@ def test_duplicate_rows_are_rejected(reference_dir):
 def test_op_absent_from_reference_slice(reference_dir):
     trace, meta = load_reference("ST")
     extra = np.flatnonzero((trace.step == 1048) & (trace.dp_rank == 1))[:1]
-    rows = np.concatenate([np.arange(trace.n_rows), extra])
-    seq = trace.seq_id[rows].copy()
-    seq[-1] = 99
-    columns = {
-        k: getattr(trace, k)[rows]
-        for k in (
-            "dp_rank",
-            "stage",
-            "rank",
-            "step",
-            "optype",
-            "start_ts",
-            "duration",
-            "mc",
-            "gmc",
-            "mb_id",
-        )
-    }
-    bad = Trace.from_columns(
-        {**columns, "seq_id": seq, "optype_names": trace.optype_names}, source="extra-op"
-    )
+    columns = trace.select(np.concatenate([np.arange(trace.n_rows), extra])).columns()
+    columns["seq_id"][-1] = 99
+    bad = Trace.from_columns(columns, source="extra-op")
     with pytest.raises(TraceError, match=r"does not occur on dp 0 in the first step"):
         analyze(prepare(bad, meta))

@@ -8,30 +8,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simulator.prepare import prepare
-from simulator.trace import Trace
+from simulator.trace import TRACE_ARRAYS, Trace
 from simulator.whatif import analyze
 from tests.conftest import analyzed_reference, load_reference
 
-ARRAYS = (
-    "dp_rank",
-    "stage",
-    "rank",
-    "step",
-    "optype",
-    "start_ts",
-    "duration",
-    "seq_id",
-    "mc",
-    "gmc",
-    "mb_id",
-)
 HYPOTHESIS = settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
 def rebuild(trace: Trace, **changes) -> Trace:
-    columns = {k: changes.get(k, getattr(trace, k)) for k in ARRAYS}
+    columns = {k: changes.get(k, getattr(trace, k)) for k in TRACE_ARRAYS}
     return Trace.from_columns({**columns, "optype_names": trace.optype_names}, source="t")
 
 
@@ -52,7 +39,7 @@ def headline(result) -> np.ndarray:
 def test_row_order_does_not_matter(reference_dir, seed):
     trace, meta = load_reference("ST")
     order = np.random.default_rng(seed).permutation(trace.n_rows)
-    shuffled = rebuild(trace, **{k: getattr(trace, k)[order] for k in ARRAYS})
+    shuffled = trace.select(order)
     np.testing.assert_allclose(
         headline(analyze(prepare(shuffled, meta))), headline(analyzed_reference("ST")[1]), rtol=1e-9
     )
@@ -116,10 +103,10 @@ def test_duplicated_dp_replicas_keep_job_level_answers(reference_dir):
     _, base = analyzed_reference("ST")
     rows = np.concatenate([np.arange(trace.n_rows)] * 2)
     copy = np.repeat([0, 1], trace.n_rows)
-    columns = {k: getattr(trace, k)[rows] for k in ARRAYS}
-    columns["dp_rank"] = columns["dp_rank"] + copy * meta.dp_size
-    columns["rank"] = columns["rank"] + copy * 1000
-    doubled = rebuild(trace, **columns)
+    doubled = trace.select(rows)
+    doubled = rebuild(
+        doubled, dp_rank=doubled.dp_rank + copy * meta.dp_size, rank=doubled.rank + copy * 1000
+    )
     meta2 = meta.model_copy(update={"dp_size": 4, "world_size": 16})
     result = analyze(prepare(doubled, meta2))
     assert result.slowdown == pytest.approx(base.slowdown, rel=1e-9)

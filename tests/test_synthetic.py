@@ -79,22 +79,7 @@ def test_type1_noop_spurious_recv_at_step_edge():
     last_recvs = np.flatnonzero((t.optype == recv) & (t.seq_id == 3))
     optimizer = t.optype_names.index(ot.OPTIMIZER)
     rows = np.concatenate([np.arange(t.n_rows), last_recvs])
-    columns = {
-        k: getattr(t, k)[rows].copy()
-        for k in (
-            "dp_rank",
-            "stage",
-            "rank",
-            "step",
-            "optype",
-            "start_ts",
-            "duration",
-            "seq_id",
-            "mc",
-            "gmc",
-            "mb_id",
-        )
-    }
+    columns = t.select(rows).columns()
     extra = slice(t.n_rows, None)
     columns["seq_id"][extra] = 4
     # Recorded just before the optimizer starts: after every forward compute.
@@ -110,7 +95,7 @@ def test_type1_noop_spurious_recv_at_step_edge():
         )
     ]
     columns["duration"][extra] = 1e-4
-    trace = Trace.from_columns({**columns, "optype_names": t.optype_names}, source="type1")
+    trace = Trace.from_columns(columns, source="type1")
     prepared = prepare(trace, job.meta)
     noops = [prepared.model.nodes[i] for i in prepared.model.noop_nodes]
     assert [(n.stage, n.optype, n.seq) for n in noops] == [(1, ot.FORWARD_RECV, 4)]

@@ -12,7 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from producers.reference_format import write_meta, write_trace
 from simulator.generate import Injection, JobSpec, generate_job
-from simulator.trace import TraceError
+from simulator.trace import TraceError, describe_validation_error
 
 _INJECTION = TypeAdapter(Injection)
 
@@ -29,9 +29,7 @@ def parse_injection(text: str) -> Injection:
     try:
         return _INJECTION.validate_python(fields)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'kind'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = describe_validation_error(exc, "kind")
         raise TraceError(f"--inject {text!r}: {problems}") from None
 
 
@@ -90,9 +88,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = JobSpec.model_validate(spec_data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = describe_validation_error(exc, "spec")
         raise TraceError(f"invalid job spec: {problems}") from None
     job = generate_job(spec)
     args.out.mkdir(parents=True, exist_ok=True)
