@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "stream_app.commands.query",
     "stream_app.commands.run",
     "producers.commands",
+    "dashboards.commands",
 )
 
 

@@ -1,0 +1,110 @@
+"""`lagscope dashboards build` (write the dashboards' JSON) and `lagscope dashboards push`
+(provision data source and dashboards in a Grafana through its HTTP API)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+GENERATED_DIR = Path(__file__).resolve().parent / "generated"
+GRAFANA_URL_ENV = "GRAFANA_URL"
+GRAFANA_TOKEN_ENV = "GRAFANA_TOKEN"
+#: Password of the read-only ClickHouse user the data source connects as.
+CLICKHOUSE_PASSWORD_ENV = "CLICKHOUSE_GRAFANA_PASSWORD"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "dashboards", help="build the Grafana dashboards' JSON or push them to a Grafana"
+    )
+    actions = parser.add_subparsers(dest="dashboards_command", required=True, metavar="ACTION")
+
+    build = actions.add_parser("build", help="write the dashboards' JSON (one file each)")
+    build.add_argument("--out", type=Path, default=GENERATED_DIR, help="output directory")
+    build.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the files in --out differ from a fresh build",
+    )
+    build.set_defaults(handler=build_command)
+
+    push = actions.add_parser(
+        "push",
+        help="create or update the ClickHouse data source and the dashboards in Grafana",
+        description="Idempotent: fixed uids, data source upserted by uid, dashboards "
+        "overwritten. Exits 2 when Grafana refuses (401/403/404/5xx) or cannot be reached.",
+    )
+    push.add_argument("--url", help=f"Grafana base URL (default ${GRAFANA_URL_ENV})")
+    push.add_argument(
+        "--token", help=f"service-account token (default ${GRAFANA_TOKEN_ENV}; or user:pass@ URL)"
+    )
+    push.add_argument(
+        "--clickhouse-host", default="clickhouse", help="ClickHouse host as Grafana reaches it"
+    )
+    push.add_argument("--clickhouse-database", default="lagscope")
+    push.add_argument(
+        "--clickhouse-user", default="grafana", help="the read-only user for dashboards"
+    )
+    push.add_argument(
+        "--clickhouse-password", help=f"its password (default ${CLICKHOUSE_PASSWORD_ENV})"
+    )
+    push.add_argument("--timeout-s", type=float, default=10.0)
+    push.set_defaults(handler=push_command)
+
+
+def build_command(args: argparse.Namespace) -> int:
+    from dashboards.definitions import build_all
+
+    out: Path = args.out
+    built = {f"{name}.json": item.to_json() for name, item in build_all().items()}
+    if args.check:
+        stale = [
+            name
+            for name, text in built.items()
+            if not (out / name).exists() or (out / name).read_text() != text
+        ]
+        if stale:
+            print(
+                f"lagscope dashboards build: {', '.join(stale)} in {out} differ from the code; "
+                "run `lagscope dashboards build`",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{len(built)} dashboards in {out} are up to date")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in built.items():
+        (out / name).write_text(text)
+        print(f"wrote {out / name}")
+    return 0
+
+
+def push_command(args: argparse.Namespace) -> int:
+    from dashboards.push import PushError, push
+
+    url = args.url or os.environ.get(GRAFANA_URL_ENV)
+    if not url:
+        print(
+            f"lagscope dashboards push: error: no Grafana URL (--url or ${GRAFANA_URL_ENV})",
+            file=sys.stderr,
+        )
+        return 2
+    token = args.token or os.environ.get(GRAFANA_TOKEN_ENV)
+    settings = {
+        "CLICKHOUSE_HOST": args.clickhouse_host,
+        "CLICKHOUSE_DATABASE": args.clickhouse_database,
+        "CLICKHOUSE_GRAFANA_USER": args.clickhouse_user,
+        "CLICKHOUSE_GRAFANA_PASSWORD": args.clickhouse_password
+        or os.environ.get(CLICKHOUSE_PASSWORD_ENV, ""),
+    }
+    try:
+        report = push(url, token, settings, timeout_s=args.timeout_s)
+    except PushError as exc:
+        print(f"lagscope dashboards push: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"data source {report.datasource}, folder {report.folder}")
+    for uid, path in report.dashboards.items():
+        print(f"dashboard {uid}: {url.rstrip('/')}{path}")
+    return 0

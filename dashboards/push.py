@@ -1,0 +1,128 @@
+"""Provision the data source, folder and dashboards in a running Grafana through its HTTP
+API (grafana-client), idempotently: everything has a fixed uid, the data source is created
+or updated by uid, the folder created once, the dashboards saved with `overwrite: true`, so a
+second push updates and never duplicates.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dashboards.definitions import BuiltDashboard, build_all
+
+PROVISIONING_DIR = Path(__file__).resolve().parent / "provisioning"
+DATASOURCE_FILE = PROVISIONING_DIR / "datasources" / "lagscope-clickhouse.yaml"
+FOLDER_UID = "lagscope"
+FOLDER_TITLE = "lagscope"
+
+_ENV_REFERENCE = re.compile(r"\$\{(\w+)\}")
+
+
+class PushError(RuntimeError):
+    """Grafana refused or could not be reached; the message names the URL and the status."""
+
+
+@dataclass(frozen=True)
+class PushReport:
+    datasource: str  # "created" or "updated"
+    folder: str  # "created" or "exists"
+    dashboards: dict[str, str] = field(default_factory=dict)  # uid -> url Grafana returned
+
+
+def datasource_definition(settings: Mapping[str, str]) -> dict[str, Any]:
+    """The data source of the provisioning file with the `${VAR}`s of its values filled
+    from `settings`, as Grafana fills them from its environment (the same file both paths
+    read, so they agree)."""
+    (datasource,) = yaml.safe_load(DATASOURCE_FILE.read_text())["datasources"]
+    missing: set[str] = set()
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: fill(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [fill(item) for item in value]
+        if isinstance(value, str):
+            missing.update(set(_ENV_REFERENCE.findall(value)) - set(settings))
+            return _ENV_REFERENCE.sub(lambda m: str(settings.get(m.group(1), "")), value)
+        return value
+
+    filled = fill(datasource)
+    if missing:
+        raise ValueError(f"{DATASOURCE_FILE.name}: no value for {', '.join(sorted(missing))}")
+    return filled
+
+
+def push(
+    url: str,
+    token: str | None,
+    datasource_settings: Mapping[str, str],
+    *,
+    dashboards: Mapping[str, BuiltDashboard] | None = None,
+    timeout_s: float = 10.0,
+) -> PushReport:
+    """Upsert the data source, the folder and every dashboard in the Grafana at `url`."""
+    from grafana_client import GrafanaApi
+    from grafana_client.client import GrafanaException
+
+    api = GrafanaApi.from_url(url, credential=token or None, timeout=timeout_s)
+    datasource = datasource_definition(datasource_settings)
+    built = dashboards if dashboards is not None else build_all()
+
+    def call(what: str, fn, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except GrafanaException as exc:
+            if exc.status_code == 0:
+                raise PushError(f"cannot reach Grafana at {url} ({what}): {exc}") from None
+            detail = exc.message if hasattr(exc, "message") else str(exc)
+            raise PushError(
+                f"Grafana at {url} answered HTTP {exc.status_code} to {what}: {detail}"
+            ) from None
+        except OSError as exc:  # niquests' connection errors are OSErrors
+            raise PushError(f"cannot reach Grafana at {url} ({what}): {exc}") from None
+
+    uid = datasource["uid"]
+    if _exists(call, f"GET datasource {uid}", api.datasource.get_datasource_by_uid, uid):
+        call(f"PUT datasource {uid}", api.datasource.update_datasource_by_uid, uid, datasource)
+        datasource_state = "updated"
+    else:
+        call("POST datasource", api.datasource.create_datasource, datasource)
+        datasource_state = "created"
+
+    if _exists(call, f"GET folder {FOLDER_UID}", api.folder.get_folder, FOLDER_UID):
+        folder_state = "exists"
+    else:
+        call("POST folder", api.folder.create_folder, FOLDER_TITLE, FOLDER_UID)
+        folder_state = "created"
+
+    urls: dict[str, str] = {}
+    for item in built.values():
+        answer = call(
+            f"POST dashboard {item.uid}",
+            api.dashboard.update_dashboard,
+            {
+                "dashboard": item.to_dict(),
+                "folderUid": FOLDER_UID,
+                "overwrite": True,
+                "message": "lagscope dashboards push",
+            },
+        )
+        urls[item.uid] = str((answer or {}).get("url", ""))
+    return PushReport(datasource_state, folder_state, urls)
+
+
+def _exists(call, what: str, fn, uid: str) -> bool:
+    """True if Grafana has the object; a 404 means it does not, any other error is raised."""
+    try:
+        call(what, fn, uid)
+    except PushError as exc:
+        if "HTTP 404 " in str(exc):
+            return False
+        raise
+    return True

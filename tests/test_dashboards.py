@@ -1,0 +1,279 @@
+"""Grafana dashboards as code: the committed JSON is what the code builds, it is a valid
+SDK dashboard model, and every query of every panel, annotation and variable, expanded as
+Grafana and the ClickHouse plugin expand it, runs on a real store (chDB) filled by the
+embedded pipeline and returns the columns its panel needs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dashboards.clickhouse_query import (
+    PLUGIN_ID,
+    ClickHouseQuery,
+    Format,
+    datasource_ref,
+    register_clickhouse_query,
+)
+from dashboards.commands import GENERATED_DIR
+from dashboards.definitions import BuiltDashboard, Expect, build_all, sdk_round_trip
+from dashboards.macros import MacroError, QueryContext, expand_macros, render_sql
+from stream_app.cli import main
+
+JOB = "demo-llm"
+MISSING_WORKER = (3, 1)  # (dp, pp) that never reports the last step: one incomplete step
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, BuiltDashboard]:
+    return build_all()
+
+
+# -- the committed files ------------------------------------------------------------------
+
+
+def test_generated_json_matches_the_code(built: dict[str, BuiltDashboard]) -> None:
+    committed = sorted(p.name for p in GENERATED_DIR.glob("*.json"))
+    assert committed == sorted(f"{name}.json" for name in built)
+    for name, item in built.items():
+        assert (GENERATED_DIR / f"{name}.json").read_text() == item.to_json(), (
+            f"dashboards/generated/{name}.json is stale: run `lagscope dashboards build`"
+        )
+
+
+def test_build_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dashboards", "build", "--check"]) == 0
+    assert main(["dashboards", "build", "--out", str(tmp_path)]) == 0
+    assert main(["dashboards", "build", "--out", str(tmp_path), "--check"]) == 0
+    (tmp_path / "job-overview.json").write_text("{}")
+    assert main(["dashboards", "build", "--out", str(tmp_path), "--check"]) == 1
+    assert "job-overview.json" in capsys.readouterr().err
+
+
+def test_json_is_a_fixed_point_of_the_sdk_model() -> None:
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_clickhouse_query()
+    for path in GENERATED_DIR.glob("*.json"):
+        data = json.loads(path.read_text())
+        assert sdk_round_trip(data) == data, f"{path.name} changes through the SDK model"
+        decoded = Dashboard.from_json(data)
+        targets = [t for p in decoded.panels or [] for t in getattr(p, "targets", None) or []]
+        assert targets and all(isinstance(t, ClickHouseQuery) for t in targets), path.name
+        # annotation targets (which the SDK models for Grafana's own source only) go
+        # through the ClickHouse query model unchanged
+        for annotation in data["annotations"].get("list", []):
+            query = ClickHouseQuery.from_json(annotation["target"])
+            encoded = json.loads(json.dumps(query, cls=JSONEncoder))
+            assert encoded == annotation["target"]
+
+
+def test_every_query_targets_the_clickhouse_datasource(built: dict[str, BuiltDashboard]) -> None:
+    for item in built.values():
+        data = item.to_dict()
+        names = [v["name"] for v in data["templating"]["list"]]
+        assert names[:2] == ["job", "attempt"]
+        for _, query, datasource in _queries(data):
+            assert datasource == {"type": PLUGIN_ID, "uid": datasource_ref().uid}
+            assert query.get("editorType", "sql") == "sql"
+        # every SQL in the JSON has a declared expectation and the reverse
+        declared = {key for key in item.expectations}
+        present = {(where, ref) for where, ref, _ in _targets(data)}
+        assert declared == present
+
+
+# -- macros -------------------------------------------------------------------------------
+
+
+def test_macros_expand_like_the_plugin() -> None:
+    start = dt.datetime(2025, 1, 2, 3, 4, 5, 678000, tzinfo=dt.UTC)
+    end = start + dt.timedelta(hours=1)
+    ctx = QueryContext(start, end, interval_s=30.0, variables={"job": "j1", "attempt": "2"})
+    s, e = int(start.timestamp()), int(end.timestamp())
+    assert expand_macros("WHERE $__timeFilter(ts)", ctx) == (
+        f"WHERE ts >= toDateTime({s}) AND ts <= toDateTime({e})"
+    )
+    assert expand_macros("$__timeInterval(ts)", ctx) == (
+        "toStartOfInterval(toDateTime(ts), INTERVAL 30 second)"
+    )
+    assert expand_macros("$__fromTime, $__toTime", ctx) == f"toDateTime({s}), toDateTime({e})"
+    assert expand_macros("$__fromTime_ms", ctx) == f"fromUnixTimestamp64Milli({s * 1000 + 678})"
+    assert expand_macros("count() / $__interval_s", ctx) == "count() / 30"
+    # sub-second intervals round up to one second, as the plugin does
+    assert expand_macros("$__interval_s", QueryContext(start, end, interval_s=0.2)) == "1"
+    assert render_sql("job_id = '${job}' AND attempt = $attempt", ctx) == (
+        "job_id = 'j1' AND attempt = 2"
+    )
+    multi = QueryContext(start, end, variables={"job": ["a", "b"]})
+    assert render_sql("job_id IN (${job})", multi) == "job_id IN ('a','b')"
+    assert render_sql("${job:sqlstring}", QueryContext(start, end, variables={"job": "o'k"})) == (
+        "'o''k'"
+    )
+    with pytest.raises(MacroError):
+        expand_macros("$__timeFilter(a, b)", ctx)
+    with pytest.raises(MacroError):
+        expand_macros("$__nope", ctx)
+
+
+# -- every query on a real store ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_store(chdb_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The demo job (40 steps) through timers, per-rank logs and the embedded pipeline into
+    a database of the session's chDB directory, plus what a pipeline-health panel needs to
+    show: one worker that never reports the last step, and a garbage record in a log."""
+    from producers.events import JobInfo
+    from simulator.generate import generate_job
+    from stream_app.commands.run import H100_BF16_PEAK_FLOPS, demo_spec, write_logs_with_timers
+    from stream_app.embedded import EmbeddedRunner
+    from stream_app.processor import ProcessorSettings
+    from stream_app.sink import ClickHouseSink
+
+    job = generate_job(demo_spec(40, seed=7))
+    flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
+    meta = job.meta.model_copy(
+        update={"model_flops_per_step": flops, "gpu_peak_flops": H100_BF16_PEAK_FLOPS}
+    )
+    info = JobInfo.from_meta(meta, job_id=JOB, attempt=0)
+    trace = job.trace
+    last_step = int(trace.step.max())
+    dp, pp = MISSING_WORKER
+    keep = ~((trace.step == last_step) & (trace.dp_rank == dp) & (trace.stage == pp))
+    log_dir = tmp_path_factory.mktemp("dashboard-logs")
+    total_s = float(job.truth.t_injected.sum())
+    write_logs_with_timers(trace.select(keep), info, log_dir, time.time_ns() - int(total_s * 1e9))
+    first_log = sorted(log_dir.glob("rank-*/*"))[0]
+    with first_log.open("ab") as log:
+        log.write(b"this is not a log record\n")
+
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=dashboards_demo")
+    sink.ensure_schema()
+    report = EmbeddedRunner(sink, ProcessorSettings(lateness_s=600.0)).run_logs(log_dir)
+    assert report.dead_letters >= 1
+    yield sink
+
+
+def _targets(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(panel title or "annotation: NAME", refId, query) of every query of a dashboard."""
+    out = []
+    for panel in data.get("panels", []):
+        for target in panel.get("targets", []):
+            out.append((panel["title"], target["refId"], target))
+    for annotation in data["annotations"].get("list", []):
+        out.append((f"annotation: {annotation['name']}", "Anno", annotation["target"]))
+    return out
+
+
+def _queries(data: dict[str, Any]):
+    """(where, query dict, datasource) of every panel, annotation and variable query."""
+    for where, _, target in _targets(data):
+        yield where, target, target["datasource"]
+    for variable in data["templating"]["list"]:
+        if variable["type"] == "query":
+            yield f"variable {variable['name']}", variable, variable["datasource"]
+
+
+def _context(sink, multi: bool) -> QueryContext:
+    _, rows = sink.query("SELECT min(ts), max(processed_at) FROM steps")
+    start, end = rows[0]
+    now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
+    value = (lambda v: [v]) if multi else (lambda v: v)
+    return QueryContext(
+        start - dt.timedelta(minutes=1),
+        max(end, now) + dt.timedelta(minutes=1),
+        interval_s=10.0,
+        variables={"job": value(JOB), "attempt": value("0"), "window": "20"},
+    )
+
+
+def _kind(type_name: str) -> str:
+    base = type_name.removeprefix("Nullable(").removeprefix("LowCardinality(")
+    if base.startswith(("DateTime", "Date")):
+        return "time"
+    if base.startswith(("Float", "Int", "UInt", "Decimal", "Bool")):
+        return "number"
+    if base.startswith(("String", "FixedString", "Enum")):
+        return "string"
+    return base
+
+
+@pytest.mark.parametrize("name", ["job-overview", "pipeline-health"])
+def test_every_query_runs_on_the_demo_store(
+    demo_store, built: dict[str, BuiltDashboard], name: str
+) -> None:
+    item = built[name]
+    data = item.to_dict()
+    multi = any(v.get("multi") for v in data["templating"]["list"])
+    context = _context(demo_store, multi)
+    for where, ref_id, target in _targets(data):
+        sql = render_sql(target["rawSql"], context)
+        assert "$" not in sql, f"{where}: unexpanded macro or variable in\n{sql}"
+        result = demo_store.client.query(sql)
+        columns = {
+            col: _kind(t.name)
+            for col, t in zip(result.column_names, result.column_types, strict=True)
+        }
+        expect: Expect = item.expectations[(where, ref_id)]
+        if not expect.may_be_empty:
+            assert result.result_rows, f"{where}: no rows\n{sql}"
+        for column, kind in expect.columns.items():
+            assert columns.get(column) == kind, (
+                f"{where}: column {column!r} should be {kind}, got {columns}"
+            )
+        if target["format"] == Format.TIME_SERIES:
+            # the plugin's time-series frames need a `time` column; the rest are values or
+            # string labels (long frames are pivoted to wide by them)
+            assert columns.get("time") == "time", f"{where}: no time column"
+            assert "number" in columns.values(), f"{where}: no numeric values"
+            assert set(columns.values()) <= {"time", "number", "string"}
+            times = [row[result.column_names.index("time")] for row in result.result_rows]
+            assert times == sorted(times), f"{where}: time series must be ordered by time"
+    for variable in data["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        result = demo_store.client.query(render_sql(variable["query"], context))
+        values = {str(row[0]) for row in result.result_rows}
+        assert values == ({JOB} if variable["name"] == "job" else {"0"})
+
+
+def test_panels_show_the_demo_story(demo_store, built: dict[str, BuiltDashboard]) -> None:
+    """A few numbers on the panels say what the demo injected: the slow worker's change
+    points, the missing worker of the last step, the garbage record."""
+    data = built["pipeline-health"].to_dict()
+    context = _context(demo_store, multi=True)
+    by_title = {where: t for where, _, t in _targets(data)}
+    result = demo_store.client.query(
+        render_sql(by_title["Incomplete steps and their missing ranks"]["rawSql"], context)
+    )
+    (row,) = result.named_results()
+    dp, pp = MISSING_WORKER
+    global_rank = (pp * 8 + dp) * 4  # demo job: dp 8 x pp 4 x tp 4
+    assert (row["missing"], row["step"]) == (1, 1000 + 39)
+    assert row["missing_global_ranks"] == str(global_rank)
+    reasons = demo_store.client.query(
+        render_sql(by_title["Dead letters by reason"]["rawSql"], context)
+    )
+    assert "garbage" in {r["reason"] for r in reasons.named_results()}
+
+    overview = built["job-overview"].to_dict()
+    context = _context(demo_store, multi=False)
+    anno = {where: t for where, _, t in _targets(overview)}
+    onset = demo_store.client.query(
+        render_sql(anno["annotation: step-time onset"]["rawSql"], context)
+    ).result_rows
+    recovery = demo_store.client.query(
+        render_sql(anno["annotation: step-time recovery"]["rawSql"], context)
+    ).result_rows
+    assert onset and recovery and onset[0][0] < recovery[0][0]
+    top = demo_store.client.query(
+        render_sql(anno["Top stragglers in range"]["rawSql"], context)
+    ).named_results()
+    assert np.isfinite([r["mean_S_w"] for r in top]).all()

@@ -1,0 +1,117 @@
+"""`lagscope dashboards push` against an HTTP server implementing the Grafana API endpoints
+it uses (tests/grafana_stub.py: no Grafana build can be installed here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
+from dashboards.push import datasource_definition
+from stream_app.cli import main
+from tests.grafana_stub import GrafanaStub
+
+TOKEN = "glsa_test"
+
+
+@pytest.fixture
+def grafana():
+    with GrafanaStub(token=TOKEN) as stub:
+        yield stub
+
+
+def _push(url: str, *extra: str) -> int:
+    return main(["dashboards", "push", "--url", url, "--token", TOKEN, "--timeout-s", "5", *extra])
+
+
+def test_push_creates_then_updates_without_duplicates(
+    grafana: GrafanaStub, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _push(grafana.url, "--clickhouse-password", "s3cret") == 0
+    state = grafana.state
+    assert list(state.datasources) == ["lagscope-clickhouse"]
+    assert set(state.dashboards) == {JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID}
+    assert list(state.folders) == ["lagscope"]
+    first = capsys.readouterr().out
+    assert "data source created, folder created" in first
+    assert f"{grafana.url}/d/{JOB_OVERVIEW_UID}/" in first
+
+    datasource = state.datasources["lagscope-clickhouse"]
+    assert datasource["type"] == "grafana-clickhouse-datasource"
+    assert datasource["jsonData"]["username"] == "grafana"
+    assert datasource["jsonData"]["port"] == 8123
+    assert datasource["secureJsonData"]["password"] == "s3cret"
+
+    assert _push(grafana.url, "--clickhouse-password", "s3cret") == 0
+    assert "data source updated, folder exists" in capsys.readouterr().out
+    assert list(state.datasources) == ["lagscope-clickhouse"]
+    assert list(state.folders) == ["lagscope"]
+    assert {uid: d["version"] for uid, d in state.dashboards.items()} == {
+        JOB_OVERVIEW_UID: 2,
+        PIPELINE_HEALTH_UID: 2,
+    }
+    saves = [r for r in state.requests if r.path == "/api/dashboards/db"]
+    assert all(r.body["overwrite"] is True and r.body["folderUid"] == "lagscope" for r in saves)
+    assert all(r.authorization == f"Bearer {TOKEN}" for r in state.requests)
+
+
+def test_token_and_url_from_environment(
+    grafana: GrafanaStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRAFANA_URL", grafana.url)
+    monkeypatch.setenv("GRAFANA_TOKEN", TOKEN)
+    monkeypatch.setenv("CLICKHOUSE_GRAFANA_PASSWORD", "from-env")
+    assert main(["dashboards", "push"]) == 0
+    assert grafana.state.datasources["lagscope-clickhouse"]["secureJsonData"] == {
+        "password": "from-env"
+    }
+
+
+@pytest.mark.parametrize("status", [401, 403, 404, 500, 503])
+def test_refusals_exit_2_naming_url_and_status(
+    grafana: GrafanaStub, capsys: pytest.CaptureFixture[str], status: int
+) -> None:
+    grafana.state.fail_with = status
+    assert _push(grafana.url) == 2
+    err = capsys.readouterr().err
+    assert grafana.url in err and f"HTTP {status}" in err
+    assert not grafana.state.dashboards
+
+
+def test_wrong_token_is_a_401(grafana: GrafanaStub, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dashboards", "push", "--url", grafana.url, "--token", "wrong"]) == 2
+    assert "HTTP 401" in capsys.readouterr().err
+
+
+def test_dashboard_save_refused(grafana: GrafanaStub, capsys: pytest.CaptureFixture[str]) -> None:
+    grafana.state.fail_dashboards_with = 500
+    assert _push(grafana.url) == 2
+    err = capsys.readouterr().err
+    assert "HTTP 500" in err and JOB_OVERVIEW_UID in err
+
+
+def test_unreachable_grafana(capsys: pytest.CaptureFixture[str]) -> None:
+    with GrafanaStub() as stub:
+        url = stub.url  # a port that was just free and is closed again below
+    assert _push(url) == 2
+    assert f"cannot reach Grafana at {url}" in capsys.readouterr().err
+
+
+def test_no_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("GRAFANA_URL", raising=False)
+    assert main(["dashboards", "push"]) == 2
+    assert "no Grafana URL" in capsys.readouterr().err
+
+
+def test_datasource_definition_fills_every_placeholder() -> None:
+    settings = {
+        "CLICKHOUSE_HOST": "ch",
+        "CLICKHOUSE_DATABASE": "lagscope",
+        "CLICKHOUSE_GRAFANA_USER": "grafana",
+        "CLICKHOUSE_GRAFANA_PASSWORD": "pw",
+    }
+    datasource = datasource_definition(settings)
+    assert datasource["uid"] == "lagscope-clickhouse"
+    assert datasource["jsonData"]["host"] == "ch"
+    assert "$" not in repr(datasource)
+    with pytest.raises(ValueError, match="CLICKHOUSE_HOST"):
+        datasource_definition({k: v for k, v in settings.items() if k != "CLICKHOUSE_HOST"})

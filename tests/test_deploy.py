@@ -1,0 +1,279 @@
+"""deploy/: the compose file validates against the Compose Specification schema, the
+Kubernetes manifests against the Kubernetes API schemas (kubernetes-validate), and every
+image, port, environment variable, CLI command and flag, and volume they name exists in the
+code or configuration it points to.
+
+No Docker daemon or `docker compose` plugin is available on the test machines, hence the
+schema: tests/data/compose_spec.json is `compose/config/compose_spec.json` of the
+docker-compose 1.29.2 distribution on PyPI (Apache-2.0).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from producers.config import LagscopeConfig
+from stream_app.cli import build_parser
+from stream_app.sink import DSN_ENV, parse_dsn
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+#: Commands other branches add (the lead merges them); named here so that this test checks
+#: their flags once they exist and says clearly that they are pending until then.
+PENDING_COMMANDS = {"worker"}
+K8S_VERSION = "1.30"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def _k8s_documents() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = spec.get("spec", {})
+    if "template" in pod:
+        pod = pod["template"]["spec"]
+    return pod.get("containers", []) + pod.get("initContainers", [])
+
+
+# -- schemas ------------------------------------------------------------------------------
+
+
+def test_compose_file_matches_the_compose_spec(compose: dict[str, Any]) -> None:
+    schema = json.loads((REPO / "tests" / "data" / "compose_spec.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(compose), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+@pytest.mark.parametrize(
+    "name,doc", _k8s_documents(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_k8s_manifest_matches_the_api_schema(name: str, doc: dict[str, Any]) -> None:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        pytest.fail(f"{name} ({doc['kind']}): {exc.message} at {list(exc.path)}")
+
+
+def test_kustomization_lists_existing_files() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file(), resource
+    assert kustomization["namespace"] == "lagscope"
+    # the image name the manifests use is the one kustomize rewrites
+    (image,) = kustomization["images"]
+    for name, doc in _k8s_documents():
+        if name in kustomization["resources"]:
+            for container in _containers(doc):
+                assert container["image"] == image["name"], (name, container["name"])
+
+
+# -- cross-checks against the code ---------------------------------------------------------
+
+
+def _lagscope_commands(compose: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    found = []
+    for service, spec in compose["services"].items():
+        command = spec.get("command")
+        if command:
+            argv = shlex.split(command) if isinstance(command, str) else list(command)
+            found.append((f"compose service {service}", argv))
+    for name, doc in _k8s_documents():
+        for container in _containers(doc):
+            argv = container.get("command", []) + container.get("args", [])
+            if argv and argv[0] == "lagscope":
+                found.append((f"{name} container {container['name']}", argv))
+    return found
+
+
+def test_cli_commands_and_flags_exist(compose: dict[str, Any]) -> None:
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if a.dest == "command"]
+    commands = _lagscope_commands(compose)
+    assert {argv[1] for _, argv in commands} >= {"worker", "stream", "replay"}
+    pending_seen = set()
+    for where, argv in commands:
+        assert argv[0] == "lagscope", where
+        if argv[1] not in subparsers.choices:
+            assert argv[1] in PENDING_COMMANDS, f"{where}: no command `lagscope {argv[1]}`"
+            pending_seen.add(argv[1])
+            continue
+        try:
+            args = parser.parse_args(argv[1:])
+        except SystemExit:
+            pytest.fail(f"{where}: `{shlex.join(argv)}` is rejected by the CLI parser")
+        assert args.command == argv[1]
+    # a pending command that became real is checked above; drop it from PENDING_COMMANDS
+    assert pending_seen <= PENDING_COMMANDS
+
+
+def _config_env_is_read(name: str) -> bool:
+    """True if the environment variable is read by producers.config or the sink."""
+    if name in (DSN_ENV, "LAGSCOPE_CONFIG"):
+        return True
+    if not name.startswith("LAGSCOPE_") or "__" not in name:
+        return False
+    section, _, field = name.removeprefix("LAGSCOPE_").lower().partition("__")
+    model = LagscopeConfig.model_fields.get(section)
+    return model is not None and field in model.annotation.model_fields
+
+
+def _lagscope_env(compose: dict[str, Any]) -> list[tuple[str, str, str]]:
+    found = []
+    for service, spec in compose["services"].items():
+        for key, value in (spec.get("environment") or {}).items():
+            found.append((f"compose {service}", key, str(value)))
+    for name, doc in _k8s_documents():
+        if doc["kind"] == "ConfigMap":
+            found += [(name, key, str(value)) for key, value in doc["data"].items()]
+        for container in _containers(doc):
+            for item in container.get("env", []):
+                found.append((name, item["name"], str(item.get("value", ""))))
+    return [f for f in found if f[1].startswith("LAGSCOPE_")]
+
+
+def test_env_vars_are_read_by_the_config_model(compose: dict[str, Any]) -> None:
+    env = _lagscope_env(compose)
+    assert {key for _, key, _ in env} >= {DSN_ENV, "LAGSCOPE_KAFKA__BOOTSTRAP_SERVERS"}
+    for where, key, _ in env:
+        if key == "LAGSCOPE_TRACES":  # compose-only interpolation variable
+            continue
+        assert _config_env_is_read(key), f"{where}: nothing reads {key}"
+    # the Kafka address the containers use is a listener the broker advertises
+    kafka_env = compose["services"]["kafka"]["environment"]
+    advertised = kafka_env["KAFKA_ADVERTISED_LISTENERS"]
+    for where, key, value in env:
+        if key == "LAGSCOPE_KAFKA__BOOTSTRAP_SERVERS" and where.startswith("compose"):
+            assert f"//{value}" in advertised, (where, value)
+
+
+def test_ports_match_the_defaults(compose: dict[str, Any]) -> None:
+    from producers.config import KafkaSettings
+
+    services = compose["services"]
+    host_kafka_port = KafkaSettings().bootstrap_servers.rsplit(":", 1)[1]
+    assert f"{host_kafka_port}:{host_kafka_port}" in services["kafka"]["ports"]
+    assert (
+        "EXTERNAL://localhost:" + host_kafka_port
+        in (services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"])
+    )
+    # the workers' DSN names the ClickHouse service, its HTTP port and the database the
+    # server creates for the writer user
+    dsn = services["worker"]["environment"][DSN_ENV]
+    parsed = parse_dsn(re.sub(r"\$\{[^}]*\}", "pw", dsn))
+    ch_env = services["clickhouse"]["environment"]
+    assert parsed.kind == "http" and parsed.database == ch_env["CLICKHOUSE_DB"]
+    assert "@clickhouse:8123/" in dsn and "8123:8123" in services["clickhouse"]["ports"]
+    assert dsn.startswith(f"http://{ch_env['CLICKHOUSE_USER']}:")
+    provisioned = yaml.safe_load(
+        (REPO / "dashboards/provisioning/datasources/lagscope-clickhouse.yaml").read_text()
+    )["datasources"][0]
+    assert provisioned["jsonData"]["port"] == 8123 and provisioned["jsonData"]["protocol"] == "http"
+    assert "3000:3000" in services["grafana"]["ports"]
+
+
+def test_images_exist_and_match_pinned_versions(compose: dict[str, Any]) -> None:
+    from deploy.kafka_local import KAFKA_VERSION
+
+    services = compose["services"]
+    assert services["kafka"]["image"] == f"apache/kafka:{KAFKA_VERSION}"
+    # Grafana's line is the one the dashboards SDK is pinned to
+    pyproject = (REPO / "pyproject.toml").read_text()
+    sdk_line = re.search(r"grafana-foundation-sdk==\d+!(\d+\.\d+)\.", pyproject).group(1)
+    assert services["grafana"]["image"].startswith(f"grafana/grafana:{sdk_line}.")
+    assert (
+        "grafana-clickhouse-datasource" in services["grafana"]["environment"]["GF_INSTALL_PLUGINS"]
+    )
+    for name in ("worker", "replay"):
+        build = services[name]["build"]
+        dockerfile = (DEPLOY / build["context"] / build["dockerfile"]).resolve()
+        assert dockerfile.is_file()
+        assert services[name]["image"] == "lagscope:dev"
+    dockerfile_text = (DEPLOY / "Dockerfile").read_text()
+    for source in re.findall(r"^COPY (.+) \S+$", dockerfile_text, flags=re.M):
+        for item in source.split():
+            assert (REPO / item).exists(), f"Dockerfile copies missing {item}"
+
+
+def test_volumes_and_provisioning_agree(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    mounts: dict[str, str] = {}
+    for service in ("grafana", "clickhouse"):
+        for volume in services[service]["volumes"]:
+            source, target = volume.split(":")[:2]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), f"{service}: {source} does not exist"
+                mounts[target] = source
+    provider = yaml.safe_load(
+        (REPO / "dashboards/provisioning/dashboards/lagscope.yaml").read_text()
+    )["providers"][0]
+    assert mounts[provider["options"]["path"]] == "../dashboards/generated"
+    assert mounts["/etc/grafana/provisioning"] == "../dashboards/provisioning"
+
+    # the provisioning file's ${VAR}s are exactly what the Grafana service sets
+    datasource_text = (
+        REPO / "dashboards/provisioning/datasources/lagscope-clickhouse.yaml"
+    ).read_text()
+    datasource = yaml.safe_load(datasource_text)["datasources"][0]
+    placeholders = set(re.findall(r"\$\{(\w+)\}", json.dumps(datasource)))
+    grafana_env = services["grafana"]["environment"]
+    assert placeholders <= set(grafana_env)
+    # ... and match the read-only user ClickHouse defines
+    users = ET.parse(DEPLOY / "clickhouse/users.d/grafana-readonly.xml").getroot()
+    user = users.find(f"users/{grafana_env['CLICKHOUSE_GRAFANA_USER']}")
+    assert user is not None
+    password_env = user.find("password").get("from_env")
+    assert password_env in services["clickhouse"]["environment"]
+    profile = users.find(f"profiles/{user.findtext('profile')}")
+    assert profile.findtext("readonly") in ("1", "2")
+    grant = user.findtext("grants/query")
+    assert grant == f"GRANT SELECT ON {grafana_env['CLICKHOUSE_DATABASE']}.*"
+
+
+def test_env_example_defines_every_required_secret(compose: dict[str, Any]) -> None:
+    required = set(re.findall(r"\$\{(\w+):\?", COMPOSE_FILE.read_text()))
+    example = (DEPLOY / ".env.example").read_text()
+    defined = set(re.findall(r"^(\w+)=", example, flags=re.M))
+    assert required and required <= defined
+    assert "deploy/.env" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_k8s_config_and_secret_references_resolve() -> None:
+    docs = _k8s_documents()
+    config_maps = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "ConfigMap"}
+    secrets = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "Secret"}
+    for name, doc in docs:
+        for container in _containers(doc):
+            for source in container.get("envFrom", []):
+                assert source["configMapRef"]["name"] in config_maps, name
+            for item in container.get("env", []):
+                ref = item.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in secrets[ref["name"]]["stringData"], name
+                    assert item["name"] == DSN_ENV
+    for config_map in config_maps.values():
+        for key in config_map["data"]:
+            assert _config_env_is_read(key), f"ConfigMap key {key} is read by nothing"
