@@ -110,10 +110,29 @@ def test_kill_9_at_random_points_loses_nothing(
     rng = random.Random(seed)
     command = _stream_cmd(log_dir, kafka_bootstrap, kafka_topics, idle_s=0.3)
     kills_mid_stream = 0
+    checkpoint = log_dir / ".streamer-checkpoint.json"
+    # Frequent checkpoints (the first one of a run shows it is shipping, then we kill) and
+    # little unconfirmed data in flight, so no run races through the whole log before its
+    # kill however fast the machine is.
+    env = {
+        **os.environ,
+        "LAGSCOPE_STREAMER__CHECKPOINT_INTERVAL_S": "0.05",
+        "LAGSCOPE_STREAMER__MAX_IN_FLIGHT_BYTES": str(1 << 20),
+    }
     for _ in range(14):
+        before = checkpoint.stat().st_mtime_ns if checkpoint.exists() else 0
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)  # fmt: skip
-        time.sleep(rng.uniform(0.4, 0.9))  # ~0.35 s of it is interpreter start-up
+                                   stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+        # Kill at a random moment once this run has confirmed deliveries, however long the
+        # interpreter took to start on a loaded machine: every kill lands mid-stream.
+        deadline = time.monotonic() + 30
+        while (
+            process.poll() is None
+            and time.monotonic() < deadline
+            and (not checkpoint.exists() or checkpoint.stat().st_mtime_ns == before)
+        ):
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.1))
         still_running = process.poll() is None
         process.kill()  # SIGKILL: no flush, no final checkpoint
         process.wait()
