@@ -58,6 +58,15 @@ def _processor_rows() -> list[dict]:
                 "first_step_s": seconds[0],
             }
         )
+        ops = sum(batch.n_ops for batch in batches)
+        rows.append(
+            {
+                "benchmark": f"processor op events/s, {gpus} GPUs ({ops} ops/step)",
+                "value": ops / seconds[-1],
+                "unit": "ops/s",
+                "target": ">= 1e6",
+            }
+        )
     return rows
 
 
