@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "stream_app.commands.changepoints",
     "stream_app.commands.query",
     "stream_app.commands.run",
+    "stream_app.commands.worker",
     "producers.commands",
     "dashboards.commands",
 )

@@ -29,9 +29,6 @@ REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
-#: Commands other branches add (the lead merges them); named here so that this test checks
-#: their flags once they exist and says clearly that they are pending until then.
-PENDING_COMMANDS = {"worker"}
 K8S_VERSION = "1.30"
 
 
@@ -114,20 +111,14 @@ def test_cli_commands_and_flags_exist(compose: dict[str, Any]) -> None:
     (subparsers,) = [a for a in parser._actions if a.dest == "command"]
     commands = _lagscope_commands(compose)
     assert {argv[1] for _, argv in commands} >= {"worker", "stream", "replay"}
-    pending_seen = set()
     for where, argv in commands:
         assert argv[0] == "lagscope", where
-        if argv[1] not in subparsers.choices:
-            assert argv[1] in PENDING_COMMANDS, f"{where}: no command `lagscope {argv[1]}`"
-            pending_seen.add(argv[1])
-            continue
+        assert argv[1] in subparsers.choices, f"{where}: no command `lagscope {argv[1]}`"
         try:
             args = parser.parse_args(argv[1:])
         except SystemExit:
             pytest.fail(f"{where}: `{shlex.join(argv)}` is rejected by the CLI parser")
         assert args.command == argv[1]
-    # a pending command that became real is checked above; drop it from PENDING_COMMANDS
-    assert pending_seen <= PENDING_COMMANDS
 
 
 def _config_env_is_read(name: str) -> bool:

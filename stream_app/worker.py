@@ -1,0 +1,857 @@
+"""The distributed host: a faust-streaming worker, `lagscope ops` -> step processor -> store.
+
+Topology. One agent consumes `lagscope.ops` (key = job id, so every batch of a job lands in
+one partition and more workers analyse more jobs in parallel). Each assigned partition has
+its own `StepProcessor` (the windows are the processor's own; faust's windowed tables are
+not used). Job metadata comes from the compacted `lagscope.jobs` topic, which every worker
+reads whole (outside the consumer group: every worker needs every job). Closed steps go to
+the store (`steps`, `attribution`, `worker_slowdown`, `changepoints`, `jobs`) and, as JSON,
+to `lagscope.results` for other consumers. A message that does not decode goes to the
+store's `dead_letters` table and is counted; the worker carries on.
+
+Crash safety (kill -9 mid-window, restart or rebalance: no step lost, none duplicated, the
+same numbers as an uninterrupted run):
+
+1. *Snapshots aligned with offsets.* Per partition, the worker periodically writes a
+   snapshot of the processor (`StepProcessor.state_dict`: open windows, running ideals,
+   retained steps, detectors) together with `next_offset`, the first offset the snapshot
+   has not consumed, to the store's `worker_state` table. Before a snapshot is written,
+   every step the processor closed so far is durably in the store and its results are
+   flushed to `lagscope.results`.
+2. *Offsets follow snapshots.* Events are consumed without faust's automatic acks; an
+   event is acked (hence committed by faust) only once a durable snapshot covers it. The
+   snapshot's `next_offset` is the authority: after a restart or a rebalance the new owner
+   loads the snapshot and skips re-delivered messages below it (Kafka's committed offset
+   may lag the snapshot when the worker died between the two writes).
+3. *Deterministic re-processing.* Everything after the snapshot is replayed from Kafka into
+   the restored processor: the same batches in the same partition order on the same state
+   give the same closed steps with the same numbers (the running ideal, the change-point
+   detectors and the roll-up depend only on the steps seen before, which the snapshot
+   holds), so a re-processed step equals the stored one bit for bit.
+4. *Exactly once in `steps`.* Before a write, steps already stored for (job, attempt,
+   step) are dropped from the batch with all their rows, so a step re-closed after a
+   crash is never written twice (not even transiently, i.e. also without `FINAL`); the
+   sink's own version check is the second line. Results on `lagscope.results` are
+   at-least-once (key = job id; consumers dedup on (job, attempt, step)).
+
+Limits: a step closed by the lateness timeout depends on wall-clock time, so a step that
+was closed incomplete before a crash may re-close complete after it; the first stored
+version stands. Snapshot cost grows with the retained steps (`processor.
+rollup_window_steps`): for very large jobs, lower it or raise `checkpoint_interval_s`.
+Snapshots are pickles read back from the project's own store (trusted input).
+
+The job-level roll-up (`StepProcessor.rollup`: `lagscope analyze` of the retained steps)
+is diagnosed and written to `diagnoses` (its evidence holds the job's slowdown) and
+published to `lagscope.results` when a job has been idle for `worker.rollup_idle_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import json
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from producers.config import ConfigError, KafkaSettings, LagscopeConfig
+from producers.events import JobInfo, RankStepBatch, SchemaError, decode_batch
+from simulator.diagnose import diagnose
+from simulator.prepare import concat_steps
+from stream_app.processor import ProcessorSettings, StepOutput, StepProcessor
+from stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
+from stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, SinkBatch
+
+log = logging.getLogger("lagscope.worker")
+
+STATE_TABLE = "worker_state"
+_STATE_DDL = f"""CREATE TABLE IF NOT EXISTS {STATE_TABLE} (
+    group_id String, topic String, partition UInt32, next_offset UInt64,
+    written_at DateTime64(3), state String CODEC(ZSTD(1))
+) ENGINE = ReplacingMergeTree(next_offset)
+ORDER BY (group_id, topic, partition)"""
+SNAPSHOT_VERSION = 1
+
+
+# -- configuration ------------------------------------------------------------------------
+class WorkerKafkaSettings(KafkaSettings):
+    topic_results: str = "lagscope.results"
+
+
+class StoreSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: ClickHouse DSN (chdb:///dir or http(s)://...); default $LAGSCOPE_CLICKHOUSE_DSN or
+    #: the embedded store under the working directory.
+    dsn: str | None = None
+    ops_ttl_days: int = Field(default=7, ge=1)
+
+    def resolved_dsn(self) -> str:
+        return self.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: Consumer group (and faust app id): workers of one group share the partitions.
+    group_id: str = "lagscope-worker"
+    #: Write closed steps at least this often (seconds) ...
+    write_interval_s: float = Field(default=0.5, gt=0)
+    #: ... or as soon as this many are waiting.
+    write_every_steps: int = Field(default=64, ge=1)
+    #: Snapshot the processors (and commit offsets) this often.
+    checkpoint_interval_s: float = Field(default=5.0, gt=0)
+    #: Messages handed to the processor at once.
+    take_max: int = Field(default=500, ge=1)
+    #: How long a batch of a job without metadata waits for `lagscope.jobs`.
+    job_wait_s: float = Field(default=5.0, ge=0)
+    #: How often lateness timeouts, writes and snapshots are checked.
+    tick_interval_s: float = Field(default=0.5, gt=0)
+    #: Roll up and diagnose a job once it has closed no step for this long.
+    rollup_idle_s: float = Field(default=10.0, gt=0)
+    #: Exit after this long with no message and everything written (tests, backfills).
+    exit_when_idle_s: float | None = Field(default=None, gt=0)
+    #: Kafka group session timeout; a killed worker's partitions move after this long.
+    session_timeout_s: float = Field(default=30.0, ge=6)
+    #: faust's data directory (it keeps little: no tables are used).
+    data_dir: Path = Path("lagscope-data/worker")
+
+
+class WorkerConfig(LagscopeConfig):
+    kafka: WorkerKafkaSettings = Field(default_factory=WorkerKafkaSettings)
+    processor: ProcessorSettings = Field(default_factory=ProcessorSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+
+
+# -- the engine-agnostic core ---------------------------------------------------------------
+@dataclass
+class _JobTotals:
+    gpu_seconds_wasted: float = 0.0
+    last_step: int = -1
+    rolled_up_step: int = -1
+
+
+@dataclass
+class _Partition:
+    number: int
+    processor: StepProcessor
+    #: First offset the processor has not consumed.
+    next_offset: int = 0
+    #: next_offset of the last durable snapshot.
+    snapshot_offset: int = 0
+    totals: dict[tuple[str, int], _JobTotals] = field(default_factory=dict)
+    jobs_written: set[tuple[str, int]] = field(default_factory=set)
+    pending: list[StepOutput] = field(default_factory=list)
+    dead: list[tuple[str, str, str, bytes, float]] = field(default_factory=list)
+    last_write: float = 0.0
+    last_snapshot: float = 0.0
+    last_step_at: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OpsMessage:
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_s: float
+
+
+class WorkerCore:
+    """Per-partition processors, writes, snapshots: everything but the Kafka client.
+
+    Not thread-safe: the faust host calls it from one executor thread only.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        sink: ClickHouseSink,
+        publish: Callable[[bytes, bytes], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self.publish = publish
+        self.clock = clock
+        self.topic = config.kafka.topic_ops
+        self.group = config.worker.group_id
+        self.partitions: dict[int, _Partition] = {}
+        #: (job, attempt) -> (metadata, record timestamp s); filled by the jobs reader.
+        self.job_infos: dict[tuple[str, int], tuple[JobInfo, float]] = {}
+        self.counters: dict[str, int] = {
+            "messages": 0,
+            "replayed_skipped": 0,
+            "ops": 0,
+            "steps_written": 0,
+            "steps_already_stored": 0,
+            "dead_letters": 0,
+            "snapshots": 0,
+            "rollups": 0,
+        }
+        #: Wall-clock time of the first message consumed and of the last steps write.
+        self.first_message_at: float | None = None
+        self.last_write_at: float | None = None
+        sink.command(_STATE_DDL)
+
+    # -- input ------------------------------------------------------------------------
+    def on_job_record(self, value: bytes | None, timestamp_s: float, where: str) -> None:
+        try:
+            info = JobInfo.model_validate_json(value or b"")
+        except ValueError as exc:
+            log.warning("dead letter %s: invalid job metadata: %s", where, exc)
+            self.counters["dead_letters"] += 1
+            # No partition owns a jobs record; store it with the first partition's
+            # letters, or directly when none is assigned yet.
+            self._write_dead(
+                [("", where, f"invalid job metadata: {exc}", value or b"", timestamp_s)]
+            )
+            return
+        self.job_infos[info.job_id, info.attempt] = (info, timestamp_s)
+
+    def partition(self, number: int) -> _Partition:
+        """The state of a partition, restored from its last snapshot on first use."""
+        state = self.partitions.get(number)
+        if state is None:
+            state = self.partitions[number] = self._restore(number)
+        return state
+
+    def drop_partition(self, number: int) -> None:
+        self.partitions.pop(number, None)
+
+    def on_messages(self, messages: list[OpsMessage]) -> None:
+        for message in messages:
+            self.on_message(message)
+        self.write_due()
+
+    def on_message(self, message: OpsMessage) -> None:
+        part = self.partition(message.partition)
+        if message.offset < part.next_offset:
+            # Already inside the snapshot (Kafka's committed offset lagged it).
+            self.counters["replayed_skipped"] += 1
+            return
+        part.next_offset = message.offset + 1
+        self.counters["messages"] += 1
+        if self.first_message_at is None:
+            self.first_message_at = time.time()
+        where = f"{self.topic}[{message.partition}]@{message.offset}"
+        try:
+            batch = decode_batch(message.value or b"", where=where)
+        except SchemaError as exc:
+            self._dead_letter(part, message, where, str(exc))
+            return
+        except Exception as exc:  # a decoder bug must not stop the partition either
+            self._dead_letter(part, message, where, f"undecodable: {exc!r}")
+            return
+        self._ensure_job(part, batch)
+        self.counters["ops"] += batch.n_ops
+        try:
+            outputs = part.processor.on_batch(batch)
+        except Exception as exc:
+            log.exception("processing %s failed", where)
+            self._dead_letter(part, message, where, f"processing failed: {exc!r}")
+            return
+        self._closed(part, outputs)
+
+    def _ensure_job(self, part: _Partition, batch: RankStepBatch) -> None:
+        key = (batch.job_id, batch.attempt)
+        if key in part.processor.jobs:
+            return
+        known = self.job_infos.get(key)
+        if known is not None:
+            part.processor.on_job(known[0])
+
+    def _dead_letter(self, part: _Partition, message: OpsMessage, where: str, reason: str) -> None:
+        log.warning("dead letter %s: %s", where, reason)
+        self.counters["dead_letters"] += 1
+        job = (message.key or b"").decode("utf-8", "replace")
+        part.dead.append((job, where, reason, message.value or b"", message.timestamp_s))
+
+    def _closed(self, part: _Partition, outputs: list[StepOutput]) -> None:
+        now = self.clock()
+        for out in outputs:
+            key = (out.job_id, out.attempt)
+            totals = part.totals.setdefault(key, _JobTotals())
+            totals.last_step = max(totals.last_step, out.step)
+            if out.result is not None:
+                slowdown = float(out.result.step_slowdown[0])
+                gpu_seconds = float(out.result.t_actual[0]) * out.info.world_size
+                totals.gpu_seconds_wasted += gpu_seconds * (1 - 1 / slowdown)
+            part.last_step_at[key] = now
+            part.pending.append(out)
+
+    # -- periodic work ------------------------------------------------------------------
+    def tick(self) -> None:
+        """Close late windows; write and roll up what is due."""
+        for part in list(self.partitions.values()):
+            self._closed(part, part.processor.tick())
+            self._rollups(part, force=False)
+        self.write_due()
+
+    def write_due(self) -> None:
+        """Write the partitions whose closed steps waited long enough, or are many."""
+        now = self.clock()
+        settings = self.config.worker
+        for part in list(self.partitions.values()):
+            if part.pending or part.dead:
+                due = len(part.pending) >= settings.write_every_steps
+                if due or now - part.last_write >= settings.write_interval_s:
+                    self.write(part)
+
+    def checkpoint_due(self, number: int) -> bool:
+        part = self.partitions.get(number)
+        if part is None or part.next_offset == part.snapshot_offset:
+            return False
+        return self.clock() - part.last_snapshot >= self.config.worker.checkpoint_interval_s
+
+    def checkpoint(self, number: int) -> int:
+        """Write everything closed, snapshot; returns the offset safe to commit."""
+        part = self.partitions[number]
+        self.write(part)
+        if part.next_offset != part.snapshot_offset:
+            self._snapshot(part)
+        part.last_snapshot = self.clock()
+        return part.snapshot_offset
+
+    def finish(self) -> dict[int, int]:
+        """Roll up every job and snapshot every partition (idle exit)."""
+        committed = {}
+        for number, part in list(self.partitions.items()):
+            self._closed(part, part.processor.tick())
+            self._rollups(part, force=True)
+            committed[number] = self.checkpoint(number)
+        return committed
+
+    def open_windows(self) -> int:
+        return sum(len(p.processor.windows) for p in self.partitions.values())
+
+    def busy(self) -> bool:
+        """True while a partition holds something not yet durable."""
+        return any(
+            p.pending or p.dead or p.next_offset != p.snapshot_offset or p.processor.windows
+            for p in self.partitions.values()
+        )
+
+    # -- writes -------------------------------------------------------------------------
+    def write(self, part: _Partition) -> None:
+        """Durably store closed steps (each exactly once) and dead letters; publish results."""
+        part.last_write = self.clock()
+        if part.dead:
+            self._write_dead(part.dead)
+            part.dead = []
+        if not part.pending:
+            return
+        outputs, part.pending = part.pending, []
+        for key in {(o.job_id, o.attempt) for o in outputs} - part.jobs_written:
+            known = self.job_infos.get(key)
+            info = (
+                known[0]
+                if known
+                else part.processor.jobs[key].info
+                if key in part.processor.jobs
+                else None
+            )
+            if info is None:
+                continue
+            batch = SinkBatch(f"jobs/{key[0]}/{key[1]}")
+            batch.add("jobs", job_rows(key[0], key[1], info.to_meta(), known[1] if known else 0.0))
+            self.sink.write(batch)
+            part.jobs_written.add(key)
+        stored = self._stored_steps(outputs)
+        fresh = [o for o in outputs if (o.job_id, o.attempt, o.step) not in stored]
+        self.counters["steps_already_stored"] += len(outputs) - len(fresh)
+        by_job: dict[tuple[str, int], list[StepOutput]] = {}
+        for out in fresh:
+            by_job.setdefault((out.job_id, out.attempt), []).append(out)
+        for job_outputs in by_job.values():
+            self.sink.write(rows_from_outputs(job_outputs))
+            self.counters["steps_written"] += len(job_outputs)
+            self.last_write_at = time.time()
+        if len(fresh) < len(outputs):
+            log.info(
+                "stored %d step(s); %d re-processed step(s) were already stored",
+                len(fresh),
+                len(outputs) - len(fresh),
+            )
+        for out in outputs:
+            self.publish(out.job_id.encode(), json.dumps(step_result(out), default=float).encode())
+
+    def _stored_steps(self, outputs: list[StepOutput]) -> set[tuple[str, int, int]]:
+        keys = sorted({(o.job_id, o.attempt, o.step) for o in outputs})
+        _, rows = self.sink.query(
+            "SELECT DISTINCT job_id, attempt, step FROM steps "
+            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
+            {"keys": keys},
+        )
+        return {(j, int(a), int(s)) for j, a, s in rows}
+
+    def _write_dead(self, letters: list[tuple[str, str, str, bytes, float]]) -> None:
+        batch = SinkBatch(f"dead/{letters[0][1]}/{letters[-1][1]}/{len(letters)}")
+        batch.add(
+            "dead_letters",
+            {
+                "ts": [d[4] for d in letters],
+                "job_id": [d[0] for d in letters],
+                "source": [d[1] for d in letters],
+                "reason": [d[2] for d in letters],
+                "payload": [d[3].hex() for d in letters],
+            },
+        )
+        self.sink.write(batch)
+
+    def _rollups(self, part: _Partition, *, force: bool) -> None:
+        now = self.clock()
+        for key, totals in part.totals.items():
+            if totals.rolled_up_step >= totals.last_step:
+                continue
+            idle = now - part.last_step_at.get(key, now)
+            if not force and idle < self.config.worker.rollup_idle_s:
+                continue
+            self.write(part)  # the roll-up follows its steps into the store
+            rollup = part.processor.rollup(*key)
+            totals.rolled_up_step = totals.last_step
+            if rollup is None:
+                continue
+            state = part.processor.jobs[key]
+            prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
+            diagnosis = diagnose(rollup, prepared, wasted_gpu_s=totals.gpu_seconds_wasted)
+            last = int(rollup.steps[-1])
+            batch = SinkBatch(f"diagnosis/{key[0]}/{key[1]}/{last}")
+            batch.add("diagnoses", diagnosis_rows(key[0], key[1], last, 0, diagnosis))
+            self.sink.write(batch)
+            self.counters["rollups"] += 1
+            message = {
+                "kind": "rollup",
+                "job_id": key[0],
+                "attempt": key[1],
+                "steps": [int(rollup.steps[0]), last],
+                "n_steps": len(rollup.steps),
+                "slowdown": rollup.slowdown,
+                "waste": rollup.waste,
+                "gpu_seconds_wasted": totals.gpu_seconds_wasted,
+                "cause": diagnosis.cause,
+                "summary": diagnosis.summary,
+            }
+            self.publish(key[0].encode(), json.dumps(message, default=float).encode())
+
+    # -- snapshots ----------------------------------------------------------------------
+    def _snapshot(self, part: _Partition) -> None:
+        self.flush_results()
+        payload = {
+            "version": SNAPSHOT_VERSION,
+            "next_offset": part.next_offset,
+            "processor": part.processor.state_dict(),
+            "totals": {k: vars(t) for k, t in part.totals.items()},
+            "jobs_written": sorted(part.jobs_written),
+        }
+        blob = base64.b64encode(zlib.compress(pickle.dumps(payload, protocol=5), 1)).decode()
+        self.sink.client.insert(
+            STATE_TABLE,
+            [
+                [
+                    self.group,
+                    self.topic,
+                    part.number,
+                    part.next_offset,
+                    dt.datetime.now(dt.UTC),
+                    blob,
+                ]
+            ],
+            column_names=["group_id", "topic", "partition", "next_offset", "written_at", "state"],
+            settings={
+                "insert_deduplicate": 1,
+                "insert_deduplication_token": f"state/{self.group}/{self.topic}/"
+                f"{part.number}/{part.next_offset}",
+            },
+        )
+        part.snapshot_offset = part.next_offset
+        self.counters["snapshots"] += 1
+        log.info(
+            "checkpoint %s[%d] next offset %d (%d KiB)",
+            self.topic,
+            part.number,
+            part.next_offset,
+            len(blob) // 1024,
+        )
+
+    def _restore(self, number: int) -> _Partition:
+        _, rows = self.sink.query(
+            f"SELECT next_offset, state FROM {STATE_TABLE} "
+            "WHERE group_id = {group:String} AND topic = {topic:String} "
+            "AND partition = {partition:UInt32} ORDER BY next_offset DESC LIMIT 1",
+            {"group": self.group, "topic": self.topic, "partition": number},
+        )
+        now = self.clock()
+        if not rows:
+            log.info("partition %s[%d]: no snapshot, starting fresh", self.topic, number)
+            part = _Partition(number, StepProcessor(self.config.processor, self.clock))
+            part.last_write = part.last_snapshot = now
+            return part
+        payload = pickle.loads(zlib.decompress(base64.b64decode(rows[0][1])))
+        if payload.get("version") != SNAPSHOT_VERSION:
+            raise ConfigError(
+                f"{STATE_TABLE}: snapshot of {self.topic}[{number}] has version "
+                f"{payload.get('version')!r}, this worker reads {SNAPSHOT_VERSION}"
+            )
+        processor = StepProcessor.from_state(payload["processor"], self.clock)
+        # The analysis settings are the snapshot's (changing them mid-job would change the
+        # numbers of re-processed steps); only the lateness follows the configuration.
+        processor.settings = processor.settings.model_copy(
+            update={"lateness_s": self.config.processor.lateness_s}
+        )
+        part = _Partition(number, processor, payload["next_offset"], payload["next_offset"])
+        part.totals = {tuple(k): _JobTotals(**v) for k, v in payload["totals"].items()}
+        part.jobs_written = {tuple(k) for k in payload["jobs_written"]}
+        part.last_write = part.last_snapshot = now
+        for key in part.totals:
+            part.last_step_at[key] = now
+        log.info(
+            "partition %s[%d]: restored snapshot at offset %d", self.topic, number, part.next_offset
+        )
+        return part
+
+    def flush_results(self) -> None:
+        """Overridden by the host: make published results durable."""
+
+
+def step_result(out: StepOutput, top: int = 3) -> dict[str, Any]:
+    """The `lagscope.results` message of a closed step."""
+    message: dict[str, Any] = {
+        "kind": "step",
+        "job_id": out.job_id,
+        "attempt": out.attempt,
+        "step": out.step,
+        "start_ns": out.start_ns,
+        "complete": out.complete,
+        "missing": [{"dp": dp, "pp": pp} for dp, pp in out.missing],
+        "reason": out.reason,
+        "changepoints": [
+            {
+                "series": c.series,
+                "step": c.step,
+                "kind": c.kind,
+                "before_mean": c.before_mean,
+                "after_mean": c.after_mean,
+                "probability": c.probability,
+            }
+            for c in out.changes
+        ],
+    }
+    r = out.result
+    if r is None:
+        message.update(slowdown=None, waste=None, actual_s=None, simulated_s=None, ideal_s=None)
+        return message
+    slowdown = float(r.step_slowdown[0])
+    message.update(
+        slowdown=slowdown,
+        waste=1 - 1 / slowdown,
+        actual_s=float(r.t_actual[0]),
+        simulated_s=float(r.t_nodelay[0]),
+        ideal_s=float(r.t_ideal[0]),
+        analysed_dp_ranks=list(out.analysed_dp_ranks),
+    )
+    attributions: dict[str, list[dict[str, Any]]] = {}
+    for kind, attribution in (
+        ("optype", r.by_optype),
+        ("dp_rank", r.by_dp_rank),
+        ("stage", r.by_stage),
+    ):
+        ranked = sorted(
+            ((name, float(np.asarray(series)[0])) for name, series in attribution.per_step.items()),
+            key=lambda item: -item[1],
+        )
+        attributions[kind] = [{"name": n, "slowdown": s} for n, s in ranked[:top]]
+    message["top_attributions"] = attributions
+    return message
+
+
+# -- the faust host -------------------------------------------------------------------------
+class FaustWorker:
+    """Runs a `WorkerCore` inside a faust-streaming app (`run()` blocks until stopped)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.sink = ClickHouseSink(config.store.resolved_dsn())
+        self.sink.ensure_schema(ops_ttl_days=config.store.ops_ttl_days)
+        self._producer = self._make_producer()
+        self.core = WorkerCore(config, self.sink, self._publish)
+        self.core.flush_results = self._flush_results  # type: ignore[method-assign]
+        # One thread does all processing: keeps the event loop (heartbeats) responsive and
+        # the core single-threaded.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lagscope-core")
+        self._held: dict[int, deque[tuple[int, Any]]] = {}
+        self._jobs_ready = threading.Event()
+        self._known_jobs: set[bytes] = set()
+        self._stop = threading.Event()
+        self._last_message = time.monotonic()
+        self._assigned = False
+        self.app = self._build_app()
+
+    # -- kafka clients --------------------------------------------------------------------
+    def _make_producer(self) -> Any:
+        from confluent_kafka import Producer
+
+        return Producer(
+            {
+                **self.config.kafka.client_config(),
+                "enable.idempotence": True,
+                "acks": "all",
+                "compression.type": "zstd",
+                "linger.ms": 20,
+            }
+        )
+
+    def _publish(self, key: bytes, value: bytes) -> None:
+        topic = self.config.kafka.topic_results
+        while True:
+            try:
+                self._producer.produce(topic, key=key, value=value)
+                self._producer.poll(0)
+                return
+            except BufferError:
+                self._producer.poll(0.1)
+
+    def _flush_results(self) -> None:
+        remaining = self._producer.flush(30)
+        if remaining:
+            raise RuntimeError(f"{remaining} results not delivered to Kafka in 30 s")
+
+    def _read_jobs(self) -> None:
+        """Read the compacted jobs topic whole, then follow it (a thread, outside the group)."""
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+
+        topic = self.config.kafka.topic_jobs
+        consumer = Consumer(
+            {
+                **self.config.kafka.client_config(),
+                "group.id": f"{self.config.worker.group_id}-jobs-reader",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+            }
+        )
+        try:
+            partitions: list[int] = []
+            while not partitions and not self._stop.is_set():
+                try:
+                    meta = consumer.list_topics(topic, timeout=5)
+                    found = meta.topics.get(topic)
+                    if found is not None and found.error is None:
+                        partitions = list(found.partitions)
+                except KafkaException as exc:
+                    log.warning("jobs topic %s: %s", topic, exc)
+                if not partitions:
+                    self._jobs_ready.set()  # nothing to wait for yet
+                    time.sleep(1.0)
+            tps = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions]
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                    for p in partitions}  # fmt: skip
+            consumer.assign(tps)
+            position = dict.fromkeys(partitions, 0)
+            while not self._stop.is_set():
+                if all(position[p] >= ends[p] for p in partitions):
+                    self._jobs_ready.set()
+                msg = consumer.poll(0.2)
+                if msg is None or msg.error() is not None:
+                    continue
+                position[msg.partition()] = msg.offset() + 1
+                where = f"{topic}[{msg.partition()}]@{msg.offset()}"
+                timestamp = msg.timestamp()[1] / 1000
+                self._executor.submit(self.core.on_job_record, msg.value(), timestamp, where)
+                job_id = _job_id_of(msg.value())
+                if job_id is not None:
+                    # After the submit: the executor runs it before any later batch.
+                    self._known_jobs.add(job_id)
+        finally:
+            consumer.close()
+
+    # -- faust ------------------------------------------------------------------------------
+    def _build_app(self) -> Any:
+        import faust
+
+        kafka = self.config.kafka
+        settings = self.config.worker
+        app = faust.App(
+            settings.group_id,
+            broker=[f"kafka://{server.strip()}" for server in kafka.bootstrap_servers.split(",")],
+            broker_credentials=_faust_credentials(kafka),
+            datadir=str(settings.data_dir),
+            web_enabled=False,
+            topic_disable_leader=True,
+            stream_wait_empty=False,
+            consumer_auto_offset_reset="earliest",
+            broker_session_timeout=settings.session_timeout_s,
+            broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 5),
+            broker_commit_interval=1.0,
+        )
+        topic = app.topic(kafka.topic_ops, key_serializer="raw", value_serializer="raw")
+
+        @app.agent(topic, name="lagscope-ops")
+        async def ops(stream: Any) -> None:
+            async for events in stream.noack_take(settings.take_max, within=0.2):
+                await self._on_events(events)
+
+        @app.timer(interval=settings.tick_interval_s)
+        async def periodic() -> None:
+            await self._periodic()
+
+        @app.on_partitions_revoked.connect
+        async def on_revoked(app: Any, revoked: Any, **_: Any) -> None:
+            await self._release({tp.partition for tp in revoked if tp.topic == kafka.topic_ops})
+
+        @app.on_partitions_assigned.connect
+        async def on_assigned(app: Any, assigned: Any, **_: Any) -> None:
+            # Restore eagerly: a partition whose snapshot already covers its end gets no
+            # message, yet its jobs may still await their roll-up.
+            self._last_message = time.monotonic()
+            self._assigned = True
+            for tp in assigned:
+                if tp.topic == kafka.topic_ops:
+                    await self._core(self.core.partition, tp.partition)
+
+        @app.task
+        async def jobs_reader() -> None:
+            thread = threading.Thread(target=self._read_jobs, name="lagscope-jobs", daemon=True)
+            thread.start()
+
+        return app
+
+    async def _core(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _on_events(self, events: list[Any]) -> None:
+        self._last_message = time.monotonic()
+        owned = {
+            tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.core.topic
+        }
+        messages: list[OpsMessage] = []
+        for event in events:
+            message = event.message
+            if message.partition not in owned:
+                continue  # revoked while buffered: its new owner replays it
+            self._held.setdefault(message.partition, deque()).append((message.offset, event))
+            messages.append(
+                OpsMessage(message.partition, message.offset, message.key, message.value,
+                           message.timestamp)
+            )  # fmt: skip
+        await self._wait_for_jobs(messages)
+        await self._core(self.core.on_messages, messages)
+        await self._checkpoint_due()
+
+    async def _wait_for_jobs(self, messages: list[OpsMessage]) -> None:
+        """Give `lagscope.jobs` a moment to deliver the metadata of jobs not seen yet."""
+        deadline = time.monotonic() + self.config.worker.job_wait_s
+        while not self._jobs_ready.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        unknown = {m.key for m in messages if m.key is not None} - self._known_jobs
+        while unknown and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            unknown -= self._known_jobs
+
+    async def _periodic(self) -> None:
+        await self._core(self.core.tick)
+        await self._checkpoint_due()
+        idle_exit = self.config.worker.exit_when_idle_s
+        if (
+            idle_exit is not None
+            and self._assigned
+            and time.monotonic() - self._last_message >= idle_exit
+            and not self._stop.is_set()
+            and not await self._core(self.core.open_windows)
+        ):
+            committed = await self._core(self.core.finish)
+            self._ack(committed)
+            await self.app.commit(None)
+            log.info("idle for %.1f s: exiting (%s)", idle_exit, json.dumps(self.core.counters))
+            summary = {
+                "worker_counters": self.core.counters,
+                "first_message_at": self.core.first_message_at,
+                "last_write_at": self.core.last_write_at,
+            }
+            print(json.dumps(summary), flush=True)
+            self._stop.set()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _checkpoint_due(self) -> None:
+        for number in list(self._held):
+            if await self._core(self.core.checkpoint_due, number):
+                offset = await self._core(self.core.checkpoint, number)
+                self._ack({number: offset})
+
+    def _ack(self, committed: dict[int, int]) -> None:
+        for number, offset in committed.items():
+            held = self._held.get(number)
+            while held and held[0][0] < offset:
+                held.popleft()[1].ack()
+
+    async def _release(self, partitions: set[int]) -> None:
+        """A rebalance takes these partitions away: snapshot what we have, then forget."""
+        for number in partitions:
+            try:
+                if number in self.core.partitions:
+                    offset = await self._core(self.core.checkpoint, number)
+                    self._ack({number: offset})
+            except Exception:
+                log.exception("checkpoint of revoked partition %d failed", number)
+            await self._core(self.core.drop_partition, number)
+            self._held.pop(number, None)
+
+    def run(self) -> None:
+        from faust.worker import Worker
+
+        Worker(
+            self.app, loglevel=logging.getLogger().level or logging.INFO
+        ).execute_from_commandline()
+
+
+def _job_id_of(value: bytes | None) -> bytes | None:
+    try:
+        job_id = json.loads(value or b"").get("job_id")
+    except (ValueError, AttributeError):
+        return None
+    return job_id.encode() if isinstance(job_id, str) else None
+
+
+def _faust_credentials(kafka: KafkaSettings) -> Any:
+    import ssl
+
+    import faust
+
+    protocol = kafka.security_protocol
+    if protocol == "PLAINTEXT":
+        return None
+    context = None
+    if protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=kafka.ssl_ca_location)
+        if kafka.ssl_certificate_location:
+            context.load_cert_chain(
+                kafka.ssl_certificate_location,
+                kafka.ssl_key_location,
+                kafka.ssl_key_password.get_secret_value() if kafka.ssl_key_password else None,
+            )
+    if protocol == "SSL":
+        return faust.SSLCredentials(context)
+    if not kafka.sasl_username or kafka.sasl_password is None:
+        raise ConfigError(
+            f"kafka.security_protocol {protocol} needs sasl_username and sasl_password"
+        )
+    return faust.SASLCredentials(
+        username=kafka.sasl_username,
+        password=kafka.sasl_password.get_secret_value(),
+        mechanism=kafka.sasl_mechanism or "PLAIN",
+        ssl_context=context,
+    )

@@ -1,0 +1,147 @@
+"""Running `lagscope worker` as a subprocess against the real broker, reading its store.
+
+A worker subprocess keeps its own chDB directory (chDB opens one directory per process,
+and the test process already holds the session's), so its store is read back through
+`lagscope query` in another subprocess once the worker is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from producers.config import KafkaSettings, LagscopeConfig
+
+
+def create_topics(bootstrap: str, topics: dict[str, str], *, ops_partitions: int = 1) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    wanted = [
+        NewTopic(topics["topic_ops"], num_partitions=ops_partitions, replication_factor=1),
+        NewTopic(
+            topics["topic_jobs"],
+            num_partitions=1,
+            replication_factor=1,
+            config={"cleanup.policy": "compact"},
+        ),
+    ]
+    for future in admin.create_topics(wanted, request_timeout=15).values():
+        future.result(timeout=15)
+
+
+def kafka_config(bootstrap: str, topics: dict[str, str]) -> LagscopeConfig:
+    return LagscopeConfig(kafka=KafkaSettings(bootstrap_servers=bootstrap, **topics))
+
+
+def results_topic(topics: dict[str, str]) -> str:
+    return topics["topic_ops"].removesuffix(".ops") + ".results"
+
+
+@dataclass
+class WorkerProcess:
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(
+                f"worker did not finish in {timeout_s}s; log tail:\n{self.log()[-4000:]}"
+            ) from None
+
+    def kill9(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+def start_worker(
+    bootstrap: str,
+    topics: dict[str, str],
+    work_dir: Path,
+    *,
+    group: str,
+    exit_when_idle_s: float | None = 3.0,
+    env: dict[str, str] | None = None,
+    log_name: str = "worker.log",
+) -> WorkerProcess:
+    """`lagscope worker` with its own chDB directory and faust data dir under `work_dir`."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        **os.environ,
+        "LAGSCOPE_KAFKA__TOPIC_OPS": topics["topic_ops"],
+        "LAGSCOPE_KAFKA__TOPIC_JOBS": topics["topic_jobs"],
+        "LAGSCOPE_KAFKA__TOPIC_DEADLETTER": topics["topic_deadletter"],
+        "LAGSCOPE_KAFKA__TOPIC_RESULTS": results_topic(topics),
+        # the broker's minimum: a killed worker's partitions move on quickly
+        "LAGSCOPE_WORKER__SESSION_TIMEOUT_S": "6",
+        "LAGSCOPE_WORKER__ROLLUP_IDLE_S": "1",
+        **(env or {}),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "stream_app.cli",
+        "worker",
+        "--bootstrap",
+        bootstrap,
+        "--dsn",
+        f"chdb://{work_dir / 'chdb'}",
+        "--group",
+        group,
+        "--data-dir",
+        str(work_dir / "faust"),
+    ]
+    if exit_when_idle_s is not None:
+        command += ["--exit-when-idle-s", str(exit_when_idle_s)]
+    log_path = work_dir / log_name
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    return WorkerProcess(process, log_path)
+
+
+def wait_for_log(worker: WorkerProcess, text: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while worker.log().count(text) < count:
+        if worker.process.poll() is not None:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {count}x {text!r} in {timeout_s}s:\n{worker.log()[-3000:]}")
+        time.sleep(0.05)
+
+
+def query_store(work_dir: Path, sql: str) -> list[dict[str, Any]]:
+    """Rows of `sql` against the worker's chDB store (the worker must have exited)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stream_app.cli",
+            "query",
+            "--dsn",
+            f"chdb://{work_dir / 'chdb'}",
+            "--format",
+            "json",
+            sql,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"query failed: {done.stderr}")
+    return json.loads(done.stdout)
