@@ -9,6 +9,7 @@ of its dependencies).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -345,16 +346,21 @@ def _transfer_times(model: DependencyModel, start: np.ndarray, end: np.ndarray) 
     return transfer
 
 
+@functools.lru_cache(maxsize=16)
+def _padded_deps(deps: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Dependencies as a [node, max deps] index array (-1 = none) and a has-deps mask;
+    cached because a streamed job prepares every step against the same model."""
+    width = max((len(d) for d in deps), default=0)
+    padded = np.array([list(d) + [-1] * (width - len(d)) for d in deps], dtype=np.int64)
+    return padded.reshape(len(deps), width), np.array([len(d) > 0 for d in deps])
+
+
 def _launch_delays(model: DependencyModel, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    max_deps = max((len(d) for d in model.deps), default=0)
+    padded, has_deps = _padded_deps(model.deps)
     ready = np.zeros_like(start)
-    if max_deps:
-        padded = np.array(
-            [list(d) + [-1] * (max_deps - len(d)) for d in model.deps], dtype=np.int64
-        )
+    if padded.shape[1]:
         with_sentinel = np.concatenate([end, np.full((1, *end.shape[1:]), -np.inf, end.dtype)])
         latest = with_sentinel[padded].max(axis=1)
-        has_deps = np.array([len(d) > 0 for d in model.deps])
         ready = np.where(has_deps[:, None, None], latest, 0.0).astype(np.float32)
     delay = start - ready
     return np.where(delay <= NEGATIVE_CLIP_S, 0.0, delay).astype(np.float32)

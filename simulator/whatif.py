@@ -107,8 +107,9 @@ class WhatIfResult:
     launch_by_stage: Attribution | None
     #: S_w = min(S_dp, S_stage), [stage, dp].
     worker_slowdown: np.ndarray
-    mw: Explained
-    ms: Explained
+    #: None when the analysis was run without `explain` (per-step streaming results).
+    mw: Explained | None
+    ms: Explained | None
     decompose_threshold: float
     ideal_cost: dict[str, float]
     dropped_steps: tuple[DroppedStep, ...] = field(default=())
@@ -180,8 +181,8 @@ class WhatIfAnalysis:
     def all_nodes(self) -> np.ndarray:
         return np.ones(self.prepared.model.n_nodes, dtype=bool)
 
-    def nodes_labelled(self, labels: list[str], label: str) -> Selection:
-        return Selection(np.array([lb == label for lb in labels]), self.all_workers())
+    def nodes_labelled(self, labels: list[str] | np.ndarray, label: str) -> Selection:
+        return Selection(np.asarray(labels) == label, self.all_workers())
 
     def stage_rows(self, stage: int) -> Selection:
         workers = np.zeros_like(self.all_workers())
@@ -320,6 +321,7 @@ def analyze(
     decompose_threshold: float = DEFAULT_DECOMPOSE_THRESHOLD,
     max_cells_per_pass: int = DEFAULT_MAX_CELLS_PER_PASS,
     compiled: CompiledModel | None = None,
+    explain: bool = True,
 ) -> WhatIfResult:
     """The full what-if analysis of a prepared trace (WHATIF.md §A5).
 
@@ -328,29 +330,29 @@ def analyze(
     """
     wa = WhatIfAnalysis(prepared, ideal, compiled=compiled, max_cells_per_pass=max_cells_per_pass)
     n_stages, n_dp = prepared.n_stages, prepared.n_dp
-    labels = [ot.report_label(t) for t in prepared.node_optype]
-    label_names = sorted(set(labels))
+    labels = np.array([ot.report_label(t) for t in prepared.node_optype])
+    label_names = sorted(set(labels.tolist()))
 
-    base = [
-        Variant("measured", delay="all"),
-        Variant("measured"),
-        Variant("ideal"),
-    ]
+    base = [Variant("measured"), Variant("ideal")]
+    if explain:
+        base.insert(0, Variant("measured", delay="all"))
     attributions: list[tuple[str, str, Selection]] = (
         [("optype", name, wa.nodes_labelled(labels, name)) for name in label_names]
         + [("dp", str(dp), wa.dp_rows(dp)) for dp in range(n_dp)]
         + [("stage", str(s), wa.stage_rows(s)) for s in range(n_stages)]
     )
     last_stage = wa.stage_rows(n_stages - 1)
-    first_pass = (
-        base
-        + [Variant("ideal", swap=sel) for _, _, sel in attributions]
-        + [Variant("measured", swap=last_stage), Variant("ideal", swap=last_stage)]
+    explain_stage = (
+        [Variant("measured", swap=last_stage), Variant("ideal", swap=last_stage)] if explain else []
     )
+    first_pass = base + [Variant("ideal", swap=sel) for _, _, sel in attributions] + explain_stage
     times = wa.run(first_pass)
-    t_simulated, t_nodelay, t_ideal = times[:3]
-    attr_times = times[3 : 3 + len(attributions)]
-    ms_removed, ms_added = times[-2:]
+    if explain:
+        t_simulated, times = times[0], times[1:]
+    t_nodelay, t_ideal = times[:2]
+    if not explain:
+        t_simulated = np.full_like(t_nodelay, np.nan)
+    attr_times = times[2 : 2 + len(attributions)]
 
     mean_ideal = float(t_ideal.mean())
     grouped = _group_attributions(attributions, attr_times, mean_ideal, t_ideal)
@@ -358,20 +360,23 @@ def analyze(
     s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(n_stages)])
     worker_slowdown = np.minimum(s_dp[None, :], s_stage[:, None])
 
-    top = top_workers(worker_slowdown, prepared.worker_rank)
-    top_rows = wa.worker_rows(top)
-    mw_removed, mw_added = wa.run(
-        [Variant("measured", swap=top_rows), Variant("ideal", swap=top_rows)]
-    )
     t_orig = float(t_nodelay.mean())
-    mw = Explained(top, t_orig, mean_ideal, float(mw_removed.mean()), float(mw_added.mean()))
-    ms = Explained(
-        tuple((dp, n_stages - 1) for dp in range(n_dp)),
-        t_orig,
-        mean_ideal,
-        float(ms_removed.mean()),
-        float(ms_added.mean()),
-    )
+    mw = ms = None
+    if explain:
+        ms_removed, ms_added = times[-2:]
+        top = top_workers(worker_slowdown, prepared.worker_rank)
+        top_rows = wa.worker_rows(top)
+        mw_removed, mw_added = wa.run(
+            [Variant("measured", swap=top_rows), Variant("ideal", swap=top_rows)]
+        )
+        mw = Explained(top, t_orig, mean_ideal, float(mw_removed.mean()), float(mw_added.mean()))
+        ms = Explained(
+            tuple((dp, n_stages - 1) for dp in range(n_dp)),
+            t_orig,
+            mean_ideal,
+            float(ms_removed.mean()),
+            float(ms_added.mean()),
+        )
 
     t_actual = prepared.actual_step_time
     launch_slowdown = float(t_actual.mean() / t_nodelay.mean())

@@ -342,11 +342,13 @@ class StepProcessor:
             ideal[optype] = _own_ideal(prepared, optype)
         if job.compiled is None:
             job.compiled = compile_model(job.model)
+        # M_W/M_S and the launch-delay fit are for roll-ups: a streamed step needs one pass.
         result = analyze(
             prepared,
             ideal=ideal,
             compiled=job.compiled,
             decompose_threshold=self.settings.decompose_threshold,
+            explain=False,
         )
         return result, prepared
 
