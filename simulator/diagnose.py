@@ -269,19 +269,27 @@ def verified_slow_workers(
 
 
 def _verified_removal(
-    result: WhatIfResult, prepared: PreparedTrace, compiled: CompiledModel
+    result: WhatIfResult,
+    prepared: PreparedTrace,
+    compiled: CompiledModel,
+    explains_share: float = 0.5,
 ) -> tuple[list[tuple[tuple[int, int], float]], float, float]:
-    """Verified slow workers, the share of the slowdown removing them all explains, and
-    the mean step time without them."""
+    """The fewest verified slow workers (best first) whose removal explains
+    `explains_share` of the slowdown (all of them if no prefix does), that share, and the
+    mean step time without them."""
     suspects = verified_slow_workers(result, prepared, compiled)
     if not suspects:
         return [], result.mw.removed_share, result.mw.t_removed
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
-    rows = analysis.worker_rows([w for w, _ in suspects])
-    removed = float(analysis.run([Variant("measured", swap=rows)])[0].mean())
+    prefixes = [
+        Variant("measured", swap=analysis.worker_rows([w for w, _ in suspects[:k]]))
+        for k in range(1, len(suspects) + 1)
+    ]
+    removed = [float(t.mean()) for t in analysis.run(prefixes)]
     tori, tideal = float(result.t_nodelay.mean()), float(result.t_ideal.mean())
-    share = (tori - removed) / (tori - tideal) if tori > tideal else 0.0
-    return suspects, share, removed
+    shares = [(tori - r) / (tori - tideal) if tori > tideal else 0.0 for r in removed]
+    k = next((i for i, share in enumerate(shares) if share >= explains_share), len(shares) - 1)
+    return suspects[: k + 1], shares[k], removed[k]
 
 
 def _few_verified_workers(
@@ -293,7 +301,7 @@ def _few_verified_workers(
 ) -> bool:
     """A handful of individually slow workers that M_W's top-3 % selection missed (it can
     pick ghosts). Many slow workers are not "individual" stragglers."""
-    suspects, share, _ = _verified_removal(result, prepared, compiled)
+    suspects, share, _ = _verified_removal(result, prepared, compiled, cfg.explains_share)
     n_workers = result.worker_slowdown.size
     return (
         bool(suspects) and len(suspects) <= max(2, n_workers // 8) and (share >= cfg.explains_share)

@@ -77,6 +77,8 @@ def test_change_points_and_episode_diagnosis(demo_run):
     episode = report.jobs["emb", 0].episodes[0]
     assert episode.diagnosis.cause == "slow_workers"
     assert episode.diagnosis.evidence["mw_workers"][0] == {"dp": slow.dp, "stage": slow.stage}
+    # Only the slow worker is named, not the heavy last stage's workers.
+    assert episode.diagnosis.summary.startswith(f"worker(s) (dp {slow.dp}, pp {slow.stage}) ")
     cause, advice = sink.query("SELECT cause, advice FROM diagnoses FINAL")[1][0]
     assert cause == report.jobs["emb", 0].diagnosis.cause
     assert "escalation" in json.loads(advice)
