@@ -183,8 +183,24 @@ class KafkaBroker:
         )
         return config
 
-    def start(self, timeout_s: float = 90.0) -> KafkaBroker:
-        """Format storage on first start, launch, and wait until the broker answers."""
+    def start(self, timeout_s: float = 90.0, attempts: int = 2) -> KafkaBroker:
+        """Format storage on first start, launch, and wait until the broker answers.
+
+        A JVM that fails to come up on a loaded machine is retried once (a first start on
+        a clean data directory); if that fails too, the error names both failures.
+        """
+        fresh = not (self.data_dir / "kraft-logs" / "meta.properties").exists()
+        failures: list[str] = []
+        for _ in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except KafkaLocalError as exc:
+                failures.append(str(exc))
+                if fresh:  # never wipe a broker's existing data (a restart keeps topics)
+                    shutil.rmtree(self.data_dir, ignore_errors=True)
+        raise KafkaLocalError(" / then: ".join(failures))
+
+    def _start_once(self, timeout_s: float) -> KafkaBroker:
         libs = fetch_kafka(self.cache_dir, self.version)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = self._write_config()
