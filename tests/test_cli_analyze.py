@@ -11,6 +11,17 @@ import pytest
 from stream_app.cli import main
 
 
+def st_analyze(reference_dir) -> list[str]:
+    """`analyze` of the ST reference trace; tests add their own flags."""
+    return [
+        "analyze",
+        "--trace",
+        str(reference_dir / "trace-ST.parquet"),
+        "--meta",
+        str(reference_dir / "meta-ST.yaml"),
+    ]
+
+
 def run_cli(*args: str) -> int:
     return main(list(args))
 
@@ -20,11 +31,7 @@ def test_analyze_writes_json_heatmap_and_timeline(reference_dir, tmp_path, capsy
     heatmap = tmp_path / "st.png"
     timeline = tmp_path / "timeline.json"
     code = run_cli(
-        "analyze",
-        "--trace",
-        str(reference_dir / "trace-ST.parquet"),
-        "--meta",
-        str(reference_dir / "meta-ST.yaml"),
+        *st_analyze(reference_dir),
         "--json",
         str(out),
         "--heatmap",
@@ -70,11 +77,7 @@ def test_analyze_writes_json_heatmap_and_timeline(reference_dir, tmp_path, capsy
 def test_gated_attribution_is_null_below_threshold(reference_dir, tmp_path):
     out = tmp_path / "r.json"
     args = [
-        "analyze",
-        "--trace",
-        str(reference_dir / "trace-ST.parquet"),
-        "--meta",
-        str(reference_dir / "meta-ST.yaml"),
+        *st_analyze(reference_dir),
         "--json",
         str(out),
         "--decompose-threshold",
@@ -90,11 +93,7 @@ def test_steps_subset(reference_dir, tmp_path):
     out = tmp_path / "r.json"
     assert (
         run_cli(
-            "analyze",
-            "--trace",
-            str(reference_dir / "trace-ST.parquet"),
-            "--meta",
-            str(reference_dir / "meta-ST.yaml"),
+            *st_analyze(reference_dir),
             "--json",
             str(out),
             "--steps",
@@ -107,11 +106,7 @@ def test_steps_subset(reference_dir, tmp_path):
 
 def test_steps_not_in_trace_is_an_error(reference_dir, capsys):
     code = run_cli(
-        "analyze",
-        "--trace",
-        str(reference_dir / "trace-ST.parquet"),
-        "--meta",
-        str(reference_dir / "meta-ST.yaml"),
+        *st_analyze(reference_dir),
         "--steps",
         "24",
     )
