@@ -12,8 +12,8 @@ makes the per-DP-rank attribution linear rather than quadratic in the DP size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -164,13 +164,35 @@ class WhatIfAnalysis:
         *,
         compiled: CompiledModel | None = None,
         max_cells_per_pass: int = DEFAULT_MAX_CELLS_PER_PASS,
+        step_ideals: Sequence[dict[str, float]] | None = None,
     ):
+        """`ideal` holds for every step; `step_ideals` (one per step) replaces it when each
+        step has its own ideal costs (a stream's running estimates)."""
         self.prepared = prepared
         self.compiled = compiled or compile_model(prepared.model)
-        self.ideal = ideal if ideal is not None else ideal_costs(prepared)
-        self.ideal_node_cost = np.array(
-            [self.ideal[t] for t in prepared.node_optype], dtype=np.float64
-        )
+        if step_ideals is not None:
+            if ideal is not None:
+                raise ValueError("give either ideal or step_ideals, not both")
+            if len(step_ideals) != prepared.n_steps:
+                raise ValueError(
+                    f"step_ideals has {len(step_ideals)} entries for {prepared.n_steps} steps"
+                )
+            self.step_ideals: list[dict[str, float]] | None = list(step_ideals)
+            self.ideal = self.step_ideals[0]
+            # [node, step]: a column of the engine takes its step's ideal.
+            names, node_index = np.unique(np.array(prepared.node_optype), return_inverse=True)
+            by_step = np.array(
+                [[ideals[name] for name in names.tolist()] for ideals in self.step_ideals],
+                dtype=np.float64,
+            ).reshape(prepared.n_steps, names.size)
+            self.ideal_node_cost = np.ascontiguousarray(by_step[:, node_index].T)
+        else:
+            self.step_ideals = None
+            self.ideal = ideal if ideal is not None else ideal_costs(prepared)
+            # [node, 1]: the same ideal for every column.
+            self.ideal_node_cost = np.array(
+                [self.ideal[t] for t in prepared.node_optype], dtype=np.float64
+            )[:, None]
         self.node_stage = prepared.model.node_stage()
         self.max_cells_per_pass = max_cells_per_pass
 
@@ -202,7 +224,9 @@ class WhatIfAnalysis:
 
     def ideal_timeline(self) -> Timeline:
         """Start and end of every op in the ideal step (the same for every DP rank)."""
-        cost = self.ideal_node_cost[:, None].copy()
+        if self.step_ideals is not None:
+            raise ValueError("the ideal timeline needs one ideal for all steps")
+        cost = self.ideal_node_cost.copy()
         result = simulate(self.compiled, cost, None, np.zeros(1, np.int64), record_timeline=True)
         assert result.timeline is not None
         return result.timeline
@@ -234,7 +258,9 @@ class WhatIfAnalysis:
                 return values.reshape(n, -1)  # a view: columns are (step, dp) in order
             return values[:, :, dp_cols].reshape(n, -1)
 
-        ideal = self.ideal_node_cost[:, None]
+        ideal = self.ideal_node_cost
+        if ideal.shape[1] > 1:
+            ideal = np.repeat(ideal, dp_cols.size, axis=1)
         if variant.cost == "measured":
             cost[:] = measured(prep.cost)
         else:
@@ -271,7 +297,8 @@ class WhatIfAnalysis:
         for index, variant in enumerate(variants):
             dp_cols = self._columns(variant)
             pure_ideal = variant.cost == "ideal" and variant.swap is None
-            steps_simulated = 1 if pure_ideal and variant.delay == "none" else prep.n_steps
+            same_every_step = pure_ideal and variant.delay == "none" and self.step_ideals is None
+            steps_simulated = 1 if same_every_step else prep.n_steps
             plans.append((index, variant, dp_cols, steps_simulated))
         plans.sort(key=lambda plan: plan[1].delay != "none")
 
@@ -330,17 +357,10 @@ def analyze(
     """
     wa = WhatIfAnalysis(prepared, ideal, compiled=compiled, max_cells_per_pass=max_cells_per_pass)
     n_stages, n_dp = prepared.n_stages, prepared.n_dp
-    labels = np.array([ot.report_label(t) for t in prepared.node_optype])
-    label_names = sorted(set(labels.tolist()))
-
+    attributions = _attribution_groups(wa)
     base = [Variant("measured"), Variant("ideal")]
     if explain:
         base.insert(0, Variant("measured", delay="all"))
-    attributions: list[tuple[str, str, Selection]] = (
-        [("optype", name, wa.nodes_labelled(labels, name)) for name in label_names]
-        + [("dp", str(dp), wa.dp_rows(dp)) for dp in range(n_dp)]
-        + [("stage", str(s), wa.stage_rows(s)) for s in range(n_stages)]
-    )
     last_stage = wa.stage_rows(n_stages - 1)
     explain_stage = (
         [Variant("measured", swap=last_stage), Variant("ideal", swap=last_stage)] if explain else []
@@ -354,65 +374,164 @@ def analyze(
         t_simulated = np.full_like(t_nodelay, np.nan)
     attr_times = times[2 : 2 + len(attributions)]
 
-    mean_ideal = float(t_ideal.mean())
-    grouped = _group_attributions(attributions, attr_times, mean_ideal, t_ideal)
-    s_dp = np.array([grouped["dp"].overall[str(dp)] for dp in range(n_dp)])
-    s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(n_stages)])
-    worker_slowdown = np.minimum(s_dp[None, :], s_stage[:, None])
-
-    t_orig = float(t_nodelay.mean())
-    mw = ms = None
-    if explain:
-        ms_removed, ms_added = times[-2:]
-        top = top_workers(worker_slowdown, prepared.worker_rank)
-        top_rows = wa.worker_rows(top)
-        mw_removed, mw_added = wa.run(
-            [Variant("measured", swap=top_rows), Variant("ideal", swap=top_rows)]
-        )
-        mw = Explained(top, t_orig, mean_ideal, float(mw_removed.mean()), float(mw_added.mean()))
-        ms = Explained(
-            tuple((dp, n_stages - 1) for dp in range(n_dp)),
-            t_orig,
-            mean_ideal,
-            float(ms_removed.mean()),
-            float(ms_added.mean()),
-        )
-
     t_actual = prepared.actual_step_time
-    launch_slowdown = float(t_actual.mean() / t_nodelay.mean())
-    launch: dict[str, Attribution] | None = None
-    if launch_slowdown >= decompose_threshold:
-        launch_labels = _launch_labels(prepared, labels)
-        launch_groups: list[tuple[str, str, Selection]] = (
-            [("optype", n, wa.nodes_labelled(launch_labels, n)) for n in sorted(set(launch_labels))]
-            + [("dp", str(dp), wa.dp_rows(dp)) for dp in range(n_dp)]
-            + [("stage", str(s), wa.stage_rows(s)) for s in range(n_stages)]
-        )
+    launch_groups: list[tuple[str, str, Selection]] = []
+    launch_times: list[np.ndarray] = []
+    if float(t_actual.mean() / t_nodelay.mean()) >= decompose_threshold:
+        launch_groups = _launch_groups(wa)
         launch_times = wa.run(
             [Variant("measured", swap=sel, delay="swap") for _, _, sel in launch_groups]
         )
-        launch = _group_attributions(launch_groups, launch_times, t_orig, t_nodelay)
+    result = _assemble(
+        prepared,
+        slice(None),
+        wa.ideal,
+        t_simulated,
+        t_nodelay,
+        t_ideal,
+        (attributions, attr_times),
+        (launch_groups, launch_times),
+        decompose_threshold,
+    )
+    if not explain:
+        return result
 
+    ms_removed, ms_added = times[-2:]
+    t_orig, mean_ideal = float(t_nodelay.mean()), float(t_ideal.mean())
+    top = top_workers(result.worker_slowdown, prepared.worker_rank)
+    top_rows = wa.worker_rows(top)
+    mw_removed, mw_added = wa.run(
+        [Variant("measured", swap=top_rows), Variant("ideal", swap=top_rows)]
+    )
+    mw = Explained(top, t_orig, mean_ideal, float(mw_removed.mean()), float(mw_added.mean()))
+    ms = Explained(
+        tuple((dp, n_stages - 1) for dp in range(n_dp)),
+        t_orig,
+        mean_ideal,
+        float(ms_removed.mean()),
+        float(ms_added.mean()),
+    )
+    return replace(result, mw=mw, ms=ms)
+
+
+def analyze_each_step(
+    prepared: PreparedTrace,
+    step_ideals: Sequence[dict[str, float]],
+    *,
+    decompose_threshold: float = DEFAULT_DECOMPOSE_THRESHOLD,
+    max_cells_per_pass: int = DEFAULT_MAX_CELLS_PER_PASS,
+    compiled: CompiledModel | None = None,
+) -> list[WhatIfResult]:
+    """Every step analysed on its own, with its own ideal costs, in one vectorized pass.
+
+    Result i equals `analyze(prepared.select_steps([i]), ideal=step_ideals[i],
+    explain=False)` bit for bit (the engine's columns never mix), so a stream may analyse
+    a backlog of closed steps at once and still give the numbers of one step at a time.
+    """
+    wa = WhatIfAnalysis(
+        prepared, compiled=compiled, max_cells_per_pass=max_cells_per_pass, step_ideals=step_ideals
+    )
+    attributions = _attribution_groups(wa)
+    times = wa.run(
+        [Variant("measured"), Variant("ideal")]
+        + [Variant("ideal", swap=sel) for _, _, sel in attributions]
+    )
+    t_nodelay, t_ideal, attr_times = times[0], times[1], times[2:]
+    t_simulated = np.full_like(t_nodelay, np.nan)
+    # The launch attribution is gated per step, as a one-step analysis would gate it.
+    gated = prepared.actual_step_time / t_nodelay >= decompose_threshold
+    launch_groups: list[tuple[str, str, Selection]] = []
+    launch_times: list[np.ndarray] = []
+    if gated.any():
+        launch_groups = _launch_groups(wa)
+        launch_times = wa.run(
+            [Variant("measured", swap=sel, delay="swap") for _, _, sel in launch_groups]
+        )
+    return [
+        _assemble(
+            prepared,
+            slice(i, i + 1),
+            step_ideals[i],
+            t_simulated,
+            t_nodelay,
+            t_ideal,
+            (attributions, attr_times),
+            (launch_groups, launch_times) if gated[i] else ([], []),
+            decompose_threshold,
+            dropped_steps=(),
+        )
+        for i in range(prepared.n_steps)
+    ]
+
+
+def _attribution_groups(wa: WhatIfAnalysis) -> list[tuple[str, str, Selection]]:
+    """S_X groups: every merged op type, every DP rank, every stage."""
+    prepared = wa.prepared
+    labels = np.array([ot.report_label(t) for t in prepared.node_optype])
+    return (
+        [("optype", name, wa.nodes_labelled(labels, name)) for name in sorted(set(labels.tolist()))]
+        + [("dp", str(dp), wa.dp_rows(dp)) for dp in range(prepared.n_dp)]
+        + [("stage", str(s), wa.stage_rows(s)) for s in range(prepared.n_stages)]
+    )
+
+
+def _launch_groups(wa: WhatIfAnalysis) -> list[tuple[str, str, Selection]]:
+    """Launch-delay attribution groups: as `_attribution_groups`, the first op its own type."""
+    prepared = wa.prepared
+    labels = _launch_labels(prepared, [ot.report_label(t) for t in prepared.node_optype])
+    return (
+        [("optype", n, wa.nodes_labelled(labels, n)) for n in sorted(set(labels))]
+        + [("dp", str(dp), wa.dp_rows(dp)) for dp in range(prepared.n_dp)]
+        + [("stage", str(s), wa.stage_rows(s)) for s in range(prepared.n_stages)]
+    )
+
+
+def _assemble(
+    prepared: PreparedTrace,
+    steps: slice,
+    ideal: dict[str, float],
+    t_simulated: np.ndarray,
+    t_nodelay: np.ndarray,
+    t_ideal: np.ndarray,
+    attribution: tuple[list[tuple[str, str, Selection]], list[np.ndarray]],
+    launch: tuple[list[tuple[str, str, Selection]], list[np.ndarray]],
+    decompose_threshold: float,
+    dropped_steps: tuple[DroppedStep, ...] | None = None,
+) -> WhatIfResult:
+    """The result over `steps` from simulated step times (mw/ms left to the caller)."""
+    t_actual = prepared.actual_step_time[steps]
+    t_nodelay, t_ideal = t_nodelay[steps], t_ideal[steps]
+    t_orig, mean_ideal = float(t_nodelay.mean()), float(t_ideal.mean())
+    groups, times = attribution
+    grouped = _group_attributions(groups, [t[steps] for t in times], mean_ideal, t_ideal)
+    s_dp = np.array([grouped["dp"].overall[str(dp)] for dp in range(prepared.n_dp)])
+    s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(prepared.n_stages)])
+    launch_groups, launch_times = launch
+    by_launch = (
+        _group_attributions(launch_groups, [t[steps] for t in launch_times], t_orig, t_nodelay)
+        if launch_groups
+        else None
+    )
     return WhatIfResult(
-        steps=prepared.steps,
+        steps=prepared.steps[steps],
         t_actual=t_actual,
-        t_simulated=t_simulated,
+        t_simulated=t_simulated[steps],
         t_nodelay=t_nodelay,
         t_ideal=t_ideal,
         slowdown=t_orig / mean_ideal,
-        launch_slowdown=launch_slowdown,
+        launch_slowdown=float(t_actual.mean() / t_nodelay.mean()),
         by_optype=grouped["optype"],
         by_dp_rank=grouped["dp"],
         by_stage=grouped["stage"],
-        launch_by_optype=launch["optype"] if launch else None,
-        launch_by_dp_rank=launch["dp"] if launch else None,
-        launch_by_stage=launch["stage"] if launch else None,
-        worker_slowdown=worker_slowdown,
-        mw=mw,
-        ms=ms,
+        launch_by_optype=by_launch["optype"] if by_launch else None,
+        launch_by_dp_rank=by_launch["dp"] if by_launch else None,
+        launch_by_stage=by_launch["stage"] if by_launch else None,
+        worker_slowdown=np.minimum(s_dp[None, :], s_stage[:, None]),
+        mw=None,
+        ms=None,
         decompose_threshold=decompose_threshold,
-        ideal_cost=wa.ideal,
-        dropped_steps=prepared.dropped_steps,
+        ideal_cost=ideal,
+        dropped_steps=prepared.dropped_steps if dropped_steps is None else dropped_steps,
     )
 
 
