@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -67,9 +68,22 @@ class DependencyModel:
         return sum(len(d) for d in self.deps)
 
     def node_stage(self) -> np.ndarray:
-        return np.fromiter((n.stage for n in self.nodes), dtype=np.int32, count=self.n_nodes)
+        """Stage of every node (read-only: it is shared by every caller)."""
+        return self._node_stage
 
     def node_optypes(self) -> list[str]:
+        """Op type of every node (shared by every caller: do not modify)."""
+        return self._node_optypes
+
+    # A streamed job asks for these for every step; the model never changes.
+    @cached_property
+    def _node_stage(self) -> np.ndarray:
+        stages = np.fromiter((n.stage for n in self.nodes), dtype=np.int32, count=self.n_nodes)
+        stages.flags.writeable = False
+        return stages
+
+    @cached_property
+    def _node_optypes(self) -> list[str]:
         return [n.optype for n in self.nodes]
 
 

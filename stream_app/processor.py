@@ -25,6 +25,7 @@ others are counted and dropped.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -40,8 +41,10 @@ from simulator.bocd import BocdBank, BocdConfig
 from simulator.depmodel import DependencyModel
 from simulator.engine import CompiledModel, compile_model
 from simulator.prepare import PreparedTrace, concat_steps, prepare
-from simulator.trace import TRACE_ARRAYS, Trace, TraceError
-from simulator.whatif import WhatIfResult, analyze
+from simulator.trace import Trace, TraceError
+from simulator.whatif import WhatIfResult, analyze, analyze_each_step
+
+log = logging.getLogger("lagscope.processor")
 
 _CHUNKED_OPTYPES = frozenset(
     {ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE, ot.PARAMS_ALL_GATHER, ot.GRADS_REDUCE_SCATTER}
@@ -110,43 +113,81 @@ class _Window:
         return [b for parts in self.batches.values() for b in parts]
 
 
+@dataclass
+class _Closed:
+    """A closed step waiting for its analysis."""
+
+    job: _JobState
+    step: int
+    start_ns: int
+    missing: tuple[tuple[int, int], ...]
+    #: DP ranks whose every stage reported (the ones analysed).
+    dp_ranks: list[int]
+    batches: list[RankStepBatch]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
 def _fingerprint(batch: RankStepBatch) -> tuple[int, int, bytes]:
     """Identity of a batch's content: a re-sent batch has the same ops at the same times."""
     return (batch.dp_rank, batch.pp_rank, batch.start_ns.tobytes() + batch.seq.tobytes())
 
 
 class _RunningIdeal:
-    """Running ideal costs: exact means for compute, windowed medians for comm."""
+    """Running ideal costs: exact means for compute, windowed exact medians for comm.
+
+    The window of each comm op type is also kept sorted (values in, evicted values out by
+    binary search), so a median costs O(1) to read and O(window) memmove to update, not a
+    sort of the whole window per step.
+    """
 
     def __init__(self, window_steps: int, values_per_step: int) -> None:
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.recent: dict[str, deque[np.ndarray]] = {}
+        self.sorted: dict[str, np.ndarray] = {}
         self.window_steps = window_steps
         self.values_per_step = values_per_step
+        #: Nodes of each op type; the job's model is fixed, so computed once.
+        self._nodes: dict[str, np.ndarray] | None = None
 
     def add_step(self, prepared: PreparedTrace) -> None:
-        by_optype: dict[str, list[int]] = {}
-        for node, optype in enumerate(prepared.node_optype):
-            by_optype.setdefault(optype, []).append(node)
-        for optype, nodes in by_optype.items():
+        if self._nodes is None:
+            node_optype = np.array(prepared.node_optype)
+            self._nodes = {
+                optype: np.flatnonzero(node_optype == optype)
+                for optype in sorted(set(prepared.node_optype))
+            }
+        for optype, nodes in self._nodes.items():
             if ot.is_compute(optype):
                 values = prepared.duration[nodes]
                 self.sums[optype] = self.sums.get(optype, 0.0) + float(values.sum(dtype=np.float64))
                 self.counts[optype] = self.counts.get(optype, 0) + values.size
             else:
-                values = prepared.cost[nodes].ravel()
-                if values.size > self.values_per_step:
-                    stride = values.size / self.values_per_step
-                    values = values[(np.arange(self.values_per_step) * stride).astype(int)]
-                self.recent.setdefault(optype, deque(maxlen=self.window_steps)).append(
-                    values.copy()
-                )
+                self._add_comm(optype, prepared.cost[nodes].ravel())
+
+    def _add_comm(self, optype: str, values: np.ndarray) -> None:
+        if values.size > self.values_per_step:
+            stride = values.size / self.values_per_step
+            values = values[(np.arange(self.values_per_step) * stride).astype(int)]
+        values = np.sort(values)
+        window = self.recent.setdefault(optype, deque(maxlen=self.window_steps))
+        merged = self.sorted.get(optype, np.zeros(0, values.dtype))
+        if len(window) == window.maxlen:
+            merged = _remove_sorted(merged, window[0])
+        window.append(values)
+        self.sorted[optype] = np.insert(merged, np.searchsorted(merged, values), values)
 
     def current(self) -> dict[str, float]:
         ideal = {t: self.sums[t] / self.counts[t] for t in self.sums if self.counts[t]}
-        for optype, values in self.recent.items():
-            ideal[optype] = float(np.median(np.concatenate(list(values))))
+        for optype, values in self.sorted.items():
+            middle = values.size // 2
+            if values.size % 2:
+                ideal[optype] = float(values[middle])
+            else:
+                ideal[optype] = (float(values[middle - 1]) + float(values[middle])) / 2
         return ideal
 
     def state(self) -> dict[str, Any]:
@@ -160,6 +201,14 @@ class _RunningIdeal:
         self.sums = dict(state["sums"])
         self.counts = dict(state["counts"])
         self.recent = {k: deque(v, maxlen=self.window_steps) for k, v in state["recent"].items()}
+        self.sorted = {k: np.sort(np.concatenate(list(v))) for k, v in self.recent.items() if v}
+
+
+def _remove_sorted(values: np.ndarray, gone: np.ndarray) -> np.ndarray:
+    """`values` (sorted) without the elements of `gone` (sorted, all present)."""
+    # Equal values in `gone` must hit distinct positions: the k-th copy goes k further.
+    repeat_rank = np.arange(gone.size) - np.searchsorted(gone, gone, side="left")
+    return np.delete(values, np.searchsorted(values, gone, side="left") + repeat_rank)
 
 
 class _JobState:
@@ -209,14 +258,32 @@ class StepProcessor:
 
     def on_batch(self, batch: RankStepBatch) -> list[StepOutput]:
         """Add one batch; returns the steps it completed (usually none or one)."""
+        return self.on_batches((batch,))
+
+    def on_batches(self, batches: Iterable[RankStepBatch]) -> list[StepOutput]:
+        """Add batches; returns the steps they completed, in the order they completed.
+
+        The closed steps are analysed together (one engine pass per job), each with the
+        running estimates it would have had alone, so the numbers do not depend on how the
+        input was cut into calls: a crash replay that regroups it gives the same rows.
+        """
+        closing = []
+        for batch in batches:
+            key = self._add(batch)
+            if key is not None:
+                closing.append(self._close(key))
+        return self._analyse_closed(closing)
+
+    def _add(self, batch: RankStepBatch) -> tuple[str, int, int] | None:
+        """Window one batch; returns its window's key when that completed the step."""
         self.counters["batches"] += 1
         if batch.tp_rank != 0 or batch.cp_rank != 0:
             self.counters["non_representative_batches"] += 1
-            return []
+            return None
         job_key = (batch.job_id, batch.attempt)
         if batch.step in self._closed_sets.get(job_key, ()):
             self.counters["late_batches"] += 1
-            return []
+            return None
         key = (batch.job_id, batch.attempt, batch.step)
         window = self.windows.get(key)
         if window is None:
@@ -224,14 +291,14 @@ class StepProcessor:
         fingerprint = _fingerprint(batch)
         if fingerprint in window.fingerprints:
             self.counters["duplicate_batches"] += 1
-            return []
+            return None
         window.fingerprints.add(fingerprint)
         window.batches.setdefault((batch.dp_rank, batch.pp_rank), []).append(batch)
         self.counters["ops"] += batch.n_ops
         job = self.jobs.get(job_key)
         if job is not None and len(window.batches) == job.info.dp_size * job.info.pp_size:
-            return [self._close(key)]
-        return []
+            return key
+        return None
 
     def tick(self) -> list[StepOutput]:
         """Close every window whose lateness timeout has passed (oldest step first)."""
@@ -240,14 +307,15 @@ class StepProcessor:
             (k for k, w in self.windows.items() if now - w.first_seen >= self.settings.lateness_s),
             key=lambda k: (k[0], k[1], k[2]),
         )
-        return [self._close(k) for k in due]
+        return self._analyse_closed([self._close(k) for k in due])
 
     def flush(self) -> list[StepOutput]:
         """Close every open window now (end of input)."""
-        return [self._close(k) for k in sorted(self.windows)]
+        return self._analyse_closed([self._close(k) for k in sorted(self.windows)])
 
     # -- closing a step -----------------------------------------------------------------
-    def _close(self, key: tuple[str, int, int]) -> StepOutput:
+    def _close(self, key: tuple[str, int, int]) -> _Closed | StepOutput:
+        """Close a window: a step to analyse, or its final output when nothing can be."""
         window = self.windows.pop(key)
         job_id, attempt, step = key
         job_key = (job_id, attempt)
@@ -302,55 +370,151 @@ class StepProcessor:
         batches = [
             b for dp in complete_dp for pp in range(info.pp_size) for b in window.batches[dp, pp]
         ]
-        try:
-            result, prepared = self._analyse(job, batches, complete_dp)
-        except TraceError as exc:
-            self.counters["steps_unanalysed"] += 1
-            return StepOutput(
-                job_id, attempt, step, start_ns, not missing, missing, None, info, reason=str(exc)
-            )
-        changes = self._detect(job, step, result, prepared, complete=not missing)
-        analysed = tuple(complete_dp) if missing else ()
-        return StepOutput(
-            job_id,
-            attempt,
-            step,
-            start_ns,
-            not missing,
-            missing,
-            result,
-            info,
-            changes=changes,
-            analysed_dp_ranks=analysed,
-        )
+        return _Closed(job, step, start_ns, missing, complete_dp, batches)
 
-    def _analyse(
-        self, job: _JobState, batches: list[RankStepBatch], dp_ranks: list[int]
-    ) -> tuple[WhatIfResult, PreparedTrace]:
-        trace = batches_to_trace(batches, job.info.pp_size, dp_ranks)
-        meta = job.info.to_meta()
-        prepared = prepare(trace, meta, model=job.model)
-        complete = len(dp_ranks) == job.info.dp_size
-        if job.model is None:
+    def _analyse_closed(self, closing: list[_Closed | StepOutput]) -> list[StepOutput]:
+        """Analyse closed steps as if one at a time, in order, but vectorized per job."""
+        done: dict[int, StepOutput] = {}
+        by_job: dict[int, list[tuple[int, _Closed]]] = {}
+        for index, item in enumerate(closing):
+            if isinstance(item, StepOutput):
+                done[index] = item
+            else:
+                by_job.setdefault(id(item.job), []).append((index, item))
+        for items in by_job.values():
+            try:
+                done.update(self._analyse_job_steps(items))
+            except Exception as exc:
+                # A bug must not take the job's steps (or the host) down: they are stored
+                # unanalysed, with the error as the reason.
+                job = items[0][1].job.info.key
+                log.exception("analysing %d step(s) of %s failed", len(items), job)
+                for index, closed in items:
+                    done.setdefault(index, self._unanalysed(closed, f"analysis failed: {exc!r}"))
+        return [done[index] for index in range(len(closing))]
+
+    def _analyse_job_steps(self, items: list[tuple[int, _Closed]]) -> dict[int, StepOutput]:
+        job = items[0][1].job
+        outputs: dict[int, StepOutput] = {}
+        todo = list(items)
+        ready: list[tuple[int, _Closed, PreparedTrace, int]] = []
+        while job.model is None and todo:
+            # The job's first analysable step: the dependency model is inferred from it.
+            index, first = todo.pop(0)
+            try:
+                prepared = self._prepare(job, [first])
+            except TraceError as exc:
+                outputs[index] = self._unanalysed(first, str(exc))
+                continue
             job.model = prepared.model
-        if complete:
-            job.ideal.add_step(prepared)
-            job.retained.append(prepared)
-        ideal = job.ideal.current()
-        for optype in set(prepared.node_optype) - set(ideal):
-            # A first step that is incomplete: its own values are the best estimate.
-            ideal[optype] = _own_ideal(prepared, optype)
-        if job.compiled is None:
             job.compiled = compile_model(job.model)
-        # M_W/M_S and the launch-delay fit are for roll-ups: a streamed step needs one pass.
-        result = analyze(
-            prepared,
-            ideal=ideal,
-            compiled=job.compiled,
-            decompose_threshold=self.settings.decompose_threshold,
-            explain=False,
+            ready.append((index, first, prepared, 0))
+        prepared_each = self._prepare_each(job, [c for _, c in todo])
+        for (index, closed), done in zip(todo, prepared_each, strict=True):
+            if isinstance(done, str):
+                outputs[index] = self._unanalysed(closed, done)
+            else:
+                ready.append((index, closed, *done))
+        ready.sort(key=lambda r: r[0])
+
+        # Running ideals in closing order: each step sees the complete steps up to itself.
+        ideals = []
+        for _, closed, prepared, column in ready:
+            step = prepared.select_steps([column])
+            if closed.complete:
+                job.ideal.add_step(step)
+                job.retained.append(step)
+            ideal = job.ideal.current()
+            for optype in set(step.node_optype) - set(ideal):
+                # A first step that is incomplete: its own values are the best estimate.
+                ideal[optype] = _own_ideal(step, optype)
+            ideals.append(ideal)
+
+        # One engine pass per prepared trace (the complete steps share one).
+        passes: dict[int, tuple[PreparedTrace, list[int]]] = {}
+        for position, (_, _, prepared, _) in enumerate(ready):
+            passes.setdefault(id(prepared), (prepared, []))[1].append(position)
+        results: dict[int, WhatIfResult] = {}
+        for prepared, positions in passes.values():
+            step_ideals: list[dict[str, float]] = [{}] * prepared.n_steps
+            for position in positions:
+                step_ideals[ready[position][3]] = ideals[position]
+            analysed = analyze_each_step(
+                prepared,
+                step_ideals,
+                compiled=job.compiled,
+                decompose_threshold=self.settings.decompose_threshold,
+            )
+            for position in positions:
+                results[position] = analysed[ready[position][3]]
+
+        for position, (index, closed, prepared, column) in enumerate(ready):
+            result = results[position]
+            changes = self._detect(
+                job, closed.step, result, prepared.select_steps([column]), complete=closed.complete
+            )
+            outputs[index] = StepOutput(
+                closed.job.info.job_id,
+                closed.job.info.attempt,
+                closed.step,
+                closed.start_ns,
+                closed.complete,
+                closed.missing,
+                result,
+                closed.job.info,
+                changes=changes,
+                analysed_dp_ranks=() if closed.complete else tuple(closed.dp_ranks),
+            )
+        return outputs
+
+    def _prepare(self, job: _JobState, closed: list[_Closed]) -> PreparedTrace:
+        """One prepared trace of closed steps that cover the same DP ranks."""
+        trace = batches_to_trace(
+            [b for c in closed for b in c.batches], job.info.pp_size, closed[0].dp_ranks
         )
-        return result, prepared
+        return prepare(trace, job.info.to_meta(), model=job.model)
+
+    def _prepare_each(
+        self, job: _JobState, closed: list[_Closed]
+    ) -> list[tuple[PreparedTrace, int] | str]:
+        """(prepared trace, its column) per closed step, or why it cannot be analysed.
+
+        Complete steps are prepared in one go; a failure there is narrowed down by
+        preparing them one by one, so one bad step never loses the others.
+        """
+        out: list[tuple[PreparedTrace, int] | str] = [""] * len(closed)
+        joint = [i for i, c in enumerate(closed) if c.complete]
+        if len({closed[i].step for i in joint}) == len(joint) > 1:
+            try:
+                prepared = self._prepare(job, [closed[i] for i in joint])
+            except TraceError:
+                pass
+            else:
+                column = {int(step): col for col, step in enumerate(prepared.steps)}
+                for i in joint:
+                    out[i] = (prepared, column[closed[i].step])
+        for i, c in enumerate(closed):
+            if out[i] == "":
+                try:
+                    out[i] = (self._prepare(job, [c]), 0)
+                except TraceError as exc:
+                    out[i] = str(exc)
+        return out
+
+    def _unanalysed(self, closed: _Closed, reason: str) -> StepOutput:
+        self.counters["steps_unanalysed"] += 1
+        info = closed.job.info
+        return StepOutput(
+            info.job_id,
+            info.attempt,
+            closed.step,
+            closed.start_ns,
+            closed.complete,
+            closed.missing,
+            None,
+            info,
+            reason=reason,
+        )
 
     def _detect(
         self,
@@ -466,44 +630,58 @@ def _own_ideal(prepared: PreparedTrace, optype: str) -> float:
 def batches_to_trace(
     batches: Iterable[RankStepBatch], pp_size: int, dp_ranks: list[int] | None = None
 ) -> Trace:
-    """One step's batches as a trace: seconds from the step's earliest op, float32.
+    """Steps' batches as a trace: float32 seconds from each step's earliest op.
 
-    `dp_ranks` renumbers the given DP ranks 0..k-1 (the complete replicas of a step).
+    Each step keeps its own origin, so a step's values are the same whether it is turned
+    into a trace alone or with others. `dp_ranks` renumbers the given DP ranks 0..k-1 (the
+    complete replicas of a step).
     """
-    batches = list(batches)
-    renumber = {dp: i for i, dp in enumerate(dp_ranks)} if dp_ranks is not None else None
+    batches = [b for b in batches if b.n_ops]
+    if not batches:
+        raise TraceError("no ops in the step's batches")
     names = sorted({n for b in batches for n in b.optype_names})
     code_of = {n: i for i, n in enumerate(names)}
-    origin = min(int(b.start_ns.min()) for b in batches if b.n_ops)
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in TRACE_ARRAYS}
+    name_array = np.array(names)
+    chunked_code = np.isin(name_array, list(_CHUNKED_OPTYPES))
+    compute_code = np.isin(name_array, [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
+    remaps: dict[tuple[str, ...], np.ndarray] = {}
     for b in batches:
-        n = b.n_ops
-        remap = np.array([code_of[x] for x in b.optype_names], dtype=np.int16)
-        codes = remap[b.optype] if n else np.zeros(0, np.int16)
-        chunked = (
-            np.isin(np.array(b.optype_names)[b.optype], list(_CHUNKED_OPTYPES))
-            if n
-            else np.zeros(0, bool)
-        )
-        compute = (
-            np.isin(np.array(b.optype_names)[b.optype], [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
-            if n
-            else np.zeros(0, bool)
-        )
-        chunk = np.maximum(b.chunk.astype(np.int32), 0)
-        dp = renumber[b.dp_rank] if renumber is not None else b.dp_rank
-        parts["dp_rank"].append(np.full(n, dp, np.int32))
-        parts["stage"].append(np.full(n, b.pp_rank, np.int32))
-        parts["rank"].append(np.full(n, b.rank, np.int64))
-        parts["step"].append(np.full(n, b.step, np.int64))
-        parts["optype"].append(codes)
-        parts["start_ts"].append(((b.start_ns - origin) / 1e9).astype(np.float32))
-        parts["duration"].append((b.duration_ns / 1e9).astype(np.float32))
-        parts["seq_id"].append(b.seq.astype(np.int32))
-        parts["mc"].append(np.where(chunked, chunk, -1).astype(np.int32))
-        parts["gmc"].append(np.where(compute, b.pp_rank + chunk * pp_size, -1).astype(np.int32))
-        parts["mb_id"].append(b.microbatch.astype(np.int32))
-    columns: dict[str, Any] = {k: np.concatenate(v) for k, v in parts.items()}
-    columns["optype_names"] = tuple(names)
+        if b.optype_names not in remaps:
+            remaps[b.optype_names] = np.array([code_of[x] for x in b.optype_names], np.int16)
+    origin_of_step: dict[int, int] = {}
+    for b in batches:
+        first = int(b.start_ns.min())
+        origin_of_step[b.step] = min(origin_of_step.get(b.step, first), first)
+
+    n_ops = np.array([b.n_ops for b in batches])
+    renumber = {dp: i for i, dp in enumerate(dp_ranks)} if dp_ranks is not None else None
+
+    def per_batch(values: list[int], dtype: type) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=dtype), n_ops)
+
+    codes = np.concatenate([remaps[b.optype_names][b.optype] for b in batches])
+    stage = per_batch([b.pp_rank for b in batches], np.int32)
+    chunk = np.maximum(np.concatenate([b.chunk for b in batches]).astype(np.int32), 0)
+    origin = per_batch([origin_of_step[b.step] for b in batches], np.int64)
+    columns: dict[str, Any] = {
+        "dp_rank": per_batch(
+            [renumber[b.dp_rank] if renumber else b.dp_rank for b in batches], np.int32
+        ),
+        "stage": stage,
+        "rank": per_batch([b.rank for b in batches], np.int64),
+        "step": per_batch([b.step for b in batches], np.int64),
+        "optype": codes,
+        "start_ts": ((np.concatenate([b.start_ns for b in batches]) - origin) / 1e9).astype(
+            np.float32
+        ),
+        "duration": (np.concatenate([b.duration_ns for b in batches]) / 1e9).astype(np.float32),
+        "seq_id": np.concatenate([b.seq for b in batches]).astype(np.int32),
+        "mc": np.where(chunked_code[codes], chunk, -1).astype(np.int32),
+        "gmc": np.where(compute_code[codes], stage + chunk * pp_size, -1).astype(np.int32),
+        "mb_id": np.concatenate([b.microbatch for b in batches]).astype(np.int32),
+        "optype_names": tuple(names),
+    }
+    steps = sorted(origin_of_step)
     job = batches[0]
-    return Trace.from_columns(columns, source=f"{job.job_id}/{job.attempt} step {job.step}")
+    shown = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+    return Trace.from_columns(columns, source=f"{job.job_id}/{job.attempt} {shown}")

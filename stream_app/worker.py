@@ -235,16 +235,32 @@ class WorkerCore:
         self.partitions.pop(number, None)
 
     def on_messages(self, messages: list[OpsMessage]) -> None:
+        """Decode, window and analyse a run of messages (steps they close, in one pass)."""
+        batches: dict[int, list[RankStepBatch]] = {}
         for message in messages:
-            self.on_message(message)
+            batch = self._decode(message)
+            if batch is not None:
+                batches.setdefault(message.partition, []).append(batch)
+        for number, part_batches in batches.items():
+            part = self.partition(number)
+            try:
+                outputs = part.processor.on_batches(part_batches)
+            except Exception:
+                # The processor stores analysis failures as unanalysed steps; this is a
+                # windowing bug. Keep the partition going; the batches are in Kafka.
+                log.exception("windowing %d batch(es) of %s[%d] failed", len(part_batches),
+                              self.topic, number)  # fmt: skip
+                continue
+            self._closed(part, outputs)
         self.write_due()
 
-    def on_message(self, message: OpsMessage) -> None:
+    def _decode(self, message: OpsMessage) -> RankStepBatch | None:
+        """The message's batch, or None when it was re-delivered or is a dead letter."""
         part = self.partition(message.partition)
         if message.offset < part.next_offset:
             # Already inside the snapshot (Kafka's committed offset lagged it).
             self.counters["replayed_skipped"] += 1
-            return
+            return None
         part.next_offset = message.offset + 1
         self.counters["messages"] += 1
         if self.first_message_at is None:
@@ -254,19 +270,13 @@ class WorkerCore:
             batch = decode_batch(message.value or b"", where=where)
         except SchemaError as exc:
             self._dead_letter(part, message, where, str(exc))
-            return
+            return None
         except Exception as exc:  # a decoder bug must not stop the partition either
             self._dead_letter(part, message, where, f"undecodable: {exc!r}")
-            return
+            return None
         self._ensure_job(part, batch)
         self.counters["ops"] += batch.n_ops
-        try:
-            outputs = part.processor.on_batch(batch)
-        except Exception as exc:
-            log.exception("processing %s failed", where)
-            self._dead_letter(part, message, where, f"processing failed: {exc!r}")
-            return
-        self._closed(part, outputs)
+        return batch
 
     def _ensure_job(self, part: _Partition, batch: RankStepBatch) -> None:
         key = (batch.job_id, batch.attempt)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deploy.kafka_local import KafkaBroker
@@ -108,3 +109,21 @@ def chdb_dsn(chdb_dir: Path, request) -> str:
 
     name = re.sub(r"\W", "_", request.node.name)[:60]
     return f"chdb://{chdb_dir}?database=t_{name}"
+
+
+def assert_same_result(got, want, what: str) -> None:
+    """Two what-if results hold the same numbers, bit for bit."""
+    for name in ("steps", "t_actual", "t_nodelay", "t_ideal", "worker_slowdown"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), f"{what}: {name}")
+    np.testing.assert_array_equal(np.isnan(got.t_simulated), np.isnan(want.t_simulated))
+    assert got.slowdown == want.slowdown, what
+    assert got.launch_slowdown == want.launch_slowdown, what
+    assert got.ideal_cost == want.ideal_cost, what
+    for kind in ("by_optype", "by_dp_rank", "by_stage", "launch_by_optype", "launch_by_stage"):
+        a, b = getattr(got, kind), getattr(want, kind)
+        assert (a is None) == (b is None), f"{what}: {kind}"
+        if a is not None:
+            assert a.overall == b.overall, f"{what}: {kind}"
+            assert a.per_step.keys() == b.per_step.keys()
+            for key in a.per_step:
+                np.testing.assert_array_equal(a.per_step[key], b.per_step[key], f"{kind} {key}")

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import REFERENCE_NAMES, analyzed_reference
+from tests.conftest import REFERENCE_NAMES, analyzed_reference, assert_same_result
 
 RTOL = 1e-3
 #: Nodes / edges / comm groups of each trace's dependency model (WHATIF.md §A3).
@@ -100,24 +100,6 @@ def test_simulation_reproduces_measured_step_times(reference_dir, name):
     assert result.launch_by_optype is None  # launch slowdown is below the gate on all three
 
 
-def _assert_same_result(got, want, what: str) -> None:
-    """Two what-if results hold the same numbers, bit for bit."""
-    for name in ("steps", "t_actual", "t_nodelay", "t_ideal", "worker_slowdown"):
-        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), f"{what}: {name}")
-    np.testing.assert_array_equal(np.isnan(got.t_simulated), np.isnan(want.t_simulated))
-    assert got.slowdown == want.slowdown, what
-    assert got.launch_slowdown == want.launch_slowdown, what
-    assert got.ideal_cost == want.ideal_cost, what
-    for kind in ("by_optype", "by_dp_rank", "by_stage", "launch_by_optype", "launch_by_stage"):
-        a, b = getattr(got, kind), getattr(want, kind)
-        assert (a is None) == (b is None), f"{what}: {kind}"
-        if a is not None:
-            assert a.overall == b.overall, f"{what}: {kind}"
-            assert a.per_step.keys() == b.per_step.keys()
-            for key in a.per_step:
-                np.testing.assert_array_equal(a.per_step[key], b.per_step[key], f"{kind} {key}")
-
-
 @pytest.mark.parametrize("name", REFERENCE_NAMES)
 def test_each_step_in_one_pass_equals_one_step_at_a_time(reference_dir, name):
     """A stream analyses a backlog at once: each step's numbers must not depend on it."""
@@ -141,6 +123,6 @@ def test_each_step_in_one_pass_equals_one_step_at_a_time(reference_dir, name):
                 explain=False,
                 decompose_threshold=threshold,
             )
-            _assert_same_result(got, want, f"{name} step {i}")
+            assert_same_result(got, want, f"{name} step {i}")
         gated = {r.launch_by_optype is not None for r in batch}
         assert gated == {True, False}
