@@ -123,8 +123,13 @@ class KafkaBroker:
         heap: str = DEFAULT_HEAP,
         cache_dir: Path = DEFAULT_CACHE,
         version: str = KAFKA_VERSION,
+        initial_rebalance_delay_ms: int = 0,
     ) -> None:
+        """`initial_rebalance_delay_ms`: how long a new consumer group waits for more
+        members before its first assignment (Kafka's default is 3000; 0 makes tests with
+        one consumer fast, several workers meant to start together need the wait)."""
         self.data_dir = Path(data_dir).resolve()
+        self.initial_rebalance_delay_ms = initial_rebalance_delay_ms
         self.port = port or free_port()
         self.controller_port = controller_port or free_port()
         self.heap = heap
@@ -170,7 +175,7 @@ class KafkaBroker:
                     "offsets.topic.num.partitions=4",
                     "transaction.state.log.replication.factor=1",
                     "transaction.state.log.min.isr=1",
-                    "group.initial.rebalance.delay.ms=0",
+                    f"group.initial.rebalance.delay.ms={self.initial_rebalance_delay_ms}",
                     "log.cleaner.dedupe.buffer.size=8388608",
                     "num.network.threads=2",
                     "num.io.threads=2",
@@ -302,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--data-dir", default="/tmp/lagscope-kafka")
     start.add_argument("--heap", default=DEFAULT_HEAP)
     start.add_argument("--foreground", action="store_true", help="run until interrupted")
+    start.add_argument(
+        "--initial-rebalance-delay-ms",
+        type=int,
+        default=0,
+        help="a new consumer group's wait for more members (several workers started together)",
+    )
     stop = sub.add_parser("stop", help="stop the broker started with --data-dir")
     stop.add_argument("--data-dir", default="/tmp/lagscope-kafka")
     args = parser.parse_args(argv)
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "start":
             broker = KafkaBroker(
                 args.data_dir, port=args.port, controller_port=args.controller_port,
-                heap=args.heap,
+                heap=args.heap, initial_rebalance_delay_ms=args.initial_rebalance_delay_ms,
             )  # fmt: skip
             broker.start()
             print(f"Kafka {KAFKA_VERSION} up on {broker.bootstrap} (pid {broker.process.pid})")

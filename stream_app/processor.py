@@ -26,6 +26,7 @@ others are counted and dropped.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -155,11 +156,7 @@ class _RunningIdeal:
 
     def add_step(self, prepared: PreparedTrace) -> None:
         if self._nodes is None:
-            node_optype = np.array(prepared.node_optype)
-            self._nodes = {
-                optype: np.flatnonzero(node_optype == optype)
-                for optype in sorted(set(prepared.node_optype))
-            }
+            self._nodes = _nodes_by_optype(prepared)
         for optype, nodes in self._nodes.items():
             if ot.is_compute(optype):
                 values = prepared.duration[nodes]
@@ -191,17 +188,34 @@ class _RunningIdeal:
         return ideal
 
     def state(self) -> dict[str, Any]:
-        return {
-            "sums": dict(self.sums),
-            "counts": dict(self.counts),
-            "recent": {k: list(v) for k, v in self.recent.items()},
-        }
+        # The comm window holds the retained steps' values: rebuilt from them on restore.
+        return {"sums": dict(self.sums), "counts": dict(self.counts)}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], retained: Iterable[PreparedTrace]) -> None:
         self.sums = dict(state["sums"])
         self.counts = dict(state["counts"])
-        self.recent = {k: deque(v, maxlen=self.window_steps) for k, v in state["recent"].items()}
-        self.sorted = {k: np.sort(np.concatenate(list(v))) for k, v in self.recent.items() if v}
+        for prepared in retained:
+            self._nodes = self._nodes or _nodes_by_optype(prepared)
+            for optype, nodes in self._nodes.items():
+                if not ot.is_compute(optype):
+                    self._add_comm(optype, prepared.cost[nodes].ravel())
+
+
+def _nodes_by_optype(prepared: PreparedTrace) -> dict[str, np.ndarray]:
+    node_optype = np.array(prepared.node_optype)
+    return {t: np.flatnonzero(node_optype == t) for t in sorted(set(prepared.node_optype))}
+
+
+#: Fields of a retained step that are its own (the model and meta are the job's).
+_STEP_INPUTS = (
+    "steps", "n_dp", "start", "duration", "cost", "launch_delay", "actual_step_time",
+    "worker_rank", "source",
+)  # fmt: skip
+
+
+def encode_step_inputs(prepared: PreparedTrace) -> bytes:
+    """A retained step's inputs, without the job's model (hosts persist these once)."""
+    return pickle.dumps({name: getattr(prepared, name) for name in _STEP_INPUTS}, protocol=5)
 
 
 def _remove_sorted(values: np.ndarray, gone: np.ndarray) -> np.ndarray:
@@ -568,7 +582,10 @@ class StepProcessor:
         return analyze(concat_steps(steps), decompose_threshold=self.settings.decompose_threshold)
 
     # -- state --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, with_retained_inputs: bool = True) -> dict[str, Any]:
+        """Everything needed to resume. Without `with_retained_inputs` the retained steps
+        appear as step ids only: the host persists their inputs (`encode_step_inputs`)
+        once each and hands them back to `from_state`, so a snapshot costs what changed."""
         return {
             "settings": self.settings.model_dump(),
             "counters": dict(self.counters),
@@ -582,7 +599,9 @@ class StepProcessor:
                     "info": job.info.model_dump(),
                     "model": job.model,
                     "ideal": job.ideal.state(),
-                    "retained": list(job.retained),
+                    "retained": list(job.retained)
+                    if with_retained_inputs
+                    else [int(p.steps[0]) for p in job.retained],
                     "detector": job.detector.state_dict() if job.detector else None,
                     "series_names": job.series_names,
                     "fed_steps": list(job.fed_steps),
@@ -593,8 +612,14 @@ class StepProcessor:
 
     @classmethod
     def from_state(
-        cls, state: dict[str, Any], clock: Callable[[], float] = time.monotonic
+        cls,
+        state: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+        retained_inputs: Callable[[tuple[str, int], list[int]], dict[int, bytes]] | None = None,
     ) -> StepProcessor:
+        """Resume from `state_dict()`. `retained_inputs(job, steps)` returns the encoded
+        inputs of a job's retained steps when the state holds their ids only; a step it
+        cannot return is left out of the roll-up window (logged)."""
         processor = cls(ProcessorSettings.model_validate(state["settings"]), clock)
         processor.counters.update(state["counters"])
         now = clock()
@@ -610,14 +635,43 @@ class StepProcessor:
         for key, saved in state["jobs"].items():
             job = _JobState(JobInfo.model_validate(saved["info"]), processor.settings)
             job.model = saved["model"]
-            job.ideal.restore(saved["ideal"])
-            job.retained.extend(saved["retained"])
+            retained = list(saved["retained"])
+            if retained and not isinstance(retained[0], PreparedTrace):
+                retained = _load_retained(job, key, retained, retained_inputs)
+            job.retained.extend(retained)
+            job.ideal.restore(saved["ideal"], retained)
             if saved["detector"] is not None:
                 job.detector = BocdBank.from_state(saved["detector"])
             job.series_names = list(saved["series_names"])
             job.fed_steps.extend(tuple(x) for x in saved["fed_steps"])
             processor.jobs[key] = job
         return processor
+
+
+def _load_retained(
+    job: _JobState,
+    key: tuple[str, int],
+    steps: list[int],
+    retained_inputs: Callable[[tuple[str, int], list[int]], dict[int, bytes]] | None,
+) -> list[PreparedTrace]:
+    if retained_inputs is None or job.model is None:
+        raise ValueError(f"state of job {key} holds retained step ids but no inputs were given")
+    found = retained_inputs(key, steps)
+    lost = [step for step in steps if step not in found]
+    if lost:
+        log.warning(
+            "job %s: %d retained step(s) missing from the checkpoint store (%s...); the "
+            "roll-up and comm medians go on without them",
+            key,
+            len(lost),
+            lost[:5],
+        )
+    meta = job.info.to_meta()
+    return [
+        PreparedTrace(model=job.model, meta=meta, **pickle.loads(found[step]))
+        for step in steps
+        if step in found
+    ]
 
 
 def _own_ideal(prepared: PreparedTrace, optype: str) -> float:

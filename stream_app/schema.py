@@ -18,6 +18,8 @@ Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a st
   step, cause), `jobs` (job_id, attempt), `dead_letters` (job_id, source, ts, ...).
 - `steps_1m` (job_id, attempt, minute): minute rollup of `steps`, filled by the
   materialized view `steps_1m_mv`.
+- `worker_state` (group_id, topic, partition) and `worker_retained` (group_id, job_id,
+  attempt, step): the distributed worker's checkpoints (see stream_app/worker.py).
 
 Idempotence. Derived tables are ReplacingMergeTree(version): a re-processed step is written
 with a higher `version` and reads take the latest (`FINAL`, or argMax by version).
@@ -41,6 +43,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 SCHEMA_VERSION_TABLE = "schema_version"
+#: Tables of the distributed worker's checkpoints (stream_app/worker.py).
+WORKER_STATE_TABLE = "worker_state"
+WORKER_RETAINED_TABLE = "worker_retained"
 DEFAULT_OPS_TTL_DAYS = 7
 #: Recent insert blocks whose tokens a table remembers: replays after a crash come within
 #: minutes, i.e. well inside this many batches.
@@ -193,6 +198,28 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
                 ORDER BY (job_id, attempt, minute) {_SETTINGS}""",
                 f"""CREATE MATERIALIZED VIEW IF NOT EXISTS steps_1m_mv TO steps_1m AS
                 {_rollup_select("")} FROM steps GROUP BY job_id, attempt, minute""",
+            ),
+        ),
+        Migration(
+            2,
+            "distributed worker checkpoints",
+            (
+                # One row per snapshot of a partition's step processor (pickle, without
+                # its retained steps); the newest next_offset wins.
+                f"""CREATE TABLE IF NOT EXISTS {WORKER_STATE_TABLE} (
+                    group_id String, topic String, partition UInt32, next_offset UInt64,
+                    written_at DateTime64(3), state String CODEC(ZSTD(1))
+                ) ENGINE = ReplacingMergeTree(next_offset)
+                ORDER BY (group_id, topic, partition)""",
+                # The steps a processor retains for its job's roll-up, each written once
+                # when first checkpointed, so a snapshot costs what changed, not the
+                # whole window. Rows outlive their window by the TTL only.
+                f"""CREATE TABLE IF NOT EXISTS {WORKER_RETAINED_TABLE} (
+                    group_id String, job_id String, attempt UInt32, step UInt64,
+                    written_at DateTime CODEC(Delta, ZSTD(1)), inputs String CODEC(ZSTD(1))
+                ) ENGINE = ReplacingMergeTree
+                ORDER BY (group_id, job_id, attempt, step)
+                TTL written_at + INTERVAL 30 DAY""",
             ),
         ),
     )

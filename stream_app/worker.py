@@ -14,10 +14,13 @@ same numbers as an uninterrupted run):
 
 1. *Snapshots aligned with offsets.* Per partition, the worker periodically writes a
    snapshot of the processor (`StepProcessor.state_dict`: open windows, running ideals,
-   retained steps, detectors) together with `next_offset`, the first offset the snapshot
-   has not consumed, to the store's `worker_state` table. Before a snapshot is written,
-   every step the processor closed so far is durably in the store and its results are
-   flushed to `lagscope.results`.
+   detectors, the ids of the retained steps) together with `next_offset`, the first offset
+   the snapshot has not consumed, to the store's `worker_state` table. The retained steps'
+   inputs (the roll-up window, megabytes for a large job) go to `worker_retained`, each
+   step once, when the first snapshot that retains it is written: a snapshot costs what
+   changed since the last one, not the whole window. Before a snapshot is written, every
+   step the processor closed so far is durably in the store and its results are flushed
+   to `lagscope.results`.
 2. *Offsets follow snapshots.* Events are consumed without faust's automatic acks; an
    event is acked (hence committed by faust) only once a durable snapshot covers it. The
    snapshot's `next_offset` is the authority: after a restart or a rebalance the new owner
@@ -36,9 +39,9 @@ same numbers as an uninterrupted run):
 
 Limits: a step closed by the lateness timeout depends on wall-clock time, so a step that
 was closed incomplete before a crash may re-close complete after it; the first stored
-version stands. Snapshot cost grows with the retained steps (`processor.
-rollup_window_steps`): for very large jobs, lower it or raise `checkpoint_interval_s`.
-Snapshots are pickles read back from the project's own store (trusted input).
+version stands. Retained inputs are kept 30 days (table TTL): a job restored after a
+longer silence rolls up without the expired steps. Snapshots are pickles read back from
+the project's own store (trusted input).
 
 The job-level roll-up (`StepProcessor.rollup`: `lagscope analyze` of the retained steps)
 is diagnosed and written to `diagnoses` (its evidence holds the job's slowdown) and
@@ -48,7 +51,6 @@ published to `lagscope.results` when a job has been idle for `worker.rollup_idle
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime as dt
 import json
 import logging
@@ -57,7 +59,6 @@ import pickle
 import signal
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -72,19 +73,20 @@ from producers.config import ConfigError, KafkaSettings, LagscopeConfig
 from producers.events import JobInfo, RankStepBatch, SchemaError, decode_batch
 from simulator.diagnose import diagnose
 from simulator.prepare import concat_steps
-from stream_app.processor import ProcessorSettings, StepOutput, StepProcessor
+from stream_app.processor import (
+    ProcessorSettings,
+    StepOutput,
+    StepProcessor,
+    encode_step_inputs,
+)
 from stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
+from stream_app.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
 from stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, SinkBatch
 
 log = logging.getLogger("lagscope.worker")
 
-STATE_TABLE = "worker_state"
-_STATE_DDL = f"""CREATE TABLE IF NOT EXISTS {STATE_TABLE} (
-    group_id String, topic String, partition UInt32, next_offset UInt64,
-    written_at DateTime64(3), state String CODEC(ZSTD(1))
-) ENGINE = ReplacingMergeTree(next_offset)
-ORDER BY (group_id, topic, partition)"""
-SNAPSHOT_VERSION = 1
+#: 2: raw pickle bytes, retained steps as ids (inputs in worker_retained).
+SNAPSHOT_VERSION = 2
 
 
 # -- configuration ------------------------------------------------------------------------
@@ -161,6 +163,8 @@ class _Partition:
     last_write: float = 0.0
     last_snapshot: float = 0.0
     last_step_at: dict[tuple[str, int], float] = field(default_factory=dict)
+    #: Retained steps whose inputs are in the store (written by a snapshot).
+    persisted: set[tuple[str, int, int]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,6 @@ class WorkerCore:
         #: Wall-clock time of the first message consumed and of the last steps write.
         self.first_message_at: float | None = None
         self.last_write_at: float | None = None
-        sink.command(_STATE_DDL)
 
     # -- input ------------------------------------------------------------------------
     def on_job_record(self, value: bytes | None, timestamp_s: float, where: str) -> None:
@@ -462,16 +465,17 @@ class WorkerCore:
     # -- snapshots ----------------------------------------------------------------------
     def _snapshot(self, part: _Partition) -> None:
         self.flush_results()
+        self._persist_retained(part)
         payload = {
             "version": SNAPSHOT_VERSION,
             "next_offset": part.next_offset,
-            "processor": part.processor.state_dict(),
+            "processor": part.processor.state_dict(with_retained_inputs=False),
             "totals": {k: vars(t) for k, t in part.totals.items()},
             "jobs_written": sorted(part.jobs_written),
         }
-        blob = base64.b64encode(zlib.compress(pickle.dumps(payload, protocol=5), 1)).decode()
+        blob = pickle.dumps(payload, protocol=5)
         self.sink.client.insert(
-            STATE_TABLE,
+            WORKER_STATE_TABLE,
             [
                 [
                     self.group,
@@ -499,26 +503,64 @@ class WorkerCore:
             len(blob) // 1024,
         )
 
+    def _persist_retained(self, part: _Partition) -> None:
+        """Write the retained steps no snapshot has written yet (each step once)."""
+        rows = []
+        now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
+        current: set[tuple[str, int, int]] = set()
+        for (job_id, attempt), job in part.processor.jobs.items():
+            for prepared in job.retained:
+                key = (job_id, attempt, int(prepared.steps[0]))
+                current.add(key)
+                if key not in part.persisted:
+                    rows.append([self.group, *key, now, encode_step_inputs(prepared)])
+        if rows:
+            first, last = rows[0], rows[-1]
+            self.sink.client.insert(
+                WORKER_RETAINED_TABLE,
+                rows,
+                column_names=["group_id", "job_id", "attempt", "step", "written_at", "inputs"],
+                settings={
+                    "insert_deduplicate": 1,
+                    "insert_deduplication_token": f"retained/{self.group}/{first[1]}/"
+                    f"{first[2]}/{first[3]}-{last[1]}/{last[2]}/{last[3]}/{len(rows)}",
+                },
+            )
+        part.persisted = current
+
+    def _retained_inputs(self, job: tuple[str, int], steps: list[int]) -> dict[int, bytes]:
+        result = self.sink.client.query(
+            f"SELECT step, any(inputs) FROM {WORKER_RETAINED_TABLE} "
+            "WHERE group_id = {group:String} AND job_id = {job:String} "
+            "AND attempt = {attempt:UInt32} AND step IN {steps:Array(UInt64)} GROUP BY step",
+            parameters={"group": self.group, "job": job[0], "attempt": job[1], "steps": steps},
+            column_formats={"any(inputs)": "bytes"},
+        )
+        return {int(step): inputs for step, inputs in result.result_rows}
+
     def _restore(self, number: int) -> _Partition:
-        _, rows = self.sink.query(
-            f"SELECT next_offset, state FROM {STATE_TABLE} "
+        rows = self.sink.client.query(
+            f"SELECT state FROM {WORKER_STATE_TABLE} "
             "WHERE group_id = {group:String} AND topic = {topic:String} "
             "AND partition = {partition:UInt32} ORDER BY next_offset DESC LIMIT 1",
-            {"group": self.group, "topic": self.topic, "partition": number},
-        )
+            parameters={"group": self.group, "topic": self.topic, "partition": number},
+            column_formats={"state": "bytes"},
+        ).result_rows
         now = self.clock()
         if not rows:
             log.info("partition %s[%d]: no snapshot, starting fresh", self.topic, number)
             part = _Partition(number, StepProcessor(self.config.processor, self.clock))
             part.last_write = part.last_snapshot = now
             return part
-        payload = pickle.loads(zlib.decompress(base64.b64decode(rows[0][1])))
+        payload = pickle.loads(rows[0][0])
         if payload.get("version") != SNAPSHOT_VERSION:
             raise ConfigError(
-                f"{STATE_TABLE}: snapshot of {self.topic}[{number}] has version "
+                f"{WORKER_STATE_TABLE}: snapshot of {self.topic}[{number}] has version "
                 f"{payload.get('version')!r}, this worker reads {SNAPSHOT_VERSION}"
             )
-        processor = StepProcessor.from_state(payload["processor"], self.clock)
+        processor = StepProcessor.from_state(
+            payload["processor"], self.clock, retained_inputs=self._retained_inputs
+        )
         # The analysis settings are the snapshot's (changing them mid-job would change the
         # numbers of re-processed steps); only the lateness follows the configuration.
         processor.settings = processor.settings.model_copy(
@@ -527,6 +569,11 @@ class WorkerCore:
         part = _Partition(number, processor, payload["next_offset"], payload["next_offset"])
         part.totals = {tuple(k): _JobTotals(**v) for k, v in payload["totals"].items()}
         part.jobs_written = {tuple(k) for k in payload["jobs_written"]}
+        part.persisted = {
+            (job_id, attempt, int(p.steps[0]))
+            for (job_id, attempt), job in processor.jobs.items()
+            for p in job.retained
+        }
         part.last_write = part.last_snapshot = now
         for key in part.totals:
             part.last_step_at[key] = now
