@@ -118,7 +118,7 @@ class WorkerSettings(BaseModel):
     #: Snapshot the processors (and commit offsets) this often.
     checkpoint_interval_s: float = Field(default=5.0, gt=0)
     #: Messages handed to the processor at once.
-    take_max: int = Field(default=500, ge=1)
+    take_max: int = Field(default=2000, ge=1)
     #: How long a batch of a job without metadata waits for `lagscope.jobs`.
     job_wait_s: float = Field(default=5.0, ge=0)
     #: How often lateness timeouts, writes and snapshots are checked.

@@ -1,8 +1,12 @@
 """The distributed host: Kafka -> `lagscope worker` (faust) -> ClickHouse (chDB).
 
-- sustained op events/s: the AR reference trace replayed 5 times (220 steps, 586k ops in
-  rank-step batches) is put on Kafka first, then one worker drains it; ops over the time
-  from its first message to its last steps write;
+- sustained op events/s on this 2-core machine: a backlog of rank-step batches is put on
+  Kafka first, then worker processes drain it, one job per partition and one worker per
+  partition (started together, so the group gets one assignment); ops over the time from
+  the first message consumed to the last steps write, everything included (model
+  inference, writes, checkpoints, results to Kafka). Shapes: two 1,024-GPU jobs (dp16 x
+  pp8 x tp8, 32 micro-batches: 128 batches of 182 ops per step, 200 steps each) on two
+  workers; the AR reference trace x20 (16 batches of 166 ops per step) on two and on one;
 - latency from a step's last batch (delivered to Kafka) to its `steps` row (processed_at,
   taken just before the insert), AR replayed at 200x real time into a running worker,
   default worker settings (writes every 0.5 s);
@@ -142,16 +146,12 @@ def _job_ids_on_distinct_partitions(n: int) -> list[str]:
 
 
 def _worker_rows(bootstrap: str, work: Path) -> list[dict]:
-    from confluent_kafka import Producer
 
-    from producers.events import JobInfo
     from producers.reference_format import load_meta, load_trace
-    from producers.replay import iter_step_batches
     from simulator.generate import JobSpec, generate_job
-    from tests.worker_util import create_topics, query_store, start_worker
 
     trace, meta = load_trace(REFERENCE / "trace-AR.parquet"), load_meta(REFERENCE / "meta-AR.yaml")
-    big = generate_job(JobSpec(dp=16, pp=8, tp=8, microbatches=32, steps=50, seed=7))
+    big = generate_job(JobSpec(dp=16, pp=8, tp=8, microbatches=32, steps=200, seed=7))
     rows = [
         _throughput_row(
             bootstrap,
@@ -167,14 +167,26 @@ def _worker_rows(bootstrap: str, work: Path) -> list[dict]:
             bootstrap, work, "AR trace x20 (16 batches/step)", [(trace, meta, 20)], workers=1
         ),
     ]
+    return rows + _latency_rows(bootstrap, work, trace, meta)
 
-    # Latency: a live replay at 200x into a running worker.
+
+def _latency_rows(bootstrap: str, work: Path, trace, meta) -> list[dict]:
+    """A live replay of `trace` at 200x real time into a running worker."""
+    from confluent_kafka import Producer
+
+    from producers.events import JobInfo
+    from producers.replay import iter_step_batches
+    from tests.worker_util import create_topics, query_store, start_worker
+
+    rows = []
     topics = _topics()
     create_topics(bootstrap, topics)
     worker = start_worker(bootstrap, topics, work / "latency", group="bench")
     deadline = time.monotonic() + 60
-    while "partition" not in worker.log() and "Worker ready" not in worker.log():
-        if time.monotonic() > deadline:
+    # Ready = its partition is assigned and restored (the broker may delay a new group's
+    # first assignment by a few seconds).
+    while "starting fresh" not in worker.log():
+        if time.monotonic() > deadline or worker.process.poll() is not None:
             raise RuntimeError(f"worker did not start:\n{worker.log()[-3000:]}")
         time.sleep(0.1)
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
@@ -182,28 +194,28 @@ def _worker_rows(bootstrap: str, work: Path) -> list[dict]:
     producer.produce(topics["topic_jobs"], key=info.key.encode(),
                      value=info.model_dump_json().encode())  # fmt: skip
     producer.flush(10)
-    delivered: dict[int, float] = {}
+    # From the moment the step's last batch is handed to the producer (its linger and the
+    # broker round trip count), to the steps row's processed_at.
+    sent: dict[int, float] = {}
     begin = time.monotonic()
     for end_ns, step, batches in iter_step_batches(trace, meta, job_id="AR",
                                                    start_wall_ns=time.time_ns()):  # fmt: skip
         delay = begin + end_ns / 1e9 / 200 - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        for batch in batches[:-1]:
-            producer.produce(topics["topic_ops"], key=b"AR", value=batch.encode())
-
-        def on_delivery(err, _msg, step=step):
-            delivered[step] = time.time()
-
-        producer.produce(topics["topic_ops"], key=b"AR", value=batches[-1].encode(),
-                         on_delivery=on_delivery)  # fmt: skip
+        for batch in batches:
+            payload = batch.encode()
+            sent[step] = time.time()
+            producer.produce(topics["topic_ops"], key=b"AR", value=payload)
         producer.poll(0)
     producer.flush(30)
     worker.wait(300)
     stored = query_store(
         work / "latency", "SELECT step, toFloat64(processed_at) AS at FROM steps ORDER BY step"
     )
-    latency = np.array([row["at"] - delivered[row["step"]] for row in stored])
+    latency = np.array([row["at"] - sent[row["step"]] for row in stored])
+    if os.environ.get("LAGSCOPE_BENCH_VERBOSE"):
+        print("latency per step (s):", np.round(latency, 3).tolist())
     for q in (50, 99):
         rows.append(
             {
