@@ -474,24 +474,12 @@ class WorkerCore:
             "jobs_written": sorted(part.jobs_written),
         }
         blob = pickle.dumps(payload, protocol=5)
-        self.sink.client.insert(
+        written_at = dt.datetime.now(dt.UTC)
+        self._insert_rows(
             WORKER_STATE_TABLE,
-            [
-                [
-                    self.group,
-                    self.topic,
-                    part.number,
-                    part.next_offset,
-                    dt.datetime.now(dt.UTC),
-                    blob,
-                ]
-            ],
-            column_names=["group_id", "topic", "partition", "next_offset", "written_at", "state"],
-            settings={
-                "insert_deduplicate": 1,
-                "insert_deduplication_token": f"state/{self.group}/{self.topic}/"
-                f"{part.number}/{part.next_offset}",
-            },
+            ["group_id", "topic", "partition", "next_offset", "written_at", "state"],
+            [[self.group, self.topic, part.number, part.next_offset, written_at, blob]],
+            f"state/{self.group}/{self.topic}/{part.number}/{part.next_offset}",
         )
         part.snapshot_offset = part.next_offset
         self.counters["snapshots"] += 1
@@ -516,17 +504,23 @@ class WorkerCore:
                     rows.append([self.group, *key, now, encode_step_inputs(prepared)])
         if rows:
             first, last = rows[0], rows[-1]
-            self.sink.client.insert(
+            self._insert_rows(
                 WORKER_RETAINED_TABLE,
+                ["group_id", "job_id", "attempt", "step", "written_at", "inputs"],
                 rows,
-                column_names=["group_id", "job_id", "attempt", "step", "written_at", "inputs"],
-                settings={
-                    "insert_deduplicate": 1,
-                    "insert_deduplication_token": f"retained/{self.group}/{first[1]}/"
-                    f"{first[2]}/{first[3]}-{last[1]}/{last[2]}/{last[3]}/{len(rows)}",
-                },
+                f"retained/{self.group}/{first[1]}/{first[2]}/{first[3]}-"
+                f"{last[1]}/{last[2]}/{last[3]}/{len(rows)}",
             )
         part.persisted = current
+
+    def _insert_rows(self, table: str, columns: list[str], rows: list[list], token: str) -> None:
+        """Checkpoint rows, deduplicated by `token` (a retried checkpoint writes nothing)."""
+        self.sink.client.insert(
+            table,
+            rows,
+            column_names=columns,
+            settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
+        )
 
     def _retained_inputs(self, job: tuple[str, int], steps: list[int]) -> dict[int, bytes]:
         result = self.sink.client.query(
