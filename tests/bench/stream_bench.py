@@ -106,7 +106,7 @@ def _throughput_row(bootstrap: str, work: Path, shape: str, jobs: list, workers:
         start_worker(
             bootstrap,
             topics,
-            work / f"{shape}-{i}",
+            work / topics["topic_ops"] / str(i),
             group=topics["topic_ops"],
             exit_when_idle_s=3.0,
         )
