@@ -345,18 +345,9 @@ class StepProcessor:
         start_ns = min(int(b.start_ns.min()) for b in window.all_batches() if b.n_ops)
         job = self.jobs.get(job_key)
         if job is None:
-            self.counters["steps_unanalysed"] += 1
             info = JobInfo(job_id=job_id, attempt=attempt, dp_size=1, pp_size=1, world_size=1)
-            return StepOutput(
-                job_id,
-                attempt,
-                step,
-                start_ns,
-                False,
-                (),
-                None,
-                info,
-                reason="no job metadata arrived for this job",
+            return self._unanalysed(
+                info, step, start_ns, False, (), "no job metadata arrived for this job"
             )
         info = job.info
         expected = {(dp, pp) for dp in range(info.dp_size) for pp in range(info.pp_size)}
@@ -369,17 +360,8 @@ class StepProcessor:
         if missing:
             self.counters["steps_incomplete"] += 1
         if not complete_dp:
-            self.counters["steps_unanalysed"] += 1
-            return StepOutput(
-                job_id,
-                attempt,
-                step,
-                start_ns,
-                False,
-                missing,
-                None,
-                info,
-                reason="no pipeline replica reported all its stages",
+            return self._unanalysed(
+                info, step, start_ns, False, missing, "no pipeline replica reported all its stages"
             )
         batches = [
             b for dp in complete_dp for pp in range(info.pp_size) for b in window.batches[dp, pp]
@@ -404,7 +386,7 @@ class StepProcessor:
                 job = items[0][1].job.info.key
                 log.exception("analysing %d step(s) of %s failed", len(items), job)
                 for index, closed in items:
-                    done.setdefault(index, self._unanalysed(closed, f"analysis failed: {exc!r}"))
+                    done.setdefault(index, self._failed(closed, f"analysis failed: {exc!r}"))
         return [done[index] for index in range(len(closing))]
 
     def _analyse_job_steps(self, items: list[tuple[int, _Closed]]) -> dict[int, StepOutput]:
@@ -418,7 +400,7 @@ class StepProcessor:
             try:
                 prepared = self._prepare(job, [first])
             except TraceError as exc:
-                outputs[index] = self._unanalysed(first, str(exc))
+                outputs[index] = self._failed(first, str(exc))
                 continue
             job.model = prepared.model
             job.compiled = compile_model(job.model)
@@ -426,15 +408,15 @@ class StepProcessor:
         prepared_each = self._prepare_each(job, [c for _, c in todo])
         for (index, closed), done in zip(todo, prepared_each, strict=True):
             if isinstance(done, str):
-                outputs[index] = self._unanalysed(closed, done)
+                outputs[index] = self._failed(closed, done)
             else:
                 ready.append((index, closed, *done))
         ready.sort(key=lambda r: r[0])
 
         # Running ideals in closing order: each step sees the complete steps up to itself.
         ideals = []
-        for _, closed, prepared, column in ready:
-            step = prepared.select_steps([column])
+        alone = [prepared.select_steps([column]) for _, _, prepared, column in ready]
+        for (_, closed, _, _), step in zip(ready, alone, strict=True):
             if closed.complete:
                 job.ideal.add_step(step)
                 job.retained.append(step)
@@ -462,10 +444,10 @@ class StepProcessor:
             for position in positions:
                 results[position] = analysed[ready[position][3]]
 
-        for position, (index, closed, prepared, column) in enumerate(ready):
+        for position, (index, closed, _, _) in enumerate(ready):
             result = results[position]
             changes = self._detect(
-                job, closed.step, result, prepared.select_steps([column]), complete=closed.complete
+                job, closed.step, result, alone[position], complete=closed.complete
             )
             outputs[index] = StepOutput(
                 closed.job.info.job_id,
@@ -515,19 +497,24 @@ class StepProcessor:
                     out[i] = str(exc)
         return out
 
-    def _unanalysed(self, closed: _Closed, reason: str) -> StepOutput:
+    def _unanalysed(
+        self,
+        info: JobInfo,
+        step: int,
+        start_ns: int,
+        complete: bool,
+        missing: tuple[tuple[int, int], ...],
+        reason: str,
+    ) -> StepOutput:
+        """The output of a step that closed but could not be analysed, and why."""
         self.counters["steps_unanalysed"] += 1
-        info = closed.job.info
         return StepOutput(
-            info.job_id,
-            info.attempt,
-            closed.step,
-            closed.start_ns,
-            closed.complete,
-            closed.missing,
-            None,
-            info,
-            reason=reason,
+            info.job_id, info.attempt, step, start_ns, complete, missing, None, info, reason=reason
+        )
+
+    def _failed(self, closed: _Closed, reason: str) -> StepOutput:
+        return self._unanalysed(
+            closed.job.info, closed.step, closed.start_ns, closed.complete, closed.missing, reason
         )
 
     def _detect(
