@@ -59,7 +59,6 @@ import pickle
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -117,8 +116,11 @@ class WorkerSettings(BaseModel):
     write_every_steps: int = Field(default=64, ge=1)
     #: Snapshot the processors (and commit offsets) this often.
     checkpoint_interval_s: float = Field(default=5.0, gt=0)
-    #: Messages handed to the processor at once.
-    take_max: int = Field(default=2000, ge=1)
+    #: Fetched runs (one partition's records from one fetch) handed to the processor at once.
+    take_max_runs: int = Field(default=2, ge=1)
+    #: Most bytes fetched per partition at once (the size of a run): larger runs amortise the
+    #: per-run cost; a run is at most this much memory per partition.
+    fetch_max_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
     #: How long a batch of a job without metadata waits for `lagscope.jobs`.
     job_wait_s: float = Field(default=5.0, ge=0)
     #: How often lateness timeouts, writes and snapshots are checked.
@@ -645,11 +647,12 @@ class FaustWorker:
         # One thread does all processing: keeps the event loop (heartbeats) responsive and
         # the core single-threaded.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lagscope-core")
-        self._held: dict[int, deque[tuple[int, Any]]] = {}
         self._jobs_ready = threading.Event()
         self._known_jobs: set[bytes] = set()
         self._stop = threading.Event()
+        #: When the last pass over messages ended (or the last assignment came).
         self._last_message = time.monotonic()
+        self._passes_in_flight = 0
         self._assigned = False
         self.app = self._build_app()
 
@@ -732,12 +735,13 @@ class FaustWorker:
 
     # -- faust ------------------------------------------------------------------------------
     def _build_app(self) -> Any:
-        import faust
+        from stream_app.fetch_runs import PassThroughCodec, RunsApp
 
         kafka = self.config.kafka
         settings = self.config.worker
-        app = faust.App(
+        app = RunsApp(
             settings.group_id,
+            run_topics=frozenset({kafka.topic_ops}),
             broker=[f"kafka://{server.strip()}" for server in kafka.bootstrap_servers.split(",")],
             broker_credentials=_faust_credentials(kafka),
             datadir=str(settings.data_dir),
@@ -748,13 +752,18 @@ class FaustWorker:
             broker_session_timeout=settings.session_timeout_s,
             broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 5),
             broker_commit_interval=1.0,
+            consumer_max_fetch_size=settings.fetch_max_bytes,
         )
-        topic = app.topic(kafka.topic_ops, key_serializer="raw", value_serializer="raw")
+        # Offsets of the ops topic are committed by the worker after its snapshots, not by
+        # faust's acks (module docstring, 2).
+        topic = app.topic(
+            kafka.topic_ops, key_serializer="raw", value_serializer=PassThroughCodec(), acks=False
+        )
 
         @app.agent(topic, name="lagscope-ops")
         async def ops(stream: Any) -> None:
-            async for events in stream.noack_take(settings.take_max, within=0.2):
-                await self._on_events(events)
+            async for runs in stream.noack_take(settings.take_max_runs, within=0.2):
+                await self._on_runs(runs)
 
         @app.timer(interval=settings.tick_interval_s)
         async def periodic() -> None:
@@ -784,21 +793,27 @@ class FaustWorker:
     async def _core(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def _on_events(self, events: list[Any]) -> None:
-        self._last_message = time.monotonic()
+    async def _on_runs(self, runs: list[Any]) -> None:
+        self._passes_in_flight += 1
+        try:
+            await self._pass(runs)
+        finally:
+            self._passes_in_flight -= 1
+            self._last_message = time.monotonic()
+
+    async def _pass(self, runs: list[Any]) -> None:
+        from stream_app.fetch_runs import run_records
+
         owned = {
             tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.core.topic
         }
-        messages: list[OpsMessage] = []
-        for event in events:
-            message = event.message
-            if message.partition not in owned:
-                continue  # revoked while buffered: its new owner replays it
-            self._held.setdefault(message.partition, deque()).append((message.offset, event))
-            messages.append(
-                OpsMessage(message.partition, message.offset, message.key, message.value,
-                           message.timestamp)
-            )  # fmt: skip
+        messages = [
+            OpsMessage(record.partition, record.offset, record.key, record.value,
+                       record.timestamp / 1000 if record.timestamp is not None else 0.0)
+            for run in runs
+            if run.message.partition in owned  # else revoked while buffered: its owner replays it
+            for record in run_records(run.message)
+        ]  # fmt: skip
         await self._wait_for_jobs(messages)
         await self._core(self.core.on_messages, messages)
         await self._checkpoint_due()
@@ -820,13 +835,16 @@ class FaustWorker:
         if (
             idle_exit is not None
             and self._assigned
-            and time.monotonic() - self._last_message >= idle_exit
             and not self._stop.is_set()
+            and self._idle_for(idle_exit)
             and not await self._core(self.core.open_windows)
+            and self._idle_for(idle_exit)  # no pass began while the core was asked
         ):
+            last_pass_ended = self._last_message
             committed = await self._core(self.core.finish)
-            self._ack(committed)
-            await self.app.commit(None)
+            await self._commit(committed)
+            if self._passes_in_flight or self._last_message != last_pass_ended:
+                return  # messages came after all: not idle
             log.info("idle for %.1f s: exiting (%s)", idle_exit, json.dumps(self.core.counters))
             summary = {
                 "worker_counters": self.core.counters,
@@ -837,29 +855,39 @@ class FaustWorker:
             self._stop.set()
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def _idle_for(self, seconds: float) -> bool:
+        return not self._passes_in_flight and time.monotonic() - self._last_message >= seconds
+
     async def _checkpoint_due(self) -> None:
-        for number in list(self._held):
+        for number in await self._core(lambda: list(self.core.partitions)):
             if await self._core(self.core.checkpoint_due, number):
                 offset = await self._core(self.core.checkpoint, number)
-                self._ack({number: offset})
+                await self._commit({number: offset})
 
-    def _ack(self, committed: dict[int, int]) -> None:
-        for number, offset in committed.items():
-            held = self._held.get(number)
-            while held and held[0][0] < offset:
-                held.popleft()[1].ack()
+    async def _commit(self, committed: dict[int, int]) -> None:
+        """Commit offsets a durable snapshot covers (a failure only delays the commit)."""
+        from faust.types import TP
+
+        topic = self.core.topic
+        try:
+            await self.app.commit_offsets({TP(topic, n): o for n, o in committed.items()})
+        except Exception:
+            log.exception("committing %s offsets %s failed; the next snapshot retries", topic,
+                          committed)  # fmt: skip
 
     async def _release(self, partitions: set[int]) -> None:
-        """A rebalance takes these partitions away: snapshot what we have, then forget."""
+        """A rebalance takes these partitions away: snapshot what we have, then forget.
+
+        No commit here: committing while the group rebalances can stall the rebalance; the
+        snapshot's next_offset lets the new owner skip what Kafka re-delivers.
+        """
         for number in partitions:
             try:
                 if number in self.core.partitions:
-                    offset = await self._core(self.core.checkpoint, number)
-                    self._ack({number: offset})
+                    await self._core(self.core.checkpoint, number)
             except Exception:
                 log.exception("checkpoint of revoked partition %d failed", number)
             await self._core(self.core.drop_partition, number)
-            self._held.pop(number, None)
 
     def run(self) -> None:
         from faust.worker import Worker

@@ -98,7 +98,9 @@ def test_kill_9_at_many_points_loses_and_duplicates_no_step(
         "LAGSCOPE_WORKER__WRITE_INTERVAL_S": "0.05",
         "LAGSCOPE_WORKER__WRITE_EVERY_STEPS": "2",
         "LAGSCOPE_WORKER__TICK_INTERVAL_S": "0.2",
-        "LAGSCOPE_WORKER__TAKE_MAX": "32",
+        # Small passes (~30 batches), so kills land mid-window and mid-pass.
+        "LAGSCOPE_WORKER__FETCH_MAX_BYTES": "131072",
+        "LAGSCOPE_WORKER__TAKE_MAX_RUNS": "1",
     }
 
     # The uninterrupted run: another group, another store.

@@ -119,7 +119,13 @@ def _throughput_row(bootstrap: str, work: Path, shape: str, jobs: list, workers:
     first = min(s["first_message_at"] for s in summaries if s["first_message_at"])
     last = max(s["last_write_at"] for s in summaries if s["last_write_at"])
     steps = sum(s["worker_counters"]["steps_written"] for s in summaries)
-    assert sum(s["worker_counters"]["ops"] for s in summaries) == ops
+    consumed = sum(s["worker_counters"]["ops"] for s in summaries)
+    if consumed != ops:
+        counters = [s["worker_counters"] for s in summaries]
+        raise RuntimeError(
+            f"the workers consumed {consumed} ops of the {ops} produced (more: a rebalance "
+            f"re-delivered; fewer: lost): {counters}; logs under {work / topics['topic_ops']}"
+        )
     return {
         "benchmark": f"worker sustained op events/s, {shape}, {workers} worker(s)",
         "value": ops / (last - first),
