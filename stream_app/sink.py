@@ -159,6 +159,9 @@ class ClickHouseSink:
 
         self.dsn = parse_dsn(dsn)
         self._column_types: dict[str, dict[str, tuple[str, bool]]] = {}
+        # pyarrow imports pandas on its first array (half a second): pay it when the store
+        # opens, not in the first write, which a live step's latency would carry.
+        pa.array([0.0])
         if self.dsn.kind == "chdb" and self.dsn.path:
             data_dir = Path(self.dsn.path)
             if create:

@@ -117,10 +117,10 @@ class WorkerSettings(BaseModel):
     #: Snapshot the processors (and commit offsets) this often.
     checkpoint_interval_s: float = Field(default=5.0, gt=0)
     #: Fetched runs (one partition's records from one fetch) handed to the processor at once.
-    take_max_runs: int = Field(default=2, ge=1)
+    take_max_runs: int = Field(default=4, ge=1)
     #: Most bytes fetched per partition at once (the size of a run): larger runs amortise the
     #: per-run cost; a run is at most this much memory per partition.
-    fetch_max_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
+    fetch_max_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: How long a batch of a job without metadata waits for `lagscope.jobs`.
     job_wait_s: float = Field(default=5.0, ge=0)
     #: How often lateness timeouts, writes and snapshots are checked.
