@@ -21,11 +21,13 @@ same numbers as an uninterrupted run):
    changed since the last one, not the whole window. Before a snapshot is written, every
    step the processor closed so far is durably in the store and its results are flushed
    to `lagscope.results`.
-2. *Offsets follow snapshots.* Events are consumed without faust's automatic acks; an
-   event is acked (hence committed by faust) only once a durable snapshot covers it. The
-   snapshot's `next_offset` is the authority: after a restart or a rebalance the new owner
-   loads the snapshot and skips re-delivered messages below it (Kafka's committed offset
-   may lag the snapshot when the worker died between the two writes).
+2. *Offsets follow snapshots.* The agent gets the ops topic one fetched run at a time
+   (`stream_app.fetch_runs`: faust's per-record events cost a quarter of a core at a
+   million ops/s) with faust's acks off; the worker commits a partition's offset itself,
+   once a durable snapshot covers it. The snapshot's `next_offset` is the authority: after
+   a restart or a rebalance the new owner loads the snapshot and skips re-delivered
+   messages below it (Kafka's committed offset may lag the snapshot when the worker died
+   between the two writes, or when a rebalance came between a snapshot and its commit).
 3. *Deterministic re-processing.* Everything after the snapshot is replayed from Kafka into
    the restored processor: the same batches in the same partition order on the same state
    give the same closed steps with the same numbers (the running ideal, the change-point
