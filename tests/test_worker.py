@@ -87,10 +87,11 @@ def test_kill_9_at_many_points_loses_and_duplicates_no_step(
     create_topics(kafka_bootstrap, kafka_topics)
     config = kafka_config(kafka_bootstrap, kafka_topics)
     trace, meta = load_reference("AR")
-    # Enough steps that no run gets through them all before its kill (a step of AR takes
-    # ~7 ms to analyse).
-    replay(trace, meta, kafka=config, job_id="AR", repeat=6, progress=None)
-    n_steps = 6 * len(np.unique(trace.step))
+    # Enough steps that no run gets through them all before its kill: a worker drains AR
+    # at ~0.3-0.5M ops/s, so 40 repeats (4.7M ops) outlast five runs of ~1.5 s each.
+    repeat = 40
+    replay(trace, meta, kafka=config, job_id="AR", repeat=repeat, progress=None)
+    n_steps = repeat * len(np.unique(trace.step))
     # Steps are written far more often than snapshots are taken, so most kills leave
     # steps in the store that the next worker re-closes from an older snapshot.
     fast = {
