@@ -395,6 +395,10 @@ def decode_batch(data: bytes | memoryview, where: str = "batch") -> RankStepBatc
         raise SchemaError(f"{where}: checksum mismatch (corrupted or truncated batch)")
     names_at = head.pop("_names_at")
     n_names = head.pop("_n_names")
+    if n_names > _MAX_OPTYPE_NAMES:
+        raise SchemaError(
+            f"{where}: {n_names} op type names, at most {_MAX_OPTYPE_NAMES} fit one batch"
+        )
     names, pos = _decode_names(view, names_at, n_names, body_len, where)
     pos += -pos % 8
     n_ops = head.pop("n_ops")
