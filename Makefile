@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-REFERENCE_TRACES ?= ../shared/reference-traces
 
 .PHONY: install chromium demo test lint bench clean
 

@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_command(args: argparse.Namespace) -> int:
-    from dashboards.definitions import build_all
+    from lagscope.dashboards.definitions import build_all
 
     out: Path = args.out
     built = {f"{name}.json": item.to_json() for name, item in build_all().items()}
@@ -82,7 +82,7 @@ def build_command(args: argparse.Namespace) -> int:
 
 
 def push_command(args: argparse.Namespace) -> int:
-    from dashboards.push import PushError, push
+    from lagscope.dashboards.push import PushError, push
 
     url = args.url or os.environ.get(GRAFANA_URL_ENV)
     if not url:

@@ -29,7 +29,7 @@ from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import heatmap as heatmap_model
 from grafana_foundation_sdk.models import text as text_model
 
-from dashboards.clickhouse_query import (
+from lagscope.dashboards.clickhouse_query import (
     ClickHouseAnnotationTarget,
     ClickHouseQueryBuilder,
     datasource_ref,

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from dashboards.definitions import BuiltDashboard, build_all
+from lagscope.dashboards.definitions import BuiltDashboard, build_all
 
 PROVISIONING_DIR = Path(__file__).resolve().parent / "provisioning"
 DATASOURCE_FILE = PROVISIONING_DIR / "datasources" / "lagscope-clickhouse.yaml"

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from simulator.diagnose import Diagnosis
-from simulator.summary import verdict
-from simulator.whatif import WhatIfResult
+from lagscope.simulator.diagnose import Diagnosis
+from lagscope.simulator.summary import verdict
+from lagscope.simulator.whatif import WhatIfResult
 
 HEAT_MIN, HEAT_MAX = 1.0, 1.5
 

@@ -7,4 +7,4 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 python="${root}/.venv/bin/python"
 [ -x "$python" ] || python=python3
 cd "$root"
-exec "$python" -m deploy.kafka_local "$@"
+exec "$python" -m lagscope.deploy.kafka_local "$@"

@@ -1,12 +1,14 @@
 """A real single-node Kafka (KRaft) for machines without Docker: tests, demos, laptops.
 
-    python -m deploy.kafka_local start --port 9092 --data-dir /tmp/lagscope-kafka
-    python -m deploy.kafka_local stop --data-dir /tmp/lagscope-kafka
-    python -m deploy.kafka_local fetch        # just download into the cache
+    python -m lagscope.deploy.kafka_local start --port 9092 --data-dir /tmp/lagscope-kafka
+    python -m lagscope.deploy.kafka_local stop --data-dir /tmp/lagscope-kafka
+    python -m lagscope.deploy.kafka_local fetch        # just download into the cache
 
 Apache Kafka's broker is the `org.apache.kafka:kafka_2.13` artifact on Maven Central. We
 resolve it and its runtime dependencies with Maven (`dependency:copy-dependencies` on a
-generated pom) into a cache directory (default `.cache/kafka/<version>/`, gitignored), then
+generated pom) into a cache directory (`$LAGSCOPE_CACHE_DIR/kafka/<version>/`, by default
+`~/.cache/lagscope/kafka/<version>/`, so an installed package never writes into its own
+folder), then
 run the KRaft storage formatter and `kafka.Kafka` with `java -cp`. Needs Java 17+ and
 Maven on PATH (for the first fetch only). The broker listens on 127.0.0.1 only and runs
 as combined broker+controller with a small heap.
@@ -28,7 +30,13 @@ from pathlib import Path
 
 KAFKA_VERSION = "3.9.1"
 SLF4J_VERSION = "1.7.36"
-DEFAULT_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "kafka"
+DEFAULT_CACHE = (
+    Path(
+        os.environ.get("LAGSCOPE_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lagscope"
+    )
+    / "kafka"
+)
 DEFAULT_HEAP = "512m"
 
 _POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">

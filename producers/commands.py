@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from producers.config import ConfigError, LagscopeConfig, load_config
+from lagscope.producers.config import ConfigError, LagscopeConfig, load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,7 +91,7 @@ def _config(args: argparse.Namespace, streamer: dict[str, Any]) -> LagscopeConfi
 
 
 def run_stream(args: argparse.Namespace) -> int:
-    from producers.streamer import Streamer
+    from lagscope.producers.streamer import Streamer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -118,8 +118,8 @@ def run_stream(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from producers.reference_format import load_meta, load_trace
-    from producers.replay import replay
+    from lagscope.producers.reference_format import load_meta, load_trace
+    from lagscope.producers.replay import replay
 
     try:
         config = _config(args, {}) if args.to_kafka else None

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from simulator.optypes import KNOWN_OPTYPES
-from simulator.trace import JobMeta
+from lagscope.simulator.optypes import KNOWN_OPTYPES
+from lagscope.simulator.trace import JobMeta
 
 __all__ = [
     "BATCH_MAGIC",

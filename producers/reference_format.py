@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import yaml
 from pydantic import ValidationError
 
-from simulator.trace import JobMeta, Trace, TraceError, describe_validation_error
+from lagscope.simulator.trace import JobMeta, Trace, TraceError, describe_validation_error
 
 #: Physical types used when writing, matching the reference files.
 _WRITE_TYPES: dict[str, pa.DataType] = {

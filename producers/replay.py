@@ -24,10 +24,10 @@ from typing import TextIO
 
 import numpy as np
 
-from producers.config import LagscopeConfig
-from producers.events import BATCH_VERSION, JobInfo, RankStepBatch, batch_id_of
-from producers.log import KIND_BATCH, KIND_JOB, LogWriter
-from simulator.trace import JobMeta, Trace
+from lagscope.producers.config import LagscopeConfig
+from lagscope.producers.events import BATCH_VERSION, JobInfo, RankStepBatch, batch_id_of
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
+from lagscope.simulator.trace import JobMeta, Trace
 
 
 @dataclass

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producers.config import LagscopeConfig
-from producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
-from producers.log import (
+from lagscope.producers.config import LagscopeConfig
+from lagscope.producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
+from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
     DeadLetter,

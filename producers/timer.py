@@ -83,9 +83,9 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import numpy as np
 
-from producers.events import JobInfo, RankStepBatch
-from producers.log import KIND_BATCH, KIND_JOB, LogWriter
-from simulator.optypes import GC, KNOWN_OPTYPES
+from lagscope.producers.events import JobInfo, RankStepBatch
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
+from lagscope.simulator.optypes import GC, KNOWN_OPTYPES
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from simulator import optypes as ot
+from lagscope.simulator import optypes as ot
 
 
 class PipelineRankShape(BaseModel):

@@ -16,8 +16,8 @@ from functools import cached_property
 
 import numpy as np
 
-from simulator import optypes as ot
-from simulator.trace import TraceError
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.trace import TraceError
 
 #: Tolerance (s) when deciding whether a p2p op lies outside the compute span (no-op).
 P2P_NOOP_TOLERANCE_S = 5e-5

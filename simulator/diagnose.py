@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from simulator import optypes as ot
-from simulator.engine import CompiledModel, compile_model
-from simulator.prepare import PreparedTrace
-from simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
 COMPUTE_LABELS = (ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE)
 

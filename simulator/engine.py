@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.depmodel import DependencyModel, topological_levels
+from lagscope.simulator.depmodel import DependencyModel, topological_levels
 
 
 @dataclass(frozen=True)

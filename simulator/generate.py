@@ -16,10 +16,10 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
-from simulator import optypes as ot
-from simulator.depmodel import DependencyModel, infer_dependency_model
-from simulator.engine import compile_model, simulate
-from simulator.trace import JobMeta, Trace
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.depmodel import DependencyModel, infer_dependency_model
+from lagscope.simulator.engine import compile_model, simulate
+from lagscope.simulator.trace import JobMeta, Trace
 
 
 class _Injection(BaseModel):

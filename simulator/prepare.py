@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulator import optypes as ot
-from simulator.depmodel import DependencyModel, infer_dependency_model
-from simulator.trace import JobMeta, Trace, TraceError
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.depmodel import DependencyModel, infer_dependency_model
+from lagscope.simulator.trace import JobMeta, Trace, TraceError
 
 #: Measured transfers and launch delays at or below this (s) are clock noise and become 0;
 #: smaller negatives are kept, as the reference analyzer does.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from simulator.bocd import ChangeKind
+from lagscope.simulator.bocd import ChangeKind
 
 
 class SeriesGenConfig(BaseModel):

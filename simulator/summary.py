@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from simulator.whatif import Attribution, Explained, WhatIfResult
+from lagscope.simulator.whatif import Attribution, Explained, WhatIfResult
 
 #: A group explaining at least this share of the slowdown is named as the cause.
 EXPLAINS_SHARE = 0.5

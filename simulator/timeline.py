@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from simulator import optypes as ot
-from simulator.prepare import PreparedTrace
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.prepare import PreparedTrace
 
 STREAMS: tuple[str, ...] = ("compute", "dp-comm", "pp-forward", "pp-backward", "other-comm")
 STEP_GAP_FACTOR = 1.1

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from simulator.optypes import KNOWN_OPTYPES
+from lagscope.simulator.optypes import KNOWN_OPTYPES
 
 
 class TraceError(ValueError):

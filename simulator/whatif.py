@@ -18,9 +18,9 @@ from typing import Literal
 
 import numpy as np
 
-from simulator import optypes as ot
-from simulator.engine import CompiledModel, Timeline, compile_model, simulate
-from simulator.prepare import DroppedStep, PreparedTrace
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.engine import CompiledModel, Timeline, compile_model, simulate
+from lagscope.simulator.prepare import DroppedStep, PreparedTrace
 
 #: Attribution is reported only when the slowdown reaches this (the reference's default).
 DEFAULT_DECOMPOSE_THRESHOLD = 1.03

@@ -8,18 +8,18 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from simulator.trace import TraceError
+from lagscope.simulator.trace import TraceError
 
 #: Modules that contribute sub-commands, in the order `lagscope --help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
-    "stream_app.commands.analyze",
-    "stream_app.commands.generate",
-    "stream_app.commands.changepoints",
-    "stream_app.commands.query",
-    "stream_app.commands.run",
-    "stream_app.commands.worker",
-    "producers.commands",
-    "dashboards.commands",
+    "lagscope.stream_app.commands.analyze",
+    "lagscope.stream_app.commands.generate",
+    "lagscope.stream_app.commands.changepoints",
+    "lagscope.stream_app.commands.query",
+    "lagscope.stream_app.commands.run",
+    "lagscope.stream_app.commands.worker",
+    "lagscope.producers.commands",
+    "lagscope.dashboards.commands",
 )
 
 

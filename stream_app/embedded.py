@@ -16,14 +16,19 @@ from pathlib import Path
 
 import numpy as np
 
-from producers.events import JobInfo, RankStepBatch, SchemaError, batch_id_of, decode_batch
-from producers.log import KIND_BATCH, KIND_JOB, DeadLetter, RankLogReader, list_rank_dirs
-from simulator.diagnose import Diagnosis, diagnose
-from simulator.prepare import concat_steps
-from simulator.whatif import WhatIfResult, analyze
-from stream_app.processor import DetectedChange, ProcessorSettings, StepOutput, StepProcessor
-from stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
-from stream_app.sink import ClickHouseSink, SinkBatch
+from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, batch_id_of, decode_batch
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, DeadLetter, RankLogReader, list_rank_dirs
+from lagscope.simulator.diagnose import Diagnosis, diagnose
+from lagscope.simulator.prepare import concat_steps
+from lagscope.simulator.whatif import WhatIfResult, analyze
+from lagscope.stream_app.processor import (
+    DetectedChange,
+    ProcessorSettings,
+    StepOutput,
+    StepProcessor,
+)
+from lagscope.stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
+from lagscope.stream_app.sink import ClickHouseSink, SinkBatch
 
 
 @dataclass(frozen=True)

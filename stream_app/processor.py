@@ -36,14 +36,14 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from producers.events import JobInfo, RankStepBatch
-from simulator import optypes as ot
-from simulator.bocd import BocdBank, BocdConfig
-from simulator.depmodel import DependencyModel
-from simulator.engine import CompiledModel, compile_model
-from simulator.prepare import PreparedTrace, concat_steps, prepare
-from simulator.trace import Trace, TraceError
-from simulator.whatif import WhatIfResult, analyze, analyze_each_step
+from lagscope.producers.events import JobInfo, RankStepBatch
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.bocd import BocdBank, BocdConfig
+from lagscope.simulator.depmodel import DependencyModel
+from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
+from lagscope.simulator.trace import Trace, TraceError
+from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
 
 log = logging.getLogger("lagscope.processor")
 

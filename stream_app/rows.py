@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from simulator.diagnose import Diagnosis
-from simulator.trace import JobMeta
-from simulator.whatif import Attribution, WhatIfResult
-from stream_app.sink import SinkBatch
+from lagscope.simulator.diagnose import Diagnosis
+from lagscope.simulator.trace import JobMeta
+from lagscope.simulator.whatif import Attribution, WhatIfResult
+from lagscope.stream_app.sink import SinkBatch
 
 if TYPE_CHECKING:
-    from stream_app.processor import StepOutput
+    from lagscope.stream_app.processor import StepOutput
 
 #: attribution.kind of each attribution of a result.
 ATTRIBUTION_KINDS: tuple[tuple[str, str], ...] = (

@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import numpy as np
 import pyarrow as pa
 
-from stream_app import schema
+from lagscope.stream_app import schema
 
 #: Default DSN: an embedded chDB store under the working directory.
 DEFAULT_DSN = "chdb://./lagscope-data/chdb"

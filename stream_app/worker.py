@@ -70,19 +70,19 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from producers.config import ConfigError, KafkaSettings, LagscopeConfig
-from producers.events import JobInfo, RankStepBatch, SchemaError, decode_batch
-from simulator.diagnose import diagnose
-from simulator.prepare import concat_steps
-from stream_app.processor import (
+from lagscope.producers.config import ConfigError, KafkaSettings, LagscopeConfig
+from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, decode_batch
+from lagscope.simulator.diagnose import diagnose
+from lagscope.simulator.prepare import concat_steps
+from lagscope.stream_app.processor import (
     ProcessorSettings,
     StepOutput,
     StepProcessor,
     encode_step_inputs,
 )
-from stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
-from stream_app.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
-from stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, SinkBatch
+from lagscope.stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
+from lagscope.stream_app.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
+from lagscope.stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, SinkBatch
 
 log = logging.getLogger("lagscope.worker")
 
@@ -737,7 +737,7 @@ class FaustWorker:
 
     # -- faust ------------------------------------------------------------------------------
     def _build_app(self) -> Any:
-        from stream_app.fetch_runs import PassThroughCodec, RunsApp
+        from lagscope.stream_app.fetch_runs import PassThroughCodec, RunsApp
 
         kafka = self.config.kafka
         settings = self.config.worker
@@ -804,7 +804,7 @@ class FaustWorker:
             self._last_message = time.monotonic()
 
     async def _pass(self, runs: list[Any]) -> None:
-        from stream_app.fetch_runs import run_records
+        from lagscope.stream_app.fetch_runs import run_records
 
         owned = {
             tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.core.topic

@@ -1,10 +1,10 @@
 """Shared fixtures.
 
-- The reference traces live in ../shared/reference-traces beside the checkout (never copied
-  into the project); a run without them fails rather than skips.
+- The reference traces are vendored in tests/data/reference-traces (see its README and the
+  NOTICE); `LAGSCOPE_REFERENCE_TRACES` points the suite at another copy.
 - A real Kafka broker for the whole session: `LAGSCOPE_KAFKA_BOOTSTRAP=host:port` uses an
   existing broker; otherwise a local KRaft broker is fetched (deploy/kafka_local.py, cached
-  in .cache/kafka/) and started. If it cannot start, the tests that need it fail with the
+  in ~/.cache/lagscope/kafka/) and started. If it cannot start, the tests that need it fail with the
   broker's log: they never skip.
 """
 
@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deploy.kafka_local import KafkaBroker
-from producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
+from lagscope.deploy.kafka_local import KafkaBroker
+from lagscope.producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_TRACES = Path(
-    os.environ.get("LAGSCOPE_REFERENCE_TRACES", REPO_ROOT.parent / "shared" / "reference-traces")
+    os.environ.get("LAGSCOPE_REFERENCE_TRACES", REPO_ROOT / "tests" / "data" / "reference-traces")
 )
 REFERENCE_NAMES = ("AR", "SE", "ST")
 
@@ -41,7 +41,7 @@ def reference_dir() -> Path:
 @cache
 def load_reference(name: str):
     """(trace, meta) of a reference trace, cached for the session."""
-    from producers.reference_format import load_meta, load_trace
+    from lagscope.producers.reference_format import load_meta, load_trace
 
     return (
         load_trace(REFERENCE_TRACES / f"trace-{name}.parquet"),
@@ -51,8 +51,8 @@ def load_reference(name: str):
 
 @cache
 def analyzed_reference(name: str):
-    from simulator.prepare import prepare
-    from simulator.whatif import analyze
+    from lagscope.simulator.prepare import prepare
+    from lagscope.simulator.whatif import analyze
 
     trace, meta = load_reference(name)
     prepared = prepare(trace, meta)

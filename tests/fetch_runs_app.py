@@ -13,7 +13,7 @@ from typing import Any
 
 from faust.types import TP
 
-from stream_app.fetch_runs import PassThroughCodec, RunsApp, run_records
+from lagscope.stream_app.fetch_runs import PassThroughCodec, RunsApp, run_records
 
 
 def main() -> None:

@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from simulator.bocd import (
+from lagscope.simulator.bocd import (
     BocdBank,
     BocdConfig,
     ChangePoint,
     relative_change,
     sliding_window_changepoints,
 )
-from simulator.series_gen import (
+from lagscope.simulator.series_gen import (
     FailSlowSeries,
     SeriesGenConfig,
     generate_fail_slow_set,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from stream_app.cli import main
+from lagscope.stream_app.cli import main
 
 
 def st_analyze(reference_dir) -> list[str]:
@@ -120,7 +120,7 @@ def test_console_script_exit_code(reference_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "stream_app.cli",
+            "lagscope.stream_app.cli",
             "analyze",
             "--trace",
             str(tmp_path / "missing.parquet"),

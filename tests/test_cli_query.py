@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from stream_app.cli import main
-from stream_app.sink import ClickHouseSink
+from lagscope.stream_app.cli import main
+from lagscope.stream_app.sink import ClickHouseSink
 
 
 @pytest.fixture

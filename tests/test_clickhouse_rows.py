@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stream_app.rows import job_rows, rows_from_result, worker_slowdown_per_step
-from stream_app.sink import ClickHouseSink
+from lagscope.stream_app.rows import job_rows, rows_from_result, worker_slowdown_per_step
+from lagscope.stream_app.sink import ClickHouseSink
 from tests.conftest import analyzed_reference, load_reference
 
 T0 = 1_700_000_000.0

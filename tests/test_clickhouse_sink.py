@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from stream_app import schema
-from stream_app.sink import ClickHouseSink, SinkBatch, StoreError, parse_dsn
+from lagscope.stream_app import schema
+from lagscope.stream_app.sink import ClickHouseSink, SinkBatch, StoreError, parse_dsn
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC, a minute boundary + 20 s
 

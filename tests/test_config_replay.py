@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producers.config import ConfigError, LagscopeConfig, load_config
-from producers.events import decode_batch
-from producers.log import KIND_BATCH, KIND_JOB, Record, list_rank_dirs, read_all
-from producers.reference_format import load_meta, load_trace
-from producers.replay import replay
+from lagscope.producers.config import ConfigError, LagscopeConfig, load_config
+from lagscope.producers.events import decode_batch
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, Record, list_rank_dirs, read_all
+from lagscope.producers.reference_format import load_meta, load_trace
+from lagscope.producers.replay import replay
 from tests.conftest import REFERENCE_TRACES, REPO_ROOT
 
 
@@ -120,7 +120,7 @@ def test_replay_paces_steps_by_speed(tmp_path: Path, reference) -> None:
 
 def test_replay_cli_writes_logs_and_a_progress_bar(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "stream_app.cli", "replay",
+        [sys.executable, "-m", "lagscope.stream_app.cli", "replay",
          "--trace", str(REFERENCE_TRACES / "trace-ST.parquet"),
          "--meta", str(REFERENCE_TRACES / "meta-ST.yaml"), "--log-dir", str(tmp_path)],
         cwd=REPO_ROOT, capture_output=True, text=True, check=False,

@@ -103,7 +103,7 @@ def test_simulation_reproduces_measured_step_times(reference_dir, name):
 @pytest.mark.parametrize("name", REFERENCE_NAMES)
 def test_each_step_in_one_pass_equals_one_step_at_a_time(reference_dir, name):
     """A stream analyses a backlog at once: each step's numbers must not depend on it."""
-    from simulator.whatif import analyze, analyze_each_step, ideal_costs
+    from lagscope.simulator.whatif import analyze, analyze_each_step, ideal_costs
 
     prepared, whole = analyzed_reference(name)
     # Running ideals, as a stream has them: each step's from the steps up to it.

@@ -14,17 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dashboards.clickhouse_query import (
+from lagscope.dashboards.clickhouse_query import (
     PLUGIN_ID,
     ClickHouseQuery,
     Format,
     datasource_ref,
     register_clickhouse_query,
 )
-from dashboards.commands import GENERATED_DIR
-from dashboards.definitions import BuiltDashboard, Expect, build_all, sdk_round_trip
-from dashboards.macros import MacroError, QueryContext, expand_macros, render_sql
-from stream_app.cli import main
+from lagscope.dashboards.commands import GENERATED_DIR
+from lagscope.dashboards.definitions import BuiltDashboard, Expect, build_all, sdk_round_trip
+from lagscope.dashboards.macros import MacroError, QueryContext, expand_macros, render_sql
+from lagscope.stream_app.cli import main
 
 JOB = "demo-llm"
 MISSING_WORKER = (3, 1)  # (dp, pp) that never reports the last step: one incomplete step
@@ -130,12 +130,16 @@ def demo_store(chdb_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The demo job (40 steps) through timers, per-rank logs and the embedded pipeline into
     a database of the session's chDB directory, plus what a pipeline-health panel needs to
     show: one worker that never reports the last step, and a garbage record in a log."""
-    from producers.events import JobInfo
-    from simulator.generate import generate_job
-    from stream_app.commands.run import H100_BF16_PEAK_FLOPS, demo_spec, write_logs_with_timers
-    from stream_app.embedded import EmbeddedRunner
-    from stream_app.processor import ProcessorSettings
-    from stream_app.sink import ClickHouseSink
+    from lagscope.producers.events import JobInfo
+    from lagscope.simulator.generate import generate_job
+    from lagscope.stream_app.commands.run import (
+        H100_BF16_PEAK_FLOPS,
+        demo_spec,
+        write_logs_with_timers,
+    )
+    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.processor import ProcessorSettings
+    from lagscope.stream_app.sink import ClickHouseSink
 
     job = generate_job(demo_spec(40, seed=7))
     flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
-from dashboards.push import datasource_definition
-from stream_app.cli import main
+from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
+from lagscope.dashboards.push import datasource_definition
+from lagscope.stream_app.cli import main
 from tests.grafana_stub import GrafanaStub
 
 TOKEN = "glsa_test"

@@ -21,9 +21,9 @@ import jsonschema
 import pytest
 import yaml
 
-from producers.config import LagscopeConfig
-from stream_app.cli import build_parser
-from stream_app.sink import DSN_ENV, parse_dsn
+from lagscope.producers.config import LagscopeConfig
+from lagscope.stream_app.cli import build_parser
+from lagscope.stream_app.sink import DSN_ENV, parse_dsn
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -162,7 +162,7 @@ def test_env_vars_are_read_by_the_config_model(compose: dict[str, Any]) -> None:
 
 
 def test_ports_match_the_defaults(compose: dict[str, Any]) -> None:
-    from producers.config import KafkaSettings
+    from lagscope.producers.config import KafkaSettings
 
     services = compose["services"]
     host_kafka_port = KafkaSettings().bootstrap_servers.rsplit(":", 1)[1]
@@ -187,7 +187,7 @@ def test_ports_match_the_defaults(compose: dict[str, Any]) -> None:
 
 
 def test_images_exist_and_match_pinned_versions(compose: dict[str, Any]) -> None:
-    from deploy.kafka_local import KAFKA_VERSION
+    from lagscope.deploy.kafka_local import KAFKA_VERSION
 
     services = compose["services"]
     assert services["kafka"]["image"] == f"apache/kafka:{KAFKA_VERSION}"

@@ -10,8 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.diagnose import DiagnosisSettings, balanced_microbatches, diagnose, escalation
-from simulator.generate import (
+from lagscope.simulator.diagnose import (
+    DiagnosisSettings,
+    balanced_microbatches,
+    diagnose,
+    escalation,
+)
+from lagscope.simulator.generate import (
     CostModel,
     GcPauses,
     JobSpec,
@@ -21,8 +26,8 @@ from simulator.generate import (
     SlowWorker,
     generate_job,
 )
-from simulator.prepare import prepare
-from simulator.whatif import analyze
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.whatif import analyze
 
 BALANCED = CostModel(first_stage_extra=0.0, last_stage_extra=0.0, noise_cv=0.02)
 PATTERNS = {
@@ -166,7 +171,7 @@ def test_reference_traces_get_the_papers_diagnosis(reference_dir, name, cause):
 
 
 def test_consolidating_two_stragglers_into_one_pipeline():
-    from simulator.diagnose import consolidated_placement
+    from lagscope.simulator.diagnose import consolidated_placement
 
     assert consolidated_placement(((1, 0), (6, 2)), n_stages=4, n_dp=8) == {(6, 2): (1, 2)}
     assert consolidated_placement(((1, 0), (6, 0)), n_stages=4, n_dp=8) == {}

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from producers.events import JobInfo
-from simulator.generate import JobSpec, SlowWorker, generate_job
-from stream_app.commands.run import demo_spec, write_logs_with_timers
-from stream_app.embedded import EmbeddedRunner
-from stream_app.processor import ProcessorSettings
-from stream_app.sink import ClickHouseSink
+from lagscope.producers.events import JobInfo
+from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.stream_app.commands.run import demo_spec, write_logs_with_timers
+from lagscope.stream_app.embedded import EmbeddedRunner
+from lagscope.stream_app.processor import ProcessorSettings
+from lagscope.stream_app.sink import ClickHouseSink
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_every_op_and_step_lands_in_the_store(demo_run):
 
 
 def test_step_numbers_match_the_batch_analysis(demo_run):
-    from simulator.prepare import prepare
-    from simulator.whatif import analyze
+    from lagscope.simulator.prepare import prepare
+    from lagscope.simulator.whatif import analyze
 
     job, _, _, report, sink = demo_run
     batch = analyze(prepare(job.trace, job.meta))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.events import (
+from lagscope.producers.events import (
     BATCH_VERSION,
     OP_FIELDS,
     JobInfo,
@@ -22,8 +22,8 @@ from producers.events import (
     decode_batch,
     encode_batch,
 )
-from simulator.optypes import KNOWN_OPTYPES
-from simulator.trace import JobMeta
+from lagscope.simulator.optypes import KNOWN_OPTYPES
+from lagscope.simulator.trace import JobMeta
 
 i64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simulator.prepare import prepare
-from simulator.trace import TRACE_ARRAYS, Trace
-from simulator.whatif import analyze
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.trace import TRACE_ARRAYS, Trace
+from lagscope.simulator.whatif import analyze
 from tests.conftest import analyzed_reference, load_reference
 
 HYPOTHESIS = settings(

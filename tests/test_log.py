@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producers.log import (
+from lagscope.producers.log import (
     HEADER_SIZE,
     KIND_BATCH,
     DeadLetter,

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.collective_gen import (
+from lagscope.simulator.collective_gen import (
     CollectiveCalls,
     PipelineRankShape,
     generate_collective_calls,
 )
-from simulator.period import acf_period, encode_calls, iteration_times, token_acf
+from lagscope.simulator.period import acf_period, encode_calls, iteration_times, token_acf
 
 SHAPES = {
     "dp-only": PipelineRankShape(pp_size=1, stage=0, microbatches=1, dp_buckets=2),

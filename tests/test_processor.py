@@ -8,10 +8,10 @@ import pickle
 import numpy as np
 import pytest
 
-from producers.events import JobInfo
-from producers.replay import default_job_id, iter_step_batches
-from simulator.generate import JobSpec, SlowWorker, generate_job
-from stream_app.processor import ProcessorSettings, StepProcessor
+from lagscope.producers.events import JobInfo
+from lagscope.producers.replay import default_job_id, iter_step_batches
+from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
 from tests.conftest import analyzed_reference, assert_same_result, load_reference
 
 
@@ -112,7 +112,7 @@ def test_duplicates_and_other_tp_ranks_are_dropped(reference_dir):
 def test_restart_from_state_gives_identical_results(reference_dir, inputs_outside):
     """Resuming gives the same numbers, also when the retained steps' inputs are kept
     outside the state (the worker persists each once) and handed back on restore."""
-    from stream_app.processor import encode_step_inputs
+    from lagscope.stream_app.processor import encode_step_inputs
 
     info, steps = stream_of("ST")
     outside: dict[int, bytes] = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stream_app.cli import main
+from lagscope.stream_app.cli import main
 from tests.conftest import REPO_ROOT
 
 ARTIFACTS = REPO_ROOT / "out" / "test-artifacts"
@@ -86,7 +86,16 @@ def test_demo_report_renders(tmp_path):
     out = tmp_path / "demo"
     # Its own process: chDB opens one data directory per process, and the demo has its own.
     proc = subprocess.run(
-        [sys.executable, "-m", "stream_app.cli", "demo", "--out", str(out), "--steps", "40"],
+        [
+            sys.executable,
+            "-m",
+            "lagscope.stream_app.cli",
+            "demo",
+            "--out",
+            str(out),
+            "--steps",
+            "40",
+        ],
         capture_output=True,
         text=True,
         check=False,

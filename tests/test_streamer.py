@@ -7,11 +7,11 @@ import struct
 from collections import Counter
 from pathlib import Path
 
-from producers.events import JobInfo, RankStepBatch, batch_id_of, decode_batch
-from producers.log import KIND_BATCH, LogWriter, frame_record, rank_dir
-from producers.reference_format import load_meta, load_trace
-from producers.replay import default_job_id, iter_step_batches, replay
-from producers.streamer import BATCH_ID_HEADER, SCHEMA_HEADER, Streamer
+from lagscope.producers.events import JobInfo, RankStepBatch, batch_id_of, decode_batch
+from lagscope.producers.log import KIND_BATCH, LogWriter, frame_record, rank_dir
+from lagscope.producers.reference_format import load_meta, load_trace
+from lagscope.producers.replay import default_job_id, iter_step_batches, replay
+from lagscope.producers.streamer import BATCH_ID_HEADER, SCHEMA_HEADER, Streamer
 from tests.conftest import REFERENCE_TRACES
 from tests.kafka_util import consume_all
 
@@ -195,8 +195,8 @@ def test_replay_straight_into_kafka(
 
 
 def test_unreachable_kafka_keeps_memory_bounded_and_position_unconfirmed(tmp_path: Path) -> None:
-    from deploy.kafka_local import free_port
-    from producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
+    from lagscope.deploy.kafka_local import free_port
+    from lagscope.producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
 
     log_dir = tmp_path / "logs"
     with LogWriter(log_dir, 1) as writer:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from deploy.kafka_local import KafkaBroker
-from producers.events import batch_id_of, decode_batch
-from producers.log import list_log_files, list_rank_dirs
-from producers.reference_format import load_meta, load_trace
-from producers.replay import default_job_id, iter_step_batches, replay
-from producers.streamer import BATCH_ID_HEADER
+from lagscope.deploy.kafka_local import KafkaBroker
+from lagscope.producers.events import batch_id_of, decode_batch
+from lagscope.producers.log import list_log_files, list_rank_dirs
+from lagscope.producers.reference_format import load_meta, load_trace
+from lagscope.producers.replay import default_job_id, iter_step_batches, replay
+from lagscope.producers.streamer import BATCH_ID_HEADER
 from tests.conftest import REFERENCE_TRACES, REPO_ROOT
 from tests.kafka_util import Message, consume_all
 
@@ -28,7 +28,7 @@ START_NS = 1_760_000_000_000_000_000
 
 def _stream_cmd(log_dir: Path, bootstrap: str, topics: dict[str, str], idle_s: float) -> list[str]:
     return [
-        sys.executable, "-m", "stream_app.cli", "stream", "--log-dir", str(log_dir),
+        sys.executable, "-m", "lagscope.stream_app.cli", "stream", "--log-dir", str(log_dir),
         "--bootstrap-servers", bootstrap, "--topic-ops", topics["topic_ops"],
         "--topic-deadletter", topics["topic_deadletter"], "--topic-jobs", topics["topic_jobs"],
         "--idle-exit-s", str(idle_s),

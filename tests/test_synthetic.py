@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator import optypes as ot
-from simulator.engine import compile_model, simulate
-from simulator.generate import (
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.engine import compile_model, simulate
+from lagscope.simulator.generate import (
     CostModel,
     JobSpec,
     LastStageImbalance,
@@ -16,9 +16,9 @@ from simulator.generate import (
     compute_schedule,
     generate_job,
 )
-from simulator.prepare import prepare
-from simulator.trace import Trace
-from simulator.whatif import analyze
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.trace import Trace
+from lagscope.simulator.whatif import analyze
 
 BALANCED = CostModel(first_stage_extra=0.0, last_stage_extra=0.0, noise_cv=0.01)
 
@@ -144,7 +144,7 @@ def test_last_stage_imbalance_is_explained_by_the_last_stage():
 def test_engine_group_and_dp_sync_semantics():
     """Hand-computed: a -> (b, c) pair; b's group waits for the later member; d is a
     DP-synchronized singleton that waits for the slowest DP rank of its segment."""
-    from simulator.depmodel import CommGroup, DependencyModel, OpName
+    from lagscope.simulator.depmodel import CommGroup, DependencyModel, OpName
 
     nodes = tuple(OpName(0, t, 0) for t in ("a", "b", "c", "d"))
     model = DependencyModel(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from producers.events import JobInfo, decode_batch
-from producers.log import KIND_BATCH, KIND_JOB, Record, rank_dir, read_all
-from producers.timer import OpTimer, UnknownOpTypeError
+from lagscope.producers.events import JobInfo, decode_batch
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, Record, rank_dir, read_all
+from lagscope.producers.timer import OpTimer, UnknownOpTypeError
 
 
 def _batches(log_dir: Path, rank: int):
@@ -158,7 +158,7 @@ def test_cuda_mode_records_events_without_synchronizing(tmp_path: Path) -> None:
 def test_huge_step_is_split_into_batches_with_continuous_seq(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import producers.timer as timer_module
+    import lagscope.producers.timer as timer_module
 
     monkeypatch.setattr(timer_module, "MAX_OPS_PER_BATCH", 100)
     with _timer(tmp_path) as timer:

@@ -10,8 +10,8 @@ import time
 import numpy as np
 from confluent_kafka import Producer
 
-from producers.events import JobInfo
-from producers.replay import iter_step_batches, replay
+from lagscope.producers.events import JobInfo
+from lagscope.producers.replay import iter_step_batches, replay
 from tests.conftest import REFERENCE_NAMES, analyzed_reference, load_reference
 from tests.kafka_util import consume_all
 from tests.worker_util import (

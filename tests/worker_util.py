@@ -19,7 +19,7 @@ from typing import Any
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from producers.config import KafkaSettings, LagscopeConfig
+from lagscope.producers.config import KafkaSettings, LagscopeConfig
 
 
 def create_topics(bootstrap: str, topics: dict[str, str], *, ops_partitions: int = 1) -> None:
@@ -94,7 +94,7 @@ def start_worker(
     command = [
         sys.executable,
         "-m",
-        "stream_app.cli",
+        "lagscope.stream_app.cli",
         "worker",
         "--bootstrap",
         bootstrap,
@@ -129,7 +129,7 @@ def query_store(work_dir: Path, sql: str) -> list[dict[str, Any]]:
         [
             sys.executable,
             "-m",
-            "stream_app.cli",
+            "lagscope.stream_app.cli",
             "query",
             "--dsn",
             f"chdb://{work_dir / 'chdb'}",

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from producers.reference_format import load_meta, load_trace
-from simulator.diagnose import diagnose
-from simulator.prepare import prepare
-from simulator.summary import result_to_dict, summary_lines
-from simulator.timeline import trace_events
-from simulator.trace import TraceError
-from simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, WhatIfAnalysis, analyze
+from lagscope.producers.reference_format import load_meta, load_trace
+from lagscope.simulator.diagnose import diagnose
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.summary import result_to_dict, summary_lines
+from lagscope.simulator.timeline import trace_events
+from lagscope.simulator.trace import TraceError
+from lagscope.simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, WhatIfAnalysis, analyze
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         document["diagnosis"] = diagnosis.as_dict()
         _write(args.json, json.dumps(document, indent=2))
     if args.heatmap:
-        from dashboards.heatmap import draw_worker_heatmap
+        from lagscope.dashboards.heatmap import draw_worker_heatmap
 
         args.heatmap.parent.mkdir(parents=True, exist_ok=True)
         draw_worker_heatmap(
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"  heatmap written to {args.heatmap}")
     if args.report:
-        from dashboards.report import ReportData, render_report
+        from lagscope.dashboards.report import ReportData, render_report
 
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(

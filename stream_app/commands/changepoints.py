@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from simulator.bocd import BocdBank, BocdConfig, relative_change
-from simulator.trace import TraceError
+from lagscope.simulator.bocd import BocdBank, BocdConfig, relative_change
+from lagscope.simulator.trace import TraceError
 
 REQUIRED_COLUMNS = ("series", "index", "value")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from producers.reference_format import write_meta, write_trace
-from simulator.generate import Injection, JobSpec, generate_job
-from simulator.trace import TraceError, describe_validation_error
+from lagscope.producers.reference_format import write_meta, write_trace
+from lagscope.simulator.generate import Injection, JobSpec, generate_job
+from lagscope.simulator.trace import TraceError, describe_validation_error
 
 _INJECTION = TypeAdapter(Injection)
 

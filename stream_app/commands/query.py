@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, StoreError
+from lagscope.stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, StoreError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -12,14 +12,20 @@ from pathlib import Path
 
 import numpy as np
 
-from dashboards.report import ReportData, render_report
-from producers.events import JobInfo
-from producers.timer import OpTimer
-from simulator.generate import GcPauses, JobSpec, LastStageImbalance, SlowWorker, generate_job
-from simulator.trace import Trace
-from stream_app.embedded import EmbeddedRunner, JobReport, RunReport
-from stream_app.processor import ProcessorSettings
-from stream_app.sink import DSN_ENV, ClickHouseSink
+from lagscope.dashboards.report import ReportData, render_report
+from lagscope.producers.events import JobInfo
+from lagscope.producers.timer import OpTimer
+from lagscope.simulator.generate import (
+    GcPauses,
+    JobSpec,
+    LastStageImbalance,
+    SlowWorker,
+    generate_job,
+)
+from lagscope.simulator.trace import Trace
+from lagscope.stream_app.embedded import EmbeddedRunner, JobReport, RunReport
+from lagscope.stream_app.processor import ProcessorSettings
+from lagscope.stream_app.sink import DSN_ENV, ClickHouseSink
 
 H100_BF16_PEAK_FLOPS = 989e12
 

@@ -42,9 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from producers.config import ConfigError, load_config
-    from stream_app.sink import StoreError
-    from stream_app.worker import FaustWorker, WorkerConfig
+    from lagscope.producers.config import ConfigError, load_config
+    from lagscope.stream_app.sink import StoreError
+    from lagscope.stream_app.worker import FaustWorker, WorkerConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

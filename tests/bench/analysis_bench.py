@@ -15,16 +15,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = Path(
-    os.environ.get("LAGSCOPE_REFERENCE_TRACES", REPO.parent / "shared" / "reference-traces")
+    os.environ.get("LAGSCOPE_REFERENCE_TRACES", REPO / "tests" / "data" / "reference-traces")
 )
 
 _CHILD = r"""
 import json, statistics, sys, time, tracemalloc
 import numpy as np
-from producers.reference_format import load_meta, load_trace
-from simulator.prepare import prepare
-from simulator.whatif import WhatIfAnalysis, Variant, analyze
-from simulator.generate import JobSpec, CostModel, generate_job
+from lagscope.producers.reference_format import load_meta, load_trace
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.whatif import WhatIfAnalysis, Variant, analyze
+from lagscope.simulator.generate import JobSpec, CostModel, generate_job
 
 mode, arg = sys.argv[1], sys.argv[2]
 if mode == "scale":
@@ -60,7 +60,7 @@ _, rows["base simulation"] = timed(lambda: wa.run([Variant("measured", delay="al
                                                    Variant("measured"), Variant("ideal")]))
 labels = sorted(set(prepared.node_optype))
 def attributions():
-    from simulator import optypes as ot
+    from lagscope.simulator import optypes as ot
     lab = [ot.report_label(t) for t in prepared.node_optype]
     sels = ([wa.nodes_labelled(lab, n) for n in sorted(set(lab))]
             + [wa.dp_rows(d) for d in range(prepared.n_dp)]

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from simulator.bocd import BocdBank, BocdConfig, sliding_window_changepoints
-from simulator.series_gen import generate_fail_slow_set, score_series, stack_series
+from lagscope.simulator.bocd import BocdBank, BocdConfig, sliding_window_changepoints
+from lagscope.simulator.series_gen import generate_fail_slow_set, score_series, stack_series
 
 SERIES_COUNTS = (1, 1_000, 10_000)
 RUN_LENGTHS = (100, 500)

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from simulator.collective_gen import PipelineRankShape, generate_collective_calls
-from simulator.period import iteration_times
+from lagscope.simulator.collective_gen import PipelineRankShape, generate_collective_calls
+from lagscope.simulator.period import iteration_times
 
 SHAPES = {
     "dp-only": PipelineRankShape(pp_size=1, stage=0, microbatches=1, dp_buckets=2),

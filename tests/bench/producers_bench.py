@@ -9,14 +9,14 @@ import time
 import zlib
 from pathlib import Path
 
-from deploy.kafka_local import KafkaBroker
-from producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
-from producers.reference_format import load_meta, load_trace
-from producers.replay import default_job_id, iter_step_batches, replay
-from producers.streamer import Streamer
-from producers.timer import OpTimer
+from lagscope.deploy.kafka_local import KafkaBroker
+from lagscope.producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
+from lagscope.producers.reference_format import load_meta, load_trace
+from lagscope.producers.replay import default_job_id, iter_step_batches, replay
+from lagscope.producers.streamer import Streamer
+from lagscope.producers.timer import OpTimer
 
-REFERENCE_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "reference-traces"
+REFERENCE_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "reference-traces"
 
 
 def _timer_overhead_ns(log_dir: Path, n: int = 200_000) -> float:

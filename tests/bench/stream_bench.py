@@ -30,15 +30,15 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = Path(
-    os.environ.get("LAGSCOPE_REFERENCE_TRACES", REPO.parent / "shared" / "reference-traces")
+    os.environ.get("LAGSCOPE_REFERENCE_TRACES", REPO / "tests" / "data" / "reference-traces")
 )
 
 
 def _processor_rows() -> list[dict]:
-    from producers.events import JobInfo
-    from producers.replay import iter_step_batches
-    from simulator.generate import JobSpec, generate_job
-    from stream_app.processor import StepProcessor
+    from lagscope.producers.events import JobInfo
+    from lagscope.producers.replay import iter_step_batches
+    from lagscope.simulator.generate import JobSpec, generate_job
+    from lagscope.stream_app.processor import StepProcessor
 
     rows = []
     for gpus in (1024, 4096, 12288):
@@ -83,7 +83,7 @@ def _throughput_row(bootstrap: str, work: Path, shape: str, jobs: list, workers:
     """
     from confluent_kafka import Consumer, TopicPartition
 
-    from producers.replay import replay
+    from lagscope.producers.replay import replay
     from tests.worker_util import create_topics, kafka_config, start_worker
 
     topics = _topics()
@@ -153,8 +153,8 @@ def _job_ids_on_distinct_partitions(n: int) -> list[str]:
 
 def _worker_rows(bootstrap: str, work: Path) -> list[dict]:
 
-    from producers.reference_format import load_meta, load_trace
-    from simulator.generate import JobSpec, generate_job
+    from lagscope.producers.reference_format import load_meta, load_trace
+    from lagscope.simulator.generate import JobSpec, generate_job
 
     trace, meta = load_trace(REFERENCE / "trace-AR.parquet"), load_meta(REFERENCE / "meta-AR.yaml")
     big = generate_job(JobSpec(dp=16, pp=8, tp=8, microbatches=32, steps=200, seed=7))
@@ -180,8 +180,8 @@ def _latency_rows(bootstrap: str, work: Path, trace, meta) -> list[dict]:
     """A live replay of `trace` at 200x real time into a running worker."""
     from confluent_kafka import Producer
 
-    from producers.events import JobInfo
-    from producers.replay import iter_step_batches
+    from lagscope.producers.events import JobInfo
+    from lagscope.producers.replay import iter_step_batches
     from tests.worker_util import create_topics, query_store, start_worker
 
     rows = []
@@ -244,7 +244,7 @@ def _topics() -> dict[str, str]:
 
 
 def run() -> list[dict]:
-    from deploy.kafka_local import KafkaBroker
+    from lagscope.deploy.kafka_local import KafkaBroker
 
     rows = _processor_rows()
     with tempfile.TemporaryDirectory(prefix="lagscope-stream-bench-") as tmp:
