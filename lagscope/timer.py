@@ -2,7 +2,8 @@
 
     from lagscope.timer import OpTimer
 
-    timer = OpTimer(job_id="llama-70b", rank=rank, dp_rank=dp, pp_rank=pp, log_dir="/local/lagscope")
+    timer = OpTimer(job_id="llama-70b", rank=rank, dp_rank=dp, pp_rank=pp,
+                    log_dir="/local/lagscope")
     timer.step(iteration)
     with timer.op("forward-compute", microbatch=m):
         output = model(batch)

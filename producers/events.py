@@ -1,7 +1,7 @@
 """The event schema: op records, rank-step batches and their wire encoding, job metadata.
 
 This module is the single definition of what travels from training ranks to the stream
-app (DESIGN.md §Events). One *op record* is one timed operation on one rank:
+app (docs/design.md §3). One *op record* is one timed operation on one rank:
 
     job_id, attempt, rank, dp_rank, pp_rank, tp_rank, cp_rank, step, optype, microbatch,
     chunk, seq, start_ns, duration_ns
@@ -77,7 +77,7 @@ _COLUMNS: tuple[tuple[str, np.dtype], ...] = (
 )
 _BYTES_PER_OP = sum(dtype.itemsize for _, dtype in _COLUMNS)
 
-#: Fields of one op record, in the order DESIGN.md lists them.
+#: Fields of one op record, in the order docs/design.md §3.1 lists them.
 OP_FIELDS: tuple[str, ...] = (
     "job_id",
     "attempt",

@@ -3,7 +3,7 @@
 The model says, for every op name (optype, seq, stage), which ops must end before it can
 start, and which ops form a communication group (they start together and end at the group
 start plus their own transfer time). It is inferred once, from dp rank 0 in the first step,
-and assumed to hold for every step and DP rank, following WHATIF.md §A3 rule by rule.
+and assumed to hold for every step and DP rank, following docs/whatif.md §3 rule by rule.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Columns are grouped into *segments* (one segment = the DP ranks of one step of o
 variant): a DP-synchronized collective starts when its last member on any column of the
 segment is posted.
 
-Semantics (WHATIF.md §A5): an op starts at the latest end of its dependencies plus its
+Semantics (docs/whatif.md §4): an op starts at the latest end of its dependencies plus its
 launch delay. A plain op ends at start + cost. A communication op is posted at its start;
 its group starts (G) when every member is posted, and each member ends at G + its own cost.
 """

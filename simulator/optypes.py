@@ -1,6 +1,6 @@
 """Op type vocabulary shared by every stage of lagscope.
 
-The strings are exactly those of the reference traces (and of DESIGN.md). Which family an
+The strings are exactly those of the reference traces (and of docs/whatif.md §1.3). Which family an
 op type belongs to decides how it is idealized (mean of durations for compute, median of
 transfer times for communication) and how it is reported (send/recv merged per direction).
 """

@@ -2,7 +2,7 @@
 
 Every op name of the dependency model has exactly one instance per (step, DP rank), so the
 trace becomes arrays indexed [node, step, dp]. Here too the measured inputs of the what-if
-analysis are derived (WHATIF.md §A2): the transfer time of communication ops (own end minus
+analysis are derived (docs/whatif.md §2): the transfer time of communication ops (own end minus
 the latest start of the group) and the launch delay of every op (start minus the latest end
 of its dependencies).
 """

@@ -1,5 +1,5 @@
 """What-if analysis: how fast would the steps have been without stragglers, and who is to
-blame (WHATIF.md §A4-A5).
+blame (docs/whatif.md §5-§6).
 
 Every question is a *variant* of the step's inputs: the measured costs with some rows set
 to their ideal values, or the ideal costs with some rows restored to what was measured.
@@ -140,7 +140,7 @@ class WhatIfResult:
 def ideal_costs(prepared: PreparedTrace) -> dict[str, float]:
     """Ideal cost per op type: mean duration of compute ops, median cost of comm ops.
 
-    Pooled over every stage, step and rank of the trace (WHATIF.md §A4): the ideal is the
+    Pooled over every stage, step and rank of the trace (docs/whatif.md §5): the ideal is the
     average worker, and stage imbalance counts as straggling.
     """
     result: dict[str, float] = {}
@@ -350,7 +350,7 @@ def analyze(
     compiled: CompiledModel | None = None,
     explain: bool = True,
 ) -> WhatIfResult:
-    """The full what-if analysis of a prepared trace (WHATIF.md §A5).
+    """The full what-if analysis of a prepared trace (docs/whatif.md §6).
 
     Attributions are always computed (M_W needs them); `decomposed` tells whether the
     slowdown passed `decompose_threshold`, which reporting uses to gate them.

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import REFERENCE_NAMES, analyzed_reference, assert_same_result
 
 RTOL = 1e-3
-#: Nodes / edges / comm groups of each trace's dependency model (WHATIF.md §A3).
+#: Nodes / edges / comm groups of each trace's dependency model (docs/whatif.md §3.9).
 MODEL_SIZES = {"ST": (106, 165, 34), "SE": (78, 121, 22), "AR": (666, 1229, 202)}
 
 
