@@ -1,5 +1,8 @@
 # Everything runs from the project's own virtual environment in .venv/.
-PYTHON ?= python3
+# The Megatron-core adapter's tests need megatron-core 0.19, which needs Python 3.12: use a
+# 3.12 interpreter when the machine has one (pyenv's included), else python3 (>= 3.11).
+PYTHON ?= $(firstword $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 python3; do \
+	$$p -c 'import sys' >/dev/null 2>&1 && echo $$p; done))
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
