@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write nothing; exit 1 if the files in --out differ from a fresh build",
     )
-    build.set_defaults(handler=build_command)
+    build.set_defaults(handler=build_command, extra="dashboards")
 
     push = actions.add_parser(
         "push",
@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--clickhouse-password", help=f"its password (default ${CLICKHOUSE_PASSWORD_ENV})"
     )
     push.add_argument("--timeout-s", type=float, default=10.0)
-    push.set_defaults(handler=push_command)
+    push.set_defaults(handler=push_command, extra="dashboards")
 
 
 def build_command(args: argparse.Namespace) -> int:

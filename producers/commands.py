@@ -6,9 +6,13 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lagscope.producers.config import ConfigError, LagscopeConfig, load_config
+if TYPE_CHECKING:
+    from lagscope.producers.config import LagscopeConfig
+
+# The settings model (pydantic), the streamer and Kafka are imported when a command runs:
+# registering the commands must stay cheap.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="delete log files once Kafka confirmed everything in them",
     )
-    stream.set_defaults(handler=run_stream)
+    stream.set_defaults(handler=run_stream, extra="sidecar")
 
     replay = subparsers.add_parser(
         "replay", help="replay a reference trace into per-rank logs or straight into Kafka"
@@ -54,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pace.add_argument("--realtime", action="store_const", const=1.0, dest="speed")
     replay.add_argument("--repeat", type=int, default=1, help="replay the trace N times")
     replay.add_argument("--no-progress", action="store_true")
-    replay.set_defaults(handler=run_replay)
+    replay.set_defaults(handler=run_replay, extra="analyze")
 
 
 def _kafka_flags(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +77,8 @@ def _kafka_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, streamer: dict[str, Any]) -> LagscopeConfig:
+    from lagscope.producers.config import ConfigError, LagscopeConfig, load_config
+
     options: dict[str, str] = {}
     for item in args.kafka_option:
         key, sep, value = item.partition("=")
@@ -91,6 +97,7 @@ def _config(args: argparse.Namespace, streamer: dict[str, Any]) -> LagscopeConfi
 
 
 def run_stream(args: argparse.Namespace) -> int:
+    from lagscope.producers.config import ConfigError
     from lagscope.producers.streamer import Streamer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -118,6 +125,7 @@ def run_stream(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    from lagscope.producers.config import ConfigError
     from lagscope.producers.reference_format import load_meta, load_trace
     from lagscope.producers.replay import replay
 

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import yaml
 from pydantic import ValidationError
 
-from lagscope.simulator.trace import JobMeta, Trace, TraceError, describe_validation_error
+from lagscope.simulator.errors import TraceError, describe_validation_error
+from lagscope.simulator.trace import JobMeta, Trace
 
 #: Physical types used when writing, matching the reference files.
 _WRITE_TYPES: dict[str, pa.DataType] = {
@@ -36,7 +37,10 @@ def load_trace(path: str | Path) -> Trace:
     """Read a reference-format parquet trace."""
     path = Path(path)
     try:
-        table = pq.read_table(path)
+        # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose import
+        # pulls in pandas (a fifth of a second of a command's start).
+        with pq.ParquetFile(path) as parquet:
+            table = parquet.read()
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
     except (pa.ArrowInvalid, OSError) as exc:
@@ -46,7 +50,7 @@ def load_trace(path: str | Path) -> Trace:
         column = table.column(name).combine_chunks()
         if name == "optype":
             if pa.types.is_dictionary(column.type):
-                columns["optype"] = column.indices.to_numpy(zero_copy_only=False)
+                columns["optype"] = _values(column.indices)
                 columns["optype_names"] = column.dictionary.to_pylist()
                 if column.null_count:
                     raise TraceError(f"{path}: column 'optype' has {column.null_count} nulls")
@@ -58,8 +62,38 @@ def load_trace(path: str | Path) -> Trace:
             raise TraceError(
                 f"{path}: column {name!r} has {column.null_count} null(s), first at row {first}"
             )
-        columns[name] = column.to_numpy(zero_copy_only=False)
+        columns[name] = _values(column)
     return Trace.from_columns(columns, source=str(path))
+
+
+#: numpy dtypes of the arrow types whose values are one plain buffer.
+_PLAIN_NUMPY_TYPES = {
+    str(t): np.dtype(d)
+    for t, d in (
+        (pa.int8(), np.int8),
+        (pa.int16(), np.int16),
+        (pa.int32(), np.int32),
+        (pa.int64(), np.int64),
+        (pa.uint8(), np.uint8),
+        (pa.uint16(), np.uint16),
+        (pa.uint32(), np.uint32),
+        (pa.uint64(), np.uint64),
+        (pa.float32(), np.float32),
+        (pa.float64(), np.float64),
+    )
+}
+
+
+def _values(column: pa.Array) -> np.ndarray:
+    """The values of a null-free arrow array as numpy, viewed in place where the type has
+    one plain buffer. pyarrow's own `to_numpy` imports pandas on first use, which would be
+    a fifth of a second of every `lagscope analyze`."""
+    dtype = _PLAIN_NUMPY_TYPES.get(str(column.type))
+    if dtype is None:
+        return column.to_numpy(zero_copy_only=False)
+    return np.frombuffer(
+        column.buffers()[1], dtype=dtype, count=len(column), offset=column.offset * dtype.itemsize
+    )
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:

@@ -42,6 +42,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lagscope.simulator.defaults import (
+    BOCD_HAZARD,
+    BOCD_MAX_RUN_LENGTH,
+    BOCD_MIN_RELATIVE_CHANGE,
+    BOCD_WARMUP,
+)
+
 #: MAD of a normal sample times this factor estimates its standard deviation.
 _MAD_TO_SIGMA = 1.4826
 
@@ -54,13 +61,13 @@ class BocdConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     #: Prior probability that a new regime starts at any observation (1 / expected length).
-    hazard: float = Field(default=1.0 / 250.0, gt=0.0, lt=1.0)
+    hazard: float = Field(default=BOCD_HAZARD, gt=0.0, lt=1.0)
     #: Run lengths kept per series (R); memory and time per update are O(R).
-    max_run_length: int = Field(default=100, ge=8)
+    max_run_length: int = Field(default=BOCD_MAX_RUN_LENGTH, ge=8)
     #: Observations per series used to estimate location and scale before detecting.
-    warmup: int = Field(default=20, ge=5)
+    warmup: int = Field(default=BOCD_WARMUP, ge=5)
     #: Verification: the larger regime mean over the smaller must exceed 1 + this.
-    min_relative_change: float = Field(default=0.10, gt=0.0)
+    min_relative_change: float = Field(default=BOCD_MIN_RELATIVE_CHANGE, gt=0.0)
     #: Observations a new regime must last before it is verified (spike rejection).
     min_regime_length: int = Field(default=8, ge=2)
     #: A regime older than this many observations is no longer a candidate.

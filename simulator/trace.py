@@ -13,18 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from lagscope.simulator.errors import TraceError
 from lagscope.simulator.optypes import KNOWN_OPTYPES
-
-
-class TraceError(ValueError):
-    """Input that cannot be analysed; the message names the source and what is at fault."""
-
-
-def describe_validation_error(exc: ValidationError, what: str) -> str:
-    """'field.sub: message; ...' of a pydantic error, for one-line messages."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or what}: {e['msg']}" for e in exc.errors())
 
 
 class JobMeta(BaseModel):

@@ -19,11 +19,10 @@ from typing import Literal
 import numpy as np
 
 from lagscope.simulator import optypes as ot
+from lagscope.simulator.defaults import DEFAULT_DECOMPOSE_THRESHOLD
 from lagscope.simulator.engine import CompiledModel, Timeline, compile_model, simulate
 from lagscope.simulator.prepare import DroppedStep, PreparedTrace
 
-#: Attribution is reported only when the slowdown reaches this (the reference's default).
-DEFAULT_DECOMPOSE_THRESHOLD = 1.03
 #: Share of workers that M_W blames: the top 3 %.
 TOP_WORKER_SHARE = 0.03
 #: (node x column) cells simulated per engine pass: each float64 buffer of the pass is at

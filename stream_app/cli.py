@@ -1,48 +1,109 @@
 """The `lagscope` command line: one entry point, sub-commands registered by the modules
-that own them (each module exposes `register(subparsers)` and stays a thin adapter)."""
+that own them (each module exposes `register(subparsers)` and stays a thin adapter).
+
+Registering a command imports nothing heavy: each handler imports what it needs when it
+runs, so `lagscope --help` costs little more than the interpreter's own start. A handler
+whose optional dependencies are not installed ends with one line naming the extra to
+install (`pip install 'lagscope[store]'`), never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
-from lagscope.simulator.trace import TraceError
+from lagscope import __version__
+from lagscope.simulator.errors import TraceError
 
-#: Modules that contribute sub-commands, in the order `lagscope --help` lists them.
-COMMAND_MODULES: tuple[str, ...] = (
-    "lagscope.stream_app.commands.analyze",
-    "lagscope.stream_app.commands.generate",
-    "lagscope.stream_app.commands.changepoints",
-    "lagscope.stream_app.commands.query",
-    "lagscope.stream_app.commands.run",
-    "lagscope.stream_app.commands.worker",
-    "lagscope.producers.commands",
-    "lagscope.dashboards.commands",
-)
+#: The module that registers each sub-command, in the order `lagscope --help` lists them.
+#: A command line that names one command imports only that command's module.
+COMMAND_MODULE: dict[str, str] = {
+    "analyze": "lagscope.stream_app.commands.analyze",
+    "generate": "lagscope.stream_app.commands.generate",
+    "changepoints": "lagscope.stream_app.commands.changepoints",
+    "query": "lagscope.stream_app.commands.query",
+    "run": "lagscope.stream_app.commands.run",
+    "demo": "lagscope.stream_app.commands.run",
+    "worker": "lagscope.stream_app.commands.worker",
+    "stream": "lagscope.producers.commands",
+    "replay": "lagscope.producers.commands",
+    "dashboards": "lagscope.dashboards.commands",
+}
+COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMAND_MODULE.values()))
+
+#: The extra that installs each optional top-level module a command may import.
+EXTRA_OF_MODULE: dict[str, str] = {
+    "pyarrow": "analyze",
+    "matplotlib": "analyze",
+    "chdb": "store",
+    "clickhouse_connect": "store",
+    "confluent_kafka": "sidecar",
+    "faust": "stream",
+    "aiokafka": "stream",
+    "grafana_foundation_sdk": "dashboards",
+    "grafana_client": "dashboards",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `command` alone (a module registers all of its
+    commands, so its siblings come along)."""
     parser = argparse.ArgumentParser(
         prog="lagscope",
         description="Find stragglers in large-scale LLM training: what-if analysis, "
         "change points, diagnosis.",
     )
+    parser.add_argument("--version", action="version", version=f"lagscope {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module_name in COMMAND_MODULES:
+    modules = (COMMAND_MODULE[command],) if command in COMMAND_MODULE else COMMAND_MODULES
+    for module_name in modules:
         importlib.import_module(module_name).register(subparsers)
     return parser
 
 
+def named_command(argv: Sequence[str]) -> str | None:
+    """The sub-command a command line names: its first argument, unless that is an option."""
+    return argv[0] if argv and not argv[0].startswith("-") else None
+
+
+def missing_extra_message(
+    command: str, exc: ModuleNotFoundError, command_extra: str | None = None
+) -> str | None:
+    """The one line for a command whose optional dependency is not installed, or None when
+    the missing module is not one that an extra provides (a real bug: let it raise). A
+    command that declares its extra (`set_defaults(extra=...)`) names that one."""
+    top_level = (exc.name or "").partition(".")[0]
+    if top_level not in EXTRA_OF_MODULE:
+        return None
+    extra = command_extra or EXTRA_OF_MODULE[top_level]
+    return (
+        f"lagscope {command}: needs {top_level}, which is not installed; "
+        f"install the '{extra}' extra: pip install 'lagscope[{extra}]'"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # pydantic looks for plugins among the entry points of every installed distribution at
+    # its first model; in a training environment that scan costs more than the rest of a
+    # command's start. A command line needs no pydantic plugin; a user can still set it.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    parser = build_parser(named_command(argv))
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except TraceError as exc:
         print(f"lagscope {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        message = missing_extra_message(args.command, exc, getattr(args, "extra", None))
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

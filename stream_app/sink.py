@@ -30,10 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from lagscope.stream_app import schema
-
-#: Default DSN: an embedded chDB store under the working directory.
-DEFAULT_DSN = "chdb://./lagscope-data/chdb"
-DSN_ENV = "LAGSCOPE_CLICKHOUSE_DSN"
+from lagscope.stream_app.store_location import DEFAULT_DSN
 
 ColumnData = Sequence[Any] | np.ndarray
 

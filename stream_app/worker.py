@@ -82,7 +82,8 @@ from lagscope.stream_app.processor import (
 )
 from lagscope.stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
 from lagscope.stream_app.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
-from lagscope.stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, SinkBatch
+from lagscope.stream_app.sink import ClickHouseSink, SinkBatch
+from lagscope.stream_app.store_location import DEFAULT_DSN, DSN_ENV
 
 log = logging.getLogger("lagscope.worker")
 

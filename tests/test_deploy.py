@@ -23,7 +23,8 @@ import yaml
 
 from lagscope.producers.config import LagscopeConfig
 from lagscope.stream_app.cli import build_parser
-from lagscope.stream_app.sink import DSN_ENV, parse_dsn
+from lagscope.stream_app.sink import parse_dsn
+from lagscope.stream_app.store_location import DSN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"

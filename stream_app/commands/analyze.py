@@ -6,16 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from lagscope.simulator.defaults import DEFAULT_DECOMPOSE_THRESHOLD
+from lagscope.simulator.errors import TraceError
 
-from lagscope.producers.reference_format import load_meta, load_trace
-from lagscope.simulator.diagnose import diagnose
-from lagscope.simulator.prepare import prepare
-from lagscope.simulator.summary import result_to_dict, summary_lines
-from lagscope.simulator.timeline import trace_events
-from lagscope.simulator.trace import TraceError
-from lagscope.simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, WhatIfAnalysis, analyze
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,13 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--always-decompose", action="store_true", help="report attributions at any slowdown"
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, extra="analyze")
 
 
 def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
     """Mask of `available` steps named by '16-39,404': ranges keep the steps inside them
     (step ids need not be contiguous); a single id or a range that matches nothing is an
     error."""
+    import numpy as np
+
     keep = np.zeros(available.shape, dtype=bool)
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -79,6 +78,13 @@ def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: registering the command must stay cheap.
+    from lagscope.producers.reference_format import load_meta, load_trace
+    from lagscope.simulator.diagnose import diagnose
+    from lagscope.simulator.prepare import prepare
+    from lagscope.simulator.summary import result_to_dict, summary_lines
+    from lagscope.simulator.whatif import analyze
+
     trace = load_trace(args.trace)
     meta = load_meta(args.meta)
     prepared = prepare(trace, meta, skip_incomplete_steps=args.skip_incomplete_steps)
@@ -132,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"  report written to {args.report}")
     if args.timeline:
+        from lagscope.simulator.timeline import trace_events
+        from lagscope.simulator.whatif import WhatIfAnalysis
+
         ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
         events = trace_events(prepared, ideal.start[:, 0], ideal.end[:, 0])
         _write(args.timeline, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

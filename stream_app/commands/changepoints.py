@@ -15,12 +15,17 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from lagscope.simulator import defaults
+from lagscope.simulator.errors import TraceError
 
-from lagscope.simulator.bocd import BocdBank, BocdConfig, relative_change
-from lagscope.simulator.trace import TraceError
+if TYPE_CHECKING:
+    import numpy as np
+
+    from lagscope.simulator.bocd import BocdConfig
+
+# numpy and the detector are imported when the command runs: `--help` must stay cheap.
 
 REQUIRED_COLUMNS = ("series", "index", "value")
 
@@ -34,29 +39,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--input", required=True, help="CSV file with columns series,index,value")
     parser.add_argument("--json", dest="json_path", help="write the change points here as JSON")
-    defaults = BocdConfig()
     parser.add_argument(
         "--min-change",
         type=float,
-        default=defaults.min_relative_change,
+        default=defaults.BOCD_MIN_RELATIVE_CHANGE,
         help="verification threshold: relative change of the regime means (default %(default)s)",
     )
     parser.add_argument(
         "--hazard",
         type=float,
-        default=defaults.hazard,
+        default=defaults.BOCD_HAZARD,
         help="prior probability of a new regime at each observation (default %(default).4g)",
     )
     parser.add_argument(
         "--max-run-length",
         type=int,
-        default=defaults.max_run_length,
+        default=defaults.BOCD_MAX_RUN_LENGTH,
         help="run lengths kept per series (default %(default)s)",
     )
     parser.add_argument(
         "--warmup",
         type=int,
-        default=defaults.warmup,
+        default=defaults.BOCD_WARMUP,
         help="observations per series that set its scale before detection (default %(default)s)",
     )
     parser.set_defaults(handler=run)
@@ -73,6 +77,8 @@ class SeriesTable:
 
 def read_series_csv(path: Path) -> SeriesTable:
     """Parse and validate the CSV; errors name the file, line and column at fault."""
+    import numpy as np
+
     try:
         handle = path.open(newline="", encoding="utf-8")
     except OSError as exc:
@@ -150,6 +156,8 @@ def _parse_value(field: str, path: Path, line: int) -> float:
 
 def detect(table: SeriesTable, config: BocdConfig) -> list[dict[str, Any]]:
     """Verified change points, as JSON-ready dicts, ordered by series then index."""
+    from lagscope.simulator.bocd import BocdBank
+
     bank = BocdBank(len(table.names), config)
     found: list[dict[str, Any]] = []
     for row in table.values:
@@ -170,6 +178,8 @@ def detect(table: SeriesTable, config: BocdConfig) -> list[dict[str, Any]]:
 
 
 def format_table(changes: list[dict[str, Any]]) -> str:
+    from lagscope.simulator.bocd import relative_change
+
     if not changes:
         return "no change points"
     width = max(len("series"), *(len(change["series"]) for change in changes))
@@ -190,6 +200,8 @@ def format_table(changes: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lagscope.simulator.bocd import BocdConfig
+
     try:
         config = BocdConfig(
             min_relative_change=args.min_change,

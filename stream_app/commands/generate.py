@@ -4,21 +4,34 @@ truth (thin adapter around simulator.generate)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import yaml
-from pydantic import TypeAdapter, ValidationError
+from lagscope.simulator.errors import TraceError, describe_validation_error
 
-from lagscope.producers.reference_format import write_meta, write_trace
-from lagscope.simulator.generate import Injection, JobSpec, generate_job
-from lagscope.simulator.trace import TraceError, describe_validation_error
+if TYPE_CHECKING:
+    from lagscope.simulator.generate import Injection
 
-_INJECTION = TypeAdapter(Injection)
+# The generator, pydantic and yaml are imported when the command runs, not when it is
+# registered: `lagscope --help` must stay cheap.
+
+
+@functools.cache
+def _injection_adapter() -> Any:
+    from pydantic import TypeAdapter
+
+    from lagscope.simulator.generate import Injection
+
+    return TypeAdapter(Injection)
 
 
 def parse_injection(text: str) -> Injection:
     """'slow_worker:dp=1,stage=2,factor=1.5,start_step=10,end_step=30' -> SlowWorker."""
+    import yaml
+    from pydantic import ValidationError
+
     kind, _, params = text.partition(":")
     fields: dict[str, object] = {"kind": kind.strip()}
     for item in filter(None, (p.strip() for p in params.split(","))):
@@ -27,7 +40,7 @@ def parse_injection(text: str) -> Injection:
             raise TraceError(f"--inject {text!r}: expected name=value, got {item!r}")
         fields[name.strip()] = yaml.safe_load(value)
     try:
-        return _INJECTION.validate_python(fields)
+        return _injection_adapter().validate_python(fields)
     except ValidationError as exc:
         problems = describe_validation_error(exc, "kind")
         raise TraceError(f"--inject {text!r}: {problems}") from None
@@ -63,10 +76,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(kinds: slow_worker, last_stage_imbalance, sequence_imbalance, gc_pauses, "
         "slow_link, launch_delay); repeatable",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, extra="analyze")
 
 
 def run(args: argparse.Namespace) -> int:
+    import yaml
+    from pydantic import ValidationError
+
+    from lagscope.producers.reference_format import write_meta, write_trace
+    from lagscope.simulator.generate import JobSpec, generate_job
+
     spec_data: dict = {}
     if args.spec:
         try:

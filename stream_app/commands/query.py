@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from lagscope.stream_app.sink import DEFAULT_DSN, DSN_ENV, ClickHouseSink, StoreError
+from lagscope.stream_app.store_location import DEFAULT_DSN, DSN_ENV
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,10 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--format", choices=("table", "csv", "json"), default="table", help="output format"
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, extra="store")
 
 
 def run(args: argparse.Namespace) -> int:
+    from lagscope.stream_app.sink import ClickHouseSink, StoreError
+
     dsn = args.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN
     try:
         with ClickHouseSink(dsn, create=False) as store:

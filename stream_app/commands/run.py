@@ -9,23 +9,19 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from lagscope.stream_app.store_location import DSN_ENV
 
-from lagscope.dashboards.report import ReportData, render_report
-from lagscope.producers.events import JobInfo
-from lagscope.producers.timer import OpTimer
-from lagscope.simulator.generate import (
-    GcPauses,
-    JobSpec,
-    LastStageImbalance,
-    SlowWorker,
-    generate_job,
-)
-from lagscope.simulator.trace import Trace
-from lagscope.stream_app.embedded import EmbeddedRunner, JobReport, RunReport
-from lagscope.stream_app.processor import ProcessorSettings
-from lagscope.stream_app.sink import DSN_ENV, ClickHouseSink
+if TYPE_CHECKING:
+    from lagscope.dashboards.report import ReportData
+    from lagscope.producers.events import JobInfo
+    from lagscope.simulator.generate import JobSpec
+    from lagscope.simulator.trace import Trace
+    from lagscope.stream_app.embedded import JobReport, RunReport
+
+# The pipeline, numpy and the store are imported by the handlers when they run, so that
+# registering these commands (and `lagscope --help`) stays cheap.
 
 H100_BF16_PEAK_FLOPS = 989e12
 
@@ -48,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="close a step this long after its first batch even if ranks miss",
     )
     run.add_argument("--report", type=Path, help="write the HTML report here")
-    run.set_defaults(handler=run_logs_command)
+    run.set_defaults(handler=run_logs_command, extra="store")
 
     demo = subparsers.add_parser(
         "demo", help="the whole pipeline on a generated job with stragglers (under a minute)"
@@ -56,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
     demo.add_argument("--steps", type=int, default=120)
     demo.add_argument("--seed", type=int, default=7)
-    demo.set_defaults(handler=demo_command)
+    demo.set_defaults(handler=demo_command, extra="demo")
 
 
 def _progress(total_ops: int | None):
@@ -82,6 +78,11 @@ def _progress(total_ops: int | None):
 def run_logs_command(args: argparse.Namespace) -> int:
     import os
 
+    from lagscope.dashboards.report import render_report
+    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.processor import ProcessorSettings
+    from lagscope.stream_app.sink import ClickHouseSink
+
     dsn = args.dsn or os.environ.get(DSN_ENV) or f"chdb://{args.logs.resolve().parent}/chdb"
     sink = ClickHouseSink(dsn)
     sink.ensure_schema()
@@ -102,6 +103,10 @@ def run_logs_command(args: argparse.Namespace) -> int:
 def write_logs_with_timers(trace: Trace, info: JobInfo, log_dir: Path, start_wall_ns: int) -> int:
     """Record every op of `trace` through one host-mode `OpTimer` per rank, as a training
     job instrumented with lagscope would, laying steps back to back from `start_wall_ns`."""
+    import numpy as np
+
+    from lagscope.producers.timer import OpTimer
+
     end = trace.start_ts.astype(np.float64) + trace.duration
     steps = np.unique(trace.step)
     spans = np.array([end[trace.step == s].max() for s in steps])
@@ -154,6 +159,8 @@ def write_logs_with_timers(trace: Trace, info: JobInfo, log_dir: Path, start_wal
 def demo_spec(steps: int, seed: int) -> JobSpec:
     """A 128-GPU job (dp 8 x pp 4 x tp 4): a worker slows down from step 40% to 70% of the
     run, rare GC pauses, and a last stage 15% heavier than the others."""
+    from lagscope.simulator.generate import GcPauses, JobSpec, LastStageImbalance, SlowWorker
+
     return JobSpec(
         name="demo-llm",
         dp=8,
@@ -174,6 +181,13 @@ def demo_spec(steps: int, seed: int) -> JobSpec:
 
 
 def demo_command(args: argparse.Namespace) -> int:
+    from lagscope.dashboards.report import render_report
+    from lagscope.producers.events import JobInfo
+    from lagscope.simulator.generate import generate_job
+    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.processor import ProcessorSettings
+    from lagscope.stream_app.sink import ClickHouseSink
+
     began = time.monotonic()
     out: Path = args.out
     if out.exists():
@@ -228,6 +242,10 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def report_data(job: JobReport) -> ReportData:
+    import numpy as np
+
+    from lagscope.dashboards.report import ReportData
+
     assert job.rollup is not None
     info = job.info
     return ReportData(
@@ -258,6 +276,8 @@ def report_data(job: JobReport) -> ReportData:
 
 
 def print_job_summary(job: JobReport) -> None:
+    import numpy as np
+
     info = job.info
     print(
         f"  job {info.job_id} attempt {info.attempt}: {job.steps} steps closed"

@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--data-dir", type=Path, help="faust's data directory")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, extra="stream")
 
 
 def run(args: argparse.Namespace) -> int:
