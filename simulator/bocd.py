@@ -131,7 +131,13 @@ class ChangePoint:
 
 
 def relative_change(before: float, after: float) -> float:
-    """Larger over smaller minus one: a 10 % slowdown and its recovery both give 0.10."""
+    """Larger over smaller minus one: a 10 % slowdown and its recovery both give 0.10.
+
+    >>> round(relative_change(1.0, 1.1), 3), round(relative_change(1.1, 1.0), 3)
+    (0.1, 0.1)
+    >>> relative_change(0.0, 1.0)
+    inf
+    """
     low, high = min(before, after), max(before, after)
     if low <= 0.0:
         return float("inf")

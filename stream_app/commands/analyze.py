@@ -55,7 +55,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
     """Mask of `available` steps named by '16-39,404': ranges keep the steps inside them
     (step ids need not be contiguous); a single id or a range that matches nothing is an
-    error."""
+    error.
+
+    >>> import numpy as np
+    >>> select_steps("16-18,404", np.array([15, 16, 17, 19, 404])).tolist()
+    [False, True, True, False, True]
+    >>> select_steps("7", np.array([15, 16]))
+    Traceback (most recent call last):
+    ...
+    lagscope.simulator.errors.TraceError: --steps: no step of the trace in '7'
+    """
     import numpy as np
 
     keep = np.zeros(available.shape, dtype=bool)
