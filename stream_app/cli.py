@@ -48,16 +48,27 @@ EXTRA_OF_MODULE: dict[str, str] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching: `--tr` must not silently mean `--trace`, and a new
+    option must never change what an old abbreviation meant."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command, or of `command` alone (a module registers all of its
     commands, so its siblings come along)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lagscope",
         description="Find stragglers in large-scale LLM training: what-if analysis, "
         "change points, diagnosis.",
     )
     parser.add_argument("--version", action="version", version=f"lagscope {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
     modules = (COMMAND_MODULE[command],) if command in COMMAND_MODULE else COMMAND_MODULES
     for module_name in modules:
         importlib.import_module(module_name).register(subparsers)
@@ -105,7 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(message, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print(f"lagscope {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`lagscope ... | head`): nothing left to say, and Python's
+        # own flush at exit must not complain either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
