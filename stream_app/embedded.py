@@ -9,6 +9,7 @@ job-level roll-up is analysed, diagnosed, and the diagnosis stored.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,8 +144,13 @@ class EmbeddedRunner:
                     item.payload,
                 )
                 return
-            if (info.job_id, info.attempt) not in self.processor.jobs:
-                self.processor.on_job(info)
+            where = f"{source}/{item.file}@{item.offset}"
+            is_new = (info.job_id, info.attempt) not in self.processor.jobs
+            problem = self.processor.on_job(info)
+            self._take_rejected()
+            if problem:
+                self._dead_letter(info.job_id, where, problem, item.payload)
+            elif is_new:
                 self.report.jobs[info.job_id, info.attempt] = JobReport(info)
                 batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}")
                 batch.add("jobs", job_rows(info.job_id, info.attempt, info.to_meta(), time.time()))
@@ -164,9 +170,21 @@ class EmbeddedRunner:
             self._dead_letter("", f"{source}/{item.file}@{item.offset}", str(exc), item.payload)
             return
         self.report.ops += batch.n_ops
-        if self.store_raw_ops and batch.tp_rank == 0 and batch.cp_rank == 0:
-            self._raw_ops.append(_raw_op_rows(batch, batch_id_of(item.payload)))
-        self._emit(self.processor.on_batch(batch))
+        kept, problem = self.processor.admit(batch)
+        if problem:
+            where = f"{source}/{item.file}@{item.offset}"
+            self._dead_letter(batch.job_id, where, problem, item.payload)
+        if kept is None:
+            return
+        if self.store_raw_ops and kept.tp_rank == 0 and kept.cp_rank == 0:
+            self._raw_ops.append(_raw_op_rows(kept, batch_id_of(item.payload)))
+        self._emit(self.processor.on_batch(kept))
+
+    def _take_rejected(self) -> None:
+        """Dead-letter what the processor set aside after windowing it."""
+        for batch, reason in self.processor.take_rejected():
+            where = f"{batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}"
+            self._dead_letter(batch.job_id, where, reason, batch.encode())
 
     def _dead_letter(self, job_id: str, source: str, reason: str, payload: bytes) -> None:
         self.report.dead_letters += 1
@@ -174,6 +192,7 @@ class EmbeddedRunner:
 
     # -- output -------------------------------------------------------------------------
     def _emit(self, outputs: list[StepOutput]) -> None:
+        self._take_rejected()
         for out in outputs:
             job = self.report.jobs.get((out.job_id, out.attempt))
             if job is None:
@@ -212,7 +231,11 @@ class EmbeddedRunner:
                 self.sink.write(batch)
             self._pending = []
         if self._dead and (force or len(self._dead) >= 64):
-            batch = SinkBatch(f"dead/{self._writes}/{len(self._dead)}")
+            # The token names the letters: a re-run over the same logs stores them once.
+            digest = hashlib.blake2b(digest_size=16)
+            for job_id, source, reason, _ in self._dead:
+                digest.update(f"{job_id}\0{source}\0{reason}\0".encode())
+            batch = SinkBatch(f"dead/{digest.hexdigest()}/{len(self._dead)}")
             batch.add(
                 "dead_letters",
                 {
