@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import signal
 import time
 
 import pytest
@@ -146,3 +147,32 @@ def test_worker_dead_letters_each_hostile_record_once_and_skips_it_on_restart(
     assert query_store(tmp_path / "w", "SELECT count() AS n FROM dead_letters") == [
         {"n": len(expected)}
     ]
+
+
+@pytest.mark.parametrize("after_s", [0.5, 6.0])
+def test_worker_honours_sigterm_within_10_s(kafka_bootstrap, kafka_topics, tmp_path, after_s):
+    """Starting up, or busy with a backlog that holds a huge job record: SIGTERM ends it."""
+    create_topics(kafka_bootstrap, kafka_topics)
+    huge = hostile_records()["huge job record"]
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(kafka_topics["topic_jobs"], key=b"huge/0", value=huge[0].payload)
+    info = good_info()
+    producer.produce(kafka_topics["topic_jobs"], key=info.key.encode(),
+                     value=info.model_dump_json().encode())  # fmt: skip
+    job = generate_job(GOOD_SPEC.model_copy(update={"steps": 200}))
+    for _, _, batches in iter_step_batches(
+        job.trace, job.meta, job_id=GOOD_JOB, start_wall_ns=time.time_ns()
+    ):
+        producer.produce(kafka_topics["topic_ops"], key=b"huge", value=huge[1].payload)
+        for batch in batches:
+            producer.produce(kafka_topics["topic_ops"], key=GOOD_JOB.encode(), value=batch.encode())
+        producer.poll(0)
+    producer.flush(30)
+    worker = start_worker(
+        kafka_bootstrap, kafka_topics, tmp_path / "w", group="sigterm", exit_when_idle_s=None
+    )
+    time.sleep(after_s)
+    sent = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    worker.wait(10)
+    assert time.monotonic() - sent < 10
