@@ -415,6 +415,12 @@ class StepProcessor:
         )
         return self._analyse_closed([self._close(k) for k in due])
 
+    def close_through(self, job_id: str, attempt: int, step: int) -> list[StepOutput]:
+        """Close the job's open windows up to `step`: its input has moved past them (every
+        rank's log delivered a later step), so nothing more will come for them."""
+        due = sorted(k for k in self.windows if k[:2] == (job_id, attempt) and k[2] <= step)
+        return self._analyse_closed([self._close(k) for k in due])
+
     def flush(self) -> list[StepOutput]:
         """Close every open window now (end of input)."""
         return self._analyse_closed([self._close(k) for k in sorted(self.windows)])

@@ -17,6 +17,9 @@ from lagscope.producers.log import KIND_JOB, list_rank_dirs
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import generate_job
 from lagscope.stream_app.cli import main
+from lagscope.stream_app.commands.run import write_logs_with_timers
+from lagscope.stream_app.embedded import EmbeddedRunner
+from lagscope.stream_app.processor import ProcessorSettings
 from lagscope.stream_app.sink import ClickHouseSink
 from tests.hostile import (
     GOOD_JOB,
@@ -176,3 +179,29 @@ def test_worker_honours_sigterm_within_10_s(kafka_bootstrap, kafka_topics, tmp_p
     worker.process.send_signal(signal.SIGTERM)
     worker.wait(10)
     assert time.monotonic() - sent < 10
+
+
+@pytest.mark.parametrize("dead_rank", [None, (1, 1)])
+def test_a_backlog_larger_than_the_lateness_closes_complete_steps_complete(
+    chdb_dir, tmp_path, dead_rank
+):
+    """Logs read in small chunks, a lateness far below the time to read them: a step is
+    complete when its ranks' logs hold it, however long reading the backlog takes; a rank
+    that never wrote still leaves its steps incomplete."""
+    spec = GOOD_SPEC.model_copy(update={"steps": 40})
+    job = generate_job(spec)
+    trace = job.trace
+    if dead_rank is not None:
+        trace = trace.select(~((trace.dp_rank == dead_rank[0]) & (trace.stage == dead_rank[1])))
+    write_logs_with_timers(trace, good_info(), tmp_path / "logs", time.time_ns() - 10**12)
+    # One rank's log starts with 64 KiB of garbage: reading it lags the others by many
+    # chunks, as a rank with more ops per step (or a longer log) does in a real backlog.
+    lagging = list_rank_dirs(tmp_path / "logs")[0] / "00000000000000000000-0000.lglog"
+    lagging.write_bytes(b"\xff" * 65536)
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=backlog_{dead_rank is None}")
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=0.001))
+    report = runner.run_logs(tmp_path / "logs", read_chunk_bytes=2048)
+    assert report.jobs[GOOD_JOB, 0].steps == spec.steps
+    _, rows = sink.query("SELECT step, complete FROM steps FINAL ORDER BY step")
+    assert rows == [(step, dead_rank is None) for step in range(spec.steps)]
