@@ -8,6 +8,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from lagscope.producers.config import ConfigError
 from lagscope.simulator.trace import TraceError
 
 #: Modules that contribute sub-commands, in the order `lagscope --help` lists them.
@@ -40,7 +41,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
-    except TraceError as exc:
+    except (TraceError, ConfigError) as exc:
+        print(f"lagscope {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from lagscope.stream_app.sink import StoreError
+
+        if not isinstance(exc, StoreError):
+            raise
+        # Store errors name the DSN without its password (`ParsedDsn.shown`).
         print(f"lagscope {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
