@@ -118,8 +118,47 @@ def _dedent(sql: str) -> str:
 
 # -- shared pieces -----------------------------------------------------------------------
 
-ONE_ATTEMPT = "job_id = '${job}' AND attempt = ${attempt}"
-SELECTED_ATTEMPTS = "job_id IN (${job}) AND attempt IN (${attempt})"
+
+def selected(variable: str) -> str:
+    """The values selected in a dashboard variable, as a ClickHouse Array(String).
+
+    No variable is pasted into SQL as is: the ClickHouse plugin inserts a value raw (and
+    multi-values only quoted), and Grafana's `sqlstring` format only doubles quotes, while
+    ClickHouse string literals also honour backslash escapes (`\\'` ends no string), so a
+    crafted job id could break out of the literal. Grafana's `queryparam` format writes
+    `var-NAME=VALUE&var-NAME=VALUE...` with every value percent-encoded down to RFC 3986's
+    unreserved characters: no quote, backslash, comment or semicolon can reach the SQL, and
+    the SQL decodes the values itself.
+    """
+    prefix = len(f"var-{variable}=")
+    return f"arrayMap(v -> decodeURLComponent(substring(v, {prefix + 1})), {_encoded(variable)})"
+
+
+def _encoded(variable: str) -> str:
+    """The variable's `queryparam` parts, still percent-encoded: `['var-job=a%27b', ...]`."""
+    return f"splitByChar('&', '${{{variable}:queryparam}}')"
+
+
+def any_selected(variable: str, value: str) -> str:
+    """SQL that is true when `value` is among a multi-value variable's selection. With
+    "All" selected, Grafana's `queryparam` format writes `$__all` (the URL state), not
+    every option: that matches everything, as "All" means. (Compared still encoded: a
+    `$__` in the SQL would be taken for a plugin macro.)"""
+    all_selected = f"has({_encoded(variable)}, 'var-{variable}=%24__all')"
+    return f"({all_selected} OR has({selected(variable)}, {value}))"
+
+
+def one_selected(variable: str) -> str:
+    """The (single) value selected in a dashboard variable, as a ClickHouse String."""
+    return f"{selected(variable)}[1]"
+
+
+ONE_ATTEMPT = (
+    f"job_id = {one_selected('job')} AND attempt = toUInt32OrNull({one_selected('attempt')})"
+)
+SELECTED_ATTEMPTS = (
+    f"{any_selected('job', 'job_id')} AND {any_selected('attempt', 'toString(attempt)')}"
+)
 
 
 def _job_variable(*, multi: bool) -> dash.QueryVariable:
@@ -135,7 +174,7 @@ def _job_variable(*, multi: bool) -> dash.QueryVariable:
 
 
 def _attempt_variable(*, multi: bool) -> dash.QueryVariable:
-    where = "job_id IN (${job})" if multi else "job_id = '${job}'"
+    where = any_selected("job", "job_id") if multi else f"job_id = {one_selected('job')}"
     variable = (
         dash.QueryVariable("attempt")
         .label("attempt")
@@ -446,10 +485,10 @@ def job_overview() -> BuiltDashboard:
             .with_target(
                 q.query(
                     wasted_rate,
-                    """
+                    f"""
                     SELECT minute AS time, sum(gpu_seconds_wasted) / 60 AS `GPUs wasted`
                     FROM steps_1m
-                    WHERE job_id = '${job}' AND attempt = ${attempt}
+                    WHERE {ONE_ATTEMPT}
                       AND $__timeFilter(minute)
                     GROUP BY time
                     ORDER BY time
@@ -495,7 +534,8 @@ def job_overview() -> BuiltDashboard:
                 latest_matrix,
                 "Mean S_w of each worker (DP rank x PP stage) over the job's latest steps, "
                 "whatever the time range.",
-                f"step > (SELECT max(step) FROM worker_slowdown WHERE {ONE_ATTEMPT}) - ${{window}}",
+                f"step > (SELECT max(step) FROM worker_slowdown WHERE {ONE_ATTEMPT}) - "
+                f"toInt64OrZero({one_selected('window')})",
                 q,
             )
         )
@@ -676,10 +716,10 @@ def pipeline_health() -> BuiltDashboard:
             .with_target(
                 q.query(
                     steps_rate,
-                    """
+                    f"""
                     SELECT minute AS time, job_id, sum(steps) AS steps
                     FROM steps_1m
-                    WHERE job_id IN (${job}) AND attempt IN (${attempt})
+                    WHERE {SELECTED_ATTEMPTS}
                       AND $__timeFilter(minute)
                     GROUP BY time, job_id
                     ORDER BY time, job_id

@@ -6,7 +6,8 @@ Two passes, in Grafana's order:
 1. Template variables (Grafana's frontend, `templateSrv.replace` with the plugin's
    formatter): `$name`, `${name}`, `${name:format}`. A single value is inserted as is (the
    SQL quotes it: `'${job}'`); a multi-value selection becomes `'a','b'` (for `IN (...)`).
-   Unknown names, such as `$__timeFilter`, are left for the next pass.
+   Unknown names, such as `$__timeFilter`, are left for the next pass. Of Grafana's
+   named formats, `sqlstring`, `raw`, `queryparam` and `percentencode` are modelled.
 2. Plugin macros (the plugin's backend, `pkg/macros`): `$__timeFilter(col)` ->
    `col >= toDateTime(FROM) AND col <= toDateTime(TO)`; `$__timeInterval(col)` ->
    `toStartOfInterval(toDateTime(col), INTERVAL N second)`; `$__fromTime`/`$__toTime` ->
@@ -21,6 +22,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 _VARIABLE = re.compile(r"\$\{(\w+)(?::(\w+))?\}|\$(\w+)")
 _MACRO = re.compile(r"\$__(\w+)(?:\(([^()]*)\))?")
@@ -50,6 +52,11 @@ def interpolate_variables(sql: str, variables: Mapping[str, str | Sequence[str]]
             return match.group(0)
         value = variables[name]
         values = [value] if isinstance(value, str) else list(value)
+        if fmt == "queryparam":
+            return "&".join(f"var-{name}={_encode_uri_component_strict(v)}" for v in values)
+        if fmt == "percentencode":
+            shown = "{" + ",".join(values) + "}" if not isinstance(value, str) else value
+            return _encode_uri_component_strict(shown)
         if fmt == "sqlstring":
             return ",".join("'" + v.replace("'", "''") + "'" for v in values)
         if fmt in ("raw", None) and isinstance(value, str):
@@ -61,6 +68,13 @@ def interpolate_variables(sql: str, variables: Mapping[str, str | Sequence[str]]
         raise MacroError(f"variable format {fmt!r} of ${{{name}}} is not supported here")
 
     return _VARIABLE.sub(replace, sql)
+
+
+def _encode_uri_component_strict(value: str) -> str:
+    """Grafana's `encodeURIComponentStrict`: JavaScript's encodeURIComponent, which keeps
+    letters, digits and -_.!~*'(), with !'()* encoded too: only RFC 3986's unreserved
+    characters stay, everything else becomes %XX of its UTF-8 bytes."""
+    return quote(value, safe="")
 
 
 def _epoch_s(moment: dt.datetime) -> int:

@@ -83,7 +83,10 @@ def _config(args: argparse.Namespace, streamer: dict[str, Any]) -> LagscopeConfi
     for item in args.kafka_option:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--kafka-option {item!r}: expected KEY=VALUE")
+            # The text itself is not echoed: it may be a mistyped password option.
+            raise ConfigError(
+                f"--kafka-option number {len(options) + 1}: expected KEY=VALUE"
+            )
         options[key] = value
     kafka = {
         "bootstrap_servers": args.bootstrap_servers,

@@ -152,12 +152,27 @@ def _from_file(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'yaml'}: {exc}") from None
+        # Only the position and the problem: the parser's own message quotes the file's
+        # text, which may hold a password.
+        raise ConfigError(
+            f"{path}: not valid {path.suffix.lstrip('.') or 'yaml'}: {_where_broken(exc)}"
+        ) from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     return raw
+
+
+def _where_broken(exc: Exception) -> str:
+    """Where a yaml or json parse failed, and the parser's short reason, without the text."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or "syntax error"
+    if mark is None:
+        return str(problem)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def load_config(

@@ -213,6 +213,7 @@ class RankStepBatch:
         """Raise `SchemaError` if the batch breaks an invariant of the schema."""
         if not self.job_id:
             raise SchemaError(f"{where}: job_id is empty")
+        _check_identity(vars(self), where)
         if len(self.optype_names) > _MAX_OPTYPE_NAMES:
             raise SchemaError(
                 f"{where}: {len(self.optype_names)} op type names, at most "
@@ -282,6 +283,17 @@ class RankStepBatch:
     @property
     def batch_id(self) -> str:
         return batch_id_of(encode_batch(self))
+
+
+#: Identity fields that count from 0: a negative one is a broken producer, and the store
+#: keeps them unsigned.
+_NON_NEGATIVE_IDENTITY = ("rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank", "step")
+
+
+def _check_identity(fields: Mapping[str, Any], where: str) -> None:
+    for name in _NON_NEGATIVE_IDENTITY:
+        if fields[name] < 0:
+            raise SchemaError(f"{where}: {name} is {fields[name]}; it must be >= 0")
 
 
 def _as_column(name: str, values: Sequence[int] | np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -409,6 +421,7 @@ def decode_batch(data: bytes | memoryview, where: str = "batch") -> RankStepBatc
         )
     if not head["job_id"]:
         raise SchemaError(f"{where}: job_id is empty")
+    _check_identity(head, where)
     columns: dict[str, np.ndarray] = {}
     for name, dtype in _COLUMNS:
         columns[name] = np.frombuffer(view, dtype=dtype, count=n_ops, offset=pos)

@@ -272,6 +272,18 @@ class RankLogReader:
         self.max_record_bytes = max_record_bytes
         self.torn_grace_s = torn_grace_s
 
+    def at_end(self) -> bool:
+        """True when everything written to the rank's log so far has been read."""
+        files = list_log_files(self.directory)
+        if not files:
+            return True
+        if self.position is None or self.position.file != files[-1]:
+            return False
+        try:
+            return os.stat(self.directory / files[-1]).st_size <= self.position.offset
+        except FileNotFoundError:
+            return True
+
     def read(self, max_bytes: int = _READ_CHUNK) -> list[Record | DeadLetter]:
         out: list[Record | DeadLetter] = []
         budget = max_bytes

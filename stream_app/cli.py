@@ -106,9 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
-    except TraceError as exc:
-        print(f"lagscope {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except ModuleNotFoundError as exc:
         message = missing_extra_message(args.command, exc, getattr(args, "extra", None))
         if message is None:
@@ -124,6 +121,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except Exception as exc:
+        if not isinstance(exc, user_error_types()):
+            raise
+        # These errors name the file, setting or store at fault in one line (a store is
+        # named by its DSN without the password: `ParsedDsn.shown`).
+        print(f"lagscope {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+#: Errors that mean the user's input or settings are wrong, by module and class name: the
+#: modules are not imported here, since `--help` must stay cheap.
+_USER_ERRORS = (
+    ("lagscope.producers.config", "ConfigError"),
+    ("lagscope.stream_app.sink", "StoreError"),
+)
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The user-error classes that can have been raised: those of the modules imported so far
+    (an error class whose module was never imported cannot have been raised)."""
+    found: list[type[BaseException]] = [TraceError]
+    for module_name, class_name in _USER_ERRORS:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            found.append(getattr(module, class_name))
+    return tuple(found)
 
 
 if __name__ == "__main__":

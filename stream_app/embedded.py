@@ -9,6 +9,7 @@ job-level roll-up is analysed, diagnosed, and the diagnosis stored.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,7 +81,8 @@ class EmbeddedRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sink = sink
-        self.processor = StepProcessor(settings, clock)
+        self._lateness_clock = _CaughtUpClock(clock)
+        self.processor = StepProcessor(settings, self._lateness_clock)
         self.write_every_steps = write_every_steps
         self.store_raw_ops = store_raw_ops
         self.report = RunReport()
@@ -88,6 +90,8 @@ class EmbeddedRunner:
         self._raw_ops: list[dict[str, np.ndarray | list]] = []
         self._dead: list[tuple[str, str, str, bytes]] = []
         self._writes = 0
+        #: Per job, the latest step each rank's log delivered (the log's own progress).
+        self._progress: dict[tuple[str, int], dict[str, int]] = {}
 
     # -- input --------------------------------------------------------------------------
     def run_logs(
@@ -97,9 +101,15 @@ class EmbeddedRunner:
         follow: bool = False,
         idle_exit_s: float = 0.0,
         progress: Callable[[RunReport], None] | None = None,
+        read_chunk_bytes: int = 4 << 20,
     ) -> RunReport:
         """Read every rank's log under `log_dir` until it is exhausted (or, with `follow`,
-        until nothing new arrived for `idle_exit_s`), then close all open steps."""
+        until nothing new arrived for `idle_exit_s`), then close all open steps.
+
+        Windows follow the logs' own progress, so a backlog of any size closes complete
+        steps complete: a step closes once every rank's log has delivered a later step,
+        and the lateness timeout only runs while every log is read to its end (time spent
+        reading a backlog is not time a rank was late)."""
         started = time.monotonic()
         readers: dict[Path, RankLogReader] = {}
         last_data = time.monotonic()
@@ -110,9 +120,12 @@ class EmbeddedRunner:
                 )
             got_any = False
             for directory, reader in readers.items():
-                for item in reader.read():
+                for item in reader.read(read_chunk_bytes):
                     got_any = True
                     self._consume(directory.name, item)
+            behind = {d.name for d, reader in readers.items() if not reader.at_end()}
+            self._lateness_clock.paused(bool(behind))
+            self._close_passed_steps(behind)
             self._emit(self.processor.tick())
             if progress is not None:
                 progress(self.report)
@@ -143,8 +156,13 @@ class EmbeddedRunner:
                     item.payload,
                 )
                 return
-            if (info.job_id, info.attempt) not in self.processor.jobs:
-                self.processor.on_job(info)
+            where = f"{source}/{item.file}@{item.offset}"
+            is_new = (info.job_id, info.attempt) not in self.processor.jobs
+            problem = self.processor.on_job(info)
+            self._take_rejected()
+            if problem:
+                self._dead_letter(info.job_id, where, problem, item.payload)
+            elif is_new:
                 self.report.jobs[info.job_id, info.attempt] = JobReport(info)
                 batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}")
                 batch.add("jobs", job_rows(info.job_id, info.attempt, info.to_meta(), time.time()))
@@ -164,9 +182,32 @@ class EmbeddedRunner:
             self._dead_letter("", f"{source}/{item.file}@{item.offset}", str(exc), item.payload)
             return
         self.report.ops += batch.n_ops
-        if self.store_raw_ops and batch.tp_rank == 0 and batch.cp_rank == 0:
-            self._raw_ops.append(_raw_op_rows(batch, batch_id_of(item.payload)))
-        self._emit(self.processor.on_batch(batch))
+        kept, problem = self.processor.admit(batch)
+        if problem:
+            where = f"{source}/{item.file}@{item.offset}"
+            self._dead_letter(batch.job_id, where, problem, item.payload)
+        if kept is None:
+            return
+        job_progress = self._progress.setdefault((kept.job_id, kept.attempt), {})
+        job_progress[source] = max(job_progress.get(source, kept.step), kept.step)
+        if self.store_raw_ops and kept.tp_rank == 0 and kept.cp_rank == 0:
+            self._raw_ops.append(_raw_op_rows(kept, batch_id_of(item.payload)))
+        self._emit(self.processor.on_batch(kept))
+
+    def _close_passed_steps(self, behind: set[str]) -> None:
+        """Close the steps every rank's log has moved past: nothing more comes for them.
+        A log with unread data that has delivered nothing of a job yet may still hold
+        its first steps, so it holds the job's steps open."""
+        for (job_id, attempt), by_rank in self._progress.items():
+            if behind - set(by_rank):
+                continue
+            self._emit(self.processor.close_through(job_id, attempt, min(by_rank.values()) - 1))
+
+    def _take_rejected(self) -> None:
+        """Dead-letter what the processor set aside after windowing it."""
+        for batch, reason in self.processor.take_rejected():
+            where = f"{batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}"
+            self._dead_letter(batch.job_id, where, reason, batch.encode())
 
     def _dead_letter(self, job_id: str, source: str, reason: str, payload: bytes) -> None:
         self.report.dead_letters += 1
@@ -174,6 +215,7 @@ class EmbeddedRunner:
 
     # -- output -------------------------------------------------------------------------
     def _emit(self, outputs: list[StepOutput]) -> None:
+        self._take_rejected()
         for out in outputs:
             job = self.report.jobs.get((out.job_id, out.attempt))
             if job is None:
@@ -212,7 +254,11 @@ class EmbeddedRunner:
                 self.sink.write(batch)
             self._pending = []
         if self._dead and (force or len(self._dead) >= 64):
-            batch = SinkBatch(f"dead/{self._writes}/{len(self._dead)}")
+            # The token names the letters: a re-run over the same logs stores them once.
+            digest = hashlib.blake2b(digest_size=16)
+            for job_id, source, reason, _ in self._dead:
+                digest.update(f"{job_id}\0{source}\0{reason}\0".encode())
+            batch = SinkBatch(f"dead/{digest.hexdigest()}/{len(self._dead)}")
             batch.add(
                 "dead_letters",
                 {
@@ -276,6 +322,26 @@ class EmbeddedRunner:
             )
             episodes.append(Episode(onset, recovery, diagnose(result, part)))
         return episodes
+
+
+class _CaughtUpClock:
+    """The lateness clock of the embedded host: wall-clock time less the time spent
+    behind a backlog, so a step's timeout counts only time the logs had nothing more."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._paused_s = 0.0
+        self._since = clock()
+
+    def __call__(self) -> float:
+        return self._clock() - self._paused_s
+
+    def paused(self, behind: bool) -> None:
+        """Account the time since the last call: paused when the host was behind."""
+        now = self._clock()
+        if behind:
+            self._paused_s += now - self._since
+        self._since = now
 
 
 def _raw_op_rows(batch: RankStepBatch, batch_id: str) -> dict[str, np.ndarray | list]:

@@ -44,6 +44,7 @@ from lagscope.simulator.engine import CompiledModel, compile_model
 from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
+from lagscope.stream_app import admission
 
 log = logging.getLogger("lagscope.processor")
 
@@ -65,6 +66,9 @@ class ProcessorSettings(BaseModel):
     #: roll-up window that is 262k values per op type, plenty for a median; 4,096 cost a
     #: 1,024-GPU job 3 ms per step keeping the window sorted (1.1 ms at 1,024).
     median_values_per_step: int = Field(default=1024, ge=16)
+    #: Largest job (GPUs) whose record is taken on: a job's windows, detectors and roll-up
+    #: grow with its grid, so a record beyond this is rejected before anything is allocated.
+    max_world_size: int = Field(default=131_072, ge=1)
     #: Closed step ids remembered per job to recognise late batches.
     closed_steps_remembered: int = Field(default=100_000, ge=16)
     #: Attribution is reported from this slowdown on (the reference's 1.03).
@@ -255,9 +259,18 @@ class StepProcessor:
         #: Recently closed step ids per (job, attempt), oldest first.
         self.closed: dict[tuple[str, int], deque[int]] = {}
         self._closed_sets: dict[tuple[str, int], set[int]] = {}
+        #: Jobs whose record was rejected, and why: their batches are rejected too.
+        self.rejected_jobs: dict[tuple[str, int], str] = {}
+        #: Batches set aside after they were windowed (their job's record came later and
+        #: they do not fit it), with the reason; hosts take them as dead letters.
+        self.rejected: list[tuple[RankStepBatch, str]] = []
+        #: (job, attempt, op type) already reported as outside the analysis' vocabulary.
+        self._unknown_optypes_reported: set[tuple[str, int, str]] = set()
         self.counters: dict[str, int] = {
             "batches": 0,
             "ops": 0,
+            "batches_rejected": 0,
+            "ops_of_unknown_type": 0,
             "late_batches": 0,
             "duplicate_batches": 0,
             "non_representative_batches": 0,
@@ -267,10 +280,78 @@ class StepProcessor:
         }
 
     # -- input ------------------------------------------------------------------------
-    def on_job(self, info: JobInfo) -> None:
+    def on_job(self, info: JobInfo) -> str:
+        """Take on a job's record; returns why it was not taken, or "".
+
+        A job beyond `max_world_size` is rejected before anything is allocated for it; a
+        record that differs from the one already taken leaves the first standing. Windows
+        opened before the record came are checked against it (`take_rejected`).
+        """
         key = (info.job_id, info.attempt)
-        if key not in self.jobs:
-            self.jobs[key] = _JobState(info, self.settings)
+        known = self.jobs.get(key)
+        if known is not None:
+            return admission.job_conflict(known.info, info)
+        if key in self.rejected_jobs:
+            return self.rejected_jobs[key]
+        problem = admission.job_problem(info, self.settings.max_world_size)
+        if problem:
+            self.rejected_jobs[key] = problem
+            return problem
+        self.jobs[key] = _JobState(info, self.settings)
+        for window_key, window in self.windows.items():
+            if window_key[:2] == key:
+                self._evict_off_grid(window, info)
+        return ""
+
+    def admit(self, batch: RankStepBatch) -> tuple[RankStepBatch | None, str]:
+        """The part of a decoded batch that may be windowed (None: no part), and why the
+        rest, if any, was set aside ("" when nothing was). Hosts call this at the edge and
+        dead-letter the batch with its origin when a reason comes back."""
+        problem = admission.batch_problem(batch)
+        job_key = (batch.job_id, batch.attempt)
+        if not problem and job_key in self.rejected_jobs:
+            problem = f"its job record was rejected: {self.rejected_jobs[job_key]}"
+        job = self.jobs.get(job_key)
+        if not problem and job is not None:
+            problem = admission.grid_problem(batch, job.info)
+        if problem:
+            self.counters["batches_rejected"] += 1
+            return None, problem
+        unknown = admission.unknown_optypes(batch)
+        if not unknown:
+            return batch, ""
+        kept = admission.without_optypes(batch, unknown)
+        self.counters["ops_of_unknown_type"] += batch.n_ops - kept.n_ops
+        first_seen = [n for n in unknown if (*job_key, n) not in self._unknown_optypes_reported]
+        self._unknown_optypes_reported.update((*job_key, n) for n in unknown)
+        reason = ""
+        if first_seen:
+            reason = (
+                f"job {batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}: op "
+                f"type(s) {', '.join(map(repr, first_seen))} are not in the analysis' "
+                "vocabulary; their ops are left out of the analysis (reported once per job)"
+            )
+        return (kept if kept.n_ops else None), reason
+
+    def take_rejected(self) -> list[tuple[RankStepBatch, str]]:
+        """Batches set aside since the last call, with their reasons."""
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
+    def _evict_off_grid(self, window: _Window, info: JobInfo) -> None:
+        for coordinate, parts in list(window.batches.items()):
+            kept = []
+            for part in parts:
+                problem = admission.grid_problem(part, info)
+                if problem:
+                    self.counters["batches_rejected"] += 1
+                    self.rejected.append((part, problem))
+                else:
+                    kept.append(part)
+            if kept:
+                window.batches[coordinate] = kept
+            else:
+                del window.batches[coordinate]
 
     def on_batch(self, batch: RankStepBatch) -> list[StepOutput]:
         """Add one batch; returns the steps it completed (usually none or one)."""
@@ -297,6 +378,16 @@ class StepProcessor:
             self.counters["non_representative_batches"] += 1
             return None
         job_key = (batch.job_id, batch.attempt)
+        job = self.jobs.get(job_key)
+        problem = admission.batch_problem(batch) or (
+            admission.grid_problem(batch, job.info) if job is not None else ""
+        )
+        if problem:
+            # Hosts `admit` first; this guards direct callers (a window must never hold
+            # a batch that breaks its step).
+            self.counters["batches_rejected"] += 1
+            self.rejected.append((batch, problem))
+            return None
         if batch.step in self._closed_sets.get(job_key, ()):
             self.counters["late_batches"] += 1
             return None
@@ -311,7 +402,6 @@ class StepProcessor:
         window.fingerprints.add(fingerprint)
         window.batches.setdefault((batch.dp_rank, batch.pp_rank), []).append(batch)
         self.counters["ops"] += batch.n_ops
-        job = self.jobs.get(job_key)
         if job is not None and len(window.batches) == job.info.dp_size * job.info.pp_size:
             return key
         return None
@@ -323,6 +413,12 @@ class StepProcessor:
             (k for k, w in self.windows.items() if now - w.first_seen >= self.settings.lateness_s),
             key=lambda k: (k[0], k[1], k[2]),
         )
+        return self._analyse_closed([self._close(k) for k in due])
+
+    def close_through(self, job_id: str, attempt: int, step: int) -> list[StepOutput]:
+        """Close the job's open windows up to `step`: its input has moved past them (every
+        rank's log delivered a later step), so nothing more will come for them."""
+        due = sorted(k for k in self.windows if k[:2] == (job_id, attempt) and k[2] <= step)
         return self._analyse_closed([self._close(k) for k in due])
 
     def flush(self) -> list[StepOutput]:
@@ -344,7 +440,7 @@ class StepProcessor:
         remembered.append(step)
         closed_set.add(step)
         self.counters["steps_closed"] += 1
-        start_ns = min(int(b.start_ns.min()) for b in window.all_batches() if b.n_ops)
+        start_ns = min((int(b.start_ns.min()) for b in window.all_batches() if b.n_ops), default=0)
         job = self.jobs.get(job_key)
         if job is None:
             info = JobInfo(job_id=job_id, attempt=attempt, dp_size=1, pp_size=1, world_size=1)
@@ -583,6 +679,7 @@ class StepProcessor:
                 for key, w in self.windows.items()
             },
             "closed": {key: list(steps) for key, steps in self.closed.items()},
+            "rejected_jobs": dict(self.rejected_jobs),
             "jobs": {
                 key: {
                     "info": job.info.model_dump(),
@@ -618,6 +715,7 @@ class StepProcessor:
                 window.batches.setdefault((batch.dp_rank, batch.pp_rank), []).append(batch)
                 window.fingerprints.add(_fingerprint(batch))
             processor.windows[key] = window
+        processor.rejected_jobs = dict(state.get("rejected_jobs", {}))
         for key, steps in state["closed"].items():
             processor.closed[key] = deque(steps, maxlen=processor.settings.closed_steps_remembered)
             processor._closed_sets[key] = set(steps)

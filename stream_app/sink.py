@@ -242,14 +242,14 @@ class ClickHouseSink:
             raise StoreError(f"{self.dsn.shown}: {_first_line(exc)}") from None
 
     def query(
-        self, sql: str, parameters: dict | None = None
+        self, sql: str, parameters: dict | None = None, settings: dict | None = None
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run a SELECT with bound parameters ({name:Type} placeholders); returns
         (column names, rows)."""
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         try:
-            result = self.client.query(sql, parameters=parameters)
+            result = self.client.query(sql, parameters=parameters, settings=settings)
         except (ClickHouseError, OSError) as exc:
             raise StoreError(f"{self.dsn.shown}: query failed: {_first_line(exc)}") from None
         return list(result.column_names), list(result.result_rows)

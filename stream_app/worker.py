@@ -71,9 +71,16 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from lagscope.producers.config import ConfigError, KafkaSettings, LagscopeConfig
-from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, decode_batch
+from lagscope.producers.events import (
+    JobInfo,
+    RankStepBatch,
+    SchemaError,
+    decode_batch,
+    peek_header,
+)
 from lagscope.simulator.diagnose import diagnose
 from lagscope.simulator.prepare import concat_steps
+from lagscope.stream_app.admission import job_conflict, job_problem
 from lagscope.stream_app.processor import (
     ProcessorSettings,
     StepOutput,
@@ -230,7 +237,19 @@ class WorkerCore:
                 [("", where, f"invalid job metadata: {exc}", value or b"", timestamp_s)]
             )
             return
-        self.job_infos[info.job_id, info.attempt] = (info, timestamp_s)
+        key = (info.job_id, info.attempt)
+        known = self.job_infos.get(key)
+        if known is not None:
+            problem = job_conflict(known[0], info)
+        else:
+            # A job beyond the limit is still remembered: each partition's processor
+            # rejects it (and its batches) before allocating anything for it.
+            problem = job_problem(info, self.config.processor.max_world_size)
+            self.job_infos[key] = (info, timestamp_s)
+        if problem:
+            log.warning("dead letter %s: %s", where, problem)
+            self.counters["dead_letters"] += 1
+            self._write_dead([(info.job_id, where, problem, value or b"", timestamp_s)])
 
     def partition(self, number: int) -> _Partition:
         """The state of a partition, restored from its last snapshot on first use."""
@@ -253,12 +272,14 @@ class WorkerCore:
             part = self.partition(number)
             try:
                 outputs = part.processor.on_batches(part_batches)
-            except Exception:
+            except Exception as exc:
                 # The processor stores analysis failures as unanalysed steps; this is a
-                # windowing bug. Keep the partition going; the batches are in Kafka.
+                # windowing bug. Keep the partition going, and the batches as dead letters.
                 log.exception("windowing %d batch(es) of %s[%d] failed", len(part_batches),
                               self.topic, number)  # fmt: skip
-                continue
+                for batch in part_batches:
+                    part.processor.rejected.append((batch, f"windowing failed: {exc!r}"))
+                outputs = []
             self._closed(part, outputs)
         self.write_due()
 
@@ -284,7 +305,10 @@ class WorkerCore:
             return None
         self._ensure_job(part, batch)
         self.counters["ops"] += batch.n_ops
-        return batch
+        kept, problem = part.processor.admit(batch)
+        if problem:
+            self._dead_letter(part, message, where, problem)
+        return kept
 
     def _ensure_job(self, part: _Partition, batch: RankStepBatch) -> None:
         key = (batch.job_id, batch.attempt)
@@ -301,6 +325,13 @@ class WorkerCore:
         part.dead.append((job, where, reason, message.value or b"", message.timestamp_s))
 
     def _closed(self, part: _Partition, outputs: list[StepOutput]) -> None:
+        for batch, reason in part.processor.take_rejected():
+            where = f"{batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}"
+            log.warning("dead letter %s: %s", where, reason)
+            self.counters["dead_letters"] += 1
+            # The batch's own time, so a replay writes the same row (ReplacingMergeTree key).
+            at = float(batch.start_ns.min()) / 1e9 if batch.n_ops else 0.0
+            part.dead.append((batch.job_id, where, reason, batch.encode(), at))
         now = self.clock()
         for out in outputs:
             key = (out.job_id, out.attempt)
@@ -652,6 +683,8 @@ class FaustWorker:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lagscope-core")
         self._jobs_ready = threading.Event()
         self._known_jobs: set[bytes] = set()
+        #: Jobs whose metadata a pass already waited for.
+        self._waited_for: set[bytes] = set()
         self._stop = threading.Event()
         #: When the last pass over messages ended (or the last assignment came).
         self._last_message = time.monotonic()
@@ -826,7 +859,11 @@ class FaustWorker:
         deadline = time.monotonic() + self.config.worker.job_wait_s
         while not self._jobs_ready.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        unknown = {m.key for m in messages if m.key is not None} - self._known_jobs
+        unknown = {job for job in map(_batch_job_id, messages) if job is not None}
+        # Each job is waited for once: a job whose record never comes (or garbage that
+        # looks like a batch) must not hold up every later pass.
+        unknown -= self._known_jobs | self._waited_for
+        self._waited_for |= unknown
         while unknown and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             unknown -= self._known_jobs
@@ -899,6 +936,15 @@ class FaustWorker:
         Worker(
             self.app, loglevel=logging.getLogger().level or logging.INFO
         ).execute_from_commandline()
+
+
+def _batch_job_id(message: OpsMessage) -> bytes | None:
+    """The job id in a message's batch header; None for a message that is no batch (a
+    garbage key or value must not make the worker wait for job metadata)."""
+    try:
+        return peek_header(message.value or b"")["job_id"].encode()
+    except SchemaError:
+        return None
 
 
 def _job_id_of(value: bytes | None) -> bytes | None:

@@ -66,3 +66,29 @@ def test_missing_chdb_directory_exits_2(tmp_path, capsys) -> None:
 def test_bad_dsn_exits_2(bad: str, capsys) -> None:
     assert main(["query", "SELECT 1", "--dsn", bad]) == 2
     assert "DSN" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT 1; DROP TABLE jobs",
+        "SELECT ';'; DROP TABLE jobs",
+        "SELECT '\\\\'; DROP TABLE jobs",
+        "SELECT 1 /* ; */; DROP TABLE jobs -- ;",
+    ],
+)
+def test_query_runs_exactly_one_statement(dsn: str, capsys, sql: str) -> None:
+    assert main(["query", sql, "--dsn", dsn]) == 2
+    err = capsys.readouterr().err
+    assert "expected exactly one SQL statement, got 2" in err and "Traceback" not in err
+    assert main(["query", "SELECT count() AS n FROM jobs FINAL", "--dsn", dsn]) == 0
+    assert capsys.readouterr().out.splitlines()[2].strip() == "2"
+
+
+def test_query_is_read_only_unless_asked(dsn: str, capsys) -> None:
+    assert main(["query", "DROP TABLE jobs", "--dsn", dsn]) == 2
+    assert "readonly" in capsys.readouterr().err.lower()
+    assert main(["query", "SELECT count() AS n FROM jobs FINAL", "--dsn", dsn]) == 0
+    assert capsys.readouterr().out.splitlines()[2].strip() == "2"
+    assert main(["query", "ALTER TABLE jobs DELETE WHERE job_id = 'job-a'", "--dsn", dsn,
+                 "--write"]) == 0  # fmt: skip

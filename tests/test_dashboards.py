@@ -5,8 +5,10 @@ embedded pipeline and returns the columns its panel needs."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -281,3 +283,90 @@ def test_panels_show_the_demo_story(demo_store, built: dict[str, BuiltDashboard]
         render_sql(anno["Top stragglers in range"]["rawSql"], context)
     ).named_results()
     assert np.isfinite([r["mean_S_w"] for r in top]).all()
+
+
+# -- SQL safety -----------------------------------------------------------------------------
+
+#: Job ids as a hostile user types them: quote and backslash break-outs (ClickHouse string
+#: literals honour both `''` and `\'`), comments, semicolons, a second statement.
+HOSTILE_IDS = (
+    "x' OR 1=1 --",
+    "x\\' OR 1=1 --",
+    "x\\\\' OR 1=1 --",
+    "x'; DROP TABLE steps; --",
+    "x\\'; DROP TABLE jobs; SELECT '",
+    f"{JOB}' OR job_id != '",
+    f"{JOB}\\' OR job_id != \\'",
+    "x' /* ",
+    "*/ OR 1=1 #",
+    "x') OR ('1'='1",
+    "%27 OR 1=1 --",
+    "'",
+    "\\",
+    "$__all",
+    "j\u00f6b\u200b\U0001f600",
+)
+_VARIABLE_USE = re.compile(r"\$\{(\w+)(?::(\w+))?\}|\$(?!__)(\w+)")
+
+
+def _sql_fields(data: dict[str, Any]):
+    for where, query, _ in _queries(data):
+        yield where, query["query"] if where.startswith("variable ") else query["rawSql"]
+
+
+@pytest.mark.parametrize("path", sorted(GENERATED_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_no_generated_query_pastes_a_variable_raw(path: Path) -> None:
+    data = json.loads(path.read_text())
+    uses = 0
+    for where, sql in _sql_fields(data):
+        for match in _VARIABLE_USE.finditer(sql):
+            uses += 1
+            assert match.group(2) == "queryparam", f"{path.name} {where}: {match.group(0)}"
+            # ... and it sits inside a string literal, the only place its output is inert
+            before = sql[: match.start()]
+            assert before.endswith("'") and sql[match.end()] == "'", f"{path.name} {where}"
+    assert uses
+
+
+def _run_all(store, data: dict[str, Any], context: QueryContext) -> dict[str, list]:
+    results = {}
+    for where, sql in _sql_fields(data):
+        results[where] = store.client.query(render_sql(sql, context)).result_rows
+    return results
+
+
+def _tables(store) -> list[tuple[str, int]]:
+    _, rows = store.query(
+        "SELECT name, total_rows FROM system.tables WHERE database = currentDatabase() "
+        "ORDER BY name"
+    )
+    return rows
+
+
+@pytest.mark.parametrize("name", ["job-overview", "pipeline-health"])
+def test_hostile_job_ids_change_no_table_and_see_no_other_job(
+    demo_store, built: dict[str, BuiltDashboard], name: str
+) -> None:
+    data = built[name].to_dict()
+    multi = any(v.get("multi") for v in data["templating"]["list"])
+    tables = _tables(demo_store)
+    assert ("steps", 40) in tables
+    base = _context(demo_store, multi)
+
+    def context(job: str, attempt: str = "0", window: str = "20") -> QueryContext:
+        value = (lambda v: [v, "no-such-job"]) if multi else (lambda v: v)
+        return dataclasses.replace(
+            base, variables={"job": value(job), "attempt": value(attempt), "window": window}
+        )
+
+    nothing = _run_all(demo_store, data, context("no-such-job"))
+    for hostile in HOSTILE_IDS:
+        if hostile == "$__all" and multi:
+            continue  # "All" selected: every job, by design
+        got = _run_all(demo_store, data, context(hostile, attempt=hostile, window=hostile))
+        assert got == nothing, hostile
+        got = _run_all(demo_store, data, context(hostile))
+        assert got == nothing, hostile
+        assert _tables(demo_store) == tables, hostile
+    # the same queries do find the job when it is selected, quote-free or not
+    assert _run_all(demo_store, data, context(JOB)) != nothing

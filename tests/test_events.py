@@ -40,7 +40,7 @@ def batches(draw: st.DrawFn) -> RankStepBatch:
         pp_rank=draw(st.integers(0, 100)),
         tp_rank=draw(st.integers(0, 8)),
         cp_rank=draw(st.integers(0, 8)),
-        step=draw(i64),
+        step=draw(st.integers(0, 2**63 - 1)),
         optype=names,
         microbatch=draw(st.lists(st.integers(-1, 2**31 - 1), min_size=n, max_size=n)),
         chunk=draw(st.lists(st.integers(-1, 100), min_size=n, max_size=n)),

@@ -2,6 +2,9 @@
 
 The store is `--dsn`, else the environment's LAGSCOPE_CLICKHOUSE_DSN, else the embedded
 chDB store in ./lagscope-data/chdb (`chdb://./lagscope-data/chdb`).
+
+Exactly one statement runs (chDB would run a `;`-separated second one), and it runs with
+ClickHouse's `readonly = 2` (reads, and settings changes, only) unless `--write` is given.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--format", choices=("table", "csv", "json"), default="table", help="output format"
     )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="allow a statement that changes the store (default: read-only)",
+    )
     parser.set_defaults(handler=run, extra="store")
 
 
@@ -42,9 +50,17 @@ def run(args: argparse.Namespace) -> int:
     from lagscope.stream_app.sink import ClickHouseSink, StoreError
 
     dsn = args.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN
+    count = statement_count(args.sql)
+    if count != 1:
+        print(
+            f"lagscope query: error: expected exactly one SQL statement, got {count} "
+            "(separated by ';')",
+            file=sys.stderr,
+        )
+        return 2
     try:
         with ClickHouseSink(dsn, create=False) as store:
-            columns, rows = store.query(args.sql)
+            columns, rows = store.query(args.sql, settings=None if args.write else {"readonly": 2})
     except StoreError as exc:
         print(f"lagscope query: error: {exc}", file=sys.stderr)
         return 2
@@ -58,6 +74,49 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(columns, rows)
     return 0
+
+
+def statement_count(sql: str) -> int:
+    """How many statements `sql` holds, splitting on `;` outside ClickHouse's string
+    literals ('...', with backslash escapes and doubled quotes), quoted identifiers ("..."
+    and `...`) and comments (--, # and /* */); a segment of only blanks and comments is
+    no statement."""
+    count, has_code, i, n = 0, False, 0, len(sql)
+    while i < n:
+        char = sql[i]
+        if char in "'\"`":
+            has_code = True
+            i += 1
+            while i < n:
+                if sql[i] == "\\":
+                    i += 2
+                    continue
+                if sql[i] == char:
+                    if i + 1 < n and sql[i + 1] == char:
+                        i += 2
+                        continue
+                    break
+                i += 1
+        elif sql.startswith("--", i) or char == "#":
+            newline = sql.find("\n", i)
+            i = n if newline < 0 else newline
+        elif sql.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if sql.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif sql.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            continue
+        elif char == ";":
+            count += has_code
+            has_code = False
+        elif not char.isspace():
+            has_code = True
+        i += 1
+    return count + has_code
 
 
 def print_table(columns: list[str], rows: list[tuple[Any, ...]]) -> None:

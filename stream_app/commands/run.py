@@ -96,7 +96,7 @@ def run_logs_command(args: argparse.Namespace) -> int:
         if args.report and job.rollup is not None:
             args.report.write_text(render_report(report_data(job)))
             print(f"  report written to {args.report}")
-    print(f"  store: {dsn}  ({report.dead_letters} dead letter(s))")
+    print(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
     return 0
 
 
