@@ -84,9 +84,7 @@ def _config(args: argparse.Namespace, streamer: dict[str, Any]) -> LagscopeConfi
         key, sep, value = item.partition("=")
         if not sep or not key:
             # The text itself is not echoed: it may be a mistyped password option.
-            raise ConfigError(
-                f"--kafka-option number {len(options) + 1}: expected KEY=VALUE"
-            )
+            raise ConfigError(f"--kafka-option number {len(options) + 1}: expected KEY=VALUE")
         options[key] = value
     kafka = {
         "bootstrap_servers": args.bootstrap_servers,
