@@ -514,7 +514,9 @@ def advise_balanced_packing(
 def escalation(wasted_gpu_s: float, n_gpus: int, settings: DiagnosisSettings) -> dict[str, Any]:
     """Falcon's ski-rental rule: take the next action once the loss accumulated since the
     onset reaches that action's cost (all in seconds of the whole job's time)."""
-    loss_s = wasted_gpu_s / max(n_gpus, 1)
+    # Waste comes out negative when a step ran faster than its ideal (noise, or a step
+    # shorter than the running estimate): no loss accumulated, nothing to escalate.
+    loss_s = max(wasted_gpu_s / max(n_gpus, 1), 0.0) if np.isfinite(wasted_gpu_s) else 0.0
     ladder = [
         ("ignore", 0.0),
         ("re-split micro-batches", settings.resplit_cost_s),

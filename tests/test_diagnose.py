@@ -201,3 +201,13 @@ def test_consolidating_two_stragglers_into_one_pipeline():
     # Gathered in one replica, the two stragglers cost one slow replica instead of two,
     # which a re-split then relieves: better than re-splitting them where they are.
     assert consolidate.predicted_speedup > resplit.predicted_speedup > 1.0
+
+
+@pytest.mark.parametrize("wasted", [-1234.5, float("nan"), -0.0])
+def test_escalation_of_negative_or_unknown_waste_is_ignore(wasted):
+    """A real run can waste negative GPU-seconds (steps faster than their running ideal):
+    nothing was lost, so the ladder stays at its first rung instead of failing."""
+    step = escalation(wasted, 4, DiagnosisSettings())
+    assert step["action"] == "ignore"
+    assert step["accumulated_loss_s"] == 0.0
+    assert step["next_action"] == "re-split micro-batches"
