@@ -49,8 +49,10 @@ and in the single hardware queue it is a no-op entry between kernels, so the iss
 and the overlap Megatron relies on are unchanged. Pass `stream=` for collectives launched
 on a side stream (Megatron's `async_op=True` all-gathers/reduce-scatters).
 
-GC probe: with `gc_probe=True` a `gc.callbacks` hook records every collection as a `gc` op
-(the pause is host time on the training thread, the cause the analysis attributes to GC).
+GC probe: with `gc_probe=True` a `gc.callbacks` hook records every collection as a
+`gc-pause` op (host time on the training thread). A pause lies inside whatever op was
+running, any number of them per step and worker (or none), so the analysis keeps pauses as
+evidence about those ops, never as ops of the step's dependency model.
 
 Megatron-LM integration (megatron/core, which call sites map to which op types):
 
@@ -85,7 +87,7 @@ import numpy as np
 
 from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
-from lagscope.simulator.optypes import GC, KNOWN_OPTYPES
+from lagscope.simulator.optypes import GC_PAUSE, KNOWN_OPTYPES
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -328,9 +330,8 @@ class OpTimer:
             self._gc_start = time.perf_counter_ns()
         elif self._gc_start:
             end = time.perf_counter_ns()
-            self._buffer.append(
-                ((self._codes[GC], self._current_step, -1, 0), self._gc_start, end - self._gc_start)
-            )
+            head = (self._codes[GC_PAUSE], self._current_step, -1, 0)
+            self._buffer.append((head, self._gc_start, end - self._gc_start))
             self._gc_start = 0
 
     def _seal(self) -> None:

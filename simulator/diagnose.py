@@ -7,8 +7,9 @@ The patterns follow the stragglers study (OSDI'25) and Falcon:
 - sequence-length imbalance: forward and backward times of the same micro-batch are
   correlated (both scale with the sum of squared document lengths), measured on a middle
   stage where no embedding/loss work blurs it;
-- Python GC pauses: forward computes with outliers that backward computes do not have
-  (automatic GC runs during forward, when activations are allocated), scattered over ranks;
+- Python GC pauses: the pauses the timer's GC probe recorded lie inside the slow computes
+  and, taken out, remove most of the slowdown (without the probe, GC is never named: an
+  outlier pattern alone is too easily the job's own noise);
 - slow communication: communication op types dominate the attribution, and some groups'
   transfer times exceed 1.1 x the median of their op type.
 
@@ -133,6 +134,37 @@ def forward_outlier_shares(prepared: PreparedTrace, factor: float) -> tuple[floa
             total += values.size
         shares.append(outliers / max(total, 1))
     return shares[0], shares[1]
+
+
+def without_gc_pauses(prepared: PreparedTrace) -> np.ndarray | None:
+    """Costs with every recorded GC pause taken out of the computes it stalled, or None
+    when no pause was recorded."""
+    if prepared.gc_pause is None:
+        return None
+    compute = np.array([ot.is_compute(t) for t in prepared.node_optype])
+    cost = prepared.cost.astype(np.float64).copy()
+    cost[compute] = np.maximum(cost[compute] - prepared.gc_pause[compute], 0.0)
+    return cost
+
+
+def gc_pause_coincidence(prepared: PreparedTrace, factor: float) -> float:
+    """Share of the slow computes' excess (time above `factor` x their stage's median of
+    the op type) that recorded GC pauses inside them account for; NaN without pauses."""
+    if prepared.gc_pause is None:
+        return float("nan")
+    stage = prepared.model.node_stage()
+    optypes = np.array(prepared.node_optype)
+    excess_total, paused_total = 0.0, 0.0
+    for optype in COMPUTE_LABELS:
+        for s in np.unique(stage[optypes == optype]):
+            nodes = (optypes == optype) & (stage == s)
+            values = prepared.duration[nodes].astype(np.float64)
+            median = np.median(values)
+            slow = values > factor * median
+            excess = np.where(slow, values - median, 0.0)
+            excess_total += float(excess.sum())
+            paused_total += float(np.minimum(prepared.gc_pause[nodes], excess).sum())
+    return paused_total / excess_total if excess_total > 0 else 0.0
 
 
 def slow_comm_groups(prepared: PreparedTrace, factor: float) -> list[dict[str, Any]]:
@@ -292,6 +324,32 @@ def _verified_removal(
     return suspects[: k + 1], shares[k], removed[k]
 
 
+def _gc_explains(
+    result: WhatIfResult,
+    prepared: PreparedTrace,
+    compiled: CompiledModel,
+    evidence: dict[str, Any],
+    cfg: DiagnosisSettings,
+) -> bool:
+    """GC is the cause only with the probe's own evidence: the recorded pauses lie inside
+    the slow computes, and taking them out removes most of the slowdown."""
+    cost = without_gc_pauses(prepared)
+    if cost is None:
+        evidence["gc_recorded"] = False
+        return False
+    tori, tideal = float(result.t_nodelay.mean()), float(result.t_ideal.mean())
+    t_without = resimulated_step_time(prepared, cost, compiled)
+    explained = (tori - t_without) / (tori - tideal) if tori > tideal else 0.0
+    coincidence = gc_pause_coincidence(prepared, cfg.gc_outlier_factor)
+    evidence.update(
+        gc_recorded=True,
+        gc_pause_per_step_s=float(prepared.gc_pause.sum(axis=(0, 2)).mean()),
+        gc_explained=explained,
+        gc_coincidence=coincidence,
+    )
+    return explained >= cfg.explains_share and coincidence >= cfg.explains_share
+
+
 def _few_verified_workers(
     result: WhatIfResult,
     prepared: PreparedTrace,
@@ -439,21 +497,15 @@ def advise_move_layers(
 
 
 def advise_planned_gc(
-    prepared: PreparedTrace, base_time: float, compiled: CompiledModel, factor: float, interval: int
-) -> Advice:
-    """Disable automatic GC and collect every `interval` steps on all ranks at once."""
-    forward = np.array([t == ot.FORWARD_COMPUTE for t in prepared.node_optype])
-    stage = prepared.model.node_stage()
-    cost = prepared.cost.astype(np.float64).copy()
-    pauses = []
-    for s in np.unique(stage[forward]):
-        nodes = forward & (stage == s)
-        values = cost[nodes]
-        median = np.median(values)
-        outliers = values > factor * median
-        pauses.append((values - median)[outliers])
-        cost[nodes] = np.where(outliers, median, values)
-    pause = float(np.concatenate(pauses).mean()) if any(p.size for p in pauses) else 0.0
+    prepared: PreparedTrace, base_time: float, compiled: CompiledModel, interval: int
+) -> Advice | None:
+    """Disable automatic GC and collect every `interval` steps on all ranks at once: the
+    recorded pauses leave the computes, one pause per `interval` steps is paid instead."""
+    cost = without_gc_pauses(prepared)
+    if cost is None:
+        return None
+    paused = prepared.gc_pause[prepared.gc_pause > 0]
+    pause = float(paused.mean()) if paused.size else 0.0
     without = resimulated_step_time(prepared, cost, compiled) + pause / interval
     return Advice(
         "planned garbage collection",
@@ -584,6 +636,7 @@ def diagnose(
         )
 
     advice: list[Advice] = []
+    gc_is_cause = _gc_explains(result, prepared, compiled, evidence, cfg)
     if comm_excess > compute_excess and comm_excess > 0.01:
         groups = slow_comm_groups(prepared, cfg.slow_group_factor)
         evidence["slow_groups"] = groups[:10]
@@ -609,17 +662,16 @@ def diagnose(
         move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)
         if move:
             advice.append(move)
-    elif fwd_outliers > 2 * max(bwd_outliers, 0.005):
+    elif gc_is_cause:
         cause = "gc_pauses"
         summary = (
-            f"{fwd_outliers:.1%} of forward computes are pause outliers, backward "
-            f"{bwd_outliers:.1%}: Python garbage collection"
+            f"recorded GC pauses explain {evidence['gc_explained']:.0%} of the slowdown and "
+            f"{evidence['gc_coincidence']:.0%} of the slow computes' excess: Python garbage "
+            f"collection"
         )
-        advice.append(
-            advise_planned_gc(
-                prepared, base_time, compiled, cfg.gc_outlier_factor, cfg.planned_gc_interval_steps
-            )
-        )
+        planned = advise_planned_gc(prepared, base_time, compiled, cfg.planned_gc_interval_steps)
+        if planned:
+            advice.append(planned)
     elif _few_verified_workers(result, prepared, compiled, evidence, cfg):
         cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice)
     else:

@@ -211,7 +211,7 @@ def _nodes_by_optype(prepared: PreparedTrace) -> dict[str, np.ndarray]:
 #: Fields of a retained step that are its own (the model and meta are the job's).
 _STEP_INPUTS = (
     "steps", "n_dp", "start", "duration", "cost", "launch_delay", "actual_step_time",
-    "worker_rank", "source",
+    "worker_rank", "source", "gc_pause",
 )  # fmt: skip
 
 
