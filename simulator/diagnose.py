@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.noise import noise_floor, persistent_excess, slow_in, stage_excess
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
@@ -54,6 +55,13 @@ class DiagnosisSettings(BaseModel):
     restart_cost_s: float = Field(default=1800.0, ge=0)
     #: Steps between planned garbage collections when GC pauses are the cause.
     planned_gc_interval_steps: int = Field(default=200, ge=1)
+    #: Straggling is named only when S exceeds the job's own noise floor by this much (the
+    #: reference's 3 % gate, measured from the floor instead of from 1).
+    floor_margin: float = Field(default=0.03, ge=0)
+    #: A worker is verified slow when its own work exceeds its peers' by this share in
+    #: the median step; the last stage is heavier when its own work exceeds the median
+    #: stage's by half of it.
+    persistent_margin: float = Field(default=0.08, ge=0)
 
 
 @dataclass(frozen=True)
@@ -305,11 +313,18 @@ def _verified_removal(
     prepared: PreparedTrace,
     compiled: CompiledModel,
     explains_share: float = 0.5,
+    persistent_margin: float = 0.08,
 ) -> tuple[list[tuple[tuple[int, int], float]], float, float]:
     """The fewest verified slow workers (best first) whose removal explains
     `explains_share` of the slowdown (all of them if no prefix does), that share, and the
-    mean step time without them."""
-    suspects = verified_slow_workers(result, prepared, compiled)
+    mean step time without them. Verified: slow alone in a re-simulation, and slower than
+    its peers in the median step (not in a few noisy ones)."""
+    persistent = persistent_excess(prepared)
+    suspects = [
+        (w, share)
+        for w, share in verified_slow_workers(result, prepared, compiled)
+        if persistent[w[1], w[0]] >= 1 + persistent_margin
+    ]
     if not suspects:
         return [], result.mw.removed_share, result.mw.t_removed
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
@@ -359,7 +374,9 @@ def _few_verified_workers(
 ) -> bool:
     """A handful of individually slow workers that M_W's top-3 % selection missed (it can
     pick ghosts). Many slow workers are not "individual" stragglers."""
-    suspects, share, _ = _verified_removal(result, prepared, compiled, cfg.explains_share)
+    suspects, share, _ = _verified_removal(
+        result, prepared, compiled, cfg.explains_share, cfg.persistent_margin
+    )
     n_workers = result.worker_slowdown.size
     return (
         bool(suspects) and len(suspects) <= max(2, n_workers // 8) and (share >= cfg.explains_share)
@@ -373,18 +390,28 @@ def _slow_workers(
     base_time: float,
     evidence: dict[str, Any],
     advice: list[Advice],
+    cfg: DiagnosisSettings,
 ) -> tuple[str, str]:
-    suspects, share, removed = _verified_removal(result, prepared, compiled)
+    suspects, share, removed = _verified_removal(
+        result, prepared, compiled, cfg.explains_share, cfg.persistent_margin
+    )
     evidence["verified_workers"] = [
-        {"dp": d, "stage": s, "share": part} for (d, s), part in suspects
+        {"dp": d, "stage": s, "share": part, "slow_in": slow_in(prepared, (d, s))}
+        for (d, s), part in suspects
     ]
     evidence["verified_workers_share"] = share
-    if suspects and share >= result.mw.removed_share:
+    persistent = persistent_excess(prepared)
+    mw_verified = tuple(
+        w for w in result.mw.workers if persistent[w[1], w[0]] >= 1 + cfg.persistent_margin
+    )
+    if suspects and (share >= result.mw.removed_share or not mw_verified):
         named, explained, t_removed = tuple(w for w, _ in suspects), share, removed
     else:
-        named, explained = result.mw.workers, result.mw.removed_share
+        named, explained = mw_verified, result.mw.removed_share
         t_removed = result.mw.t_removed
     workers = ", ".join(f"(dp {d}, pp {s})" for d, s in named)
+    where = slow_in(prepared, named[0])
+    slow_part = f" (slow in {next(iter(where))})" if where else ""
     resplit = advise_resplit(prepared, base_time, compiled)
     if resplit:
         advice.append(resplit)
@@ -398,7 +425,10 @@ def _slow_workers(
             base_time / t_removed,
         )
     )
-    return "slow_workers", f"worker(s) {workers} explain {explained:.0%} of the slowdown"
+    return (
+        "slow_workers",
+        f"worker(s) {workers} explain {explained:.0%} of the slowdown{slow_part}",
+    )
 
 
 def consolidated_placement(
@@ -630,13 +660,48 @@ def diagnose(
     )
     ladder = escalation(wasted, n_gpus, cfg)
 
+    floor = noise_floor(prepared, result.ideal_cost, compiled)
+    evidence["noise_floor"] = floor
     if result.slowdown < cfg.slowdown_threshold:
         return Diagnosis(
-            "none", f"no significant straggling (S = {result.slowdown:.3f})", evidence, (), ladder
+            "none",
+            f"no significant straggling (S = {result.slowdown:.3f}; this job's noise floor "
+            f"is S {floor:.2f})",
+            evidence,
+            (),
+            ladder,
         )
-
+    # GC pauses and unbalanced sequence lengths are fluctuations, which the noise floor
+    # counts as noise: they are named on evidence of their own (the recorded pauses, the
+    # forward/backward correlation of micro-batches) whatever the floor.
     advice: list[Advice] = []
-    gc_is_cause = _gc_explains(result, prepared, compiled, evidence, cfg)
+    if _gc_explains(result, prepared, compiled, evidence, cfg):
+        cause = "gc_pauses"
+        summary = (
+            f"recorded GC pauses explain {evidence['gc_explained']:.0%} of the slowdown and "
+            f"{evidence['gc_coincidence']:.0%} of the slow computes' excess: Python garbage "
+            f"collection"
+        )
+        planned = advise_planned_gc(prepared, base_time, compiled, cfg.planned_gc_interval_steps)
+        if planned:
+            advice.append(planned)
+        return Diagnosis(cause, summary, evidence, tuple(advice), ladder)
+    unbalanced_sequences = correlation >= cfg.correlation_threshold
+    if result.slowdown < floor + cfg.floor_margin and not unbalanced_sequences:
+        return Diagnosis(
+            "none",
+            f"no straggling beyond noise: S {result.slowdown:.2f} is this job's floor "
+            f"(its op-to-op fluctuations alone give S {floor:.2f})",
+            evidence,
+            (),
+            ladder,
+        )
+    persistent = persistent_excess(prepared)
+    stages = stage_excess(prepared)
+    evidence["stage_excess"] = stages.tolist()
+    mw_verified = any(persistent[s, d] >= 1 + cfg.persistent_margin for d, s in result.mw.workers)
+    last_stage_heavier = bool(stages[-1] >= 1 + cfg.persistent_margin / 2)
+
     if comm_excess > compute_excess and comm_excess > 0.01:
         groups = slow_comm_groups(prepared, cfg.slow_group_factor)
         evidence["slow_groups"] = groups[:10]
@@ -647,33 +712,27 @@ def diagnose(
             f"op type's median"
         )
         advice.append(advise_healthy_links(prepared, base_time, compiled, cfg.slow_group_factor))
-    elif result.mw.removed_share >= cfg.explains_share:
-        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice)
-    elif correlation >= cfg.correlation_threshold:
+    elif result.mw.removed_share >= cfg.explains_share and mw_verified:
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
+    elif unbalanced_sequences:
         cause = "sequence_imbalance"
         summary = (
             f"forward and backward times of the same micro-batch correlate "
             f"({correlation:.2f}): sequence lengths are unbalanced"
         )
         advice.append(advise_balanced_packing(prepared, base_time, compiled))
-    elif result.ms.removed_share >= cfg.explains_share and prepared.n_stages > 1:
+    elif (
+        result.ms.removed_share >= cfg.explains_share
+        and prepared.n_stages > 1
+        and last_stage_heavier
+    ):
         cause = "last_stage_imbalance"
         summary = f"the last stage explains {result.ms.removed_share:.0%} of the slowdown"
         move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)
         if move:
             advice.append(move)
-    elif gc_is_cause:
-        cause = "gc_pauses"
-        summary = (
-            f"recorded GC pauses explain {evidence['gc_explained']:.0%} of the slowdown and "
-            f"{evidence['gc_coincidence']:.0%} of the slow computes' excess: Python garbage "
-            f"collection"
-        )
-        planned = advise_planned_gc(prepared, base_time, compiled, cfg.planned_gc_interval_steps)
-        if planned:
-            advice.append(planned)
     elif _few_verified_workers(result, prepared, compiled, evidence, cfg):
-        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice)
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
     else:
         cause = "unattributed"
         top = evidence["top_optype"]
