@@ -157,7 +157,14 @@ class _Builder:
             before = _latest_ended_before(computes, wait.start)
             if before is not None:
                 self.add_edge(before, wait)
-            after = next((f for f in forwards if f.start >= wait.end - LAUNCH_TOLERANCE_S), None)
+            after = next(
+                (
+                    f
+                    for f in forwards
+                    if f.start > wait.start and f.start >= wait.end - LAUNCH_TOLERANCE_S
+                ),
+                None,
+            )
             if after is not None:
                 self.add_edge(wait, after)
 
@@ -338,8 +345,10 @@ class _Builder:
 
 
 def _latest_ended_before(ops: list[_SliceOp], time: float) -> _SliceOp | None:
-    """The op that ended last at or before `time` (within `LAUNCH_TOLERANCE_S`)."""
-    ended = [o for o in ops if o.end <= time + LAUNCH_TOLERANCE_S]
+    """The op that began before `time` and ended last at or before it (within
+    `LAUNCH_TOLERANCE_S`: sub-millisecond ops on a CPU can end inside the tolerance of an
+    op that follows them, never of one that precedes them)."""
+    ended = [o for o in ops if o.start < time and o.end <= time + LAUNCH_TOLERANCE_S]
     return max(ended, key=lambda o: o.end) if ended else None
 
 

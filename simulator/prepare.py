@@ -21,6 +21,11 @@ from lagscope.simulator.trace import JobMeta, Trace, TraceError
 #: Measured transfers and launch delays at or below this (s) are clock noise and become 0;
 #: smaller negatives are kept, as the reference analyzer does.
 NEGATIVE_CLIP_S = -0.01
+#: An async send (isend) whose completion is seen more than this (s) after its peer's
+#: receive completed was observed late (its Work waited at the end of the step), not
+#: slow: the data had arrived. Its end becomes the receive's. The reference traces'
+#: sends end at most 2.6 ms after their receives, so they are untouched.
+LATE_SEND_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,7 @@ def prepare(
     worker_rank = np.full((n_stages, n_dp), -1, dtype=np.int64)
     worker_rank[trace.stage, trace.dp_rank] = trace.rank
 
+    d_end = _settle_late_sends(model, d_end)
     transfer = _transfer_times(model, d_start, d_end)
     is_member = model.group_of >= 0
     cost = np.where(is_member[:, None, None], transfer, d_duration).astype(np.float32)
@@ -271,6 +277,24 @@ def prepare(
         keep = ~np.isin(step_ids, [d.step for d in dropped])
         prepared = prepared.select_steps(keep)
     return prepared
+
+
+def _settle_late_sends(model: DependencyModel, end: np.ndarray) -> np.ndarray:
+    """Ends with every late-observed send ended with its peer receive (`LATE_SEND_S`)."""
+    pairs = [
+        g.members
+        for g in model.groups
+        if len(g.members) == 2 and model.nodes[g.members[0]].optype.endswith("-send")
+    ]
+    if not pairs:
+        return end
+    sends, recvs = (np.array(side, dtype=np.int64) for side in zip(*pairs, strict=True))
+    late = end[sends] - end[recvs] > LATE_SEND_S
+    if not late.any():
+        return end
+    settled = end.copy()
+    settled[sends] = np.where(late, end[recvs], end[sends])
+    return settled
 
 
 def _split_side_rows(trace: Trace) -> tuple[Trace, Trace | None]:
