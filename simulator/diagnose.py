@@ -687,7 +687,23 @@ def diagnose(
             advice.append(planned)
         return Diagnosis(cause, summary, evidence, tuple(advice), ladder)
     unbalanced_sequences = correlation >= cfg.correlation_threshold
-    if result.slowdown < floor + cfg.floor_margin and not unbalanced_sequences:
+    persistent = persistent_excess(prepared)
+    stages = stage_excess(prepared)
+    evidence["stage_excess"] = stages.tolist()
+    mw_verified = any(persistent[s, d] >= 1 + cfg.persistent_margin for d, s in result.mw.workers)
+    last_stage_heavier = bool(stages[-1] >= 1 + cfg.persistent_margin / 2)
+    # A verified straggler is not noise, however noisy the rest of the job: the floor gates
+    # only what has no such evidence (a permanently heavier stage must also clear the
+    # floor to matter). A verified
+    # worker counts when it explains most of the slowdown, or when removing it alone would
+    # speed the job up by the margin (its share is small when the job's noise is large).
+    mw_speedup = 1.0 - result.mw.t_removed / result.mw.t_original
+    evidence["mw_speedup"] = mw_speedup
+    workers_slow = mw_verified and (
+        result.mw.removed_share >= cfg.explains_share or mw_speedup >= cfg.floor_margin
+    )
+    structure = workers_slow
+    if result.slowdown < floor + cfg.floor_margin and not (unbalanced_sequences or structure):
         return Diagnosis(
             "none",
             f"no straggling beyond noise: S {result.slowdown:.2f} is this job's floor "
@@ -696,13 +712,17 @@ def diagnose(
             (),
             ladder,
         )
-    persistent = persistent_excess(prepared)
-    stages = stage_excess(prepared)
-    evidence["stage_excess"] = stages.tolist()
-    mw_verified = any(persistent[s, d] >= 1 + cfg.persistent_margin for d, s in result.mw.workers)
-    last_stage_heavier = bool(stages[-1] >= 1 + cfg.persistent_margin / 2)
 
-    if comm_excess > compute_excess and comm_excess > 0.01:
+    if mw_verified and result.mw.removed_share >= cfg.explains_share:
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
+    elif unbalanced_sequences:
+        cause = "sequence_imbalance"
+        summary = (
+            f"forward and backward times of the same micro-batch correlate "
+            f"({correlation:.2f}): sequence lengths are unbalanced"
+        )
+        advice.append(advise_balanced_packing(prepared, base_time, compiled))
+    elif comm_excess > compute_excess and comm_excess > 0.01 and not workers_slow:
         groups = slow_comm_groups(prepared, cfg.slow_group_factor)
         evidence["slow_groups"] = groups[:10]
         cause = "slow_communication"
@@ -712,15 +732,8 @@ def diagnose(
             f"op type's median"
         )
         advice.append(advise_healthy_links(prepared, base_time, compiled, cfg.slow_group_factor))
-    elif result.mw.removed_share >= cfg.explains_share and mw_verified:
+    elif workers_slow:
         cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
-    elif unbalanced_sequences:
-        cause = "sequence_imbalance"
-        summary = (
-            f"forward and backward times of the same micro-batch correlate "
-            f"({correlation:.2f}): sequence lengths are unbalanced"
-        )
-        advice.append(advise_balanced_packing(prepared, base_time, compiled))
     elif (
         result.ms.removed_share >= cfg.explains_share
         and prepared.n_stages > 1
