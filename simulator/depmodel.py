@@ -21,6 +21,9 @@ from lagscope.simulator.trace import TraceError
 
 #: Tolerance (s) when deciding whether a p2p op lies outside the compute span (no-op).
 P2P_NOOP_TOLERANCE_S = 5e-5
+#: Tolerance (s) when deciding which computes ended before a gradient bucket or an input
+#: wait started: the hooks that launch them fire just around the compute's recorded end.
+LAUNCH_TOLERANCE_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class _Builder:
             by_type[ot.FORWARD_COMPUTE] + by_type[ot.BACKWARD_COMPUTE], key=lambda o: o.order
         )
         self.chain(computes)
+        self._input_edges(computes, by_type[ot.INPUT_WAIT])
         for p2p_type in ot.P2P_OPTYPES:
             self.chain(by_type[p2p_type])
         for direction in ("forward", "backward"):
@@ -142,6 +146,27 @@ class _Builder:
         if self.has_dp_comm:
             self._dp_edges(by_type)
         self._tail_chain(stage, computes, by_type)
+
+    def _input_edges(self, computes: list[_SliceOp], waits: list[_SliceOp]) -> None:
+        """An input wait (the data loader's next batch) follows the computes that ended
+        before it and holds back the first forward compute that starts after it: a rank
+        starved by its input pipeline is slow in its own op, not in a launch delay."""
+        self.chain(waits)
+        forwards = [c for c in computes if c.optype == ot.FORWARD_COMPUTE]
+        for wait in waits:
+            before = _latest_ended_before(computes, wait.start)
+            if before is not None:
+                self.add_edge(before, wait)
+            after = next(
+                (
+                    f
+                    for f in forwards
+                    if f.start > wait.start and f.start >= wait.end - LAUNCH_TOLERANCE_S
+                ),
+                None,
+            )
+            if after is not None:
+                self.add_edge(wait, after)
 
     def _match_p2p(self, stage: int, direction: str, by_type: dict[str, list[_SliceOp]]) -> None:
         compute = sorted(by_type[f"{direction}-compute"], key=lambda o: o.seq)
@@ -239,24 +264,52 @@ class _Builder:
         gc_anchor = by_type[ot.GC][-1:]
         embedding = first(ot.EMBEDDING_GRADS_ALL_REDUCE) if stage in (0, self.n_stages - 1) else []
         head = last_compute + gc_anchor
+        before_middle = head + first(ot.LAYERNORM_GRADS_ALL_REDUCE) + embedding
+        after_middle = first(ot.OPTIMIZER_CLIP_MAIN_GRAD) + first(ot.OPTIMIZER)
         if self.has_dp_comm and self.overlapped_dp:
             scatters = by_type[ot.GRADS_REDUCE_SCATTER]
             layernorm = first(ot.LAYERNORM_GRADS_ALL_REDUCE)
             if scatters and layernorm:
                 self.add_edge(scatters[-1], layernorm[0])
-            middle = first(ot.SEPARATE_GRADS_ALL_REDUCE)
+            buckets = by_type[ot.SEPARATE_GRADS_ALL_REDUCE]
+            middle = buckets[:1]
+            if len(buckets) > 1:
+                middle = self._bucket_edges(computes, buckets, before_middle[-1:], after_middle[:1])
         elif self.has_dp_comm:
             middle = by_type[ot.GRADS_REDUCE_SCATTER]
         else:
             middle = []
-        self.chain(
-            head
-            + first(ot.LAYERNORM_GRADS_ALL_REDUCE)
-            + embedding
-            + middle
-            + first(ot.OPTIMIZER_CLIP_MAIN_GRAD)
-            + first(ot.OPTIMIZER)
-        )
+        self.chain(before_middle + middle + after_middle)
+
+    def _bucket_edges(
+        self,
+        computes: list[_SliceOp],
+        buckets: list[_SliceOp],
+        before: list[_SliceOp],
+        after: list[_SliceOp],
+    ) -> list[_SliceOp]:
+        """Several gradient buckets, one all-reduce each (DDP): a bucket launched while
+        backward computes still ran follows the latest compute that had ended (its
+        gradients were ready then); the buckets launched after the last compute follow
+        the tail before them, like a single all-reduce. Every bucket precedes what comes
+        after (clip, optimizer). Buckets are not chained to one another: a bucket queued
+        behind another already has the wait in its measured transfer time.
+
+        Returns the tail's middle: the first late bucket (the chain links it)."""
+        last_end = max((c.end for c in computes), default=-np.inf)
+        late = [b for b in buckets if b.start >= last_end - LAUNCH_TOLERANCE_S]
+        for bucket in buckets:
+            if bucket in late[:1]:
+                continue
+            if bucket in late:
+                predecessor = before[0] if before else None
+            else:
+                predecessor = _latest_ended_before(computes, bucket.start)
+            if predecessor is not None:
+                self.add_edge(predecessor, bucket)
+            if after:
+                self.add_edge(bucket, after[0])
+        return late[:1]
 
     def build_groups(self, stage_ops: dict[int, list[_SliceOp]]) -> None:
         for stage in range(self.n_stages):
@@ -289,6 +342,14 @@ class _Builder:
         clip = [n for s in range(self.n_stages) for n in seq0(s, ot.OPTIMIZER_CLIP_MAIN_GRAD)]
         if clip:
             self.groups.append(CommGroup(tuple(clip), dp_synchronized=True))
+
+
+def _latest_ended_before(ops: list[_SliceOp], time: float) -> _SliceOp | None:
+    """The op that began before `time` and ended last at or before it (within
+    `LAUNCH_TOLERANCE_S`: sub-millisecond ops on a CPU can end inside the tolerance of an
+    op that follows them, never of one that precedes them)."""
+    ended = [o for o in ops if o.start < time and o.end <= time + LAUNCH_TOLERANCE_S]
+    return max(ended, key=lambda o: o.end) if ended else None
 
 
 def infer_dependency_model(

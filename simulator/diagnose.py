@@ -7,8 +7,9 @@ The patterns follow the stragglers study (OSDI'25) and Falcon:
 - sequence-length imbalance: forward and backward times of the same micro-batch are
   correlated (both scale with the sum of squared document lengths), measured on a middle
   stage where no embedding/loss work blurs it;
-- Python GC pauses: forward computes with outliers that backward computes do not have
-  (automatic GC runs during forward, when activations are allocated), scattered over ranks;
+- Python GC pauses: the pauses the timer's GC probe recorded lie inside the slow computes
+  and, taken out, remove most of the slowdown (without the probe, GC is never named: an
+  outlier pattern alone is too easily the job's own noise);
 - slow communication: communication op types dominate the attribution, and some groups'
   transfer times exceed 1.1 x the median of their op type.
 
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.noise import noise_floor, persistent_excess, slow_in, stage_excess
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
@@ -53,6 +55,13 @@ class DiagnosisSettings(BaseModel):
     restart_cost_s: float = Field(default=1800.0, ge=0)
     #: Steps between planned garbage collections when GC pauses are the cause.
     planned_gc_interval_steps: int = Field(default=200, ge=1)
+    #: Straggling is named only when S exceeds the job's own noise floor by this much (the
+    #: reference's 3 % gate, measured from the floor instead of from 1).
+    floor_margin: float = Field(default=0.03, ge=0)
+    #: A worker is verified slow when its own work exceeds its peers' by this share in
+    #: the median step; the last stage is heavier when its own work exceeds the median
+    #: stage's by half of it.
+    persistent_margin: float = Field(default=0.08, ge=0)
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,37 @@ def forward_outlier_shares(prepared: PreparedTrace, factor: float) -> tuple[floa
             total += values.size
         shares.append(outliers / max(total, 1))
     return shares[0], shares[1]
+
+
+def without_gc_pauses(prepared: PreparedTrace) -> np.ndarray | None:
+    """Costs with every recorded GC pause taken out of the computes it stalled, or None
+    when no pause was recorded."""
+    if prepared.gc_pause is None:
+        return None
+    compute = np.array([ot.is_compute(t) for t in prepared.node_optype])
+    cost = prepared.cost.astype(np.float64).copy()
+    cost[compute] = np.maximum(cost[compute] - prepared.gc_pause[compute], 0.0)
+    return cost
+
+
+def gc_pause_coincidence(prepared: PreparedTrace, factor: float) -> float:
+    """Share of the slow computes' excess (time above `factor` x their stage's median of
+    the op type) that recorded GC pauses inside them account for; NaN without pauses."""
+    if prepared.gc_pause is None:
+        return float("nan")
+    stage = prepared.model.node_stage()
+    optypes = np.array(prepared.node_optype)
+    excess_total, paused_total = 0.0, 0.0
+    for optype in COMPUTE_LABELS:
+        for s in np.unique(stage[optypes == optype]):
+            nodes = (optypes == optype) & (stage == s)
+            values = prepared.duration[nodes].astype(np.float64)
+            median = np.median(values)
+            slow = values > factor * median
+            excess = np.where(slow, values - median, 0.0)
+            excess_total += float(excess.sum())
+            paused_total += float(np.minimum(prepared.gc_pause[nodes], excess).sum())
+    return paused_total / excess_total if excess_total > 0 else 0.0
 
 
 def slow_comm_groups(prepared: PreparedTrace, factor: float) -> list[dict[str, Any]]:
@@ -273,11 +313,18 @@ def _verified_removal(
     prepared: PreparedTrace,
     compiled: CompiledModel,
     explains_share: float = 0.5,
+    persistent_margin: float = 0.08,
 ) -> tuple[list[tuple[tuple[int, int], float]], float, float]:
     """The fewest verified slow workers (best first) whose removal explains
     `explains_share` of the slowdown (all of them if no prefix does), that share, and the
-    mean step time without them."""
-    suspects = verified_slow_workers(result, prepared, compiled)
+    mean step time without them. Verified: slow alone in a re-simulation, and slower than
+    its peers in the median step (not in a few noisy ones)."""
+    persistent = persistent_excess(prepared)
+    suspects = [
+        (w, share)
+        for w, share in verified_slow_workers(result, prepared, compiled)
+        if persistent[w[1], w[0]] >= 1 + persistent_margin
+    ]
     if not suspects:
         return [], result.mw.removed_share, result.mw.t_removed
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
@@ -292,6 +339,32 @@ def _verified_removal(
     return suspects[: k + 1], shares[k], removed[k]
 
 
+def _gc_explains(
+    result: WhatIfResult,
+    prepared: PreparedTrace,
+    compiled: CompiledModel,
+    evidence: dict[str, Any],
+    cfg: DiagnosisSettings,
+) -> bool:
+    """GC is the cause only with the probe's own evidence: the recorded pauses lie inside
+    the slow computes, and taking them out removes most of the slowdown."""
+    cost = without_gc_pauses(prepared)
+    if cost is None:
+        evidence["gc_recorded"] = False
+        return False
+    tori, tideal = float(result.t_nodelay.mean()), float(result.t_ideal.mean())
+    t_without = resimulated_step_time(prepared, cost, compiled)
+    explained = (tori - t_without) / (tori - tideal) if tori > tideal else 0.0
+    coincidence = gc_pause_coincidence(prepared, cfg.gc_outlier_factor)
+    evidence.update(
+        gc_recorded=True,
+        gc_pause_per_step_s=float(prepared.gc_pause.sum(axis=(0, 2)).mean()),
+        gc_explained=explained,
+        gc_coincidence=coincidence,
+    )
+    return explained >= cfg.explains_share and coincidence >= cfg.explains_share
+
+
 def _few_verified_workers(
     result: WhatIfResult,
     prepared: PreparedTrace,
@@ -301,7 +374,9 @@ def _few_verified_workers(
 ) -> bool:
     """A handful of individually slow workers that M_W's top-3 % selection missed (it can
     pick ghosts). Many slow workers are not "individual" stragglers."""
-    suspects, share, _ = _verified_removal(result, prepared, compiled, cfg.explains_share)
+    suspects, share, _ = _verified_removal(
+        result, prepared, compiled, cfg.explains_share, cfg.persistent_margin
+    )
     n_workers = result.worker_slowdown.size
     return (
         bool(suspects) and len(suspects) <= max(2, n_workers // 8) and (share >= cfg.explains_share)
@@ -315,18 +390,28 @@ def _slow_workers(
     base_time: float,
     evidence: dict[str, Any],
     advice: list[Advice],
+    cfg: DiagnosisSettings,
 ) -> tuple[str, str]:
-    suspects, share, removed = _verified_removal(result, prepared, compiled)
+    suspects, share, removed = _verified_removal(
+        result, prepared, compiled, cfg.explains_share, cfg.persistent_margin
+    )
     evidence["verified_workers"] = [
-        {"dp": d, "stage": s, "share": part} for (d, s), part in suspects
+        {"dp": d, "stage": s, "share": part, "slow_in": slow_in(prepared, (d, s))}
+        for (d, s), part in suspects
     ]
     evidence["verified_workers_share"] = share
-    if suspects and share >= result.mw.removed_share:
+    persistent = persistent_excess(prepared)
+    mw_verified = tuple(
+        w for w in result.mw.workers if persistent[w[1], w[0]] >= 1 + cfg.persistent_margin
+    )
+    if suspects and (share >= result.mw.removed_share or not mw_verified):
         named, explained, t_removed = tuple(w for w, _ in suspects), share, removed
     else:
-        named, explained = result.mw.workers, result.mw.removed_share
+        named, explained = mw_verified, result.mw.removed_share
         t_removed = result.mw.t_removed
     workers = ", ".join(f"(dp {d}, pp {s})" for d, s in named)
+    where = slow_in(prepared, named[0])
+    slow_part = f" (slow in {next(iter(where))})" if where else ""
     resplit = advise_resplit(prepared, base_time, compiled)
     if resplit:
         advice.append(resplit)
@@ -340,7 +425,10 @@ def _slow_workers(
             base_time / t_removed,
         )
     )
-    return "slow_workers", f"worker(s) {workers} explain {explained:.0%} of the slowdown"
+    return (
+        "slow_workers",
+        f"worker(s) {workers} explain {explained:.0%} of the slowdown{slow_part}",
+    )
 
 
 def consolidated_placement(
@@ -439,21 +527,15 @@ def advise_move_layers(
 
 
 def advise_planned_gc(
-    prepared: PreparedTrace, base_time: float, compiled: CompiledModel, factor: float, interval: int
-) -> Advice:
-    """Disable automatic GC and collect every `interval` steps on all ranks at once."""
-    forward = np.array([t == ot.FORWARD_COMPUTE for t in prepared.node_optype])
-    stage = prepared.model.node_stage()
-    cost = prepared.cost.astype(np.float64).copy()
-    pauses = []
-    for s in np.unique(stage[forward]):
-        nodes = forward & (stage == s)
-        values = cost[nodes]
-        median = np.median(values)
-        outliers = values > factor * median
-        pauses.append((values - median)[outliers])
-        cost[nodes] = np.where(outliers, median, values)
-    pause = float(np.concatenate(pauses).mean()) if any(p.size for p in pauses) else 0.0
+    prepared: PreparedTrace, base_time: float, compiled: CompiledModel, interval: int
+) -> Advice | None:
+    """Disable automatic GC and collect every `interval` steps on all ranks at once: the
+    recorded pauses leave the computes, one pause per `interval` steps is paid instead."""
+    cost = without_gc_pauses(prepared)
+    if cost is None:
+        return None
+    paused = prepared.gc_pause[prepared.gc_pause > 0]
+    pause = float(paused.mean()) if paused.size else 0.0
     without = resimulated_step_time(prepared, cost, compiled) + pause / interval
     return Advice(
         "planned garbage collection",
@@ -514,7 +596,9 @@ def advise_balanced_packing(
 def escalation(wasted_gpu_s: float, n_gpus: int, settings: DiagnosisSettings) -> dict[str, Any]:
     """Falcon's ski-rental rule: take the next action once the loss accumulated since the
     onset reaches that action's cost (all in seconds of the whole job's time)."""
-    loss_s = wasted_gpu_s / max(n_gpus, 1)
+    # Waste comes out negative when a step ran faster than its ideal (noise, or a step
+    # shorter than the running estimate): no loss accumulated, nothing to escalate.
+    loss_s = max(wasted_gpu_s / max(n_gpus, 1), 0.0) if np.isfinite(wasted_gpu_s) else 0.0
     ladder = [
         ("ignore", 0.0),
         ("re-split micro-batches", settings.resplit_cost_s),
@@ -576,13 +660,69 @@ def diagnose(
     )
     ladder = escalation(wasted, n_gpus, cfg)
 
+    floor = noise_floor(prepared, result.ideal_cost, compiled)
+    evidence["noise_floor"] = floor
     if result.slowdown < cfg.slowdown_threshold:
         return Diagnosis(
-            "none", f"no significant straggling (S = {result.slowdown:.3f})", evidence, (), ladder
+            "none",
+            f"no significant straggling (S = {result.slowdown:.3f}; this job's noise floor "
+            f"is S {floor:.2f})",
+            evidence,
+            (),
+            ladder,
+        )
+    # GC pauses and unbalanced sequence lengths are fluctuations, which the noise floor
+    # counts as noise: they are named on evidence of their own (the recorded pauses, the
+    # forward/backward correlation of micro-batches) whatever the floor.
+    advice: list[Advice] = []
+    if _gc_explains(result, prepared, compiled, evidence, cfg):
+        cause = "gc_pauses"
+        summary = (
+            f"recorded GC pauses explain {evidence['gc_explained']:.0%} of the slowdown and "
+            f"{evidence['gc_coincidence']:.0%} of the slow computes' excess: Python garbage "
+            f"collection"
+        )
+        planned = advise_planned_gc(prepared, base_time, compiled, cfg.planned_gc_interval_steps)
+        if planned:
+            advice.append(planned)
+        return Diagnosis(cause, summary, evidence, tuple(advice), ladder)
+    unbalanced_sequences = correlation >= cfg.correlation_threshold
+    persistent = persistent_excess(prepared)
+    stages = stage_excess(prepared)
+    evidence["stage_excess"] = stages.tolist()
+    mw_verified = any(persistent[s, d] >= 1 + cfg.persistent_margin for d, s in result.mw.workers)
+    last_stage_heavier = bool(stages[-1] >= 1 + cfg.persistent_margin / 2)
+    # A verified straggler is not noise, however noisy the rest of the job: the floor gates
+    # only what has no such evidence (a permanently heavier stage must also clear the
+    # floor to matter). A verified
+    # worker counts when it explains most of the slowdown, or when removing it alone would
+    # speed the job up by the margin (its share is small when the job's noise is large).
+    mw_speedup = 1.0 - result.mw.t_removed / result.mw.t_original
+    evidence["mw_speedup"] = mw_speedup
+    workers_slow = mw_verified and (
+        result.mw.removed_share >= cfg.explains_share or mw_speedup >= cfg.floor_margin
+    )
+    structure = workers_slow
+    if result.slowdown < floor + cfg.floor_margin and not (unbalanced_sequences or structure):
+        return Diagnosis(
+            "none",
+            f"no straggling beyond noise: S {result.slowdown:.2f} is this job's floor "
+            f"(its op-to-op fluctuations alone give S {floor:.2f})",
+            evidence,
+            (),
+            ladder,
         )
 
-    advice: list[Advice] = []
-    if comm_excess > compute_excess and comm_excess > 0.01:
+    if mw_verified and result.mw.removed_share >= cfg.explains_share:
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
+    elif unbalanced_sequences:
+        cause = "sequence_imbalance"
+        summary = (
+            f"forward and backward times of the same micro-batch correlate "
+            f"({correlation:.2f}): sequence lengths are unbalanced"
+        )
+        advice.append(advise_balanced_packing(prepared, base_time, compiled))
+    elif comm_excess > compute_excess and comm_excess > 0.01 and not workers_slow:
         groups = slow_comm_groups(prepared, cfg.slow_group_factor)
         evidence["slow_groups"] = groups[:10]
         cause = "slow_communication"
@@ -592,34 +732,20 @@ def diagnose(
             f"op type's median"
         )
         advice.append(advise_healthy_links(prepared, base_time, compiled, cfg.slow_group_factor))
-    elif result.mw.removed_share >= cfg.explains_share:
-        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice)
-    elif correlation >= cfg.correlation_threshold:
-        cause = "sequence_imbalance"
-        summary = (
-            f"forward and backward times of the same micro-batch correlate "
-            f"({correlation:.2f}): sequence lengths are unbalanced"
-        )
-        advice.append(advise_balanced_packing(prepared, base_time, compiled))
-    elif result.ms.removed_share >= cfg.explains_share and prepared.n_stages > 1:
+    elif workers_slow:
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
+    elif (
+        result.ms.removed_share >= cfg.explains_share
+        and prepared.n_stages > 1
+        and last_stage_heavier
+    ):
         cause = "last_stage_imbalance"
         summary = f"the last stage explains {result.ms.removed_share:.0%} of the slowdown"
         move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)
         if move:
             advice.append(move)
-    elif fwd_outliers > 2 * max(bwd_outliers, 0.005):
-        cause = "gc_pauses"
-        summary = (
-            f"{fwd_outliers:.1%} of forward computes are pause outliers, backward "
-            f"{bwd_outliers:.1%}: Python garbage collection"
-        )
-        advice.append(
-            advise_planned_gc(
-                prepared, base_time, compiled, cfg.gc_outlier_factor, cfg.planned_gc_interval_steps
-            )
-        )
     elif _few_verified_workers(result, prepared, compiled, evidence, cfg):
-        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice)
+        cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
     else:
         cause = "unattributed"
         top = evidence["top_optype"]

@@ -380,13 +380,15 @@ def _apply_injections(
     cost: np.ndarray,
     delay: np.ndarray,
     rng: np.random.Generator,
-) -> None:
-    """Scale `cost` / `delay` ([node, step, dp]) in place for every injected straggler."""
+) -> np.ndarray:
+    """Scale `cost` / `delay` ([node, step, dp]) in place for every injected straggler;
+    returns the GC pause added to each op ([node, step, dp], what the GC probe records)."""
     n_steps, n_dp = spec.steps, spec.dp
     optype = np.array(model.node_optypes())
     stage = model.node_stage()
     is_compute = np.isin(optype, [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
     is_forward = optype == ot.FORWARD_COMPUTE
+    gc_pause = np.zeros_like(cost)
     for inj in spec.stragglers:
         steps = inj.active(n_steps)
         if isinstance(inj, SlowWorker):
@@ -406,6 +408,7 @@ def _apply_injections(
             hit = rng.random(cost.shape) < inj.probability
             hit &= is_forward[:, None, None] & steps[None, :, None]
             cost += np.where(hit, inj.pause_s, 0.0)
+            gc_pause += np.where(hit, inj.pause_s, 0.0)
         elif isinstance(inj, SlowLink):
             if inj.flap_period:
                 steps = steps & ((np.arange(n_steps) // inj.flap_period) % 2 == 0)
@@ -425,6 +428,7 @@ def _apply_injections(
             nodes = stage == inj.stage
             extra = rng.exponential(inj.delay_s, size=(int(nodes.sum()), int(steps.sum()), 1))
             delay[np.ix_(nodes, steps, [inj.dp])] += extra
+    return gc_pause
 
 
 def _sequence_cost_factors(
@@ -466,7 +470,7 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
         gaps = rng.exponential(spec.cost.launch_gap_s, size=(n, n_steps, n_dp))
         clean_delay = np.where(has_deps[:, None, None], gaps, 0.0)
     cost, delay = clean_cost.copy(), clean_delay.copy()
-    _apply_injections(spec, model, attrs, cost, delay, rng)
+    gc_pause = _apply_injections(spec, model, attrs, cost, delay, rng)
 
     segments = np.arange(0, n_steps * n_dp, n_dp, dtype=np.int64)
     injected = simulate(
@@ -481,7 +485,7 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
     end = end - injected.timeline.start.reshape(n, n_steps, n_dp).min(axis=(0, 2), keepdims=True)
 
     step_ids = spec.first_step_id + np.arange(n_steps)
-    trace = _trace_from_timeline(spec, model, attrs, step_ids, start, end)
+    trace = _trace_from_timeline(spec, model, attrs, step_ids, start, end, gc_pause)
     truth = GroundTruth(step_ids, injected.step_time, clean.step_time, spec.stragglers)
     return GeneratedJob(spec=spec, trace=trace, model=model, truth=truth)
 
@@ -493,9 +497,16 @@ def _trace_from_timeline(
     step_ids: np.ndarray,
     start: np.ndarray,
     end: np.ndarray,
+    gc_pause: np.ndarray,
 ) -> Trace:
+    """The trace of a simulated timeline; each GC pause is recorded as the probe records
+    it: a `gc-pause` op at the start of the op it stalled."""
     n, n_steps, n_dp = start.shape
-    names = tuple(sorted({node.optype for node in model.nodes}))
+    optypes = {node.optype for node in model.nodes}
+    paused = gc_pause > 0
+    if paused.any():
+        optypes.add(ot.GC_PAUSE)
+    names = tuple(sorted(optypes))
     code = np.array([names.index(node.optype) for node in model.nodes])
     stage = model.node_stage()
     seq = np.array([node.seq for node in model.nodes])
@@ -522,6 +533,31 @@ def _trace_from_timeline(
         "gmc": gmc[grid_node],
         "mb_id": mb[grid_node],
     }
+    if paused.any():
+        p_node, p_step, p_dp = np.nonzero(paused)
+        p_stage = stage[p_node]
+        # seq: order of the pause among its worker's pauses in the step.
+        order = np.lexsort((start[paused], p_dp, p_stage, p_step))
+        key = np.stack([p_step, p_stage, p_dp])[:, order]
+        new_group = np.concatenate(([True], (key[:, 1:] != key[:, :-1]).any(axis=0)))
+        group_first = np.maximum.accumulate(np.where(new_group, np.arange(order.size), 0))
+        p_seq = np.empty(order.size, dtype=np.int32)
+        p_seq[order] = np.arange(order.size) - group_first
+        extra = {
+            "dp_rank": p_dp,
+            "stage": p_stage,
+            "rank": (p_stage * spec.dp + p_dp) * spec.tp,
+            "step": step_ids[p_step],
+            "optype": np.full(p_node.size, names.index(ot.GC_PAUSE)),
+            "start_ts": start[paused].astype(np.float32),
+            "duration": gc_pause[paused].astype(np.float32),
+            "seq_id": p_seq,
+            "mc": np.full(p_node.size, -1),
+            "gmc": np.full(p_node.size, -1),
+            "mb_id": np.full(p_node.size, -1),
+        }
+        for name, values in extra.items():
+            columns[name] = np.concatenate([columns[name], values])
     order = np.lexsort((columns["seq_id"], columns["optype"], columns["rank"], columns["step"]))
     ordered = {k: (v[order] if isinstance(v, np.ndarray) else v) for k, v in columns.items()}
     return Trace.from_columns(ordered, source=f"<generated {spec.name}>")

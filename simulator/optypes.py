@@ -21,12 +21,20 @@ SEPARATE_GRADS_ALL_REDUCE = "separate-grads-all-reduce"
 EMBEDDING_GRADS_ALL_REDUCE = "embedding-grads-all-reduce"
 LAYERNORM_GRADS_ALL_REDUCE = "layernorm-grads-all-reduce"
 OPTIMIZER_CLIP_MAIN_GRAD = "optimizer-clip-main-grad"
+#: The wait for the step's next batch from the data loader, before its first forward: a
+#: worker's own work, so a rank starved by its input pipeline is an input straggler.
+INPUT_WAIT = "input-wait"
+#: A Python garbage-collection pause recorded by the timer's GC probe. Pauses happen
+#: *inside* other ops (on the training thread), any number per step and worker, so they
+#: are evidence about those ops, never ops of the dependency model themselves. `gc` is
+#: the reference traces' zero-length end-of-step anchor, which stays an op.
+GC_PAUSE = "gc-pause"
 
 #: Synthetic label of launch attribution: the first op of a pipeline, whose launch delay
 #: is measured from the step start (data loading, CPU work before the step).
 FIRST_OP = "first-op"
 
-COMPUTE_OPTYPES: tuple[str, ...] = (FORWARD_COMPUTE, BACKWARD_COMPUTE, OPTIMIZER, GC)
+COMPUTE_OPTYPES: tuple[str, ...] = (FORWARD_COMPUTE, BACKWARD_COMPUTE, OPTIMIZER, GC, INPUT_WAIT)
 P2P_OPTYPES: tuple[str, ...] = (FORWARD_SEND, FORWARD_RECV, BACKWARD_SEND, BACKWARD_RECV)
 DP_OPTYPES: tuple[str, ...] = (
     PARAMS_ALL_GATHER,
@@ -39,7 +47,9 @@ OTHER_COMM_OPTYPES: tuple[str, ...] = (
     OPTIMIZER_CLIP_MAIN_GRAD,
 )
 COMM_OPTYPES: tuple[str, ...] = P2P_OPTYPES + DP_OPTYPES + OTHER_COMM_OPTYPES
-KNOWN_OPTYPES: tuple[str, ...] = COMPUTE_OPTYPES + COMM_OPTYPES
+#: Measurements that overlap the ops they happen in (not nodes of the dependency model).
+SIDE_OPTYPES: tuple[str, ...] = (GC_PAUSE,)
+KNOWN_OPTYPES: tuple[str, ...] = COMPUTE_OPTYPES + COMM_OPTYPES + SIDE_OPTYPES
 
 FORWARD_PP_COMM = "forward-pp-comm"
 BACKWARD_PP_COMM = "backward-pp-comm"

@@ -21,6 +21,11 @@ from lagscope.simulator.trace import JobMeta, Trace, TraceError
 #: Measured transfers and launch delays at or below this (s) are clock noise and become 0;
 #: smaller negatives are kept, as the reference analyzer does.
 NEGATIVE_CLIP_S = -0.01
+#: An async send (isend) whose completion is seen more than this (s) after its peer's
+#: receive completed was observed late (its Work waited at the end of the step), not
+#: slow: the data had arrived. Its end becomes the receive's. The reference traces'
+#: sends end at most 2.6 ms after their receives, so they are untouched.
+LATE_SEND_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class PreparedTrace:
     worker_rank: np.ndarray
     dropped_steps: tuple[DroppedStep, ...] = field(default=())
     source: str = "<trace>"
+    #: Seconds of recorded GC pause (the timer's GC probe) inside each op, [node, step,
+    #: dp]; None when no pause was recorded (the probe off, or no collection ran).
+    gc_pause: np.ndarray | None = None
 
     @property
     def n_steps(self) -> int:
@@ -78,6 +86,7 @@ class PreparedTrace:
             worker_rank=self.worker_rank,
             dropped_steps=self.dropped_steps,
             source=self.source,
+            gc_pause=None if self.gc_pause is None else self.gc_pause[:, idx],
         )
 
     def select_dp(self, dp_ranks: np.ndarray) -> PreparedTrace:
@@ -96,6 +105,7 @@ class PreparedTrace:
             worker_rank=self.worker_rank[:, dp_ranks],
             dropped_steps=self.dropped_steps,
             source=self.source,
+            gc_pause=None if self.gc_pause is None else self.gc_pause[:, :, dp_ranks],
         )
 
 
@@ -111,6 +121,13 @@ def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
     def joined(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts], axis=1)
 
+    gc_pause = None
+    if any(p.gc_pause is not None for p in parts):
+        gc_pause = np.concatenate(
+            [np.zeros_like(p.duration) if p.gc_pause is None else p.gc_pause for p in parts],
+            axis=1,
+        )
+
     return PreparedTrace(
         model=first.model,
         meta=first.meta,
@@ -124,6 +141,7 @@ def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
         worker_rank=first.worker_rank,
         dropped_steps=tuple(d for p in parts for d in p.dropped_steps),
         source=first.source,
+        gc_pause=gc_pause,
     )
 
 
@@ -139,8 +157,9 @@ def prepare(
     With `model` (inferred earlier, e.g. from a job's first step), the trace is mapped
     onto it instead: streaming analyses infer once per job, not once per step.
     """
+    trace, pauses = _split_side_rows(trace)
     if trace.n_rows == 0:
-        raise TraceError(f"{trace.source}: the trace has no rows")
+        raise TraceError(f"{trace.source}: the trace has no rows (other than GC pauses)")
     src = trace.source
     step_ids, step_idx = np.unique(trace.step, return_inverse=True)
     n_dp = int(trace.dp_rank.max()) + 1
@@ -230,6 +249,7 @@ def prepare(
     worker_rank = np.full((n_stages, n_dp), -1, dtype=np.int64)
     worker_rank[trace.stage, trace.dp_rank] = trace.rank
 
+    d_end = _settle_late_sends(model, d_end)
     transfer = _transfer_times(model, d_start, d_end)
     is_member = model.group_of >= 0
     cost = np.where(is_member[:, None, None], transfer, d_duration).astype(np.float32)
@@ -248,12 +268,88 @@ def prepare(
         worker_rank=worker_rank,
         dropped_steps=tuple(dropped),
         source=src,
+        gc_pause=None
+        if pauses is None
+        else _pause_overlap(model, pauses, step_ids, origin, d_start, d_end),
     )
     if dropped:
         # Inputs of kept steps do not depend on other steps, so drop after deriving them.
         keep = ~np.isin(step_ids, [d.step for d in dropped])
         prepared = prepared.select_steps(keep)
     return prepared
+
+
+def _settle_late_sends(model: DependencyModel, end: np.ndarray) -> np.ndarray:
+    """Ends with every late-observed send ended with its peer receive (`LATE_SEND_S`)."""
+    pairs = [
+        g.members
+        for g in model.groups
+        if len(g.members) == 2 and model.nodes[g.members[0]].optype.endswith("-send")
+    ]
+    if not pairs:
+        return end
+    sends, recvs = (np.array(side, dtype=np.int64) for side in zip(*pairs, strict=True))
+    late = end[sends] - end[recvs] > LATE_SEND_S
+    if not late.any():
+        return end
+    settled = end.copy()
+    settled[sends] = np.where(late, end[recvs], end[sends])
+    return settled
+
+
+def _split_side_rows(trace: Trace) -> tuple[Trace, Trace | None]:
+    """The trace without its side measurements (GC pauses), and those rows (or None)."""
+    side_codes = [c for c, name in enumerate(trace.optype_names) if name in ot.SIDE_OPTYPES]
+    if not side_codes:
+        return trace, None
+    side = np.isin(trace.optype, side_codes)
+    if not side.any():
+        return trace, None
+    return trace.select(~side), trace.select(side)
+
+
+#: Pauses x nodes compared at once when finding which ops a pause falls in.
+_PAUSE_CHUNK_CELLS = 4_000_000
+
+
+def _pause_overlap(
+    model: DependencyModel,
+    pauses: Trace,
+    step_ids: np.ndarray,
+    origin: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+) -> np.ndarray:
+    """Seconds of GC pause inside every op instance, [node, step, dp].
+
+    A pause counts toward every op of its worker whose interval it overlaps (a pause in a
+    gap between ops counts toward none); pauses of steps or workers without ops are dropped.
+    """
+    _, n_steps, n_dp = start.shape
+    out = np.zeros_like(start)
+    s_idx = np.minimum(np.searchsorted(step_ids, pauses.step), n_steps - 1)
+    known = (step_ids[s_idx] == pauses.step) & (pauses.dp_rank < n_dp)
+    node_stage = model.node_stage()
+    for stage in np.unique(pauses.stage[known]):
+        nodes = np.flatnonzero(node_stage == stage)
+        rows = np.flatnonzero(known & (pauses.stage == stage))
+        if not nodes.size:
+            continue
+        chunk = max(1, _PAUSE_CHUNK_CELLS // nodes.size)
+        for first in range(0, rows.size, chunk):
+            part = rows[first : first + chunk]
+            steps, dps = s_idx[part], pauses.dp_rank[part]
+            p_start = (pauses.start_ts[part] - origin[steps]).astype(np.float32)
+            p_end = p_start + pauses.duration[part]
+            op_start = start[nodes][:, steps, dps]
+            op_end = end[nodes][:, steps, dps]
+            overlap = np.minimum(op_end, p_end) - np.maximum(op_start, p_start)
+            np.add.at(
+                out,
+                (nodes[:, None], steps[None, :], dps[None, :]),
+                np.clip(overlap, 0.0, None),
+            )
+    return out
 
 
 def _infer_from_first_step(

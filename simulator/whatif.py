@@ -25,6 +25,9 @@ from lagscope.simulator.prepare import DroppedStep, PreparedTrace
 
 #: Share of workers that M_W blames: the top 3 %.
 TOP_WORKER_SHARE = 0.03
+#: A step whose own measured durations, replayed without launch delays, miss its measured
+#: time by more than this share is not trusted (the stragglers paper's 5 % check).
+TRUSTED_DISCREPANCY = 0.05
 #: (node x column) cells simulated per engine pass: each float64 buffer of the pass is at
 #: most 8 bytes x this, which bounds memory whatever the job's size.
 DEFAULT_MAX_CELLS_PER_PASS = 1_500_000
@@ -129,6 +132,19 @@ class WhatIfResult:
     @property
     def decomposed(self) -> bool:
         return self.slowdown >= self.decompose_threshold
+
+    @property
+    def discrepancy(self) -> np.ndarray:
+        """Per step: |T_nd - T_actual| / T_actual, how far the step's own measured
+        durations replayed through the dependency model (no launch delays) miss its
+        measured time. Large when the model lacks a dependency the job has (time the
+        replay cannot place) or has one the job lacks (waits the job never made)."""
+        return np.abs(self.t_nodelay - self.t_actual) / self.t_actual
+
+    @property
+    def trusted(self) -> np.ndarray:
+        """Per step: the replay reproduces the step within `TRUSTED_DISCREPANCY`."""
+        return self.discrepancy <= TRUSTED_DISCREPANCY
 
     @property
     def simulation_error(self) -> float:

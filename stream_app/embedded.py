@@ -20,8 +20,9 @@ import numpy as np
 from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, batch_id_of, decode_batch
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, DeadLetter, RankLogReader, list_rank_dirs
 from lagscope.simulator.diagnose import Diagnosis, diagnose
+from lagscope.simulator.episodes import Episode, diagnosed_episodes
 from lagscope.simulator.prepare import concat_steps
-from lagscope.simulator.whatif import WhatIfResult, analyze
+from lagscope.simulator.whatif import WhatIfResult
 from lagscope.stream_app.processor import (
     DetectedChange,
     ProcessorSettings,
@@ -30,15 +31,6 @@ from lagscope.stream_app.processor import (
 )
 from lagscope.stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
 from lagscope.stream_app.sink import ClickHouseSink, SinkBatch
-
-
-@dataclass(frozen=True)
-class Episode:
-    """A slow period of the job: from a verified onset of its step time to the recovery."""
-
-    onset: int
-    recovery: int | None
-    diagnosis: Diagnosis
 
 
 @dataclass
@@ -288,40 +280,18 @@ class EmbeddedRunner:
             state = self.processor.jobs[job_id, attempt]
             prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
             job.diagnosis = diagnose(rollup, prepared, wasted_gpu_s=job.gpu_seconds_wasted)
-            job.episodes = self._episodes(job, prepared, rollup)
+            job.episodes = diagnosed_episodes(
+                job.changes,
+                prepared,
+                rollup.ideal_cost,
+                decompose_threshold=self.processor.settings.decompose_threshold,
+            )
             last = int(rollup.steps[-1])
             batch = SinkBatch(f"diagnosis/{job_id}/{attempt}/{last}")
             batch.add(
                 "diagnoses", diagnosis_rows(job_id, attempt, last, time.time_ns(), job.diagnosis)
             )
             self.sink.write(batch)
-
-    def _episodes(self, job: JobReport, prepared, rollup: WhatIfResult) -> list[Episode]:
-        """Diagnose every onset..recovery episode of the step time on its own steps, with
-        the whole run's ideal: a straggler that came and went is named even when the
-        run-wide diagnosis is dominated by something permanent."""
-        episodes = []
-        onsets = sorted(
-            c.step for c in job.changes if c.series == "step_time" and c.kind == "onset"
-        )
-        recoveries = sorted(
-            c.step for c in job.changes if c.series == "step_time" and c.kind == "recovery"
-        )
-        for onset in onsets:
-            recovery = next((r for r in recoveries if r > onset), None)
-            inside = (prepared.steps >= onset) & (
-                prepared.steps < (recovery if recovery is not None else np.inf)
-            )
-            if inside.sum() < 2:
-                continue
-            part = prepared.select_steps(inside)
-            result = analyze(
-                part,
-                ideal=rollup.ideal_cost,
-                decompose_threshold=self.processor.settings.decompose_threshold,
-            )
-            episodes.append(Episode(onset, recovery, diagnose(result, part)))
-        return episodes
 
 
 class _CaughtUpClock:

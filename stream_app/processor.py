@@ -14,8 +14,9 @@ One engine-agnostic class serves both hosts (the faust worker and the embedded r
   values, an evenly strided sample). The job-level roll-up re-analyses the retained steps
   (the last `rollup_window_steps` complete ones) with ideals computed from exactly those
   steps, which is `lagscope analyze` on the same steps.
-- **Change points.** One vectorized BOCD update per closed step over the job's step time,
-  every stage's and every DP rank's compute time.
+- **Change points.** One vectorized BOCD update per closed step over the job's step time
+  and the own work (computes, optimizer, input wait) of every stage, DP rank and worker,
+  each relative to the step's median of its kind.
 - **State** (`state_dict` / `from_state`) holds the open windows, the running estimates,
   the retained steps and the detectors, so a host can checkpoint and resume.
 
@@ -41,6 +42,7 @@ from lagscope.simulator import optypes as ot
 from lagscope.simulator.bocd import BocdBank, BocdConfig
 from lagscope.simulator.depmodel import DependencyModel
 from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.noise import own_work
 from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
@@ -215,7 +217,7 @@ def _nodes_by_optype(prepared: PreparedTrace) -> dict[str, np.ndarray]:
 #: Fields of a retained step that are its own (the model and meta are the job's).
 _STEP_INPUTS = (
     "steps", "n_dp", "start", "duration", "cost", "launch_delay", "actual_step_time",
-    "worker_rank", "source",
+    "worker_rank", "source", "gc_pause",
 )  # fmt: skip
 
 
@@ -626,18 +628,17 @@ class StepProcessor:
     ) -> tuple[DetectedChange, ...]:
         if not complete:
             return ()
-        compute = np.isin(np.array(prepared.node_optype), [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
-        stage = prepared.model.node_stage()
-        per_worker = np.zeros((prepared.n_stages, prepared.n_dp))
-        np.add.at(per_worker, stage[compute], prepared.duration[compute, 0, :])
-        values = np.concatenate(
-            [[result.t_actual[0]], per_worker.max(axis=1), per_worker.sum(axis=0)]
-        )
+        values = np.concatenate([[result.t_actual[0]], *_relative_work(prepared)])
         if job.detector is None:
             job.series_names = (
                 ["step_time"]
                 + [f"stage/{s}" for s in range(prepared.n_stages)]
                 + [f"dp/{d}" for d in range(prepared.n_dp)]
+                + [
+                    f"worker/{d}.{s}"
+                    for s in range(prepared.n_stages)
+                    for d in range(prepared.n_dp)
+                ]
             )
             job.detector = BocdBank(len(job.series_names), self.settings.bocd)
         index = job.detector.steps_seen
@@ -759,6 +760,21 @@ def _load_retained(
         for step in steps
         if step in found
     ]
+
+
+def _relative_work(prepared: PreparedTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step's own work (computes, optimizer, input wait: time nobody else makes a
+    worker wait) per stage (its slowest DP rank), per DP rank (its whole pipeline) and per
+    worker, each over the median of its kind in the step. Relative series move when one
+    worker or stage changes against the others, not when the whole machine slows down
+    (a shared box's load), which only the step time sees."""
+    work = own_work(prepared)[0]  # [stage, dp]
+
+    def relative(values: np.ndarray) -> np.ndarray:
+        median = float(np.median(values))
+        return values / median if median > 0 else np.full(values.shape, np.nan)
+
+    return relative(work.max(axis=1)), relative(work.sum(axis=0)), relative(work.ravel())
 
 
 def _own_ideal(prepared: PreparedTrace, optype: str) -> float:

@@ -8,6 +8,9 @@ delays, as `lagscope analyze` reports it):
 - mfu_actual = model_flops_per_step / (actual_s x world_size x gpu_peak_flops), mfu_ideal
   likewise with ideal_s; NULL when the job's FLOPs or the GPU's peak is unknown.
 - worker slowdown of (dp, pp) = min(S_dp, S_stage) of that step.
+- sim_discrepancy = |simulated - actual| / actual; trusted when it is at most 5 %.
+- A step that could not be analysed is stored with `analysed = false`, NaN figures and the
+  reason (`complete` still says only whether every rank reported).
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ def rows_from_result(
             "n_gpus": np.full(n_steps, world, dtype=np.uint32),
             "gpu_seconds": gpu_seconds,
             "gpu_seconds_wasted": gpu_seconds * (1.0 - 1.0 / slowdown),
+            "analysed": np.ones(n_steps, dtype=bool),
+            "reason": [""] * n_steps,
+            "sim_discrepancy": np.asarray(result.discrepancy, dtype=np.float64),
+            "trusted": np.asarray(result.trusted, dtype=bool),
             "processed_at": np.full(n_steps, time.time() if processed_at is None else processed_at),
             "version": np.full(n_steps, version, dtype=np.uint64),
         },
@@ -266,6 +273,10 @@ def _unanalysed_step(out: StepOutput, ts: np.ndarray, version: int) -> dict[str,
         "n_gpus": [out.info.world_size],
         "gpu_seconds": nan,
         "gpu_seconds_wasted": nan,
+        "analysed": [False],
+        "reason": [out.reason or "not analysed"],
+        "sim_discrepancy": nan,
+        "trusted": [False],
         "processed_at": [time.time()],
         "version": [version],
     }

@@ -9,7 +9,9 @@ Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a st
 - `ops` (job_id, attempt, step, rank, start, optype, seq): raw ops of a step for the
   timeline drill-down; partitioned by day and TTL-limited (`ops_ttl_days`, default 7,
   changed by `ensure_schema(ops_ttl_days=...)`).
-- `steps` (job_id, attempt, step): one row per analysed step; the slowdown / MFU panels.
+- `steps` (job_id, attempt, step): one row per closed step, analysed or not (`analysed`,
+  `reason`), with the simulation discrepancy and whether it is `trusted`; the slowdown /
+  MFU panels.
 - `attribution` (job_id, attempt, kind, name, step): one series per (kind, name), read as
   "S_X over steps" for a kind (optype, dp_rank, stage, launch_*).
 - `worker_slowdown` (job_id, attempt, step, pp_rank, dp_rank): the DPxPP heatmap of a step
@@ -220,6 +222,22 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
                 ) ENGINE = ReplacingMergeTree
                 ORDER BY (group_id, job_id, attempt, step)
                 TTL written_at + INTERVAL 30 DAY""",
+            ),
+        ),
+        Migration(
+            4,
+            "steps: whether analysed and why not, simulation discrepancy and trust",
+            (
+                # Rows written before this migration: analysed iff they have figures.
+                "ALTER TABLE steps ADD COLUMN IF NOT EXISTS analysed Bool "
+                "DEFAULT isFinite(slowdown)",
+                "ALTER TABLE steps ADD COLUMN IF NOT EXISTS reason String DEFAULT '' "
+                "CODEC(ZSTD(3))",
+                # |replayed - measured| / measured step time (whatif.md §10.4).
+                "ALTER TABLE steps ADD COLUMN IF NOT EXISTS sim_discrepancy Float64 "
+                "DEFAULT nan CODEC(Gorilla, ZSTD(1))",
+                "ALTER TABLE steps ADD COLUMN IF NOT EXISTS trusted Bool "
+                "DEFAULT sim_discrepancy <= 0.05",
             ),
         ),
     )

@@ -201,3 +201,46 @@ def test_consolidating_two_stragglers_into_one_pipeline():
     # Gathered in one replica, the two stragglers cost one slow replica instead of two,
     # which a re-split then relieves: better than re-splitting them where they are.
     assert consolidate.predicted_speedup > resplit.predicted_speedup > 1.0
+
+
+@pytest.mark.parametrize("wasted", [-1234.5, float("nan"), -0.0])
+def test_escalation_of_negative_or_unknown_waste_is_ignore(wasted):
+    """A real run can waste negative GPU-seconds (steps faster than their running ideal):
+    nothing was lost, so the ladder stays at its first rung instead of failing."""
+    step = escalation(wasted, 4, DiagnosisSettings())
+    assert step["action"] == "ignore"
+    assert step["accumulated_loss_s"] == 0.0
+    assert step["next_action"] == "re-split micro-batches"
+
+
+NOISY = CostModel(first_stage_extra=0.0, last_stage_extra=0.0, noise_cv=0.15)
+
+
+def _noisy(stragglers, seed):
+    job = generate_job(
+        JobSpec(dp=2, pp=2, microbatches=4, steps=60, cost=NOISY, stragglers=stragglers, seed=seed)
+    )
+    prepared = prepare(job.trace, job.meta)
+    result = analyze(prepared)
+    return result, diagnose(result, prepared)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_noisy_healthy_job_is_healthy_and_its_floor_is_stated(seed):
+    """15 % jitter on every op and nothing else: S clears the reference's 1.03 gate, yet it
+    is the job's own floor, so nothing is named."""
+    result, diagnosis = _noisy((), seed)
+    assert result.slowdown >= 1.03  # the premise: the old gate alone would diagnose it
+    assert diagnosis.cause == "none", diagnosis.summary
+    assert "floor" in diagnosis.summary
+    assert diagnosis.evidence["noise_floor"] == pytest.approx(result.slowdown, abs=0.03)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_true_causes_stand_out_of_the_same_noise(seed):
+    _, heavy = _noisy((LastStageImbalance(factor=1.4),), seed)
+    assert heavy.cause == "last_stage_imbalance", heavy.summary
+    _, slow = _noisy((SlowWorker(dp=1, stage=0, factor=1.6),), seed)
+    assert slow.cause == "slow_workers", slow.summary
+    assert [(w["dp"], w["stage"]) for w in slow.evidence["verified_workers"]][:1] == [(1, 0)]
+    assert "slow in backward-compute" in slow.summary

@@ -107,13 +107,13 @@ def test_decorator_and_explicit_step_and_job_info(tmp_path: Path) -> None:
     assert JobInfo.model_validate_json(jobs[0].payload) == info
 
 
-def test_gc_probe_records_collections_as_gc_ops(tmp_path: Path) -> None:
+def test_gc_probe_records_collections_as_gc_pause_ops(tmp_path: Path) -> None:
     with _timer(tmp_path, gc_probe=True) as timer:
         timer.step(1)
         gc.collect()
         gc.collect()
     (batch,) = _batches(tmp_path, 3)
-    gc_ops = [o for o in batch.to_records() if o["optype"] == "gc"]
+    gc_ops = [o for o in batch.to_records() if o["optype"] == "gc-pause"]
     assert len(gc_ops) >= 2
     assert [o["seq"] for o in gc_ops] == list(range(len(gc_ops)))
     assert timer._on_gc not in gc.callbacks

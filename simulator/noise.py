@@ -1,0 +1,99 @@
+"""A job's own noise: how slow its steps are from fluctuations alone, and which workers
+are slower than their peers persistently rather than now and then.
+
+A healthy job is not at S = 1: every op jitters, and the step waits for the slowest of
+many jittering ops (DP collectives, the clip barrier, the pipeline), so a replay with the
+measured costs runs longer than one with the mean costs. On a shared CPU box that floor
+reads S 1.03-1.12 and drifts with the machine's load. A straggler, a heavy stage or slow
+links are *persistent* structure on top of it; only that structure is diagnosed.
+
+- **Noise floor.** Every op's cost is split into its worker's persistent level for that op
+  (the median over the analysed steps) and a fluctuation (cost / level). The noise-only
+  job puts the fluctuations on the ideal costs: ideal x fluctuation, no persistent
+  difference between workers or stages left. Replayed, each step gives the slowdown its
+  fluctuations alone cause; the floor is the median over steps, so an episode shorter
+  than half the steps does not raise it.
+- **Persistent excess.** A worker's own work per step (its computes, optimizer and input
+  wait: time nobody else makes it wait) over the median of its peers' (the other DP ranks
+  of its stage; all workers when there is one DP rank), median over steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.engine import CompiledModel
+from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.whatif import Variant, WhatIfAnalysis
+
+
+def own_work_mask(prepared: PreparedTrace) -> np.ndarray:
+    """Nodes whose duration is the worker's own work, not waiting for peers."""
+    return np.array([ot.is_compute(t) for t in prepared.node_optype])
+
+
+def own_work(prepared: PreparedTrace) -> np.ndarray:
+    """Own work of every worker in every step, [step, stage, dp] (seconds)."""
+    mask = own_work_mask(prepared)
+    stage = prepared.model.node_stage()
+    out = np.zeros((prepared.n_steps, prepared.n_stages, prepared.n_dp))
+    values = prepared.duration[mask].astype(np.float64)  # [node, step, dp]
+    np.add.at(out.transpose(1, 0, 2), stage[mask], values)
+    return out
+
+
+def relative_to_peers(work: np.ndarray) -> np.ndarray:
+    """[step, stage, dp] own work over the median of the worker's peers in that step."""
+    n_dp = work.shape[2]
+    if n_dp > 1:
+        peers = np.median(work, axis=2, keepdims=True)
+    else:
+        peers = np.median(work, axis=(1, 2), keepdims=True)
+    return work / np.where(peers > 0, peers, np.nan)
+
+
+def persistent_excess(prepared: PreparedTrace) -> np.ndarray:
+    """[stage, dp]: median over steps of the worker's own work relative to its peers'."""
+    return np.nanmedian(relative_to_peers(own_work(prepared)), axis=0)
+
+
+def stage_excess(prepared: PreparedTrace) -> np.ndarray:
+    """[stage]: median over steps of the stage's own work (its slowest DP rank) over the
+    median stage's; 1 everywhere with one stage."""
+    per_stage = own_work(prepared).max(axis=2)  # [step, stage]
+    median = np.median(per_stage, axis=1, keepdims=True)
+    return np.nanmedian(per_stage / np.where(median > 0, median, np.nan), axis=0)
+
+
+def noise_floor(prepared: PreparedTrace, ideal: dict[str, float], compiled: CompiledModel) -> float:
+    """The slowdown the job's fluctuations alone cause (median over steps)."""
+    level = np.median(prepared.cost, axis=1, keepdims=True).astype(np.float64)
+    fluctuation = np.where(level > 0, prepared.cost / np.where(level > 0, level, 1.0), 1.0)
+    ideal_cost = np.array([ideal[t] for t in prepared.node_optype], dtype=np.float64)
+    noisy = dataclasses.replace(
+        prepared, cost=(ideal_cost[:, None, None] * fluctuation).astype(np.float32)
+    )
+    analysis = WhatIfAnalysis(noisy, ideal, compiled=compiled)
+    t_noise, t_ideal = analysis.run([Variant("measured"), Variant("ideal")])
+    return float(np.median(t_noise / t_ideal))
+
+
+def slow_in(prepared: PreparedTrace, worker: tuple[int, int]) -> dict[str, float]:
+    """Where a worker's own work exceeds its peers': extra seconds per step by op type
+    (input-wait, forward-compute, ...), largest first; only positive excesses."""
+    dp, stage = worker
+    optypes = np.array(prepared.node_optype)
+    on_stage = prepared.model.node_stage() == stage
+    own = own_work_mask(prepared)
+    out: dict[str, float] = {}
+    for optype in sorted(set(optypes[own & on_stage].tolist())):
+        nodes = own & on_stage & (optypes == optype)
+        per_dp = prepared.duration[nodes].astype(np.float64).sum(axis=0)  # [step, dp]
+        others = np.delete(per_dp, dp, axis=1) if prepared.n_dp > 1 else per_dp
+        excess = float(np.median(per_dp[:, dp] - np.median(others, axis=1)))
+        if excess > 0:
+            out[optype] = excess
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,103 @@
+"""Op patterns of real PyTorch jobs: DDP's gradient buckets (one all-reduce per bucket,
+launched while backward still runs) and the data loader's input wait."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.trace import JobMeta, Trace
+from lagscope.simulator.whatif import analyze
+
+META = JobMeta(dp_size=2, pp_size=1, world_size=2)
+
+
+def ddp_step_rows(
+    step: int, dp: int, input_s: float, compute_scale: float
+) -> list[tuple[str, int, float, float]]:
+    """(optype, seq, start, end) of one DDP step on one rank: an input wait, two
+    micro-batches (gradient accumulation), three buckets launched during the last
+    backward, and the optimizer once the buckets are done."""
+    f, b = 0.010 * compute_scale, 0.020 * compute_scale
+    t = 0.0
+    rows = [(ot.INPUT_WAIT, 0, t, t + input_s)]
+    t += input_s + 0.0005
+    for mb in range(2):
+        rows.append((ot.FORWARD_COMPUTE, mb, t, t + f))
+        t += f + 0.0005
+        rows.append((ot.BACKWARD_COMPUTE, mb, t, t + b))
+        backward_start = t
+        t += b + 0.0005
+    # Buckets 0 and 1 while the last backward runs; bucket 2 when it ends.
+    launches = [backward_start + 0.4 * b, backward_start + 0.7 * b, backward_start + b]
+    done = t
+    for k, launch in enumerate(launches):
+        done = max(done, launch) + 0.004
+        rows.append((ot.SEPARATE_GRADS_ALL_REDUCE, k, launch, done))
+    rows.append((ot.OPTIMIZER, 0, done + 0.0005, done + 0.0035))
+    return rows
+
+
+def ddp_trace(steps: int = 4, slow_input_dp: int | None = None) -> Trace:
+    columns: dict[str, list] = {k: [] for k in ("dp_rank", "stage", "rank", "step", "optype",
+                                                "start_ts", "duration", "seq_id")}  # fmt: skip
+    for step in range(steps):
+        per_dp = {
+            dp: ddp_step_rows(step, dp, 0.030 if dp == slow_input_dp else 0.001, 1.0)
+            for dp in range(2)
+        }
+        # The buckets are collectives: they end together, when the later rank joins.
+        for k in range(3):
+            ends = [next(r for r in per_dp[dp] if r[:2] == (ot.SEPARATE_GRADS_ALL_REDUCE, k))[3]
+                    for dp in range(2)]  # fmt: skip
+            for dp in range(2):
+                rows = per_dp[dp]
+                i = next(
+                    i for i, r in enumerate(rows) if r[:2] == (ot.SEPARATE_GRADS_ALL_REDUCE, k)
+                )
+                rows[i] = (*rows[i][:3], max(ends))
+        for dp in range(2):
+            rows = per_dp[dp]
+            last = max(r[3] for r in rows if r[0] == ot.SEPARATE_GRADS_ALL_REDUCE)
+            rows[-1] = (ot.OPTIMIZER, 0, last + 0.0005, last + 0.0035)
+            for optype, seq, start, end in rows:
+                columns["dp_rank"].append(dp)
+                columns["stage"].append(0)
+                columns["rank"].append(dp)
+                columns["step"].append(step)
+                columns["optype"].append(optype)
+                columns["start_ts"].append(start + 0.05 * step)
+                columns["duration"].append(end - start)
+                columns["seq_id"].append(seq)
+    return Trace.from_columns(columns, source="<ddp>")
+
+
+def test_every_gradient_bucket_is_linked_and_the_step_is_reproduced():
+    prepared = prepare(ddp_trace(), META)
+    model = prepared.model
+    deps = {
+        str(model.nodes[i]): {str(model.nodes[d]) for d in model.deps[i]}
+        for i in range(model.n_nodes)
+    }
+    # Buckets launched during the last backward follow the compute that had ended.
+    assert deps["separate-grads-all-reduce_0_0"] == {"forward-compute_1_0"}
+    assert deps["separate-grads-all-reduce_1_0"] == {"forward-compute_1_0"}
+    # The bucket launched at the end follows the last backward; the optimizer waits for all.
+    assert deps["separate-grads-all-reduce_2_0"] == {"backward-compute_1_0"}
+    assert {f"separate-grads-all-reduce_{k}_0" for k in range(3)} <= deps["optimizer_0_0"]
+    # The input wait holds back the first forward.
+    assert "input-wait_0_0" in deps["forward-compute_0_0"]
+    result = analyze(prepared)
+    assert np.all(result.discrepancy < 0.05), result.discrepancy
+    assert np.all(result.trusted)
+
+
+def test_a_rank_starved_by_its_input_is_an_input_straggler():
+    prepared = prepare(ddp_trace(slow_input_dp=1), META)
+    result = analyze(prepared)
+    ranked = result.by_optype.ranked()
+    assert ranked[0][0] == ot.INPUT_WAIT, ranked
+    assert result.by_dp_rank.ranked()[0][0] == "1"
+    # Not smeared into launch delay: the replay without launch delays has the wait.
+    assert np.all(result.discrepancy < 0.05)

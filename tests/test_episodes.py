@@ -1,0 +1,81 @@
+"""Job-level episodes start from any series' change (step time, stage, DP rank, worker),
+are named by the diagnosis of their own steps, and a healthy job has none."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lagscope.simulator.diagnose import diagnose
+from lagscope.simulator.episodes import diagnosed_episodes, episode_spans
+from lagscope.simulator.generate import CostModel, JobSpec, SlowWorker, generate_job
+from lagscope.simulator.prepare import concat_steps
+from lagscope.stream_app.processor import StepProcessor
+from tests.test_processor import stream_of
+
+NOISY = CostModel(first_stage_extra=0.0, last_stage_extra=0.1, noise_cv=0.12)
+
+
+def streamed(stragglers, steps, seed):
+    job = generate_job(
+        JobSpec(
+            dp=2, pp=2, microbatches=4, steps=steps, cost=NOISY, stragglers=stragglers, seed=seed
+        )
+    )
+    info, batches = stream_of(job)
+    processor = StepProcessor()
+    processor.on_job(info)
+    changes = []
+    for _, _, step_batches in batches:
+        for out in processor.on_batches(step_batches):
+            changes.extend(out.changes)
+    rollup = processor.rollup(info.job_id)
+    retained = processor.jobs[info.job_id, 0].retained
+    prepared = concat_steps(sorted(retained, key=lambda p: int(p.steps[0])))
+    episodes = diagnosed_episodes(changes, prepared, rollup.ideal_cost)
+    return changes, episodes, diagnose(rollup, prepared)
+
+
+def change(series, step, before, after):
+    kind = "onset" if after > before else "recovery"
+    return SimpleNamespace(
+        series=series, step=step, kind=kind, before_mean=before, after_mean=after
+    )
+
+
+def test_spans_of_several_series_merge_and_a_fall_opens_nothing():
+    changes = [
+        change("worker/1.0", 15, 1.0, 2.0),
+        change("worker/1.0", 30, 2.0, 1.0),
+        change("step_time", 16, 0.1, 0.15),
+        change("step_time", 31, 0.15, 0.1),
+        # The DP peer looks faster while the median moves, then back: not an episode.
+        change("dp/0", 15, 1.0, 0.8),
+        change("dp/0", 30, 0.8, 1.0),
+        change("stage/1", 50, 1.0, 1.3),
+    ]
+    spans = episode_spans(changes)
+    assert [(s.onset, s.recovery) for s in spans] == [(15, 31), (50, None)]
+    assert set(spans[0].series) == {"worker/1.0", "step_time"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_worker_slow_for_a_window_is_an_episode_named_at_its_onset(seed):
+    """One worker 2x slower for steps 15-29 of 40: a job-level episode starts within 3
+    steps of 15, recovers within 3 steps of 30, and names that worker first."""
+    slow = SlowWorker(dp=1, stage=0, factor=2.0, start_step=15, end_step=30)
+    changes, episodes, _ = streamed((slow,), 40, seed)
+    assert any(c.series == "worker/1.0" and c.kind == "onset" for c in changes)
+    (episode,) = [e for e in episodes if abs(e.onset - 15) <= 3]
+    assert episode.recovery is not None and abs(episode.recovery - 30) <= 3
+    assert episode.diagnosis.cause == "slow_workers"
+    first = episode.diagnosis.evidence["verified_workers"][0]
+    assert (first["dp"], first["stage"]) == (1, 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_healthy_noisy_job_has_no_episode_and_no_cause(seed):
+    _, episodes, diagnosis = streamed((), 60, seed)
+    assert episodes == []
+    assert diagnosis.cause == "none", diagnosis.summary

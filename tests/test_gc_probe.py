@@ -1,0 +1,143 @@
+"""The GC probe never harms a step: pauses are evidence about the ops they fall in, any
+number per worker and step (or none), and GC is named only on the probe's own evidence."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from lagscope.producers.events import JobInfo, decode_batch
+from lagscope.producers.log import KIND_BATCH, Record, rank_dir, read_all
+from lagscope.producers.timer import OpTimer
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.diagnose import diagnose
+from lagscope.simulator.generate import (
+    CostModel,
+    GcPauses,
+    JobSpec,
+    LastStageImbalance,
+    generate_job,
+)
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.trace import Trace
+from lagscope.simulator.whatif import analyze
+from lagscope.stream_app.processor import StepProcessor
+from tests.test_processor import stream_of
+
+BALANCED = CostModel(first_stage_extra=0.0, last_stage_extra=0.0, noise_cv=0.02)
+
+
+def _gc_job(seed: int = 1, steps: int = 6):
+    return generate_job(
+        JobSpec(
+            dp=4,
+            pp=2,
+            microbatches=4,
+            steps=steps,
+            cost=BALANCED,
+            stragglers=(GcPauses(probability=0.08, pause_s=0.2),),
+            seed=seed,
+        )
+    )
+
+
+def _without_pauses(trace: Trace) -> Trace:
+    return trace.select(trace.optype != trace.optype_names.index(ot.GC_PAUSE))
+
+
+def test_pauses_on_some_workers_only_leave_every_step_analysable():
+    job = _gc_job()
+    pause = job.trace.optype == job.trace.optype_names.index(ot.GC_PAUSE)
+    per_worker_step = {
+        (int(s), int(d), int(p))
+        for s, d, p in zip(
+            job.trace.step[pause], job.trace.dp_rank[pause], job.trace.stage[pause], strict=True
+        )
+    }
+    # The premise: some workers pause in a step and others do not, step 0 included.
+    assert 0 < len(per_worker_step) < 6 * 8
+    assert any(s == 0 for s, _, _ in per_worker_step)
+    info, steps = stream_of(job)
+    processor = StepProcessor()
+    processor.on_job(info)
+    outputs = [out for _, _, batches in steps for out in processor.on_batches(batches)]
+    outputs += processor.flush()
+    assert sorted(out.step for out in outputs) == list(range(6))
+    assert all(out.result is not None and out.complete for out in outputs), [
+        out.reason for out in outputs
+    ]
+    # The pauses reached the analysis as evidence about the ops they stalled.
+    assert processor.rollup(info.job_id) is not None
+    retained = processor.jobs[info.job_id, 0].retained
+    assert sum(float(p.gc_pause.sum()) for p in retained if p.gc_pause is not None) > 0
+
+
+def test_gc_probe_records_survive_a_real_collection_in_the_stream(tmp_path):
+    """The timer's probe output (a real gc.collect() on one rank only) is analysable."""
+
+    info = JobInfo(job_id="gc", dp_size=2, pp_size=1, world_size=2)
+    timers = [
+        OpTimer(job_id="gc", rank=r, dp_rank=r, pp_rank=0, log_dir=tmp_path, mode="host",
+                gc_probe=(r == 0), job_info=info)
+        for r in range(2)
+    ]  # fmt: skip
+    for step in range(3):
+        for rank, timer in enumerate(timers):
+            timer.step(step)
+            with timer.op("forward-compute", microbatch=0):
+                if rank == 0:
+                    gc.collect()
+                sum(range(20_000))
+            with timer.op("backward-compute", microbatch=0):
+                sum(range(40_000))
+            with timer.op("optimizer"):
+                pass
+    for timer in timers:
+        timer.close()
+    processor = StepProcessor()
+    processor.on_job(info)
+    outputs = []
+    for rank in range(2):
+        for record in read_all(rank_dir(tmp_path, rank)):
+            if isinstance(record, Record) and record.kind == KIND_BATCH:
+                outputs += processor.on_batch(decode_batch(record.payload))
+    outputs += processor.flush()
+    assert sorted(out.step for out in outputs) == [0, 1, 2]
+    assert all(out.result is not None for out in outputs), [out.reason for out in outputs]
+
+
+def test_gc_is_named_from_recorded_pauses_and_never_without_the_probe():
+    job = _gc_job(seed=2, steps=8)
+    prepared = prepare(job.trace, job.meta)
+    diagnosis = diagnose(analyze(prepared), prepared)
+    assert diagnosis.cause == "gc_pauses", diagnosis.summary
+    assert diagnosis.evidence["gc_coincidence"] > 0.9
+    probe_off = prepare(_without_pauses(job.trace), job.meta)
+    assert probe_off.gc_pause is None
+    off = diagnose(analyze(probe_off), probe_off)
+    assert off.cause != "gc_pauses"
+    assert off.evidence["gc_recorded"] is False
+
+
+def test_pauses_that_do_not_coincide_with_the_slowdown_are_not_the_cause():
+    """A heavy last stage with small GC pauses recorded now and then: the stage is named."""
+    job = generate_job(
+        JobSpec(
+            dp=4,
+            pp=2,
+            microbatches=4,
+            steps=8,
+            cost=BALANCED,
+            stragglers=(
+                LastStageImbalance(factor=1.6),
+                GcPauses(probability=0.05, pause_s=0.004),
+            ),
+            seed=3,
+        )
+    )
+    prepared = prepare(job.trace, job.meta)
+    assert prepared.gc_pause is not None and np.count_nonzero(prepared.gc_pause) > 0
+    diagnosis = diagnose(analyze(prepared), prepared)
+    assert diagnosis.cause == "last_stage_imbalance", diagnosis.summary
+    assert diagnosis.evidence["gc_explained"] < 0.2
