@@ -225,7 +225,7 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
             ),
         ),
         Migration(
-            4,
+            3,
             "steps: whether analysed and why not, simulation discrepancy and trust",
             (
                 # Rows written before this migration: analysed iff they have figures.
