@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from tests.torch_jobs.harness import Knobs, main_for, straggler_model, synthetic_loader
 
+#: Long enough steps (tens of ms) and several gradient buckets.
+DEFAULTS = {"layers": 6, "hidden": 512, "batch": 64, "bucket_mb": 1.5}
+
 
 def worker(rank: int, knobs: Knobs) -> None:
     import torch
@@ -36,4 +39,4 @@ def worker(rank: int, knobs: Knobs) -> None:
 
 
 if __name__ == "__main__":
-    main_for(worker, __doc__.splitlines()[0], layers=6, hidden=256, batch=64)
+    main_for(worker, __doc__.splitlines()[0], **DEFAULTS)

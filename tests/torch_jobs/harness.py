@@ -53,7 +53,8 @@ class Knobs:
     slow_end: int = 1 << 30
     #: An input straggler's extra wait per batch (ms): its loader has no compute to scale.
     input_ms: float = 30.0
-    #: Late sender: this rank sends every activation `late_ms` late in [late_start, late_end).
+    #: Late sender: in steps [late_start, late_end) this rank sends every activation
+    #: `late_ms` after its receiver posted the irecv for it.
     late_rank: int = -1
     late_ms: float = 0.0
     late_start: int = 0
@@ -70,6 +71,8 @@ class Knobs:
     bucket_mb: float = 0.25
     #: pipelining schedule: gpipe, 1f1b or interleaved.
     schedule: str = "1f1b"
+    #: Extra environment of every rank, "NAME=value,NAME=value" (e.g. a Slurm node name).
+    env: str = ""
 
     def slow(self, rank: int, step: int, phase: str) -> bool:
         return (
@@ -151,6 +154,9 @@ def _entry(rank: int, target: Callable[[int, Knobs], None], knobs: dict, port: i
         WORLD_SIZE=str(knobs["world"]),
         OMP_NUM_THREADS="1",
     )
+    for assignment in filter(None, knobs["env"].split(",")):
+        name, _, value = assignment.partition("=")
+        os.environ[name] = value
     import torch
     import torch.distributed as dist
 

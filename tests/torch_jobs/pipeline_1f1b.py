@@ -8,6 +8,7 @@ DataLoader (input waits recorded), the last stage computes an MSE loss.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from tests.torch_jobs.harness import (
@@ -38,6 +39,7 @@ class Stage:
         self.step = 0
         self.sends: list[Any] = []
         self.saved: dict[int, tuple[Any, Any]] = {}
+        (Path(knobs.log_dir).parent / "late-sender").mkdir(exist_ok=True)
 
     def forward(self, m: int) -> None:
         import torch
@@ -47,16 +49,30 @@ class Stage:
             x, _ = next(self.batches)
         else:
             x = torch.empty(self.shape)
-            dist.irecv(x, self.rank - 1).wait()
+            work = dist.irecv(x, self.rank - 1)
+            if self.knobs.late(self.rank - 1, self.step):
+                self._posted(self.rank, m).write_text(repr(time.time()))
+            work.wait()
             x.requires_grad_()
         out = self.model(x)
         if self.last:
             out = torch.nn.functional.mse_loss(out, self.targets[m])
         else:
             if self.knobs.late(self.rank, self.step):
-                time.sleep(self.knobs.late_ms / 1e3)
+                self._send_late(m)
             self.sends.append(dist.isend(out.detach(), self.rank + 1))
         self.saved[m] = (x, out)
+
+    def _posted(self, receiver: int, m: int) -> Path:
+        return Path(self.knobs.log_dir).parent / "late-sender" / f"{receiver}-{self.step}-{m}"
+
+    def _send_late(self, m: int) -> None:
+        """Send `late_ms` after the receiver posted its irecv (it leaves a time stamp in a
+        file: no torch.distributed call, so nothing of the handshake is recorded)."""
+        posted = self._posted(self.rank + 1, m)
+        while not posted.exists() or not posted.read_text():
+            time.sleep(0.0005)
+        time.sleep(max(0.0, float(posted.read_text()) + self.knobs.late_ms / 1e3 - time.time()))
 
     def backward(self, m: int) -> None:
         import torch
