@@ -7,6 +7,7 @@ DataLoader (input waits recorded), the last stage computes an MSE loss.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -141,12 +142,19 @@ def worker(rank: int, knobs: Knobs) -> None:
     )
     runner = Stage(knobs, rank, model, endless(loader) if loader is not None else None)
     params = list(model.parameters())
+    step_seconds = []
     for step in range(knobs.steps):
+        began = time.perf_counter()
         runner.one_f_one_b(step)
         all_reduce_grads(params, dp_group, dp)
         optimizer.step()
         optimizer.zero_grad()
+        step_seconds.append(time.perf_counter() - began)
     monitor.close()
+    # The job's own step times, for the overhead bench (with and without lagscope).
+    times = Path(knobs.log_dir).parent / "step-seconds"
+    times.mkdir(exist_ok=True)
+    (times / f"rank-{rank}.json").write_text(json.dumps(step_seconds))
 
 
 if __name__ == "__main__":
