@@ -1,0 +1,75 @@
+"""Monitor a Megatron-core training job: one call, no timing lines.
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    import lagscope.megatron
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
+                                             pipeline_model_parallel_size=4)
+    model, optimizer = ...                     # as usual
+    monitor = lagscope.megatron.monitor(job_id="llama-70b", log_dir="/local/lagscope",
+                                        optimizer=optimizer)
+    forward_backward = get_forward_backward_func()
+    for iteration in range(train_iters):
+        forward_backward(forward_step_func=..., model=model, ...)
+        optimizer.step()
+    monitor.close()                            # also done at exit
+
+Every micro-batch's forward and backward (with its index and model chunk), every pipeline
+transfer (by direction), the gradient sync (per Megatron DDP bucket group), the layernorm
+and embedding all-reduces, the gradient-norm all-reduce and the optimizer step are
+recorded on each rank into its local log, one batch per step; `lagscope run --logs DIR`
+(or the streamer) analyses them. The job record (dp, pp, tp, cp and vpp sizes) comes from
+`megatron.core.parallel_state`. Steps are numbered from `first_step` (pass the iteration
+you resume from). Pass `optimizer` (megatron-core's or a torch optimizer) so a step ends
+at its update; without it every training call of the schedule is a step.
+
+Supports megatron-core 0.19.x only: another version, or a 0.19 release in which a hooked
+function changed, is refused with `UnsupportedMegatronVersion` naming what differs.
+Importing this module imports neither torch nor megatron-core.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lagscope.producers.megatron_seams import SUPPORTED_SERIES, UnsupportedMegatronVersion
+
+if TYPE_CHECKING:
+    from lagscope.producers.megatron_adapter import MegatronMonitor
+
+__all__ = ["SUPPORTED_SERIES", "UnsupportedMegatronVersion", "monitor"]
+
+
+def monitor(
+    *,
+    job_id: str,
+    log_dir: str | Path,
+    optimizer: Any = None,
+    attempt: int = 0,
+    first_step: int = 0,
+    mode: Literal["auto", "host", "cuda"] = "auto",
+    gc_probe: bool = True,
+    model_flops_per_step: float | None = None,
+    gpu_peak_flops: float | None = None,
+) -> MegatronMonitor:
+    """Start recording this rank; call after `initialize_model_parallel` on every rank.
+
+    `mode`: "auto" times with CUDA events when a GPU is present, host clocks otherwise.
+    `gc_probe`: record Python GC pauses as ops. `model_flops_per_step` and
+    `gpu_peak_flops` (all GPUs together / one GPU) enable MFU figures in the analysis.
+    """
+    from lagscope.producers.megatron_adapter import MegatronMonitor
+
+    return MegatronMonitor(
+        job_id=job_id,
+        log_dir=log_dir,
+        optimizer=optimizer,
+        attempt=attempt,
+        first_step=first_step,
+        mode=mode,
+        gc_probe=gc_probe,
+        model_flops_per_step=model_flops_per_step,
+        gpu_peak_flops=gpu_peak_flops,
+    )

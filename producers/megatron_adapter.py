@@ -1,0 +1,705 @@
+"""Megatron-core's seams, timed into lagscope ops: the machinery behind `lagscope.megatron`.
+
+One `MegatronMonitor` per process. Starting it checks the installed megatron-core against
+`producers.megatron_seams` (version line and every hooked signature), reads the job's
+layout from `megatron.core.parallel_state`, opens an `OpTimer` for this rank (the lighter
+"off" mode on TP/CP ranks other than 0: the analysis needs one rank per (dp, stage)) and
+hooks megatron-core where it already separates the work lagscope times:
+
+| megatron-core                                   | lagscope op                                 |
+|-------------------------------------------------|---------------------------------------------|
+| `schedules.forward_step` (current_microbatch,   | forward-compute, microbatch and chunk       |
+|  vp_stage)                                      |                                             |
+| `schedules.backward_step`                       | backward-compute, micro-batch and chunk of  |
+|                                                 |  the forward that made its output           |
+| `P2PCommunicator._communicate`                  | forward-send (to next), forward-recv (from  |
+|                                                 |  prev), backward-send (to prev),            |
+|                                                 |  backward-recv (from next)                  |
+| bucket group `start_grad_sync` ..               | grads-reduce-scatter (distributed           |
+|  `finish_grad_sync`                             |  optimizer) or separate-grads-all-reduce,   |
+|                                                 |  one op per bucket group                    |
+| timer `all-grads-sync` (model without Megatron  | the same DP op types, one per step          |
+|  DDP buckets) or a custom finalize function     |                                             |
+| timer `non-tensor-parallel-grads-all-reduce`    | layernorm-grads-all-reduce                  |
+| timer `embedding-grads-all-reduce`              | embedding-grads-all-reduce (embedding-group |
+|                                                 |  ranks only)                                |
+| `MegatronOptimizer.get_grad_norm`               | optimizer-clip-main-grad                    |
+| `optimizer.step` (Megatron's, or torch's step   | optimizer (from the end of the grad-norm    |
+|  hooks)                                         |  all-reduce when there is one)              |
+
+Steps: a step opens at the first training call of a schedule
+(`forward_backward_*`, `forward_only=False`) after the previous optimizer step, so a
+gradient-accumulating job that calls the schedule several times per update still has
+one step per update; without a monitored optimizer every training call is a step.
+Calls with `forward_only=True` (evaluation) record nothing.
+
+Asynchronous transfers are timed to completion, never to the call's return: p2p handles
+that the schedule waits for later (`overlap_p2p_comm`) end their op in `wait()`, and a
+bucket group's op runs from `start_grad_sync` to the end of `finish_grad_sync`. On GPUs
+the `OpTimer` records CUDA events on the current stream, which Megatron makes wait for
+the communication before it uses the result, so the event after the wait marks the
+transfer's completion on the device.
+
+The hooks replace module globals and methods (restored by `close()`); they are listed,
+with the signatures relied on, in `producers.megatron_seams`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import inspect
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from lagscope.producers.events import JobInfo
+from lagscope.producers.megatron_seams import (
+    BUCKETS,
+    FINALIZE,
+    P2P,
+    SCHEDULES,
+    check_seams,
+)
+from lagscope.producers.timer import OpTimer
+from lagscope.simulator import optypes as ot
+
+#: The schedule functions `get_forward_backward_func` hands out; each call is (part of) a step.
+SCHEDULE_FUNCTIONS = (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving",
+)
+
+#: `_communicate`'s request keys (`_p2p_ops`) and its arguments, by lagscope op type.
+_P2P_DIRECTIONS = (
+    ("send_next", "tensor_send_next", ot.FORWARD_SEND),
+    ("recv_prev", "recv_prev", ot.FORWARD_RECV),
+    ("send_prev", "tensor_send_prev", ot.BACKWARD_SEND),
+    ("recv_next", "recv_next", ot.BACKWARD_RECV),
+)
+
+#: The one monitor of this process (the hooks are process-wide).
+_active: MegatronMonitor | None = None
+
+
+class Layout:
+    """This job's parallel layout and this rank's place in it, from `parallel_state`."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError(
+                "lagscope.megatron.monitor() needs megatron's model-parallel groups: call "
+                "parallel_state.initialize_model_parallel(...) first"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.vpp_size = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.in_embedding_group = ps.is_rank_in_embedding_group(ignore_virtual=True)
+        product = self.dp_size * self.pp_size * self.tp_size * self.cp_size
+        if product != self.world_size:
+            raise RuntimeError(
+                f"megatron's groups give dp {self.dp_size} x pp {self.pp_size} x tp "
+                f"{self.tp_size} x cp {self.cp_size} = {product} ranks, but the world has "
+                f"{self.world_size}: lagscope.megatron cannot place this rank"
+            )
+
+    def job_info(self, job_id: str, attempt: int, **mfu: float | None) -> JobInfo:
+        return JobInfo(
+            job_id=job_id,
+            attempt=attempt,
+            trial_name=job_id,
+            dp_size=self.dp_size,
+            pp_size=self.pp_size,
+            tp_size=self.tp_size,
+            dsp_size=self.cp_size,
+            vpp_size=self.vpp_size,
+            world_size=self.world_size,
+            **mfu,
+        )
+
+    @property
+    def analysed(self) -> bool:
+        """The analysis needs one rank per (dp, stage): TP and CP rank 0."""
+        return self.tp_rank == 0 and self.cp_rank == 0
+
+
+class _Span:
+    """An op whose start and end are seen by different hooks (an `OpTimer.op` scope held
+    open). `begin` on an open span starts the op again: the earlier start is dropped, and
+    nothing is recorded for it."""
+
+    __slots__ = ("_scope",)
+
+    def __init__(self) -> None:
+        self._scope: Any = None
+
+    def begin(self, timer: OpTimer, optype: str, microbatch: int = -1, chunk: int = 0) -> None:
+        self._scope = timer.op(optype, microbatch=microbatch, chunk=chunk)
+        self._scope.__enter__()
+
+    @property
+    def open(self) -> bool:
+        return self._scope is not None
+
+    def end(self) -> None:
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+
+class _TimedWork:
+    """A p2p handle whose op ends when the schedule waits for it (the transfer's end)."""
+
+    __slots__ = ("_span", "_work")
+
+    def __init__(self, work: Any, span: _Span) -> None:
+        self._work = work
+        self._span = span
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        self._span.end()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _TimedP2P:
+    """Mixed in front of a `P2PCommunicator` class: every `_communicate` is timed, one op
+    per direction it moves (a fused call gives several ops with the same start)."""
+
+    def _communicate(self, **kwargs: Any) -> Any:
+        monitor = _active
+        if monitor is None or not monitor.recording:
+            return super()._communicate(**kwargs)  # type: ignore[misc]
+        timer = monitor.timer
+        spans: dict[str, _Span] = {}
+        for key, argument, optype in _P2P_DIRECTIONS:
+            value = kwargs.get(argument)
+            if value is None or value is False:
+                continue
+            microbatch, chunk = monitor.producer_of(optype)
+            span = spans[key] = _Span()
+            span.begin(timer, optype, microbatch, chunk)
+        recv_prev, recv_next, requests = super()._communicate(**kwargs)  # type: ignore[misc]
+        if isinstance(requests, dict):
+            # Not waited for inside (overlap_p2p_comm): each direction ends at its wait().
+            for key in list(requests):
+                if key in spans:
+                    requests[key] = _TimedWork(requests[key], spans.pop(key))
+        for span in reversed(spans.values()):
+            span.end()
+        return recv_prev, recv_next, requests
+
+
+@functools.cache
+def timed_communicator_class(cls: type) -> type:
+    """`cls` with `_TimedP2P` in front (one class per communicator class)."""
+    if issubclass(cls, _TimedP2P):
+        return cls
+    return type(cls.__name__, (_TimedP2P, cls), {"__module__": __name__})
+
+
+class _Phase:
+    """One `config.timers` name mapped to an op type: start()/stop() come as separate
+    `config.timers(name)` calls, so the open op lives here, not in the returned object."""
+
+    __slots__ = ("_monitor", "_span", "optype", "wanted")
+
+    def __init__(self, monitor: MegatronMonitor, optype: str, wanted: Callable[[], bool]) -> None:
+        self._monitor = monitor
+        self._span = _Span()
+        self.optype = optype
+        self.wanted = wanted
+
+    def start(self) -> None:
+        if self._monitor.recording and self.wanted():
+            self._span.begin(self._monitor.timer, self.optype)
+
+    def stop(self) -> None:
+        self._span.end()
+
+
+class _PhaseTimer:
+    """What `config.timers(name)` returns for a mapped name: our phase, then the job's own."""
+
+    __slots__ = ("_inner", "_phase")
+
+    def __init__(self, phase: _Phase, inner: Any) -> None:
+        self._phase = phase
+        self._inner = inner
+
+    def start(self, barrier: bool = False) -> None:
+        if self._inner is not None:
+            self._inner.start(barrier=barrier)
+        self._phase.start()
+
+    def stop(self, barrier: bool = False) -> None:
+        self._phase.stop()
+        if self._inner is not None:
+            self._inner.stop(barrier=barrier)
+
+
+class _NullTimer:
+    __slots__ = ()
+
+    def start(self, barrier: bool = False) -> None:
+        return None
+
+    def stop(self, barrier: bool = False) -> None:
+        return None
+
+
+_NULL_TIMER = _NullTimer()
+
+
+class MegatronTimers:
+    """Set as `config.timers`: maps the timer names lagscope needs to ops and passes every
+    call on to the timers the job already had (Megatron-LM's `Timers`, or none)."""
+
+    def __init__(self, phases: dict[str, _Phase], inner: Any) -> None:
+        self._phases = phases
+        self.inner = inner
+
+    def __call__(self, name: str, log_level: int | None = None) -> Any:
+        inner = None
+        if self.inner is not None:
+            inner = self.inner(name) if log_level is None else self.inner(name, log_level)
+        phase = self._phases.get(name)
+        if phase is None:
+            return inner if inner is not None else _NULL_TIMER
+        return _PhaseTimer(phase, inner)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (log, write, ...) belongs to the job's own timers.
+        if self.inner is None:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class MegatronMonitor:
+    """Records this rank's ops from megatron-core's seams; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        log_dir: str | Path,
+        optimizer: Any = None,
+        attempt: int = 0,
+        first_step: int = 0,
+        mode: Literal["auto", "host", "cuda"] = "auto",
+        gc_probe: bool = True,
+        model_flops_per_step: float | None = None,
+        gpu_peak_flops: float | None = None,
+    ) -> None:
+        check_seams()
+        if _active is not None:
+            raise RuntimeError(
+                "lagscope.megatron is already monitoring this process; close() that monitor "
+                "before starting another"
+            )
+        if first_step < 0:
+            raise ValueError(f"first_step must be >= 0, got {first_step}")
+        self.layout = Layout()
+        layout = self.layout
+        self.timer = OpTimer(
+            job_id=job_id,
+            rank=layout.rank,
+            dp_rank=layout.dp_rank,
+            pp_rank=layout.pp_rank,
+            tp_rank=layout.tp_rank,
+            cp_rank=layout.cp_rank,
+            log_dir=log_dir,
+            attempt=attempt,
+            mode=mode if layout.analysed else "off",
+            gc_probe=gc_probe,
+            job_info=layout.job_info(
+                job_id,
+                attempt,
+                model_flops_per_step=model_flops_per_step,
+                gpu_peak_flops=gpu_peak_flops,
+            ),
+        )
+        #: True while a training schedule call runs: only then are ops recorded.
+        self.recording = False
+        self.step: int | None = None
+        self._next_step = first_step
+        self._step_open = False
+        self._steps_end_at_optimizer = optimizer is not None
+        # Micro-batch bookkeeping for the current step.
+        self._forward_of: dict[int, tuple[int, int]] = {}
+        self._last_forward = (-1, 0)
+        self._last_backward = (-1, 0)
+        self._forwards_seen = 0
+        # Gradient sync bookkeeping.
+        self._model_ids: tuple[int, ...] = ()
+        self._chunks: list[Any] = []
+        self._chunk_of_bucket: dict[int, int] = {}
+        self._open_buckets: dict[int, _Span] = {}
+        self._has_megatron_buckets = False
+        self._config: Any = None
+        self._timers: MegatronTimers | None = None
+        self._dp_phase: _Phase | None = None
+        self._finalize_wrapped: Any = None
+        self._optimizer_span = _Span()
+        self._restore: list[Callable[[], None]] = []
+        self._closed = False
+        self._install(optimizer)
+        atexit.register(self.close)
+
+    # -- what the hooks ask ------------------------------------------------------------
+
+    def producer_of(self, optype: str) -> tuple[int, int]:
+        """(micro-batch, chunk) a p2p op carries: sends carry those of the compute whose
+        result they ship; a recv is posted before its micro-batch is known (-1)."""
+        if optype == ot.FORWARD_SEND:
+            return self._last_forward
+        if optype == ot.BACKWARD_SEND:
+            return self._last_backward
+        return (-1, 0)
+
+    def dp_sync_optype(self) -> str:
+        distributed = any(
+            getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False)
+            for chunk in self._chunks
+        )
+        return ot.GRADS_REDUCE_SCATTER if distributed else ot.SEPARATE_GRADS_ALL_REDUCE
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Undo every hook and write the last step to the log."""
+        global _active
+        if self._closed:
+            return
+        self._closed = True
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
+        if _active is self:
+            _active = None
+        atexit.unregister(self.close)
+        self.timer.close()
+
+    def __enter__(self) -> MegatronMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _begin_training_call(self, model: Any) -> None:
+        if not self._step_open or not self._steps_end_at_optimizer:
+            self.step = self._next_step
+            self._next_step += 1
+            self.timer.step(self.step)
+            self._step_open = True
+            self._forward_of.clear()
+            self._forwards_seen = 0
+        self._learn_model(model)
+        self.recording = True
+
+    def _end_step(self) -> None:
+        self._step_open = False
+
+    def _learn_model(self, model: Any) -> None:
+        """Model chunks (for bucket chunk ids and the DP op type) and the config's hooks."""
+        chunks = list(model) if isinstance(model, list | tuple) else [model]
+        ids = tuple(map(id, chunks))
+        if ids == self._model_ids:
+            return
+        self._model_ids = ids
+        self._chunks = chunks
+        self._chunk_of_bucket = {
+            id(group): index
+            for index, chunk in enumerate(chunks)
+            for group in itertools.chain(
+                getattr(chunk, "bucket_groups", ()) or (),
+                getattr(chunk, "expert_parallel_bucket_groups", ()) or (),
+            )
+        }
+        self._has_megatron_buckets = bool(self._chunk_of_bucket)
+        if self._dp_phase is not None:
+            self._dp_phase.optype = self.dp_sync_optype()
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(chunks[0])
+        if config is not self._config:
+            self._hook_config(config)
+
+    # -- installing ----------------------------------------------------------------------
+
+    def _install(self, optimizer: Any) -> None:
+        global _active
+        import importlib
+
+        schedules = importlib.import_module(SCHEDULES)
+        p2p = importlib.import_module(P2P)
+        buckets = importlib.import_module(BUCKETS)
+
+        self._replace(schedules, "forward_step", self._timed_forward(schedules.forward_step))
+        self._replace(schedules, "backward_step", self._timed_backward(schedules.backward_step))
+        for name in SCHEDULE_FUNCTIONS:
+            self._replace(schedules, name, self._timed_schedule(getattr(schedules, name)))
+        self._replace(schedules, "P2PCommunicator", timed_communicator_class(p2p.P2PCommunicator))
+        group = buckets._ParamAndGradBucketGroup
+        self._replace(group, "start_grad_sync", self._timed_bucket_start(group.start_grad_sync))
+        self._replace(group, "finish_grad_sync", self._timed_bucket_finish(group.finish_grad_sync))
+        if optimizer is not None:
+            self._hook_optimizer(optimizer)
+        self._restore.append(self._unhook_config)
+        _active = self
+
+    def _replace(self, owner: Any, name: str, value: Any) -> None:
+        had_own = name in vars(owner)
+        original = vars(owner).get(name)
+        setattr(owner, name, value)
+
+        def undo() -> None:
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+        self._restore.append(undo)
+
+    def _hook_config(self, config: Any) -> None:
+        """`config.timers` (finalize phases) and a custom `finalize_model_grads_func`."""
+        if self._config is not None:
+            self._unhook_config()
+        self._config = config
+        layout = self.layout
+        phases = {
+            "all-grads-sync": _Phase(
+                self, ot.SEPARATE_GRADS_ALL_REDUCE, lambda: not self._has_megatron_buckets
+            ),
+            "non-tensor-parallel-grads-all-reduce": _Phase(
+                self, ot.LAYERNORM_GRADS_ALL_REDUCE, lambda: True
+            ),
+            "embedding-grads-all-reduce": _Phase(
+                self, ot.EMBEDDING_GRADS_ALL_REDUCE, lambda: layout.in_embedding_group
+            ),
+        }
+        dp_phase = self._dp_phase = phases["all-grads-sync"]
+        dp_phase.optype = self.dp_sync_optype()
+        self._timers = MegatronTimers(phases, config.timers)
+        config.timers = self._timers
+        finalize = config.finalize_model_grads_func
+        if finalize is not None and not _is_megatron_finalize(finalize):
+            config.finalize_model_grads_func = self._timed_custom_finalize(finalize, dp_phase)
+        self._finalize_wrapped = finalize
+
+    def _unhook_config(self) -> None:
+        config = self._config
+        if config is None:
+            return
+        if config.timers is self._timers and self._timers is not None:
+            config.timers = self._timers.inner
+        if self._finalize_wrapped is not None:
+            config.finalize_model_grads_func = self._finalize_wrapped
+        self._config = None
+
+    def _hook_optimizer(self, optimizer: Any) -> None:
+        import torch
+        from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+        if isinstance(optimizer, MegatronOptimizer):
+            for name, wrap in (("step", self._timed_step), ("get_grad_norm", self._timed_norm)):
+                self._replace(optimizer, name, wrap(getattr(optimizer, name)))
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            span = self._optimizer_span
+
+            def before(*_: Any) -> None:
+                if self._step_open:
+                    span.begin(self.timer, ot.OPTIMIZER)
+
+            def after(*_: Any) -> None:
+                span.end()
+                self._end_step()
+
+            handles = (
+                optimizer.register_step_pre_hook(before),
+                optimizer.register_step_post_hook(after),
+            )
+            self._restore.append(lambda: [h.remove() for h in handles])
+        else:
+            raise TypeError(
+                f"lagscope.megatron.monitor(optimizer=...) takes a megatron-core or torch "
+                f"optimizer, got {type(optimizer).__name__}"
+            )
+
+    # -- the hooks -----------------------------------------------------------------------
+
+    def _timed_schedule(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(schedule)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("forward_only", False):
+                return schedule(*args, **kwargs)
+            self._begin_training_call(kwargs["model"])
+            try:
+                with self._communicator_timed(kwargs.get("p2p_communicator")):
+                    return schedule(*args, **kwargs)
+            finally:
+                self.recording = False
+                if not self._steps_end_at_optimizer:
+                    self._end_step()
+
+        return timed
+
+    @contextlib.contextmanager
+    def _communicator_timed(self, communicator: Any) -> Iterator[None]:
+        """Time a communicator the caller passed in, for the call only."""
+        if communicator is None or isinstance(communicator, _TimedP2P):
+            yield
+            return
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        if not isinstance(communicator, P2PCommunicator):
+            yield  # e.g. the multi-module communicator: its transfers are not timed
+            return
+        original = type(communicator)
+        communicator.__class__ = timed_communicator_class(original)
+        try:
+            yield
+        finally:
+            communicator.__class__ = original
+
+    def _timed_forward(self, forward_step: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(forward_step)
+
+        @functools.wraps(forward_step)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.recording:
+                return forward_step(*args, **kwargs)
+            if len(args) > 11:  # the schedules pass these by keyword; be safe if not
+                bound = signature.bind(*args, **kwargs).arguments
+                microbatch, chunk = bound.get("current_microbatch"), bound.get("vp_stage")
+            else:
+                microbatch, chunk = kwargs.get("current_microbatch"), kwargs.get("vp_stage")
+            if microbatch is None:
+                microbatch = self._forwards_seen
+            chunk = chunk or 0
+            self._forwards_seen += 1
+            with self.timer.op(ot.FORWARD_COMPUTE, microbatch=microbatch, chunk=chunk):
+                result = forward_step(*args, **kwargs)
+            self._forward_of[_tensor_key(result[0])] = (microbatch, chunk)
+            self._last_forward = (microbatch, chunk)
+            return result
+
+        return timed
+
+    def _timed_backward(self, backward_step: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward_step)
+        def timed(input_tensor: Any, output_tensor: Any, output_tensor_grad: Any, config: Any):
+            if not self.recording:
+                return backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+            microbatch, chunk = self._forward_of.pop(_tensor_key(output_tensor), (-1, 0))
+            with self.timer.op(ot.BACKWARD_COMPUTE, microbatch=microbatch, chunk=chunk):
+                result = backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+            self._last_backward = (microbatch, chunk)
+            return result
+
+        return timed
+
+    def _timed_bucket_start(self, start: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(start)
+        def timed(group: Any, force_all_reduce: bool | None = False) -> Any:
+            if self.recording and id(group) not in self._open_buckets:
+                distributed = group.ddp_config.use_distributed_optimizer and not force_all_reduce
+                optype = ot.GRADS_REDUCE_SCATTER if distributed else ot.SEPARATE_GRADS_ALL_REDUCE
+                span = self._open_buckets[id(group)] = _Span()
+                span.begin(self.timer, optype, chunk=self._chunk_of_bucket.get(id(group), 0))
+            return start(group, force_all_reduce=force_all_reduce)
+
+        return timed
+
+    def _timed_bucket_finish(self, finish: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(finish)
+        def timed(group: Any, force_all_reduce: bool | None = False) -> Any:
+            result = finish(group, force_all_reduce=force_all_reduce)
+            span = self._open_buckets.pop(id(group), None)
+            if span is not None:
+                span.end()
+            return result
+
+        return timed
+
+    def _timed_custom_finalize(
+        self, finalize: Callable[..., Any], dp_phase: _Phase
+    ) -> Callable[..., Any]:
+        """A finalize function of the job's own: the whole call is the DP gradient sync
+        (unless Megatron DDP buckets are recorded, which then hold the sync)."""
+
+        @functools.wraps(finalize)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            dp_phase.start()
+            try:
+                return finalize(*args, **kwargs)
+            finally:
+                dp_phase.stop()
+
+        return timed
+
+    def _timed_step(self, step: Callable[[], Any]) -> Callable[[], Any]:
+        span = self._optimizer_span
+
+        @functools.wraps(step)
+        def timed() -> Any:
+            if self._step_open:
+                span.begin(self.timer, ot.OPTIMIZER)
+            try:
+                return step()
+            finally:
+                span.end()
+                self._end_step()
+
+        return timed
+
+    def _timed_norm(self, get_grad_norm: Callable[[], Any]) -> Callable[[], Any]:
+        span = self._optimizer_span
+
+        @functools.wraps(get_grad_norm)
+        def timed() -> Any:
+            if not span.open:
+                return get_grad_norm()
+            # The norm's all-reduce waits for every rank: an op of its own, and the
+            # optimizer op starts again after it.
+            with self.timer.op(ot.OPTIMIZER_CLIP_MAIN_GRAD):
+                norm = get_grad_norm()
+            span.begin(self.timer, ot.OPTIMIZER)
+            return norm
+
+        return timed
+
+
+def _tensor_key(output: Any) -> int:
+    """Identity of a forward's output as backward_step receives it (a tensor or a list)."""
+    if isinstance(output, list | tuple) and output:
+        output = output[0]
+    return id(output)
+
+
+def _is_megatron_finalize(function: Any) -> bool:
+    import importlib
+
+    megatron_finalize = importlib.import_module(FINALIZE).finalize_model_grads
+    while isinstance(function, functools.partial):
+        function = function.func
+    return function is megatron_finalize
