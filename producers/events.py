@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from lagscope.simulator.optypes import KNOWN_OPTYPES
 from lagscope.simulator.trace import JobMeta
@@ -54,6 +54,7 @@ __all__ = [
     "KNOWN_OPTYPES",
     "OP_FIELDS",
     "JobInfo",
+    "RankIdentity",
     "RankStepBatch",
     "SchemaError",
     "decode_batch",
@@ -100,15 +101,41 @@ class SchemaError(ValueError):
     """Data that is not a valid encoded batch; the message says what is wrong and where."""
 
 
+class RankIdentity(BaseModel):
+    """Where one rank runs: its coordinates and its machine, so advice can name the host.
+
+    Written by each rank in its own job record (the integrations derive it from the process
+    groups and the launcher's environment: torchrun, Slurm, Kubernetes).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    local_rank: int = Field(default=0, ge=0)
+    dp_rank: int = Field(default=0, ge=0)
+    pp_rank: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0)
+    cp_rank: int = Field(default=0, ge=0)
+    host: str = ""
+    #: CUDA device index as the process sees it (None on CPU).
+    gpu: int | None = Field(default=None, ge=0)
+    #: Node name from the scheduler (Slurm node, Kubernetes node) when it sets one.
+    node: str | None = None
+    #: Kubernetes pod name when running in a pod.
+    pod: str | None = None
+
+
 class JobInfo(JobMeta):
     """Job metadata published once per attempt (topic `lagscope.jobs`, compacted).
 
     Extends the analysis' `JobMeta` (parallel sizes, world size, MFU inputs) with the
-    identity of the run; `dsp_size` is the context-parallel size (`cp_size`).
+    identity of the run; `dsp_size` is the context-parallel size (`cp_size`). A record a
+    rank writes into its own log also carries that rank's `rank_identity`.
     """
 
     job_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
+    rank_identity: RankIdentity | None = None
 
     @property
     def cp_size(self) -> int:
@@ -124,7 +151,7 @@ class JobInfo(JobMeta):
         return cls(**meta.model_dump(), job_id=job_id, attempt=attempt)
 
     def to_meta(self) -> JobMeta:
-        return JobMeta(**self.model_dump(exclude={"job_id", "attempt"}))
+        return JobMeta(**self.model_dump(exclude={"job_id", "attempt", "rank_identity"}))
 
 
 @dataclass(frozen=True, eq=False)

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import operator
 import threading
 import time
 from collections import deque
@@ -100,6 +101,49 @@ _perf_ns = time.perf_counter_ns
 
 class UnknownOpTypeError(ValueError):
     """An op type name that the timer does not know (likely a typo at the call site)."""
+
+
+# Ranges the wire format can hold (producers.events: step int64, microbatch int32, chunk
+# int16, ranks int32); tighter ones come from the job record when the timer has one.
+_STEP_LIMIT = 1 << 63
+_MICROBATCH_LIMIT = 1 << 31
+_CHUNK_LIMIT = 1 << 15
+_RANK_LIMIT = 1 << 31
+
+
+def _out_of_range(name: str, value: object, low: int, high: int, optype: str = "") -> ValueError:
+    where = f" for op {optype!r}" if optype else ""
+    return ValueError(f"{name} {value!r}{where} is out of range: expected {low} <= {name} < {high}")
+
+
+def _check_identity(
+    rank: int,
+    dp_rank: int,
+    pp_rank: int,
+    tp_rank: int,
+    cp_rank: int,
+    attempt: int,
+    job_info: JobInfo | None,
+) -> None:
+    """Reject a rank coordinate outside the job's layout (or negative when there is none)."""
+    sizes = (
+        (job_info.world_size, job_info.dp_size, job_info.pp_size, job_info.tp_size,
+         job_info.dsp_size)
+        if job_info is not None
+        else (_RANK_LIMIT,) * 5
+    )  # fmt: skip
+    names = ("rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank")
+    for name, value, size in zip(
+        names, (rank, dp_rank, pp_rank, tp_rank, cp_rank), sizes, strict=True
+    ):
+        try:
+            in_range = 0 <= operator.index(value) < size
+        except TypeError:
+            in_range = False
+        if not in_range:
+            raise _out_of_range(name, value, 0, size)
+    if not 0 <= attempt < _RANK_LIMIT:
+        raise _out_of_range("attempt", attempt, 0, _RANK_LIMIT)
 
 
 def _wall_minus_perf_ns() -> int:
@@ -172,6 +216,7 @@ class OpTimer:
         flush_interval_s: float = 0.2,
         calibrate_every_s: float = 10.0,
     ) -> None:
+        _check_identity(rank, dp_rank, pp_rank, tp_rank, cp_rank, attempt, job_info)
         self.job_id = job_id
         self.attempt = attempt
         self.rank = rank
@@ -181,6 +226,8 @@ class OpTimer:
         self.cp_rank = cp_rank
         self.optype_names: tuple[str, ...] = tuple(dict.fromkeys((*KNOWN_OPTYPES, *extra_optypes)))
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
+        #: Chunks (virtual-pipeline model chunks) a rank may hold: vpp_size when known.
+        self._chunk_limit = job_info.vpp_size if job_info is not None else _CHUNK_LIMIT
         self._writer = LogWriter(log_dir, rank, flush_interval_s=flush_interval_s)
         if job_info is not None:
             self._writer.append(KIND_JOB, job_info.model_dump_json().encode())
@@ -198,6 +245,8 @@ class OpTimer:
         if mode == "cuda" or (mode == "auto" and _cuda_available()):
             self._cuda = _CudaTimer(self, calibrate_every_s)
         self._gc_start = 0
+        #: Set by an integration that records only some steps (sampling) between them.
+        self.gc_paused = False
         self._gc_probe = gc_probe and mode != "off"
         if self._gc_probe:
             gc.callbacks.append(self._on_gc)
@@ -222,13 +271,19 @@ class OpTimer:
         code = self._codes.get(optype)
         if code is None:
             raise self._unknown(optype)
+        if step is None:
+            step = self._current_step
+        elif not 0 <= step < _STEP_LIMIT:
+            raise _out_of_range("step", step, 0, _STEP_LIMIT, optype)
+        if not -1 <= microbatch < _MICROBATCH_LIMIT:
+            raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
+        if not 0 <= chunk < self._chunk_limit:
+            raise _out_of_range("chunk", chunk, 0, self._chunk_limit, optype)
         if self._cuda is not None:
-            return self._cuda.scope(
-                code, self._current_step if step is None else step, microbatch, chunk, stream
-            )
+            return self._cuda.scope(code, step, microbatch, chunk, stream)
         free = self._free_scopes
         scope = free.pop() if free else _OpScope(self)
-        scope.head = (code, self._current_step if step is None else step, microbatch, chunk)
+        scope.head = (code, step, microbatch, chunk)
         return scope
 
     def _op_off(
@@ -276,16 +331,52 @@ class OpTimer:
             raise self._unknown(optype)
         if duration_ns < 0:
             raise ValueError(f"duration_ns must be >= 0, got {duration_ns} for {optype!r}")
+        if step is None:
+            step = self._current_step
+        elif not 0 <= step < _STEP_LIMIT:
+            raise _out_of_range("step", step, 0, _STEP_LIMIT, optype)
+        if not -1 <= microbatch < _MICROBATCH_LIMIT:
+            raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
+        if not 0 <= chunk < self._chunk_limit:
+            raise _out_of_range("chunk", chunk, 0, self._chunk_limit, optype)
         self._buffer.append(
-            (
-                (code, self._current_step if step is None else step, microbatch, chunk),
-                start_ns - self._wall_offset_ns,
-                duration_ns,
-            )
+            ((code, step, microbatch, chunk), start_ns - self._wall_offset_ns, duration_ns)
+        )
+
+    def code_of(self, optype: str) -> int:
+        """The code of op type `optype` (for integrations that append with `add`)."""
+        code = self._codes.get(optype)
+        if code is None:
+            raise self._unknown(optype)
+        return code
+
+    @property
+    def current_step(self) -> int:
+        return self._current_step
+
+    def add(
+        self,
+        code: int,
+        step: int,
+        microbatch: int,
+        chunk: int,
+        start_perf_ns: int,
+        end_perf_ns: int,
+    ) -> None:
+        """Append an op timed with `time.perf_counter_ns` stamps (integration hot path).
+
+        The caller owns the checks `op()` makes (a code from `code_of`, a step the timer
+        accepted, a micro-batch index >= -1): this is one tuple and one `list.append`, safe
+        from any thread (a comm completion callback, the autograd engine's thread).
+        """
+        self._buffer.append(
+            ((code, step, microbatch, chunk), start_perf_ns, end_perf_ns - start_perf_ns)
         )
 
     def step(self, step: int) -> None:
         """Start step `step`: ops recorded so far are sealed into their steps' batches."""
+        if not 0 <= step < _STEP_LIMIT:
+            raise _out_of_range("step", step, 0, _STEP_LIMIT)
         self._seal()
         self._current_step = step
 
@@ -324,6 +415,9 @@ class OpTimer:
         )
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if self.gc_paused:
+            self._gc_start = 0
+            return
         if phase == "start":
             self._gc_start = time.perf_counter_ns()
         elif self._gc_start:

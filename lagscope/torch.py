@@ -1,0 +1,93 @@
+"""Monitor a torch.distributed training job with one call.
+
+    import lagscope.torch
+
+    dist.init_process_group("nccl")                  # or gloo
+    model = DDP(model)                               # or a pipelining schedule, or both
+    monitor = lagscope.torch.monitor(model=model, optimizer=optimizer, data=loader,
+                                     job_id="llama-70b", log_dir="/local/lagscope")
+    for batch in loader:                             # unchanged training loop
+        loss = loss_fn(model(batch.x), batch.y)
+        loss.backward()
+        optimizer.step()
+    monitor.close()
+
+Recorded, with no timing lines in the job: forward and backward per micro-batch (module
+hooks), the optimizer step (optimizer hooks; it also ends each step), DDP gradient buckets
+(comm hook), data-parallel collectives and pipeline send/recv of torch.distributed timed to
+completion, and the wait for the next batch (`data=`). The job record (dp/pp/tp sizes, this
+rank's host, GPU, node and pod) is derived from the process groups and the environment.
+Then `lagscope run --logs /local/lagscope` analyses the job.
+
+A job without an optimizer calls `monitor.step()` at the end of each step. Sampling is
+`schedule=lagscope.torch.schedule(wait=9, active=1)` (one step in ten), like
+torch.profiler's. Internals: `lagscope.producers.torch_*`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from lagscope.producers.torch_monitor import Monitor
+from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
+
+__all__ = ["Monitor", "Schedule", "monitor", "schedule"]
+
+
+def schedule(*, wait: int = 0, active: int = 1, repeat: int = 0, skip_first: int = 0) -> Schedule:
+    """Record `active` steps of every `wait + active` (torch.profiler's words)."""
+    return Schedule(wait=wait, active=active, repeat=repeat, skip_first=skip_first)
+
+
+def monitor(
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    data: Any = None,
+    pipeline: Any = None,
+    job_id: str | None = None,
+    log_dir: str | Path | None = None,
+    dp_group: Any = None,
+    pp_group: Any = None,
+    tp_group: Any = None,
+    cp_group: Any = None,
+    ep_group: Any = None,
+    mesh: Any = None,
+    modules: Sequence[Any] | None = None,
+    ddp_comm_hook: tuple[Any, Any] | None = None,
+    schedule: Schedule = EVERY_STEP,
+    gc_probe: bool = True,
+    mode: Literal["auto", "host", "cuda"] = "auto",
+    first_step: int = 0,
+) -> Monitor:
+    """Start monitoring this rank; call after the process groups and the model exist.
+
+    model: the model (a DDP model: its gradient buckets are timed and its process group is
+    data parallel). pipeline: a torch.distributed.pipelining schedule (its stages are
+    hooked; its group is pipeline parallel). modules: the model chunks to hook when neither
+    says (e.g. a hand-written pipeline's stage module). data: the data loader whose waits
+    are recorded (iterate the returned object if it is not the loader itself).
+    dp_group/pp_group/...: the roles of hand-built groups; mesh: a DeviceMesh with named
+    dimensions. job_id/log_dir default to $LAGSCOPE_JOB_ID (else the launcher's run id)
+    and $LAGSCOPE_LOG_DIR.
+    """
+    from lagscope.producers.torch_setup import start_monitor
+
+    return start_monitor(
+        model=model,
+        optimizer=optimizer,
+        data=data,
+        pipeline=pipeline,
+        job_id=job_id,
+        log_dir=log_dir,
+        groups={"dp": dp_group, "pp": pp_group, "tp": tp_group, "cp": cp_group, "ep": ep_group},
+        mesh=mesh,
+        modules=modules,
+        ddp_comm_hook=ddp_comm_hook,
+        schedule=schedule,
+        gc_probe=gc_probe,
+        mode=mode,
+        first_step=first_step,
+    )

@@ -1,0 +1,299 @@
+"""Collectives and p2p of torch.distributed, recorded as lagscope ops.
+
+torch.distributed has no public observer for gloo collectives, so the functions a job (or
+`torch.distributed.pipelining`) calls are wrapped: `all_reduce`, `reduce_scatter(_tensor)`,
+`all_gather(_into_tensor)`, `broadcast`, `send`/`recv`, `isend`/`irecv` (and through them
+`batch_isend_irecv`, which calls `P2POp.op`). Each wrapper is set on both
+`torch.distributed` and `torch.distributed.distributed_c10d` (c10d compares `P2POp.op`
+against its own module globals). `check_seams()` verifies every wrapped function still
+exists with the parameters the wrappers read; `install` refuses to patch when it fails, and
+`tests/test_torch_seams.py` fails loudly on a torch whose seam moved.
+
+Classification, by the role of the op's process group (`producers.torch_layout`):
+
+- data parallel: all-reduce -> `separate-grads-all-reduce`, reduce-scatter ->
+  `grads-reduce-scatter`, all-gather -> `params-all-gather`;
+- pipeline parallel: send/recv -> `forward-send`/`forward-recv` when the peer is the next
+  stage for a send (the previous one for a recv), `backward-*` the other way; a schedule
+  that knows better (pipelining, where pp 2 with virtual stages is ambiguous) tags the
+  tensors it sends with their direction first;
+- tensor/context/expert parallel and anything else: not recorded as ops of their own.
+  They run inside forward/backward, whose compute ops already contain them, as in the
+  reference traces.
+
+Timing to completion, never to the call's return:
+
+- blocking calls: call to return;
+- async `Work`: from the call to its completion. Collectives on gloo complete a future
+  (`Work.get_future()`), whose callback stamps the end on gloo's thread. p2p `Work` on gloo
+  has no future: the returned `Work` is a `TimedWork` (a `Work` subclass) that stamps the
+  end when `wait()` returns or `is_completed()` first says so; the monitor also polls
+  outstanding works at every hook it receives, so a receive that completed while the rank
+  computed is not charged for the computation;
+- CUDA tensors: the op's scope records CUDA events on the current stream at the call and
+  at completion (the end event after `wait()`, which orders the stream after the comm).
+  On NCCL the process group times collectives itself (`TORCH_NCCL_ENABLE_TIMING=1`): the
+  on-completion hook's device duration is used instead where the group accepts the hook.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lagscope.simulator import optypes as ot
+
+if TYPE_CHECKING:
+    from lagscope.producers.torch_monitor import Monitor
+
+log = logging.getLogger("lagscope.torch")
+
+_perf_ns = time.perf_counter_ns
+
+#: torch versions whose c10d signatures the wrappers were written against (major, minor).
+TESTED_TORCH = ((2, 4), (2, 15))
+
+#: Wrapped function -> (kind, parameters the wrapper reads, in positional order).
+SEAMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "all_reduce": ("all_reduce", ("tensor", "op", "group", "async_op")),
+    "reduce_scatter": ("reduce_scatter", ("output", "input_list", "op", "group", "async_op")),
+    "reduce_scatter_tensor": ("reduce_scatter", ("output", "input", "op", "group", "async_op")),
+    "all_gather": ("all_gather", ("tensor_list", "tensor", "group", "async_op")),
+    "all_gather_into_tensor": (
+        "all_gather",
+        ("output_tensor", "input_tensor", "group", "async_op"),
+    ),
+    "broadcast": ("broadcast", ("tensor", "src", "group", "async_op")),
+    "send": ("send", ("tensor", "dst", "group", "tag", "group_dst")),
+    "recv": ("recv", ("tensor", "src", "group", "tag", "group_src")),
+    "isend": ("send", ("tensor", "dst", "group", "tag", "group_dst")),
+    "irecv": ("recv", ("tensor", "src", "group", "tag", "group_src")),
+}
+_ASYNC_P2P = frozenset({"isend", "irecv"})
+
+_DP_OPTYPE = {
+    "all_reduce": ot.SEPARATE_GRADS_ALL_REDUCE,
+    "reduce_scatter": ot.GRADS_REDUCE_SCATTER,
+    "all_gather": ot.PARAMS_ALL_GATHER,
+}
+
+
+class SeamError(RuntimeError):
+    """A torch function lagscope wraps is missing or changed its signature."""
+
+
+def check_seams() -> list[str]:
+    """What no longer matches in the installed torch (empty when every seam is intact)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    problems = []
+    for name, (_, params) in SEAMS.items():
+        function = getattr(c10d, name, None)
+        if function is None or getattr(dist, name, None) is None:
+            problems.append(f"torch.distributed.{name} is missing")
+            continue
+        function = getattr(function, "__wrapped_by_lagscope__", function)
+        try:
+            have = tuple(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            problems.append(f"torch.distributed.{name} has no inspectable signature")
+            continue
+        if have[: len(params)] != params:
+            problems.append(f"torch.distributed.{name}{tuple(have)} no longer starts with {params}")
+    if not hasattr(dist, "Work") or not hasattr(dist.Work, "wait"):
+        problems.append("torch.distributed.Work (with wait()) is missing")
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if not TESTED_TORCH[0] <= version <= TESTED_TORCH[1]:
+        log.warning(
+            "lagscope.torch was tested with torch %s.%s to %s.%s, this is %s: the wrapped "
+            "functions' signatures match, but check the recorded ops",
+            *TESTED_TORCH[0], *TESTED_TORCH[1], torch.__version__,
+        )  # fmt: skip
+    return problems
+
+
+_lock = threading.Lock()
+_installed: dict[str, Callable[..., Any]] = {}
+_monitor: Monitor | None = None
+_inside = threading.local()
+
+
+def install(monitor: Monitor) -> None:
+    """Wrap the torch.distributed functions for `monitor` (one monitor per process)."""
+    global _monitor
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    with _lock:
+        if _monitor is not None:
+            raise RuntimeError(
+                "a lagscope monitor is already running in this process; close() it first"
+            )
+        problems = check_seams()
+        if problems:
+            raise SeamError(
+                "lagscope.torch cannot time torch.distributed in this torch version: "
+                + "; ".join(problems)
+            )
+        for name, (kind, _) in SEAMS.items():
+            original = getattr(c10d, name)
+            wrapper = _make_wrapper(name, kind, original)
+            _installed[name] = original
+            setattr(c10d, name, wrapper)
+            setattr(dist, name, wrapper)
+        _monitor = monitor
+
+
+def uninstall(monitor: Monitor) -> None:
+    global _monitor
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    with _lock:
+        if _monitor is not monitor:
+            return
+        for name, original in _installed.items():
+            setattr(c10d, name, original)
+            setattr(dist, name, original)
+        _installed.clear()
+        _monitor = None
+
+
+class suppressed:
+    """Within this block, wrapped calls on this thread are not recorded (an integration
+    that records the op itself, like the DDP comm hook, calls all_reduce inside)."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        self._before = getattr(_inside, "active", False)
+        _inside.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        _inside.active = self._before
+
+
+def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    params = SEAMS[name][1]
+    group_at = params.index("group")
+    async_at = params.index("async_op") if "async_op" in params else -1
+    peer_at = 1 if kind in ("send", "recv") else -1
+    group_peer_name = "group_dst" if kind == "send" else "group_src"
+    is_async_p2p = name in _ASYNC_P2P
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        monitor = _monitor
+        if monitor is None or not monitor.active or getattr(_inside, "active", False):
+            return original(*args, **kwargs)
+        group = args[group_at] if len(args) > group_at else kwargs.get("group")
+        if kind in ("send", "recv"):
+            peer = args[peer_at] if len(args) > peer_at else kwargs.get(params[peer_at])
+            group_peer = args[4] if len(args) > 4 else kwargs.get(group_peer_name)
+            optype = monitor.p2p_optype(kind, args[0] if args else kwargs["tensor"], peer,
+                                        group, group_peer)  # fmt: skip
+            is_async = is_async_p2p
+        else:
+            optype = monitor.collective_optype(kind, group)
+            is_async = bool(args[async_at] if len(args) > async_at else kwargs.get("async_op"))
+        if optype is None:
+            monitor.unrecorded_calls += 1
+            return original(*args, **kwargs)
+        monitor.on_event()
+        scope = monitor.open_comm(optype, group)
+        if scope is None:  # timed by the process group itself (NCCL completion hook)
+            return original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            scope.__exit__(None, None, None)
+            raise
+        if not is_async or result is None:
+            scope.__exit__(None, None, None)
+            return result
+        return monitor.time_work(result, scope, is_async_p2p)
+
+    wrapper.__wrapped_by_lagscope__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = name
+    wrapper.__qualname__ = name
+    wrapper.__doc__ = original.__doc__
+    wrapper.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def timed_work_class() -> type:
+    """`TimedWork`, built on first use so that importing this module does not import torch."""
+    global _TimedWork
+    if _TimedWork is None:
+        import torch.distributed as dist
+
+        class TimedWork(dist.Work):
+            """A `Work` whose completion ends its op's scope (see the module docstring)."""
+
+            def __init__(self, inner: Any, scope: Any, pending: list[Any]) -> None:
+                super().__init__()
+                self.inner = inner
+                self.scope = scope
+                self._pending = pending
+
+            def complete(self) -> None:
+                scope = self.scope
+                if scope is not None:
+                    self.scope = None
+                    scope.__exit__(None, None, None)
+
+            def poll(self) -> bool:
+                """End the op if the inner work has completed; True when it has."""
+                if self.scope is None:
+                    return True
+                if self.inner.is_completed():
+                    self.complete()
+                    return True
+                return False
+
+            def wait(self, timeout: Any = None) -> bool:
+                done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+                self.complete()
+                return done
+
+            def is_completed(self) -> bool:
+                return self.poll()
+
+            def is_success(self) -> bool:
+                return self.inner.is_success()
+
+            def exception(self) -> Any:
+                return self.inner.exception()
+
+            def source_rank(self) -> int:
+                return self.inner.source_rank()
+
+            def _source_rank(self) -> int:
+                return self.inner._source_rank()
+
+            def result(self) -> Any:
+                return self.inner.result()
+
+            def synchronize(self) -> None:
+                self.inner.synchronize()
+                self.complete()
+
+            def get_future(self) -> Any:
+                return self.inner.get_future()
+
+            def block_current_stream(self) -> None:
+                self.inner.block_current_stream()
+
+            def boxed(self) -> Any:
+                return self.inner.boxed()
+
+        _TimedWork = TimedWork
+    return _TimedWork
+
+
+_TimedWork: type | None = None

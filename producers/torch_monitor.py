@@ -1,0 +1,198 @@
+"""The per-rank monitor behind `lagscope.torch.monitor()`: one OpTimer, the hooks, the
+wrapped collectives, the step counter and the sampling schedule, in one object.
+
+Step boundaries: the optimizer's step post-hook (or `Monitor.step()` in a job without an
+optimizer) ends a step. Steps are numbered from `first_step`; only the steps the schedule
+records produce ops, and hooks of other steps return after one attribute check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from lagscope.producers import torch_comm, torch_hooks
+from lagscope.producers.events import JobInfo
+from lagscope.producers.timer import OpTimer
+from lagscope.producers.torch_layout import Layout
+from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
+
+
+class Monitor:
+    """Records one rank of a torch.distributed job into its lagscope log."""
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        info: JobInfo,
+        log_dir: str | Path,
+        schedule: Schedule = EVERY_STEP,
+        mode: Literal["auto", "host", "cuda"] = "auto",
+        gc_probe: bool = True,
+        first_step: int = 0,
+    ) -> None:
+        self.layout = layout
+        self.info = info
+        self.schedule = schedule
+        representative = layout.is_representative
+        self.timer = OpTimer(
+            job_id=info.job_id,
+            attempt=info.attempt,
+            rank=layout.rank,
+            dp_rank=layout.coords["dp"],
+            pp_rank=layout.coords["pp"],
+            tp_rank=layout.coords["tp"],
+            cp_rank=layout.coords["cp"],
+            log_dir=log_dir,
+            mode=mode if representative else "off",
+            extra_optypes=(torch_hooks.INPUT_WAIT,),
+            gc_probe=gc_probe,
+            job_info=info,
+        )
+        self._first_step = first_step
+        self.step_id = first_step
+        self.timer.step(first_step)
+        #: Whether the current step is recorded (read by every hook first).
+        self.active = representative and schedule.records(0)
+        self._representative = representative
+        self.unrecorded_calls = 0
+        self.module_hooks: list[torch_hooks.ModuleHooks] = []
+        self.optimizer_hooks: list[torch_hooks.OptimizerHooks] = []
+        self.loaders: list[Any] = []
+        #: What to iterate for the recorded input waits: the data loader itself when it
+        #: could be changed in place, else a wrapping iterator.
+        self.data: Any = None
+        self._works: list[Any] = []
+        #: id(tensor) -> "forward"/"backward", set by a schedule that knows a p2p's direction.
+        self.direction_hints: dict[int, str] = {}
+        self._closed = False
+        self._nccl_timed: set[int] = set()
+        self._set_gc(self.active)
+        torch_comm.install(self)
+
+    # -- step boundaries ------------------------------------------------------------------
+
+    def step(self) -> None:
+        """End the current step (the optimizer's post-hook calls this for you)."""
+        self.poll_works()
+        self.close_backwards()
+        self.step_id += 1
+        self.timer.step(self.step_id)
+        self.active = self._representative and self.schedule.records(
+            self.step_id - self._first_step
+        )
+        self._set_gc(self.active)
+
+    def _set_gc(self, on: bool) -> None:
+        # The GC probe belongs to recorded steps only: a pause in an unrecorded step would
+        # make a step of its own that no other rank reports.
+        self.timer.gc_paused = not on
+
+    # -- events from hooks and wrappers ---------------------------------------------------
+
+    def on_event(self) -> None:
+        """Called by every recording hook: stamp works that completed meanwhile."""
+        if self._works:
+            self.poll_works()
+
+    def poll_works(self) -> None:
+        self._works = [work for work in self._works if not work.poll()]
+
+    def close_backwards(self) -> None:
+        for hooks in self.module_hooks:
+            hooks.close_backward()
+
+    def collective_optype(self, kind: str, group: Any) -> str | None:
+        role = self._role(group)
+        if role != "dp":
+            return None
+        return torch_comm._DP_OPTYPE.get(kind)
+
+    def p2p_optype(
+        self, kind: str, tensor: Any, peer: int | None, group: Any, group_peer: int | None
+    ) -> str | None:
+        hint = self.direction_hints.pop(id(tensor), None)
+        if hint is not None:
+            return f"{hint}-{kind}"
+        import torch.distributed as dist
+
+        if peer is None and group_peer is not None:
+            peer = dist.get_global_rank(group, group_peer) if group is not None else group_peer
+        if peer is None:
+            return None
+        layout = self.layout
+        peer_stage = layout.stage_of(peer)
+        stage = layout.coords["pp"]
+        if peer_stage is None or peer_stage == stage:
+            return None
+        wraps_forward = layout.vpp_size > 1 and layout.pp_size > 2 and peer_stage == 0
+        forward_peer = peer_stage > stage or (stage == layout.pp_size - 1 and wraps_forward)
+        if kind == "send":
+            return "forward-send" if forward_peer else "backward-send"
+        return "backward-recv" if forward_peer else "forward-recv"
+
+    def _role(self, group: Any) -> str | None:
+        if group is None:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD
+        return self.layout.roles.get(id(group))
+
+    def open_comm(self, optype: str, group: Any) -> Any:
+        """An entered scope for a comm op (None when its process group times it)."""
+        if id(group) in self._nccl_timed:
+            return None
+        scope = self.timer.op(optype)
+        scope.__enter__()
+        return scope
+
+    def time_work(self, work: Any, scope: Any, p2p: bool) -> Any:
+        """End `scope` when `work` completes; returns what the caller gets back."""
+        if not p2p:
+            try:
+                future = work.get_future()
+            except RuntimeError:
+                future = None
+            if future is not None:
+                future.add_done_callback(lambda _: scope.__exit__(None, None, None))
+                return work
+        timed = torch_comm.timed_work_class()(work, scope, self._works)
+        self._works.append(timed)
+        return timed
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop recording, remove every hook and wrapper, write what was recorded."""
+        if self._closed:
+            return
+        self._closed = True
+        self.active = False
+        torch_comm.uninstall(self)
+        for hooks in self.module_hooks:
+            hooks.remove()
+        for hooks in self.optimizer_hooks:
+            hooks.remove()
+        for loader in self.loaders:
+            torch_hooks.untime_input(loader)
+        deadline = time.monotonic() + 5.0
+        while self._works and time.monotonic() < deadline:
+            self.poll_works()
+            time.sleep(0.001)
+        self.timer.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def attach_modules(self, modules: Sequence[Any]) -> None:
+        for chunk, module in enumerate(modules):
+            self.module_hooks.append(torch_hooks.ModuleHooks(self, module, chunk))
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        self.optimizer_hooks.append(torch_hooks.OptimizerHooks(self, optimizer))

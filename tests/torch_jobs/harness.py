@@ -1,0 +1,320 @@
+"""What every job of the harness shares: knobs, process launch, realistic compute, and
+reading back what the ranks recorded.
+
+Each rank pins torch to one thread (2 cores are shared by several jobs and tests). A
+straggler is made by sleeping `(factor - 1)` times the op's own measured duration right
+after it (inside the forward, inside the backward through an autograd function, or in the
+data loader), so "2x slower" holds however loaded the machine is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+PHASES = ("forward", "backward", "input")
+
+
+@dataclass
+class Knobs:
+    log_dir: str = ""
+    job_id: str = "torch-job"
+    steps: int = 40
+    world: int = 4
+    #: Pipeline stages (the data-parallel size is world / pp).
+    pp: int = 2
+    microbatches: int = 4
+    hidden: int = 256
+    layers: int = 3
+    batch: int = 32
+    seed: int = 0
+    #: Straggler: this rank is `slow_factor` x slower in `slow_phase` for steps
+    #: [slow_start, slow_end).
+    slow_rank: int = -1
+    slow_phase: str = "forward"
+    slow_factor: float = 2.0
+    slow_start: int = 0
+    slow_end: int = 1 << 30
+    #: An input straggler's extra wait per batch (ms): its loader has no compute to scale.
+    input_ms: float = 30.0
+    #: Late sender: this rank sends every activation `late_ms` late in [late_start, late_end).
+    late_rank: int = -1
+    late_ms: float = 0.0
+    late_start: int = 0
+    late_end: int = 1 << 30
+    gc_probe: bool = True
+    #: Sampling: record `sample_active` steps of every `sample_wait + sample_active`.
+    sample_wait: int = 0
+    sample_active: int = 1
+    #: DDP gradient bucket size (MB); small so that the model has several buckets.
+    bucket_mb: float = 0.25
+    #: pipelining schedule: gpipe, 1f1b or interleaved.
+    schedule: str = "1f1b"
+
+    def slow(self, rank: int, step: int, phase: str) -> bool:
+        return rank == self.slow_rank and phase == self.slow_phase and (
+            self.slow_start <= step < self.slow_end
+        )
+
+    def late(self, rank: int, step: int) -> bool:
+        return rank == self.late_rank and self.late_start <= step < self.late_end
+
+    def monitor_kwargs(self) -> dict[str, Any]:
+        import lagscope.torch
+
+        return {
+            "job_id": self.job_id,
+            "log_dir": self.log_dir,
+            "gc_probe": self.gc_probe,
+            "mode": "host",
+            "schedule": lagscope.torch.schedule(wait=self.sample_wait, active=self.sample_active),
+        }
+
+
+def parse_knobs(argv: list[str] | None, description: str, **defaults: Any) -> Knobs:
+    parser = argparse.ArgumentParser(description=description)
+    base = Knobs(**defaults)
+    for f in fields(Knobs):
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(base, f.name)
+        if isinstance(value, bool):
+            parser.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"),
+                                default=value, help=f"(default {value})")  # fmt: skip
+        else:
+            parser.add_argument(flag, type=type(value), default=value, help=f"(default {value})")
+    parser.add_argument("--slow-steps", help="A-B: shorthand for --slow-start A --slow-end B+1")
+    parser.add_argument("--late-steps", help="A-B: shorthand for --late-start A --late-end B+1")
+    args = parser.parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(Knobs)}
+    for name in ("slow", "late"):
+        span = getattr(args, f"{name}_steps")
+        if span:
+            first, _, last = span.partition("-")
+            values[f"{name}_start"], values[f"{name}_end"] = int(first), int(last or first) + 1
+    if not values["log_dir"]:
+        parser.error("--log-dir is required")
+    if values["slow_phase"] not in PHASES:
+        parser.error(f"--slow-phase must be one of {PHASES}")
+    return Knobs(**values)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, target: Callable[[int, Knobs], None], knobs: dict, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(knobs["world"]),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=knobs["world"])
+    try:
+        target(rank, Knobs(**knobs))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(target: Callable[[int, Knobs], None], knobs: Knobs, timeout_s: float = 300) -> None:
+    """Run `target(rank, knobs)` in `knobs.world` processes; raise if one fails."""
+    import torch.multiprocessing as mp
+
+    Path(knobs.log_dir).mkdir(parents=True, exist_ok=True)
+    context = mp.start_processes(
+        _entry, args=(target, asdict(knobs), free_port()), nprocs=knobs.world,
+        join=False, start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"torch job did not finish in {timeout_s} s ({knobs})")
+
+
+def main_for(target: Callable[[int, Knobs], None], description: str, **defaults: Any) -> None:
+    knobs = parse_knobs(sys.argv[1:], description, **defaults)
+    started = time.monotonic()
+    launch(target, knobs)
+    print(f"{knobs.world} ranks, {knobs.steps} steps in {time.monotonic() - started:.1f} s; "
+          f"logs in {knobs.log_dir}; analyse with: lagscope run --logs {knobs.log_dir}")  # fmt: skip
+
+
+# -- realistic compute ------------------------------------------------------------------
+
+
+def make_straggler_function() -> Any:
+    """An identity autograd function that makes one phase of a rank slower on demand."""
+    import torch
+
+    class Straggle(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, backward_extra: Any) -> Any:
+            ctx.backward_extra = backward_extra
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            extra = ctx.backward_extra
+            if extra is not None:
+                extra()
+            return grad, None
+
+    return Straggle
+
+
+class Slowdown:
+    """Measures a phase's own duration and sleeps (factor - 1) times it when asked to."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.began = 0.0
+
+    def begin(self) -> None:
+        self.began = time.perf_counter()
+
+    def end(self) -> None:
+        elapsed = time.perf_counter() - self.began
+        time.sleep(max(0.0, (self.factor - 1.0) * elapsed))
+
+
+def straggler_model(knobs: Knobs, rank: int, seed: int) -> Any:
+    """An MLP of `knobs.layers` blocks that can be made slow in forward or backward.
+
+    The backward slowdown sleeps between the last and the first block, so it happens before
+    the first block's parameter gradients: inside the backward compute, as a slow GPU's
+    would be, not after it.
+    """
+    import torch
+
+    straggle = make_straggler_function()
+
+    class StragglerMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(knobs.hidden, knobs.hidden), torch.nn.GELU())
+                for _ in range(knobs.layers)
+            )
+            self.step = 0
+            self.backward_began = 0.0
+
+        def _backward_starts(self) -> None:
+            self.backward_began = time.perf_counter()
+
+        def _backward_extra(self) -> None:
+            # Scale the backward of blocks 1..n to all n blocks, then sleep the difference.
+            share = knobs.layers / max(1, knobs.layers - 1)
+            elapsed = (time.perf_counter() - self.backward_began) * share
+            time.sleep(max(0.0, (knobs.slow_factor - 1.0) * elapsed))
+
+        def forward(self, x: Any) -> Any:
+            slow_forward = knobs.slow(rank, self.step, "forward")
+            slow_backward = knobs.slow(rank, self.step, "backward")
+            began = time.perf_counter()
+            for i, block in enumerate(self.blocks):
+                x = block(x)
+                if i == 0 and slow_backward:
+                    x = straggle.apply(x, self._backward_extra)
+            if slow_backward:
+                x = straggle.apply(x, self._backward_starts)
+            if slow_forward:
+                time.sleep((knobs.slow_factor - 1.0) * (time.perf_counter() - began))
+            return x
+
+    return StragglerMLP()
+
+
+def slow_input_collate(knobs: Knobs, rank: int, batches_per_step: int) -> Callable[[Any], Any]:
+    """A DataLoader collate_fn that stalls `knobs.input_ms` on an input straggler's steps."""
+    from torch.utils.data import default_collate
+
+    fetched = [0]
+
+    def collate(items: Any) -> Any:
+        step = fetched[0] // batches_per_step
+        fetched[0] += 1
+        if knobs.slow(rank, step, "input"):
+            time.sleep(knobs.input_ms / 1e3)
+        return default_collate(items)
+
+    return collate
+
+
+def synthetic_loader(knobs: Knobs, rank: int, batches_per_step: int, seed: int) -> Any:
+    """A real DataLoader (main process) over random regression data, endless by re-iterating."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(seed)
+    n = knobs.batch * batches_per_step * 8
+    data = TensorDataset(
+        torch.randn(n, knobs.hidden, generator=generator),
+        torch.randn(n, knobs.hidden, generator=generator),
+    )
+    return DataLoader(data, batch_size=knobs.batch, shuffle=False, drop_last=True,
+                      collate_fn=slow_input_collate(knobs, rank, batches_per_step))  # fmt: skip
+
+
+def endless(loader: Any) -> Any:
+    while True:
+        yield from loader
+
+
+# -- reading back -------------------------------------------------------------------------
+
+
+def recorded_ops(log_dir: str | Path) -> list[dict[str, Any]]:
+    """Every op every rank wrote, as dicts (producers.events.OP_FIELDS)."""
+    from lagscope.producers.events import decode_batch
+    from lagscope.producers.log import KIND_BATCH, Record, list_rank_dirs, read_all
+
+    ops = []
+    for directory in list_rank_dirs(log_dir):
+        for item in read_all(directory):
+            if isinstance(item, Record) and item.kind == KIND_BATCH:
+                ops.extend(decode_batch(item.payload).to_records())
+    return ops
+
+
+def job_records(log_dir: str | Path) -> list[Any]:
+    """The job record (JobInfo) each rank wrote, in rank order."""
+    from lagscope.producers.events import JobInfo
+    from lagscope.producers.log import KIND_JOB, Record, list_rank_dirs, read_all
+
+    infos = []
+    for directory in list_rank_dirs(log_dir):
+        for item in read_all(directory):
+            if isinstance(item, Record) and item.kind == KIND_JOB:
+                infos.append(JobInfo.model_validate_json(item.payload))
+    return infos
+
+
+def analyse(log_dir: str | Path, store: str | Path | None = None) -> Any:
+    """`lagscope run --logs` in-process: the embedded host into chDB; its RunReport."""
+    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.processor import ProcessorSettings
+    from lagscope.stream_app.sink import ClickHouseSink
+
+    store = Path(store) if store is not None else Path(log_dir).parent / "chdb"
+    sink = ClickHouseSink(f"chdb://{store}")
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0))
+    return runner.run_logs(log_dir)
