@@ -22,7 +22,8 @@ recorded on each rank into its local log, one batch per step; `lagscope run --lo
 (or the streamer) analyses them. The job record (dp, pp, tp, cp and vpp sizes) comes from
 `megatron.core.parallel_state`. Steps are numbered from `first_step` (pass the iteration
 you resume from). Pass `optimizer` (megatron-core's or a torch optimizer) so a step ends
-at its update; without it every training call of the schedule is a step.
+at its update; without it every training call of the schedule is a step. Use either this
+module or `lagscope.torch` in a job, not both: each records the transfers it sees.
 
 Supports megatron-core 0.19.x only: another version, or a 0.19 release in which a hooked
 function changed, is refused with `UnsupportedMegatronVersion` naming what differs.
@@ -38,17 +39,19 @@ from lagscope.producers.megatron_seams import SUPPORTED_SERIES, UnsupportedMegat
 
 if TYPE_CHECKING:
     from lagscope.producers.megatron_adapter import MegatronMonitor
+    from lagscope.producers.torch_sampling import Schedule
 
 __all__ = ["SUPPORTED_SERIES", "UnsupportedMegatronVersion", "monitor"]
 
 
 def monitor(
     *,
-    job_id: str,
-    log_dir: str | Path,
+    job_id: str | None = None,
+    log_dir: str | Path | None = None,
     optimizer: Any = None,
-    attempt: int = 0,
+    attempt: int | None = None,
     first_step: int = 0,
+    schedule: Schedule | None = None,
     mode: Literal["auto", "host", "cuda"] = "auto",
     gc_probe: bool = True,
     model_flops_per_step: float | None = None,
@@ -56,11 +59,16 @@ def monitor(
 ) -> MegatronMonitor:
     """Start recording this rank; call after `initialize_model_parallel` on every rank.
 
-    `mode`: "auto" times with CUDA events when a GPU is present, host clocks otherwise.
-    `gc_probe`: record Python GC pauses as ops. `model_flops_per_step` and
-    `gpu_peak_flops` (all GPUs together / one GPU) enable MFU figures in the analysis.
+    `job_id`/`log_dir` default to $LAGSCOPE_JOB_ID (else torchrun's run id or
+    SLURM_JOB_ID) and $LAGSCOPE_LOG_DIR; `attempt` to torchrun's restart count.
+    `schedule`: which steps to record, `lagscope.torch.schedule(wait=9, active=1)` for one
+    in ten (default every step). `mode`: "auto" times with CUDA events when a GPU is
+    present, host clocks otherwise. `gc_probe`: record Python GC pauses as ops.
+    `model_flops_per_step` (all GPUs together) and `gpu_peak_flops` (one GPU) enable MFU
+    figures in the analysis.
     """
     from lagscope.producers.megatron_adapter import MegatronMonitor
+    from lagscope.producers.torch_sampling import EVERY_STEP
 
     return MegatronMonitor(
         job_id=job_id,
@@ -68,6 +76,7 @@ def monitor(
         optimizer=optimizer,
         attempt=attempt,
         first_step=first_step,
+        schedule=schedule or EVERY_STEP,
         mode=mode,
         gc_probe=gc_probe,
         model_flops_per_step=model_flops_per_step,

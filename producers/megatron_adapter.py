@@ -51,11 +51,12 @@ import contextlib
 import functools
 import inspect
 import itertools
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from lagscope.producers.events import JobInfo
 from lagscope.producers.megatron_seams import (
     BUCKETS,
     FINALIZE,
@@ -64,6 +65,15 @@ from lagscope.producers.megatron_seams import (
     check_seams,
 )
 from lagscope.producers.timer import OpTimer
+from lagscope.producers.torch_layout import (
+    Layout,
+    attempt_from_environment,
+    derive_layout,
+    job_id_from_environment,
+    job_info,
+    rank_identity,
+)
+from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
 from lagscope.simulator import optypes as ot
 
 #: The schedule functions `get_forward_backward_func` hands out; each call is (part of) a step.
@@ -81,60 +91,29 @@ _P2P_DIRECTIONS = (
     ("recv_next", "recv_next", ot.BACKWARD_RECV),
 )
 
+_perf_ns = time.perf_counter_ns
+
 #: The one monitor of this process (the hooks are process-wide).
 _active: MegatronMonitor | None = None
 
 
-class Layout:
-    """This job's parallel layout and this rank's place in it, from `parallel_state`."""
+def megatron_layout() -> Layout:
+    """The job's layout from megatron's own process groups (`parallel_state`)."""
+    from megatron.core import parallel_state as ps
 
-    def __init__(self) -> None:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            raise RuntimeError(
-                "lagscope.megatron.monitor() needs megatron's model-parallel groups: call "
-                "parallel_state.initialize_model_parallel(...) first"
-            )
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.cp_size = ps.get_context_parallel_world_size()
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.vpp_size = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.cp_rank = ps.get_context_parallel_rank()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.in_embedding_group = ps.is_rank_in_embedding_group(ignore_virtual=True)
-        product = self.dp_size * self.pp_size * self.tp_size * self.cp_size
-        if product != self.world_size:
-            raise RuntimeError(
-                f"megatron's groups give dp {self.dp_size} x pp {self.pp_size} x tp "
-                f"{self.tp_size} x cp {self.cp_size} = {product} ranks, but the world has "
-                f"{self.world_size}: lagscope.megatron cannot place this rank"
-            )
-
-    def job_info(self, job_id: str, attempt: int, **mfu: float | None) -> JobInfo:
-        return JobInfo(
-            job_id=job_id,
-            attempt=attempt,
-            trial_name=job_id,
-            dp_size=self.dp_size,
-            pp_size=self.pp_size,
-            tp_size=self.tp_size,
-            dsp_size=self.cp_size,
-            vpp_size=self.vpp_size,
-            world_size=self.world_size,
-            **mfu,
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(
+            "lagscope.megatron.monitor() needs megatron's model-parallel groups: call "
+            "parallel_state.initialize_model_parallel(...) first"
         )
-
-    @property
-    def analysed(self) -> bool:
-        """The analysis needs one rank per (dp, stage): TP and CP rank 0."""
-        return self.tp_rank == 0 and self.cp_rank == 0
+    groups = {
+        "dp": ps.get_data_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "tp": ps.get_tensor_model_parallel_group(),
+        "cp": ps.get_context_parallel_group(),
+    }
+    vpp_size = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    return derive_layout(groups, vpp_size=vpp_size)
 
 
 class _Span:
@@ -181,28 +160,52 @@ class _TimedWork:
 
 class _TimedP2P:
     """Mixed in front of a `P2PCommunicator` class: every `_communicate` is timed, one op
-    per direction it moves (a fused call gives several ops with the same start)."""
+    per direction it moves. A fused call (a send and a receive together) gives one op per
+    direction with the same start and duration, as the analysis expects."""
 
     def _communicate(self, **kwargs: Any) -> Any:
         monitor = _active
         if monitor is None or not monitor.recording:
             return super()._communicate(**kwargs)  # type: ignore[misc]
+        moved = [
+            (key, optype, *monitor.producer_of(optype))
+            for key, argument, optype in _P2P_DIRECTIONS
+            if kwargs.get(argument) is not None and kwargs.get(argument) is not False
+        ]
+        if not kwargs.get("wait_on_reqs", True):
+            return self._communicate_unwaited(monitor, moved, kwargs)
         timer = monitor.timer
-        spans: dict[str, _Span] = {}
-        for key, argument, optype in _P2P_DIRECTIONS:
-            value = kwargs.get(argument)
-            if value is None or value is False:
-                continue
-            microbatch, chunk = monitor.producer_of(optype)
+        if monitor.host_timing:
+            start = _perf_ns()
+            result = super()._communicate(**kwargs)  # type: ignore[misc]
+            end = _perf_ns()
+            step = timer.current_step
+            for _, optype, microbatch, chunk in moved:
+                timer.add(timer.code_of(optype), step, microbatch, chunk, start, end)
+            return result
+        # CUDA events, recorded back to back on the current stream: the same device times.
+        scopes = [timer.op(optype, microbatch=mb, chunk=ch) for _, optype, mb, ch in moved]
+        for scope in scopes:
+            scope.__enter__()
+        result = super()._communicate(**kwargs)  # type: ignore[misc]
+        for scope in reversed(scopes):
+            scope.__exit__(None, None, None)
+        return result
+
+    def _communicate_unwaited(
+        self, monitor: MegatronMonitor, moved: list[tuple[str, str, int, int]], kwargs: Any
+    ) -> Any:
+        """overlap_p2p_comm: the schedule waits for each direction's handle later, so each
+        op ends at its handle's wait() (the transfer's completion), not at the return."""
+        spans = {}
+        for key, optype, microbatch, chunk in moved:
             span = spans[key] = _Span()
-            span.begin(timer, optype, microbatch, chunk)
+            span.begin(monitor.timer, optype, microbatch, chunk)
         recv_prev, recv_next, requests = super()._communicate(**kwargs)  # type: ignore[misc]
-        if isinstance(requests, dict):
-            # Not waited for inside (overlap_p2p_comm): each direction ends at its wait().
-            for key in list(requests):
-                if key in spans:
-                    requests[key] = _TimedWork(requests[key], spans.pop(key))
-        for span in reversed(spans.values()):
+        for key in list(requests or ()):
+            if key in spans:
+                requests[key] = _TimedWork(requests[key], spans.pop(key))
+        for span in spans.values():  # no handle came back for these (ring exchange)
             span.end()
         return recv_prev, recv_next, requests
 
@@ -298,13 +301,14 @@ class MegatronMonitor:
     def __init__(
         self,
         *,
-        job_id: str,
-        log_dir: str | Path,
+        job_id: str | None = None,
+        log_dir: str | Path | None = None,
         optimizer: Any = None,
-        attempt: int = 0,
+        attempt: int | None = None,
         first_step: int = 0,
         mode: Literal["auto", "host", "cuda"] = "auto",
         gc_probe: bool = True,
+        schedule: Schedule = EVERY_STEP,
         model_flops_per_step: float | None = None,
         gpu_peak_flops: float | None = None,
     ) -> None:
@@ -314,31 +318,51 @@ class MegatronMonitor:
                 "lagscope.megatron is already monitoring this process; close() that monitor "
                 "before starting another"
             )
+        job_id = job_id or job_id_from_environment()
+        if not job_id:
+            raise ValueError(
+                "lagscope.megatron.monitor needs a job id shared by every rank: pass job_id= "
+                "or set LAGSCOPE_JOB_ID (torchrun's run id and SLURM_JOB_ID are used when set)"
+            )
+        log_dir = log_dir or os.environ.get("LAGSCOPE_LOG_DIR")
+        if not log_dir:
+            raise ValueError(
+                "lagscope.megatron.monitor needs a local log directory: pass log_dir= or set "
+                "LAGSCOPE_LOG_DIR"
+            )
         if first_step < 0:
             raise ValueError(f"first_step must be >= 0, got {first_step}")
-        self.layout = Layout()
-        layout = self.layout
-        self.timer = OpTimer(
+        from megatron.core import parallel_state
+
+        self.layout = layout = megatron_layout()
+        self.in_embedding_group = parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
+        attempt = attempt_from_environment() if attempt is None else attempt
+        info = job_info(layout, job_id=job_id, attempt=attempt, identity=rank_identity(layout))
+        mfu = {"model_flops_per_step": model_flops_per_step, "gpu_peak_flops": gpu_peak_flops}
+        if any(value is not None for value in mfu.values()):
+            info = info.model_copy(update=mfu)
+        self.timer = timer = OpTimer(
             job_id=job_id,
             rank=layout.rank,
-            dp_rank=layout.dp_rank,
-            pp_rank=layout.pp_rank,
-            tp_rank=layout.tp_rank,
-            cp_rank=layout.cp_rank,
+            dp_rank=layout.coords["dp"],
+            pp_rank=layout.coords["pp"],
+            tp_rank=layout.coords["tp"],
+            cp_rank=layout.coords["cp"],
             log_dir=log_dir,
             attempt=attempt,
-            mode=mode if layout.analysed else "off",
+            mode=mode if layout.is_representative else "off",
             gc_probe=gc_probe,
-            job_info=layout.job_info(
-                job_id,
-                attempt,
-                model_flops_per_step=model_flops_per_step,
-                gpu_peak_flops=gpu_peak_flops,
-            ),
+            job_info=info,
         )
+        #: Host clocks (not CUDA events): ops timed here may share one pair of stamps.
+        self.host_timing = getattr(timer, "_cuda", None) is None
         #: True while a training schedule call runs: only then are ops recorded.
         self.recording = False
+        #: True while the current step is one the sampling schedule records.
+        self.sampled = False
         self.step: int | None = None
+        self._schedule = schedule
+        self._first_step = first_step
         self._next_step = first_step
         self._step_open = False
         self._steps_end_at_optimizer = optimizer is not None
@@ -411,10 +435,15 @@ class MegatronMonitor:
             self._next_step += 1
             self.timer.step(self.step)
             self._step_open = True
+            self.sampled = self.layout.is_representative and self._schedule.records(
+                self.step - self._first_step
+            )
+            # A GC pause in a step that is not recorded would make a step of its own.
+            self.timer.gc_paused = not self.sampled
             self._forward_of.clear()
             self._forwards_seen = 0
         self._learn_model(model)
-        self.recording = True
+        self.recording = self.sampled
 
     def _end_step(self) -> None:
         self._step_open = False
@@ -485,7 +514,6 @@ class MegatronMonitor:
         if self._config is not None:
             self._unhook_config()
         self._config = config
-        layout = self.layout
         phases = {
             "all-grads-sync": _Phase(
                 self, ot.SEPARATE_GRADS_ALL_REDUCE, lambda: not self._has_megatron_buckets
@@ -494,7 +522,7 @@ class MegatronMonitor:
                 self, ot.LAYERNORM_GRADS_ALL_REDUCE, lambda: True
             ),
             "embedding-grads-all-reduce": _Phase(
-                self, ot.EMBEDDING_GRADS_ALL_REDUCE, lambda: layout.in_embedding_group
+                self, ot.EMBEDDING_GRADS_ALL_REDUCE, lambda: self.in_embedding_group
             ),
         }
         dp_phase = self._dp_phase = phases["all-grads-sync"]
@@ -527,7 +555,7 @@ class MegatronMonitor:
             span = self._optimizer_span
 
             def before(*_: Any) -> None:
-                if self._step_open:
+                if self._step_open and self.sampled:
                     span.begin(self.timer, ot.OPTIMIZER)
 
             def after(*_: Any) -> None:
@@ -662,7 +690,7 @@ class MegatronMonitor:
 
         @functools.wraps(step)
         def timed() -> Any:
-            if self._step_open:
+            if self._step_open and self.sampled:
                 span.begin(self.timer, ot.OPTIMIZER)
             try:
                 return step()

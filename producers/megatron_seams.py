@@ -203,30 +203,27 @@ SEAMS: tuple[Seam, ...] = (
         ("self",),
         "the gradient-norm all-reduce: optimizer-clip-main-grad (timed on the instance)",
     ),
+    Seam(PARALLEL_STATE, "model_parallel_is_initialized", (), "monitor() after the groups"),
     *(
-        Seam(PARALLEL_STATE, name, (), "the job record and this rank's coordinates")
-        for name in (
-            "model_parallel_is_initialized",
-            "get_tensor_model_parallel_world_size",
-            "get_pipeline_model_parallel_world_size",
-            "get_virtual_pipeline_model_parallel_world_size",
-            "get_context_parallel_world_size",
-            "get_tensor_model_parallel_rank",
-            "get_pipeline_model_parallel_rank",
-            "get_context_parallel_rank",
+        Seam(
+            PARALLEL_STATE,
+            f"get_{role}_group",
+            ("check_initialized",),
+            "the job record and this rank's coordinates (lagscope.torch's layout)",
         )
+        for role in ("tensor_model_parallel", "pipeline_model_parallel", "context_parallel")
     ),
     Seam(
         PARALLEL_STATE,
-        "get_data_parallel_world_size",
+        "get_data_parallel_group",
         ("with_context_parallel", "with_gtp_remat", "partial_data_parallel"),
-        "the job record: DP size without context parallelism",
+        "the job record: the DP group without context parallelism",
     ),
     Seam(
         PARALLEL_STATE,
-        "get_data_parallel_rank",
-        ("with_context_parallel", "with_gtp_remat", "partial_data_parallel"),
-        "this rank's DP coordinate",
+        "get_virtual_pipeline_model_parallel_world_size",
+        (),
+        "the job record: model chunks per rank",
     ),
     Seam(
         PARALLEL_STATE,
