@@ -1,8 +1,9 @@
 """A tiny GPT-like model trained through megatron-core's real 1F1B schedule on CPU.
 
-    python -m tests.megatron_jobs.tiny_gpt --out DIR [--steps 6] [--microbatches 4]
+    python -m tests.megatron_jobs.tiny_gpt --log-dir DIR/logs [--steps 6] [--microbatches 4]
 
-Spawns 4 gloo ranks on 127.0.0.1 as TP 1 x PP 2 x DP 2: stage 0 holds the word embedding
+Launched by the torch job harness (`tests.torch_jobs.harness`: 4 gloo ranks on 127.0.0.1,
+one thread each) as TP 1 x PP 2 x DP 2: stage 0 holds the word embedding
 and a layer, stage 1 a layer and the output projection tied to the embedding (megatron's
 `finalize_model_grads` all-reduces the tied weight's gradient over the embedding group).
 The schedule is the unmodified `forward_backward_pipelining_without_interleaving`, the
@@ -16,17 +17,15 @@ is one `lagscope.megatron.monitor(...)` call per rank; the CPU work-arounds are 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import socket
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tests.torch_jobs.harness import Knobs, main_for
 
 JOB_ID = "megatron-tiny-gpt"
 VOCAB = 64
@@ -42,9 +41,11 @@ class TinyGPTStage(torch.nn.Module):
 
     def __init__(self, config: Any, pre_process: bool, post_process: bool) -> None:
         from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.enums import ModelType
 
         super().__init__()
         self.config = config
+        self.model_type = ModelType.encoder_or_decoder
         self.ddp_config = DistributedDataParallelConfig()
         self.pre_process = pre_process
         self.post_process = post_process
@@ -114,11 +115,7 @@ def _loss(model: TinyGPTStage, per_token: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def run_rank(rank: int, port: int, out: Path, steps: int, microbatches: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-
+def run_rank(rank: int, knobs: Knobs) -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
@@ -130,20 +127,20 @@ def run_rank(rank: int, port: int, out: Path, steps: int, microbatches: int) -> 
     from tests.megatron_jobs.cpu import CpuP2PCommunicator, cuda_tensors_on_cpu
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=PP
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=knobs.pp
     )
     config = TransformerConfig(
-        num_layers=PP,
+        num_layers=knobs.pp,
         hidden_size=HIDDEN,
         num_attention_heads=1,
-        pipeline_model_parallel_size=PP,
+        pipeline_model_parallel_size=knobs.pp,
         pipeline_dtype=torch.float32,
         batch_p2p_comm=False,
         finalize_model_grads_func=finalize_model_grads,
     )
     stage = parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(stage)  # DP replicas of a stage start equal
-    model = TinyGPTStage(config, pre_process=stage == 0, post_process=stage == PP - 1)
+    model = TinyGPTStage(config, pre_process=stage == 0, post_process=stage == knobs.pp - 1)
     with cuda_tensors_on_cpu():
         optimizer = ChainedOptimizer(
             [
@@ -155,10 +152,11 @@ def run_rank(rank: int, port: int, out: Path, steps: int, microbatches: int) -> 
             ]
         )
     monitor = lagscope.megatron.monitor(
-        job_id=JOB_ID, log_dir=out / "logs", optimizer=optimizer, gc_probe=False
+        job_id=knobs.job_id, log_dir=knobs.log_dir, optimizer=optimizer, gc_probe=False
     )
     communicator = CpuP2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
     pg_collection = _process_groups()
+    steps, microbatches = knobs.steps, knobs.microbatches
     data = batches(parallel_state.get_data_parallel_rank(), steps, microbatches)
     losses = []
     forward_backward = get_forward_backward_func()
@@ -186,8 +184,7 @@ def run_rank(rank: int, port: int, out: Path, steps: int, microbatches: int) -> 
         "losses": losses,
         "checksum": checksum,
     }
-    (out / f"rank-{rank}.json").write_text(json.dumps(summary))
-    dist.destroy_process_group()
+    (Path(knobs.log_dir).parent / f"rank-{rank}.json").write_text(json.dumps(summary))
 
 
 def _process_groups() -> Any:
@@ -206,29 +203,12 @@ def _process_groups() -> Any:
     return groups
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--microbatches", type=int, default=4)
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        run_rank,
-        args=(_free_port(), args.out, args.steps, args.microbatches),
-        nprocs=WORLD,
-        start_method="spawn",
-    )
-    return 0
+def main() -> None:
+    main_for(
+        run_rank, __doc__.splitlines()[0], job_id=JOB_ID, world=WORLD, pp=PP, steps=6,
+        microbatches=4,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
