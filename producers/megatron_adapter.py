@@ -41,7 +41,9 @@ the communication before it uses the result, so the event after the wait marks t
 transfer's completion on the device.
 
 The hooks replace module globals and methods (restored by `close()`); they are listed,
-with the signatures relied on, in `producers.megatron_seams`.
+with the signatures relied on, in `producers.megatron_seams`. The timed communicator is
+`producers.megatron_p2p`; ops opened and closed by different callbacks (and the
+`config.timers` seam) are `producers.megatron_ops`.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ import functools
 import inspect
 import itertools
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from lagscope.producers import megatron_p2p
+from lagscope.producers.megatron_ops import MegatronTimers, Phase, Span
+from lagscope.producers.megatron_p2p import TimedP2P, timed_communicator_class
 from lagscope.producers.megatron_seams import (
     BUCKETS,
     FINALIZE,
@@ -83,16 +87,6 @@ SCHEDULE_FUNCTIONS = (
     "forward_backward_pipelining_with_interleaving",
 )
 
-#: `_communicate`'s request keys (`_p2p_ops`) and its arguments, by lagscope op type.
-_P2P_DIRECTIONS = (
-    ("send_next", "tensor_send_next", ot.FORWARD_SEND),
-    ("recv_prev", "recv_prev", ot.FORWARD_RECV),
-    ("send_prev", "tensor_send_prev", ot.BACKWARD_SEND),
-    ("recv_next", "recv_next", ot.BACKWARD_RECV),
-)
-
-_perf_ns = time.perf_counter_ns
-
 #: The one monitor of this process (the hooks are process-wide).
 _active: MegatronMonitor | None = None
 
@@ -114,185 +108,6 @@ def megatron_layout() -> Layout:
     }
     vpp_size = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     return derive_layout(groups, vpp_size=vpp_size)
-
-
-class _Span:
-    """An op whose start and end are seen by different hooks (an `OpTimer.op` scope held
-    open). `begin` on an open span starts the op again: the earlier start is dropped, and
-    nothing is recorded for it."""
-
-    __slots__ = ("_scope",)
-
-    def __init__(self) -> None:
-        self._scope: Any = None
-
-    def begin(self, timer: OpTimer, optype: str, microbatch: int = -1, chunk: int = 0) -> None:
-        self._scope = timer.op(optype, microbatch=microbatch, chunk=chunk)
-        self._scope.__enter__()
-
-    @property
-    def open(self) -> bool:
-        return self._scope is not None
-
-    def end(self) -> None:
-        scope, self._scope = self._scope, None
-        if scope is not None:
-            scope.__exit__(None, None, None)
-
-
-class _TimedWork:
-    """A p2p handle whose op ends when the schedule waits for it (the transfer's end)."""
-
-    __slots__ = ("_span", "_work")
-
-    def __init__(self, work: Any, span: _Span) -> None:
-        self._work = work
-        self._span = span
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
-        self._span.end()
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-class _TimedP2P:
-    """Mixed in front of a `P2PCommunicator` class: every `_communicate` is timed, one op
-    per direction it moves. A fused call (a send and a receive together) gives one op per
-    direction with the same start and duration, as the analysis expects."""
-
-    def _communicate(self, **kwargs: Any) -> Any:
-        monitor = _active
-        if monitor is None or not monitor.recording:
-            return super()._communicate(**kwargs)  # type: ignore[misc]
-        moved = [
-            (key, optype, *monitor.producer_of(optype))
-            for key, argument, optype in _P2P_DIRECTIONS
-            if kwargs.get(argument) is not None and kwargs.get(argument) is not False
-        ]
-        if not kwargs.get("wait_on_reqs", True):
-            return self._communicate_unwaited(monitor, moved, kwargs)
-        timer = monitor.timer
-        if monitor.host_timing:
-            start = _perf_ns()
-            result = super()._communicate(**kwargs)  # type: ignore[misc]
-            end = _perf_ns()
-            step = timer.current_step
-            for _, optype, microbatch, chunk in moved:
-                timer.add(timer.code_of(optype), step, microbatch, chunk, start, end)
-            return result
-        # CUDA events, recorded back to back on the current stream: the same device times.
-        scopes = [timer.op(optype, microbatch=mb, chunk=ch) for _, optype, mb, ch in moved]
-        for scope in scopes:
-            scope.__enter__()
-        result = super()._communicate(**kwargs)  # type: ignore[misc]
-        for scope in reversed(scopes):
-            scope.__exit__(None, None, None)
-        return result
-
-    def _communicate_unwaited(
-        self, monitor: MegatronMonitor, moved: list[tuple[str, str, int, int]], kwargs: Any
-    ) -> Any:
-        """overlap_p2p_comm: the schedule waits for each direction's handle later, so each
-        op ends at its handle's wait() (the transfer's completion), not at the return."""
-        spans = {}
-        for key, optype, microbatch, chunk in moved:
-            span = spans[key] = _Span()
-            span.begin(monitor.timer, optype, microbatch, chunk)
-        recv_prev, recv_next, requests = super()._communicate(**kwargs)  # type: ignore[misc]
-        for key in list(requests or ()):
-            if key in spans:
-                requests[key] = _TimedWork(requests[key], spans.pop(key))
-        for span in spans.values():  # no handle came back for these (ring exchange)
-            span.end()
-        return recv_prev, recv_next, requests
-
-
-@functools.cache
-def timed_communicator_class(cls: type) -> type:
-    """`cls` with `_TimedP2P` in front (one class per communicator class)."""
-    if issubclass(cls, _TimedP2P):
-        return cls
-    return type(cls.__name__, (_TimedP2P, cls), {"__module__": __name__})
-
-
-class _Phase:
-    """One `config.timers` name mapped to an op type: start()/stop() come as separate
-    `config.timers(name)` calls, so the open op lives here, not in the returned object."""
-
-    __slots__ = ("_monitor", "_span", "optype", "wanted")
-
-    def __init__(self, monitor: MegatronMonitor, optype: str, wanted: Callable[[], bool]) -> None:
-        self._monitor = monitor
-        self._span = _Span()
-        self.optype = optype
-        self.wanted = wanted
-
-    def start(self) -> None:
-        if self._monitor.recording and self.wanted():
-            self._span.begin(self._monitor.timer, self.optype)
-
-    def stop(self) -> None:
-        self._span.end()
-
-
-class _PhaseTimer:
-    """What `config.timers(name)` returns for a mapped name: our phase, then the job's own."""
-
-    __slots__ = ("_inner", "_phase")
-
-    def __init__(self, phase: _Phase, inner: Any) -> None:
-        self._phase = phase
-        self._inner = inner
-
-    def start(self, barrier: bool = False) -> None:
-        if self._inner is not None:
-            self._inner.start(barrier=barrier)
-        self._phase.start()
-
-    def stop(self, barrier: bool = False) -> None:
-        self._phase.stop()
-        if self._inner is not None:
-            self._inner.stop(barrier=barrier)
-
-
-class _NullTimer:
-    __slots__ = ()
-
-    def start(self, barrier: bool = False) -> None:
-        return None
-
-    def stop(self, barrier: bool = False) -> None:
-        return None
-
-
-_NULL_TIMER = _NullTimer()
-
-
-class MegatronTimers:
-    """Set as `config.timers`: maps the timer names lagscope needs to ops and passes every
-    call on to the timers the job already had (Megatron-LM's `Timers`, or none)."""
-
-    def __init__(self, phases: dict[str, _Phase], inner: Any) -> None:
-        self._phases = phases
-        self.inner = inner
-
-    def __call__(self, name: str, log_level: int | None = None) -> Any:
-        inner = None
-        if self.inner is not None:
-            inner = self.inner(name) if log_level is None else self.inner(name, log_level)
-        phase = self._phases.get(name)
-        if phase is None:
-            return inner if inner is not None else _NULL_TIMER
-        return _PhaseTimer(phase, inner)
-
-    def __getattr__(self, name: str) -> Any:
-        # Anything else (log, write, ...) belongs to the job's own timers.
-        if self.inner is None:
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 class MegatronMonitor:
@@ -375,13 +190,13 @@ class MegatronMonitor:
         self._model_ids: tuple[int, ...] = ()
         self._chunks: list[Any] = []
         self._chunk_of_bucket: dict[int, int] = {}
-        self._open_buckets: dict[int, _Span] = {}
+        self._open_buckets: dict[int, Span] = {}
         self._has_megatron_buckets = False
         self._config: Any = None
         self._timers: MegatronTimers | None = None
-        self._dp_phase: _Phase | None = None
+        self._dp_phase: Phase | None = None
         self._finalize_wrapped: Any = None
-        self._optimizer_span = _Span()
+        self._optimizer_span = Span()
         self._restore: list[Callable[[], None]] = []
         self._closed = False
         self._install(optimizer)
@@ -418,6 +233,7 @@ class MegatronMonitor:
         self._restore.clear()
         if _active is self:
             _active = None
+            megatron_p2p.attach(None)
         atexit.unregister(self.close)
         self.timer.close()
 
@@ -495,6 +311,7 @@ class MegatronMonitor:
             self._hook_optimizer(optimizer)
         self._restore.append(self._unhook_config)
         _active = self
+        megatron_p2p.attach(self)
 
     def _replace(self, owner: Any, name: str, value: Any) -> None:
         had_own = name in vars(owner)
@@ -515,13 +332,13 @@ class MegatronMonitor:
             self._unhook_config()
         self._config = config
         phases = {
-            "all-grads-sync": _Phase(
+            "all-grads-sync": Phase(
                 self, ot.SEPARATE_GRADS_ALL_REDUCE, lambda: not self._has_megatron_buckets
             ),
-            "non-tensor-parallel-grads-all-reduce": _Phase(
+            "non-tensor-parallel-grads-all-reduce": Phase(
                 self, ot.LAYERNORM_GRADS_ALL_REDUCE, lambda: True
             ),
-            "embedding-grads-all-reduce": _Phase(
+            "embedding-grads-all-reduce": Phase(
                 self, ot.EMBEDDING_GRADS_ALL_REDUCE, lambda: self.in_embedding_group
             ),
         }
@@ -594,7 +411,7 @@ class MegatronMonitor:
     @contextlib.contextmanager
     def _communicator_timed(self, communicator: Any) -> Iterator[None]:
         """Time a communicator the caller passed in, for the call only."""
-        if communicator is None or isinstance(communicator, _TimedP2P):
+        if communicator is None or isinstance(communicator, TimedP2P):
             yield
             return
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -652,7 +469,7 @@ class MegatronMonitor:
             if self.recording and id(group) not in self._open_buckets:
                 distributed = group.ddp_config.use_distributed_optimizer and not force_all_reduce
                 optype = ot.GRADS_REDUCE_SCATTER if distributed else ot.SEPARATE_GRADS_ALL_REDUCE
-                span = self._open_buckets[id(group)] = _Span()
+                span = self._open_buckets[id(group)] = Span()
                 span.begin(self.timer, optype, chunk=self._chunk_of_bucket.get(id(group), 0))
             return start(group, force_all_reduce=force_all_reduce)
 
@@ -670,7 +487,7 @@ class MegatronMonitor:
         return timed
 
     def _timed_custom_finalize(
-        self, finalize: Callable[..., Any], dp_phase: _Phase
+        self, finalize: Callable[..., Any], dp_phase: Phase
     ) -> Callable[..., Any]:
         """A finalize function of the job's own: the whole call is the DP gradient sync
         (unless Megatron DDP buckets are recorded, which then hold the sync)."""

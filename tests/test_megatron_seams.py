@@ -120,7 +120,7 @@ def _hooked_originals() -> dict[tuple[object, str], object]:
 @pytest.mark.usefixtures("megatron_world_of_one")
 def test_monitor_replaces_exactly_the_listed_seams_and_close_restores_them(tmp_path) -> None:
     import lagscope.megatron
-    from lagscope.producers.megatron_adapter import _TimedP2P
+    from lagscope.producers.megatron_p2p import TimedP2P
 
     schedules = importlib.import_module(SCHEDULES)
     p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
@@ -136,7 +136,7 @@ def test_monitor_replaces_exactly_the_listed_seams_and_close_restores_them(tmp_p
         for (owner, name), original in originals.items():
             assert vars(owner)[name] is not original, f"{name} was not hooked"
         assert issubclass(schedules.P2PCommunicator, p2p.P2PCommunicator)
-        assert issubclass(schedules.P2PCommunicator, _TimedP2P)
+        assert issubclass(schedules.P2PCommunicator, TimedP2P)
         # get_forward_backward_func hands out the timed schedules (module globals).
         for pp, vp, name in (
             (1, None, "forward_backward_no_pipelining"),
