@@ -54,6 +54,7 @@ import functools
 import inspect
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -86,6 +87,8 @@ SCHEDULE_FUNCTIONS = (
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
+
+_perf_ns = time.perf_counter_ns
 
 #: The one monitor of this process (the hooks are process-wide).
 _active: MegatronMonitor | None = None
@@ -333,7 +336,11 @@ class MegatronMonitor:
         self._config = config
         phases = {
             "all-grads-sync": Phase(
-                self, ot.SEPARATE_GRADS_ALL_REDUCE, lambda: not self._has_megatron_buckets
+                self,
+                ot.SEPARATE_GRADS_ALL_REDUCE,
+                lambda: not self._has_megatron_buckets,
+                # Pipeline transfers are over once the gradients are finalised.
+                on_start=megatron_p2p.end_outstanding,
             ),
             "non-tensor-parallel-grads-all-reduce": Phase(
                 self, ot.LAYERNORM_GRADS_ALL_REDUCE, lambda: True
@@ -402,6 +409,7 @@ class MegatronMonitor:
                 with self._communicator_timed(kwargs.get("p2p_communicator")):
                     return schedule(*args, **kwargs)
             finally:
+                megatron_p2p.end_outstanding()
                 self.recording = False
                 if not self._steps_end_at_optimizer:
                     self._end_step()
@@ -442,8 +450,15 @@ class MegatronMonitor:
                 microbatch = self._forwards_seen
             chunk = chunk or 0
             self._forwards_seen += 1
+            if self.host_timing:
+                megatron_p2p.poll()
+            first, last = self._pipeline_ends(chunk)
+            if first:
+                self._mark_peerless(ot.FORWARD_RECV, microbatch, chunk)
             with self.timer.op(ot.FORWARD_COMPUTE, microbatch=microbatch, chunk=chunk):
                 result = forward_step(*args, **kwargs)
+            if last:
+                self._mark_peerless(ot.FORWARD_SEND, microbatch, chunk)
             self._forward_of[_tensor_key(result[0])] = (microbatch, chunk)
             self._last_forward = (microbatch, chunk)
             return result
@@ -456,12 +471,40 @@ class MegatronMonitor:
             if not self.recording:
                 return backward_step(input_tensor, output_tensor, output_tensor_grad, config)
             microbatch, chunk = self._forward_of.pop(_tensor_key(output_tensor), (-1, 0))
+            if self.host_timing:
+                megatron_p2p.poll()
+            first, last = self._pipeline_ends(chunk)
+            if last:
+                self._mark_peerless(ot.BACKWARD_RECV, microbatch, chunk)
             with self.timer.op(ot.BACKWARD_COMPUTE, microbatch=microbatch, chunk=chunk):
                 result = backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+            if first:
+                self._mark_peerless(ot.BACKWARD_SEND, microbatch, chunk)
             self._last_backward = (microbatch, chunk)
             return result
 
         return timed
+
+    def _pipeline_ends(self, chunk: int) -> tuple[bool, bool]:
+        """Whether `chunk` is the first / the last model chunk of an interleaved pipeline."""
+        layout = self.layout
+        if layout.vpp_size == 1:
+            return False, False
+        global_chunk = chunk * layout.pp_size + layout.coords["pp"]
+        return global_chunk == 0, global_chunk == layout.vpp_size * layout.pp_size - 1
+
+    def _mark_peerless(self, optype: str, microbatch: int, chunk: int) -> None:
+        """A zero-length transfer where an interleaved pipeline ends and megatron moves
+        nothing: the analysis matches every compute of a chunk with its transfers and
+        knows these (peer chunk outside the pipeline) as no-ops, as the reference traces
+        record them. Without interleaving it accepts the ends' missing ops as they are."""
+        timer = self.timer
+        if self.host_timing:
+            now = _perf_ns()
+            timer.add(timer.code_of(optype), timer.current_step, microbatch, chunk, now, now)
+        else:
+            with timer.op(optype, microbatch=microbatch, chunk=chunk):
+                pass
 
     def _timed_bucket_start(self, start: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(start)

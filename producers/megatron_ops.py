@@ -43,7 +43,8 @@ class Span:
 
 
 class TimedWork:
-    """A p2p handle whose op ends when the schedule waits for it (the transfer's end)."""
+    """A p2p handle whose op ends when the transfer is seen complete: when the schedule
+    waits for it, or (host clocks) when a poll finds it done first."""
 
     __slots__ = ("_span", "_work")
 
@@ -51,10 +52,23 @@ class TimedWork:
         self._work = work
         self._span = span
 
+    @property
+    def open(self) -> bool:
+        return self._span.open
+
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         result = self._work.wait(*args, **kwargs)
         self._span.end()
         return result
+
+    def poll(self) -> bool:
+        """End the op if the transfer has completed; whether it has."""
+        if self._span.open and self._work.is_completed():
+            self._span.end()
+        return not self._span.open
+
+    def end(self) -> None:
+        self._span.end()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -64,15 +78,26 @@ class Phase:
     """One `config.timers` name mapped to an op type: start()/stop() come as separate
     `config.timers(name)` calls, so the open op lives here, not in the returned object."""
 
-    __slots__ = ("_monitor", "_span", "optype", "wanted")
+    __slots__ = ("_monitor", "_span", "on_start", "optype", "wanted")
 
-    def __init__(self, monitor: MegatronMonitor, optype: str, wanted: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        monitor: MegatronMonitor,
+        optype: str,
+        wanted: Callable[[], bool],
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
         self._monitor = monitor
         self._span = Span()
         self.optype = optype
+        #: Whether this rank records the phase (asked at every start).
         self.wanted = wanted
+        #: Called at every start, recorded or not.
+        self.on_start = on_start
 
     def start(self) -> None:
+        if self.on_start is not None:
+            self.on_start()
         if self._monitor.recording and self.wanted():
             self._span.begin(self._monitor.timer, self.optype)
 

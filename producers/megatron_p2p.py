@@ -9,7 +9,11 @@ each call becomes one op per direction it moves, named by megatron's own argumen
 A fused call (a send and a receive in one `_communicate`, as 1F1B's steady state makes)
 gives one op per direction with the same stamps; the analysis pairs each with its peer.
 With `overlap_p2p_comm` the schedule waits for each handle later: each direction's op
-then ends at its handle's `wait()`, the transfer's completion, not at the call's return.
+then ends at the transfer's completion, not at the call's return: at its handle's `wait()`,
+or, on host clocks, at the first compute boundary that finds it complete (`poll`). The
+interleaved schedule never waits for its last send, and gloo's send handles never say
+they are complete before a wait: handles still open when the gradient finalisation
+starts end there (`end_outstanding`), at the latest when the schedule returns.
 """
 
 from __future__ import annotations
@@ -38,10 +42,29 @@ _perf_ns = time.perf_counter_ns
 _monitor: MegatronMonitor | None = None
 
 
+#: Handles given to the schedule whose transfer was not yet seen complete.
+_outstanding: list[TimedWork] = []
+
+
 def attach(monitor: MegatronMonitor | None) -> None:
     """Send the timed communicators' ops to `monitor` (None: record nothing)."""
     global _monitor
     _monitor = monitor
+    _outstanding.clear()
+
+
+def poll() -> None:
+    """End the ops of handles whose transfer completed (host clocks: now is close to it)."""
+    if _outstanding:
+        _outstanding[:] = [work for work in _outstanding if not work.poll()]
+
+
+def end_outstanding() -> None:
+    """End every op still open: the schedule is done with its transfers."""
+    poll()
+    for work in _outstanding:
+        work.end()
+    _outstanding.clear()
 
 
 class TimedP2P:
@@ -90,7 +113,8 @@ class TimedP2P:
         recv_prev, recv_next, requests = super()._communicate(**kwargs)  # type: ignore[misc]
         for key in list(requests or ()):
             if key in spans:
-                requests[key] = TimedWork(requests[key], spans.pop(key))
+                work = requests[key] = TimedWork(requests[key], spans.pop(key))
+                _outstanding.append(work)
         for span in spans.values():  # no handle came back for these (ring exchange)
             span.end()
         return recv_prev, recv_next, requests

@@ -28,24 +28,23 @@ PP = 2
 WORLD = 4
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run the job once; what it left: its ops, job records, batch headers, rank summaries."""
+def _run(entry: Any, out: Path, steps: int) -> dict[str, Any]:
+    """Run a job of tests/megatron_jobs/tiny_gpt.py; its ops (by rank and step), job
+    records, batch headers and rank summaries."""
     from lagscope.producers.events import peek_header
     from lagscope.producers.log import KIND_BATCH, Record, list_rank_dirs, read_all
     from tests.megatron_jobs import tiny_gpt
     from tests.torch_jobs.harness import Knobs, job_records, launch, recorded_ops
 
-    out = tmp_path_factory.mktemp("megatron-job")
     knobs = Knobs(
         log_dir=str(out / "logs"),
         job_id=tiny_gpt.JOB_ID,
-        steps=STEPS,
+        steps=steps,
         world=WORLD,
         pp=PP,
         microbatches=MICROBATCHES,
     )
-    launch(tiny_gpt.run_rank, knobs, timeout_s=400)
+    launch(entry, knobs, timeout_s=400)
     headers = [
         peek_header(item.payload)
         for directory in list_rank_dirs(out / "logs")
@@ -53,7 +52,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if isinstance(item, Record) and item.kind == KIND_BATCH
     ]
     ops: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    for op in sorted(recorded_ops(out / "logs"), key=lambda op: op["start_ns"]):
+    for op in sorted(recorded_ops(out / "logs"), key=lambda op: (op["start_ns"], op["seq"])):
         ops[op["rank"], op["step"]].append(op)
     summaries = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     return {
@@ -63,6 +62,22 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "headers": headers,
         "summaries": {s["rank"]: s for s in summaries},
     }
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The 1F1B job (one model chunk per rank), run once for the tests of this module."""
+    from tests.megatron_jobs import tiny_gpt
+
+    return _run(tiny_gpt.run_rank, tmp_path_factory.mktemp("megatron-1f1b"), STEPS)
+
+
+@pytest.fixture(scope="module")
+def interleaved_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The interleaved job: 2 model chunks per rank, p2p overlapped with compute."""
+    from tests.megatron_jobs import tiny_gpt
+
+    return _run(tiny_gpt.run_rank_interleaved, tmp_path_factory.mktemp("megatron-interleaved"), 2)
 
 
 def _of(ops: list[dict[str, Any]], optype: str) -> list[dict[str, Any]]:
@@ -172,7 +187,7 @@ def test_gradient_finalisation_and_optimizer_end_every_step(job: dict[str, Any])
             assert later["start_ns"] >= _end(earlier)
 
 
-def test_lagscope_run_analyses_every_step(job: dict[str, Any]) -> None:
+def _analyse_every_step(job: dict[str, Any], steps: int) -> None:
     out: Path = job["out"]
     dsn = f"chdb://{out / 'chdb'}"
     lagscope = [sys.executable, "-m", "lagscope.stream_app.cli"]
@@ -183,14 +198,79 @@ def test_lagscope_run_analyses_every_step(job: dict[str, Any]) -> None:
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    assert f"job megatron-tiny-gpt attempt 0: {STEPS} steps closed" in run.stdout
+    assert f"job megatron-tiny-gpt attempt 0: {steps} steps closed" in run.stdout
     query = subprocess.run(
         [*lagscope, "query", "--dsn", dsn, "--format", "json",
          "SELECT step, complete, missing_ranks, slowdown FROM steps FINAL ORDER BY step"],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
-    steps = json.loads(query.stdout)
-    assert [row["step"] for row in steps] == list(range(STEPS))
-    for row in steps:
+    rows = json.loads(query.stdout)
+    assert [row["step"] for row in rows] == list(range(steps))
+    for row in rows:
         assert row["complete"] and row["missing_ranks"] == []
-        assert row["slowdown"] is not None and row["slowdown"] > 0
+        # An unanalysable step is stored with a NaN slowdown (JSON null).
+        assert row["slowdown"] is not None and row["slowdown"] > 0, row
+
+
+def test_lagscope_run_analyses_every_step(job: dict[str, Any]) -> None:
+    _analyse_every_step(job, STEPS)
+
+
+# -- the interleaved schedule (virtual pipeline 2, overlap_p2p_comm) ----------------------
+
+
+def test_interleaved_every_chunk_and_microbatch_once_per_direction(
+    interleaved_job: dict[str, Any],
+) -> None:
+    for summary in _replicas_by_stage(interleaved_job).values():
+        assert len({s["checksum"] for s in summary}) == 1
+    for (rank, step), ops in interleaved_job["ops"].items():
+        for optype in ("forward-compute", "backward-compute"):
+            seen = Counter((op["chunk"], op["microbatch"]) for op in _of(ops, optype))
+            assert seen == {(c, m): 1 for c in range(2) for m in range(MICROBATCHES)}, (
+                rank, step, optype,
+            )  # fmt: skip
+        # Every compute has its transfer in each direction: 2 chunks x 4 micro-batches.
+        counts = Counter(op["optype"] for op in ops if op["optype"].endswith(("-send", "-recv")))
+        assert counts == dict.fromkeys(
+            ("forward-send", "forward-recv", "backward-send", "backward-recv"), 2 * MICROBATCHES
+        ), (rank, step)
+
+
+def test_interleaved_pipeline_ends_are_zero_length_transfers(
+    interleaved_job: dict[str, Any],
+) -> None:
+    for (rank, _), ops in interleaved_job["ops"].items():
+        stage = interleaved_job["summaries"][rank]["stage"]
+        zero = Counter(
+            (op["optype"], op["chunk"])
+            for op in ops
+            if op["optype"].endswith(("-send", "-recv")) and op["duration_ns"] == 0
+        )
+        # Global chunk 0 (stage 0, chunk 0) receives no input and sends no input gradient;
+        # the last global chunk (stage 1, chunk 1) sends no output and receives no grad.
+        if stage == 0:
+            assert zero == {("forward-recv", 0): MICROBATCHES, ("backward-send", 0): MICROBATCHES}
+        else:
+            assert zero == {("forward-send", 1): MICROBATCHES, ("backward-recv", 1): MICROBATCHES}
+
+
+def test_interleaved_overlapped_transfers_end_before_the_gradient_sync(
+    interleaved_job: dict[str, Any],
+) -> None:
+    for (rank, step), ops in interleaved_job["ops"].items():
+        sync = _of(ops, "separate-grads-all-reduce")
+        assert len(sync) == 1
+        transfers = [op for op in ops if op["optype"].endswith(("-send", "-recv"))]
+        assert max(_end(op) for op in transfers) <= sync[0]["start_ns"], (rank, step)
+
+
+def test_lagscope_run_analyses_every_interleaved_step(interleaved_job: dict[str, Any]) -> None:
+    _analyse_every_step(interleaved_job, 2)
+
+
+def _replicas_by_stage(job: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
+    by_stage: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for summary in job["summaries"].values():
+        by_stage[summary["stage"]].append(summary)
+    return by_stage

@@ -116,6 +116,17 @@ def _loss(model: TinyGPTStage, per_token: torch.Tensor):
 
 
 def run_rank(rank: int, knobs: Knobs) -> None:
+    """The 1F1B job: one model chunk per rank."""
+    _train(rank, knobs, chunks=1)
+
+
+def run_rank_interleaved(rank: int, knobs: Knobs) -> None:
+    """The interleaved job: two model chunks per rank (virtual pipeline size 2), with the
+    p2p transfers overlapped with compute (megatron waits for their handles later)."""
+    _train(rank, knobs, chunks=2)
+
+
+def _train(rank: int, knobs: Knobs, chunks: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
@@ -126,26 +137,39 @@ def run_rank(rank: int, knobs: Knobs) -> None:
     import lagscope.megatron
     from tests.megatron_jobs.cpu import CpuP2PCommunicator, cuda_tensors_on_cpu
 
+    interleaved = chunks > 1
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=knobs.pp
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=knobs.pp,
+        virtual_pipeline_model_parallel_size=chunks if interleaved else None,
     )
     config = TransformerConfig(
-        num_layers=knobs.pp,
+        num_layers=knobs.pp * chunks,
         hidden_size=HIDDEN,
         num_attention_heads=1,
         pipeline_model_parallel_size=knobs.pp,
+        virtual_pipeline_model_parallel_size=chunks if interleaved else None,
+        overlap_p2p_comm=interleaved,
         pipeline_dtype=torch.float32,
         batch_p2p_comm=False,
         finalize_model_grads_func=finalize_model_grads,
     )
     stage = parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(stage)  # DP replicas of a stage start equal
-    model = TinyGPTStage(config, pre_process=stage == 0, post_process=stage == knobs.pp - 1)
+    model = [
+        TinyGPTStage(
+            config,
+            pre_process=stage == 0 and chunk == 0,
+            post_process=stage == knobs.pp - 1 and chunk == chunks - 1,
+        )
+        for chunk in range(chunks)
+    ]
+    parameters = [p for chunk in model for p in chunk.parameters()]
     with cuda_tensors_on_cpu():
         optimizer = ChainedOptimizer(
             [
                 FP32Optimizer(
-                    torch.optim.SGD(model.parameters(), lr=0.05),
+                    torch.optim.SGD(parameters, lr=0.05),
                     OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=0.0),
                     init_state_fn=None,
                 )
@@ -157,7 +181,10 @@ def run_rank(rank: int, knobs: Knobs) -> None:
     communicator = CpuP2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
     pg_collection = _process_groups()
     steps, microbatches = knobs.steps, knobs.microbatches
-    data = batches(parallel_state.get_data_parallel_rank(), steps, microbatches)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    # Every chunk reads one batch per micro-batch (the first uses the tokens, the last the
+    # labels), so each has its own copy of the stream.
+    data = [batches(dp_rank, steps, microbatches) for _ in range(chunks)]
     losses = []
     forward_backward = get_forward_backward_func()
     for _ in range(steps):
@@ -165,8 +192,8 @@ def run_rank(rank: int, knobs: Knobs) -> None:
         with cuda_tensors_on_cpu():
             outputs = forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=data,
-                model=[model],
+                data_iterator=data if interleaved else data[0],
+                model=model,
                 num_microbatches=microbatches,
                 seq_length=SEQ,
                 micro_batch_size=MICRO_BATCH,
@@ -176,11 +203,11 @@ def run_rank(rank: int, knobs: Knobs) -> None:
             optimizer.step()
         losses.append([float(o["lm loss"]) for o in outputs])
     monitor.close()
-    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    checksum = float(sum(p.detach().double().sum() for p in parameters))
     summary = {
         "rank": rank,
         "stage": stage,
-        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "dp_rank": dp_rank,
         "losses": losses,
         "checksum": checksum,
     }
