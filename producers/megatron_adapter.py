@@ -172,6 +172,9 @@ class MegatronMonitor:
             gc_probe=gc_probe,
             job_info=info,
         )
+        # No GC pause is recorded before the first step opens (it would land in a step of
+        # its own that no other rank has).
+        timer.gc_paused = True
         #: Host clocks (not CUDA events): ops timed here may share one pair of stamps.
         self.host_timing = getattr(timer, "_cuda", None) is None
         #: True while a training schedule call runs: only then are ops recorded.

@@ -164,3 +164,25 @@ def test_a_sampling_schedule_records_only_its_steps(tmp_path: Path) -> None:
     ops = _ops(tmp_path)
     assert sorted({op["step"] for op in ops}) == [1, 3]
     assert Counter(op["step"] for op in ops if op["optype"] == "optimizer") == {1: 1, 3: 1}
+
+
+@pytest.mark.usefixtures("megatron_world_of_one")
+def test_gc_pauses_are_recorded_only_inside_steps(tmp_path: Path) -> None:
+    import gc
+
+    import lagscope.megatron
+
+    job = _Job()
+    monitor = lagscope.megatron.monitor(
+        job_id="gc", log_dir=tmp_path, optimizer=job.optimizer, gc_probe=True, first_step=5
+    )
+    try:
+        gc.collect()  # before the first step: not recorded
+        job.call_schedule()
+        gc.collect()  # inside step 5
+        job.update()
+    finally:
+        monitor.close()
+    ops = _ops(tmp_path)
+    assert {op["step"] for op in ops} == {5}
+    assert any(op["optype"] == "gc" for op in ops)
