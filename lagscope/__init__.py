@@ -2,7 +2,9 @@
 
 The public surface is small and stable:
 
-- `lagscope.timer`: `OpTimer`, the per-rank op timer that training code calls;
+- `lagscope.torch`: `monitor(...)`, one call that records a torch.distributed job;
+- `lagscope.megatron`: `monitor(...)`, the same at megatron-core's own seams;
+- `lagscope.timer`: `OpTimer`, the per-rank op timer for call sites you time yourself;
 - the command line, `lagscope --help`.
 
 Everything else (`lagscope.producers`, `lagscope.simulator`, `lagscope.stream_app`,
