@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from lagscope.simulator.optypes import GC_PAUSE
 from tests.megatron_jobs.world import megatron_world_of_one  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(
@@ -185,4 +186,4 @@ def test_gc_pauses_are_recorded_only_inside_steps(tmp_path: Path) -> None:
         monitor.close()
     ops = _ops(tmp_path)
     assert {op["step"] for op in ops} == {5}
-    assert any(op["optype"] == "gc" for op in ops)
+    assert any(op["optype"] == GC_PAUSE for op in ops)
