@@ -89,6 +89,7 @@ def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: registering the command must stay cheap.
     from lagscope.producers.reference_format import load_meta, load_trace
+    from lagscope.simulator.clocks import estimate_clock_offsets
     from lagscope.simulator.diagnose import diagnose
     from lagscope.simulator.prepare import prepare
     from lagscope.simulator.summary import result_to_dict, summary_lines
@@ -97,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     meta = load_meta(args.meta)
     prepared = prepare(trace, meta, skip_incomplete_steps=args.skip_incomplete_steps)
+    # From every complete step, before --steps: more transfers, a tighter estimate.
+    clocks = estimate_clock_offsets(prepared)
     if args.steps:
         prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
     result = analyze(prepared, decompose_threshold=args.decompose_threshold)
@@ -106,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in summary_lines(result):
         print("  " + line)
+    largest, stage, dp = clocks.largest()
+    print(
+        f"  clock offsets       largest {largest * 1e3:+.3f} ms (dp {dp}, pp {stage}), "
+        f"from {clocks.n_transfers} transfers"
+    )
     diagnosis = diagnose(result, prepared)
     print(f"  diagnosis           {diagnosis.cause}: {diagnosis.summary}")
     for advice in diagnosis.advice:
@@ -116,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         document = result_to_dict(result, always_decompose=args.always_decompose)
         document["diagnosis"] = diagnosis.as_dict()
+        document["clock_offsets"] = clocks.as_dict()
         _write(args.json, json.dumps(document, indent=2))
     if args.heatmap:
         from lagscope.dashboards.heatmap import draw_worker_heatmap
@@ -151,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
         from lagscope.simulator.whatif import WhatIfAnalysis
 
         ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
-        events = trace_events(prepared, ideal.start[:, 0], ideal.end[:, 0])
+        events = trace_events(
+            prepared, ideal.start[:, 0], ideal.end[:, 0], clock_offsets_s=clocks.offset_s
+        )
         _write(args.timeline, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         print(f"  timeline written to {args.timeline} (open it in https://ui.perfetto.dev)")
     return 0
