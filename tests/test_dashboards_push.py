@@ -33,6 +33,10 @@ def test_push_creates_then_updates_without_duplicates(
     assert list(state.folders) == ["lagscope"]
     first = capsys.readouterr().out
     assert "data source created, folder created" in first
+    assert "alert rules: 6 in group 'lagscope'" in first
+    (group,) = state.rule_groups.values()
+    assert list(state.rule_groups) == [("lagscope", "lagscope")]
+    assert {rule["uid"] for rule in group["rules"]} >= {"lagscope-slowdown-sustained"}
     assert f"{grafana.url}/d/{JOB_OVERVIEW_UID}/" in first
 
     datasource = state.datasources["lagscope-clickhouse"]
