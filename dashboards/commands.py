@@ -64,9 +64,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def build_command(args: argparse.Namespace) -> int:
     from lagscope.dashboards.alerts import ALERTS_FILE, provisioning_file
     from lagscope.dashboards.definitions import build_all
+    from lagscope.dashboards.fleet import build_fleet
 
     out: Path = args.out
     built = {out / f"{name}.json": item.to_json() for name, item in build_all().items()}
+    # Fleet-wide dashboards have no job variable; they live in a folder of their own,
+    # which Grafana's file provider reads with the rest.
+    built.update(
+        {out / "fleet" / f"{name}.json": item.to_json() for name, item in build_fleet().items()}
+    )
     built[args.alerts_out or ALERTS_FILE] = provisioning_file()
     if args.check:
         stale = [

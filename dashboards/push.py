@@ -75,10 +75,11 @@ def push(
     from grafana_client.client import GrafanaException
 
     from lagscope.dashboards.alerts import RULE_GROUP, rule_group_dict
+    from lagscope.dashboards.fleet import build_fleet
 
     api = GrafanaApi.from_url(url, credential=token or None, timeout=timeout_s)
     datasource = datasource_definition(datasource_settings)
-    built = dashboards if dashboards is not None else build_all()
+    built = dashboards if dashboards is not None else {**build_all(), **build_fleet()}
 
     def call(what: str, fn, *args: Any) -> Any:
         try:
