@@ -188,3 +188,12 @@ def test_rule_fires_on_the_sick_job_and_stays_quiet_on_the_rest(crafted, uid: st
         assert [r["rank"] for r in firing] == ["5"]
     if uid == "lagscope-episode-onset":
         assert [r["series"] for r in firing] == ["stage 3"]
+
+
+def test_readme_on_call_explains_every_rule() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    on_call = readme.split("## On call", 1)[1].split("\n## ", 1)[0]
+    for rule in RULES:
+        assert f"| {rule.title} (" in on_call, f"README 'On call' lacks {rule.title!r}"
+        for panel in rule.next_panels:
+            assert f'"{panel}"' in on_call, f"README 'On call' lacks panel {panel!r}"
