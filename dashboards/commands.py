@@ -24,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build = actions.add_parser("build", help="write the dashboards' JSON (one file each)")
     build.add_argument("--out", type=Path, default=GENERATED_DIR, help="output directory")
     build.add_argument(
+        "--alerts-out",
+        type=Path,
+        default=None,
+        help="alert rules provisioning file (default: dashboards/provisioning/alerting/"
+        "lagscope-alerts.yaml, which Grafana loads at start-up)",
+    )
+    build.add_argument(
         "--check",
         action="store_true",
         help="write nothing; exit 1 if the files in --out differ from a fresh build",
@@ -55,15 +62,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_command(args: argparse.Namespace) -> int:
+    from lagscope.dashboards.alerts import ALERTS_FILE, provisioning_file
     from lagscope.dashboards.definitions import build_all
+    from lagscope.dashboards.fleet import build_fleet
 
     out: Path = args.out
-    built = {f"{name}.json": item.to_json() for name, item in build_all().items()}
+    built = {out / f"{name}.json": item.to_json() for name, item in build_all().items()}
+    # Fleet-wide dashboards have no job variable; they live in a folder of their own,
+    # which Grafana's file provider reads with the rest.
+    built.update(
+        {out / "fleet" / f"{name}.json": item.to_json() for name, item in build_fleet().items()}
+    )
+    built[args.alerts_out or ALERTS_FILE] = provisioning_file()
     if args.check:
         stale = [
-            name
-            for name, text in built.items()
-            if not (out / name).exists() or (out / name).read_text() != text
+            str(path)
+            for path, text in built.items()
+            if not path.exists() or path.read_text() != text
         ]
         if stale:
             print(
@@ -72,12 +87,12 @@ def build_command(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"{len(built)} dashboards in {out} are up to date")
+        print(f"{len(built) - 1} dashboards in {out} and the alert rules are up to date")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in built.items():
-        (out / name).write_text(text)
-        print(f"wrote {out / name}")
+    for path, text in built.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 
@@ -105,6 +120,7 @@ def push_command(args: argparse.Namespace) -> int:
         print(f"lagscope dashboards push: error: {exc}", file=sys.stderr)
         return 2
     print(f"data source {report.datasource}, folder {report.folder}")
+    print(f"alert rules: {report.alert_rules} in group 'lagscope'")
     for uid, path in report.dashboards.items():
         print(f"dashboard {uid}: {url.rstrip('/')}{path}")
     return 0

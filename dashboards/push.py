@@ -1,7 +1,8 @@
 """Provision the data source, folder and dashboards in a running Grafana through its HTTP
 API (grafana-client), idempotently: everything has a fixed uid, the data source is created
 or updated by uid, the folder created once, the dashboards saved with `overwrite: true`, so a
-second push updates and never duplicates.
+second push updates and never duplicates. The alert rules (`alerts.py`) go in as one rule
+group through the alerting provisioning API, replaced whole on every push.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class PushReport:
     datasource: str  # "created" or "updated"
     folder: str  # "created" or "exists"
     dashboards: dict[str, str] = field(default_factory=dict)  # uid -> url Grafana returned
+    alert_rules: int = 0  # rules in the rule group put
 
 
 def datasource_definition(settings: Mapping[str, str]) -> dict[str, Any]:
@@ -64,15 +66,20 @@ def push(
     datasource_settings: Mapping[str, str],
     *,
     dashboards: Mapping[str, BuiltDashboard] | None = None,
+    alert_rule_group: dict[str, Any] | None = None,
     timeout_s: float = 10.0,
 ) -> PushReport:
-    """Upsert the data source, the folder and every dashboard in the Grafana at `url`."""
+    """Upsert the data source, the folder, every dashboard and the alert rule group in the
+    Grafana at `url`."""
     from grafana_client import GrafanaApi
     from grafana_client.client import GrafanaException
 
+    from lagscope.dashboards.alerts import RULE_GROUP, rule_group_dict
+    from lagscope.dashboards.fleet import build_fleet
+
     api = GrafanaApi.from_url(url, credential=token or None, timeout=timeout_s)
     datasource = datasource_definition(datasource_settings)
-    built = dashboards if dashboards is not None else build_all()
+    built = dashboards if dashboards is not None else {**build_all(), **build_fleet()}
 
     def call(what: str, fn, *args: Any) -> Any:
         try:
@@ -114,7 +121,16 @@ def push(
             },
         )
         urls[item.uid] = str((answer or {}).get("url", ""))
-    return PushReport(datasource_state, folder_state, urls)
+    group = alert_rule_group if alert_rule_group is not None else rule_group_dict()
+    # One PUT replaces the whole group: rules removed from the code disappear too.
+    call(
+        f"PUT alert rule group {RULE_GROUP}",
+        api.alertingprovisioning.update_rule_group,
+        FOLDER_UID,
+        RULE_GROUP,
+        group,
+    )
+    return PushReport(datasource_state, folder_state, urls, len(group["rules"]))
 
 
 def _exists(call, what: str, fn, uid: str) -> bool:

@@ -38,7 +38,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     replay = subparsers.add_parser(
         "replay", help="replay a reference trace into per-rank logs or straight into Kafka"
     )
-    replay.add_argument("--trace", required=True, help="reference parquet trace")
+    source = replay.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="reference parquet trace")
+    source.add_argument(
+        "--profiler-trace",
+        nargs="+",
+        metavar="PATH",
+        help="torch.profiler Chrome-trace JSON, one file per rank (files or a directory)",
+    )
     replay.add_argument("--meta", required=True, help="job metadata yaml")
     destination = replay.add_mutually_exclusive_group(required=True)
     destination.add_argument("--log-dir", help="write per-rank local logs here")
@@ -135,8 +142,14 @@ def run_replay(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"lagscope replay: error: {exc}", file=sys.stderr)
         return 2
-    trace = load_trace(args.trace)
     meta = load_meta(args.meta)
+    if args.profiler_trace:
+        from lagscope.producers.profiler_trace import load_profiler_traces
+
+        trace, read = load_profiler_traces(args.profiler_trace, meta)
+        print(f"lagscope replay: read {read.summary()}", file=sys.stderr)
+    else:
+        trace = load_trace(args.trace)
     stats = replay(
         trace,
         meta,

@@ -9,6 +9,7 @@ of its dependencies).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -460,3 +461,26 @@ def _launch_delays(model: DependencyModel, start: np.ndarray, end: np.ndarray) -
         ready = np.where(has_deps[:, None, None], latest, 0.0).astype(np.float32)
     delay = start - ready
     return np.where(delay <= NEGATIVE_CLIP_S, 0.0, delay).astype(np.float32)
+
+
+def apply_clock_offsets(prepared: PreparedTrace, offset_s: np.ndarray) -> PreparedTrace:
+    """`prepared` with every worker's clock set back by `offset_s[stage, dp]` (seconds its
+    clock runs ahead, e.g. `simulator.clocks.estimate_clock_offsets(...).offset_s`), and
+    the inputs that compare two clocks derived again: transfer times (pipeline-comm
+    attribution) and launch delays. Each step is re-based on its earliest op."""
+    stages = prepared.model.node_stage()
+    shift = np.asarray(offset_s, dtype=np.float64)[stages][:, None, :]
+    start = prepared.start.astype(np.float64) - shift
+    start -= start.min(axis=(0, 2), keepdims=True)
+    start = start.astype(np.float32)
+    end = (start + prepared.duration).astype(np.float32)
+    model = prepared.model
+    is_member = model.group_of >= 0
+    transfer = _transfer_times(model, start, end)
+    return dataclasses.replace(
+        prepared,
+        start=start,
+        cost=np.where(is_member[:, None, None], transfer, prepared.duration).astype(np.float32),
+        launch_delay=_launch_delays(model, start, end),
+        actual_step_time=end.max(axis=(0, 2)).astype(np.float64),
+    )

@@ -4,7 +4,9 @@ One process per DP rank shows what was measured; one more process shows the simu
 ideal step (identical for every DP rank). Each stage gets one track per stream, so
 compute, DP collectives and each direction of pipeline traffic do not overlap. Steps are
 laid out back to back (each offset by 1.1 x the previous step's length) so that several
-steps can be read in one view; times are microseconds.
+steps can be read in one view; times are microseconds. With estimated clock offsets
+(`simulator/clocks.py`) the measured ops are drawn on one common clock, so a send and its
+receive line up even when the two ranks' clocks disagree.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from lagscope.simulator import optypes as ot
-from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.prepare import PreparedTrace, apply_clock_offsets
 
 STREAMS: tuple[str, ...] = ("compute", "dp-comm", "pp-forward", "pp-backward", "other-comm")
 STEP_GAP_FACTOR = 1.1
@@ -33,9 +35,18 @@ def stream_of(optype: str) -> int:
 
 
 def trace_events(
-    prepared: PreparedTrace, ideal_start: np.ndarray, ideal_end: np.ndarray
+    prepared: PreparedTrace,
+    ideal_start: np.ndarray,
+    ideal_end: np.ndarray,
+    *,
+    clock_offsets_s: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
-    """Events for every step of `prepared`; `ideal_*` are the ideal timeline per node."""
+    """Events for every step of `prepared`; `ideal_*` are the ideal timeline per node;
+    `clock_offsets_s` ([stage, dp], seconds each worker's clock runs ahead) corrects the
+    measured ops first."""
+    if clock_offsets_s is not None:
+        prepared = apply_clock_offsets(prepared, clock_offsets_s)
+    actual = "actual, clocks corrected" if clock_offsets_s is not None else "actual"
     model = prepared.model
     names = [str(n) for n in model.nodes]
     stages = model.node_stage()
@@ -44,7 +55,7 @@ def trace_events(
     ideal_pid = prepared.n_dp
     events: list[dict[str, Any]] = []
     for dp in range(prepared.n_dp):
-        events.append(_meta("process_name", dp, 0, f"dp {dp} (actual)"))
+        events.append(_meta("process_name", dp, 0, f"dp {dp} ({actual})"))
     events.append(_meta("process_name", ideal_pid, 0, "ideal (every DP rank)"))
     for pid in range(prepared.n_dp + 1):
         for stage in range(prepared.n_stages):

@@ -27,6 +27,8 @@ class GrafanaState:
     datasources: dict[str, dict[str, Any]] = field(default_factory=dict)
     folders: dict[str, dict[str, Any]] = field(default_factory=dict)
     dashboards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: (folder uid, group) -> the rule group as last put.
+    rule_groups: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     requests: list[Recorded] = field(default_factory=list)
     #: When set, every request is answered with this status (401, 403, 500, ...).
     fail_with: int | None = None
@@ -122,6 +124,12 @@ class GrafanaStub:
                     "url": f"/d/{uid}/{uid}",
                     "version": version,
                 }
+            rule_group = r"/api/v1/provisioning/folder/([\w-]+)/rule-groups/([\w-]+)"
+            if (m := re.fullmatch(rule_group, path)) and method == "PUT":
+                if m.group(1) not in state.folders:
+                    return 404, {"message": "folder not found"}
+                state.rule_groups[m.group(1), m.group(2)] = body
+                return 200, body
             return 404, {"message": "Not found"}
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -9,7 +9,6 @@ import dataclasses
 import datetime as dt
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,9 @@ from lagscope.dashboards.commands import GENERATED_DIR
 from lagscope.dashboards.definitions import BuiltDashboard, Expect, build_all, sdk_round_trip
 from lagscope.dashboards.macros import MacroError, QueryContext, expand_macros, render_sql
 from lagscope.stream_app.cli import main
+from tests.demo_store import DEMO_JOB, fill_demo_store
 
-JOB = "demo-llm"
+JOB = DEMO_JOB
 MISSING_WORKER = (3, 1)  # (dp, pp) that never reports the last step: one incomplete step
 
 
@@ -132,38 +132,12 @@ def demo_store(chdb_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The demo job (40 steps) through timers, per-rank logs and the embedded pipeline into
     a database of the session's chDB directory, plus what a pipeline-health panel needs to
     show: one worker that never reports the last step, and a garbage record in a log."""
-    from lagscope.producers.events import JobInfo
-    from lagscope.simulator.generate import generate_job
-    from lagscope.stream_app.commands.run import (
-        H100_BF16_PEAK_FLOPS,
-        demo_spec,
-        write_logs_with_timers,
+    sink = fill_demo_store(
+        f"chdb://{chdb_dir}?database=dashboards_demo",
+        tmp_path_factory.mktemp("dashboard-logs"),
+        missing_worker_at_last_step=MISSING_WORKER,
+        garbage_record=True,
     )
-    from lagscope.stream_app.embedded import EmbeddedRunner
-    from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink
-
-    job = generate_job(demo_spec(40, seed=7))
-    flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
-    meta = job.meta.model_copy(
-        update={"model_flops_per_step": flops, "gpu_peak_flops": H100_BF16_PEAK_FLOPS}
-    )
-    info = JobInfo.from_meta(meta, job_id=JOB, attempt=0)
-    trace = job.trace
-    last_step = int(trace.step.max())
-    dp, pp = MISSING_WORKER
-    keep = ~((trace.step == last_step) & (trace.dp_rank == dp) & (trace.stage == pp))
-    log_dir = tmp_path_factory.mktemp("dashboard-logs")
-    total_s = float(job.truth.t_injected.sum())
-    write_logs_with_timers(trace.select(keep), info, log_dir, time.time_ns() - int(total_s * 1e9))
-    first_log = sorted(log_dir.glob("rank-*/*"))[0]
-    with first_log.open("ab") as log:
-        log.write(b"this is not a log record\n")
-
-    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=dashboards_demo")
-    sink.ensure_schema()
-    report = EmbeddedRunner(sink, ProcessorSettings(lateness_s=600.0)).run_logs(log_dir)
-    assert report.dead_letters >= 1
     yield sink
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
+from lagscope.dashboards.fleet import FLEET_UID, NODES_UID
 from lagscope.dashboards.push import datasource_definition
 from lagscope.stream_app.cli import main
 from tests.grafana_stub import GrafanaStub
@@ -29,10 +30,14 @@ def test_push_creates_then_updates_without_duplicates(
     assert _push(grafana.url, "--clickhouse-password", "s3cret") == 0
     state = grafana.state
     assert list(state.datasources) == ["lagscope-clickhouse"]
-    assert set(state.dashboards) == {JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID}
+    assert set(state.dashboards) == {JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID, FLEET_UID, NODES_UID}
     assert list(state.folders) == ["lagscope"]
     first = capsys.readouterr().out
     assert "data source created, folder created" in first
+    assert "alert rules: 6 in group 'lagscope'" in first
+    (group,) = state.rule_groups.values()
+    assert list(state.rule_groups) == [("lagscope", "lagscope")]
+    assert {rule["uid"] for rule in group["rules"]} >= {"lagscope-slowdown-sustained"}
     assert f"{grafana.url}/d/{JOB_OVERVIEW_UID}/" in first
 
     datasource = state.datasources["lagscope-clickhouse"]
@@ -48,6 +53,8 @@ def test_push_creates_then_updates_without_duplicates(
     assert {uid: d["version"] for uid, d in state.dashboards.items()} == {
         JOB_OVERVIEW_UID: 2,
         PIPELINE_HEALTH_UID: 2,
+        FLEET_UID: 2,
+        NODES_UID: 2,
     }
     saves = [r for r in state.requests if r.path == "/api/dashboards/db"]
     assert all(r.body["overwrite"] is True and r.body["folderUid"] == "lagscope" for r in saves)

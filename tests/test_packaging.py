@@ -84,7 +84,13 @@ def test_wheel_has_one_top_level_import_name(wheel: Path) -> None:
     # The stages of the data's journey are subpackages; data files travel with them.
     for package in ("producers", "simulator", "stream_app", "dashboards", "deploy"):
         assert f"lagscope/{package}/__init__.py" in names
-    assert "lagscope/dashboards/generated/job-overview.json" in names
+    for data_file in (
+        "generated/job-overview.json",
+        "generated/fleet/fleet.json",
+        "provisioning/alerting/lagscope-alerts.yaml",
+        "provisioning/datasources/lagscope-clickhouse.yaml",
+    ):
+        assert f"lagscope/dashboards/{data_file}" in names
 
 
 def test_plain_install_is_light(light_env: Path) -> None:

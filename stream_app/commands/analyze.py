@@ -20,9 +20,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "analyze",
         help="what-if analysis of a recorded trace",
         description="How fast would the steps have been without stragglers, and who is to "
-        "blame? Reads a reference-format trace (parquet) and its job metadata (yaml).",
+        "blame? Reads a reference-format trace (parquet), or the per-rank traces "
+        "torch.profiler wrote, and the job's metadata (yaml).",
     )
-    parser.add_argument("--trace", required=True, type=Path, help="trace parquet file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="trace parquet file")
+    source.add_argument(
+        "--profiler-trace",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="torch.profiler (Kineto) Chrome-trace JSON, one file per rank: the files, or "
+        "a directory holding them",
+    )
     parser.add_argument("--meta", required=True, type=Path, help="job metadata yaml file")
     parser.add_argument("--json", type=Path, help="write the full result as JSON here")
     parser.add_argument("--heatmap", type=Path, help="write the DPxPP worker heatmap PNG here")
@@ -89,23 +99,39 @@ def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: registering the command must stay cheap.
     from lagscope.producers.reference_format import load_meta, load_trace
+    from lagscope.simulator.clocks import estimate_clock_offsets
     from lagscope.simulator.diagnose import diagnose
     from lagscope.simulator.prepare import prepare
     from lagscope.simulator.summary import result_to_dict, summary_lines
     from lagscope.simulator.whatif import analyze
 
-    trace = load_trace(args.trace)
     meta = load_meta(args.meta)
+    if args.profiler_trace:
+        from lagscope.producers.profiler_trace import load_profiler_traces
+
+        trace, read = load_profiler_traces(args.profiler_trace, meta)
+        source = " ".join(map(str, args.profiler_trace))
+        print(f"lagscope analyze: read {read.summary()}")
+    else:
+        trace = load_trace(args.trace)
+        source = str(args.trace)
     prepared = prepare(trace, meta, skip_incomplete_steps=args.skip_incomplete_steps)
+    # From every complete step, before --steps: more transfers, a tighter estimate.
+    clocks = estimate_clock_offsets(prepared)
     if args.steps:
         prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
     result = analyze(prepared, decompose_threshold=args.decompose_threshold)
     print(
-        f"lagscope analyze: {args.trace} ({meta.trial_name}, dp {meta.dp_size} x pp "
+        f"lagscope analyze: {source} ({meta.trial_name}, dp {meta.dp_size} x pp "
         f"{meta.pp_size} x tp {meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size})"
     )
     for line in summary_lines(result):
         print("  " + line)
+    largest, stage, dp = clocks.largest()
+    print(
+        f"  clock offsets       largest {largest * 1e3:+.3f} ms (dp {dp}, pp {stage}), "
+        f"from {clocks.n_transfers} transfers"
+    )
     diagnosis = diagnose(result, prepared)
     print(f"  diagnosis           {diagnosis.cause}: {diagnosis.summary}")
     for advice in diagnosis.advice:
@@ -116,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         document = result_to_dict(result, always_decompose=args.always_decompose)
         document["diagnosis"] = diagnosis.as_dict()
+        document["clock_offsets"] = clocks.as_dict()
         _write(args.json, json.dumps(document, indent=2))
     if args.heatmap:
         from lagscope.dashboards.heatmap import draw_worker_heatmap
@@ -137,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             render_report(
                 ReportData(
                     title=f"lagscope: {meta.trial_name}",
-                    subtitle=f"{args.trace} — dp {meta.dp_size} x pp {meta.pp_size} x tp "
+                    subtitle=f"{source} — dp {meta.dp_size} x pp {meta.pp_size} x tp "
                     f"{meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size}",
                     result=result,
                     diagnosis=diagnosis,
@@ -151,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
         from lagscope.simulator.whatif import WhatIfAnalysis
 
         ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
-        events = trace_events(prepared, ideal.start[:, 0], ideal.end[:, 0])
+        events = trace_events(
+            prepared, ideal.start[:, 0], ideal.end[:, 0], clock_offsets_s=clocks.offset_s
+        )
         _write(args.timeline, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         print(f"  timeline written to {args.timeline} (open it in https://ui.perfetto.dev)")
     return 0

@@ -1,0 +1,329 @@
+"""Grafana alert rules as code: what pages the on-call engineer, and why.
+
+Each rule is one ClickHouse query that returns one row per thing that may be in trouble
+(string columns become the alert's labels, `value` is what the threshold looks at) and a
+threshold on `value`. The queries read the store directly, relative to `now()`, so a rule
+says everything it needs in its SQL; the tests run every query on chDB, filled by the demo
+and by data made to fire or to stay quiet, and apply the same threshold as Grafana.
+
+| rule | fires when |
+|---|---|
+| slowdown sustained | every minute of the last 10 averaged a slowdown above 1.10 |
+| episode onset | a series' latest change point in the last 15 minutes is an onset |
+| job silent | a job that reported in the last hour has sent no step for 5 minutes |
+| rank silent | one rank was missing from 3 or more steps in the last 10 minutes |
+| MFU below baseline | MFU of the last 10 minutes is below 85 % of the attempt's own p90 |
+| dead letters rising | more dead letters in the last 10 minutes than in the 10 before |
+
+Rules are built with grafana-foundation-sdk's alerting types and written two ways: the
+file Grafana provisions at start-up (`provisioning/alerting/lagscope-alerts.yaml`, JSON
+being YAML) and the rule group `lagscope dashboards push` puts through the HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from grafana_foundation_sdk.builders import alerting, expr
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import alerting as alerting_model
+from grafana_foundation_sdk.models import expr as expr_model
+
+from lagscope.dashboards.clickhouse_query import ClickHouseQueryBuilder, datasource_ref
+from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
+
+FOLDER_UID = "lagscope"
+RULE_GROUP = "lagscope"
+EVALUATION_INTERVAL = "1m"
+DASHBOARD_TITLES = {
+    JOB_OVERVIEW_UID: "lagscope: job overview",
+    PIPELINE_HEALTH_UID: "lagscope: pipeline health",
+}
+ALERTS_FILE = Path(__file__).resolve().parent / "provisioning/alerting/lagscope-alerts.yaml"
+
+#: Slowdown above which a job is paged about, and for how many minutes it must hold.
+SLOWDOWN_THRESHOLD = 1.10
+SUSTAINED_MINUTES = 10
+#: A job counts as silent after this long without a step (and is forgotten after an hour:
+#: a finished job stops reporting too, and there is no "finished" record to tell).
+SILENT_AFTER_S = 300
+#: A rank counts as silent when missing from this many steps within the window.
+RANK_MISSING_STEPS = 3
+MFU_FRACTION_OF_BASELINE = 0.85
+
+ThresholdKind = Literal["gt", "lt"]
+_COMPARE: dict[ThresholdKind, Callable[[float, float], bool]] = {
+    "gt": operator.gt,
+    "lt": operator.lt,
+}
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    """One rule: its query, its threshold on `value`, and what to tell a person."""
+
+    uid: str
+    title: str
+    sql: str
+    threshold: float
+    kind: ThresholdKind
+    summary: str
+    #: What to look at next: the dashboard, and its panels (titles) in the order to read.
+    dashboard_uid: str
+    next_panels: tuple[str, ...]
+    severity: Literal["page", "ticket"] = "page"
+
+    def fires(self, value: float) -> bool:
+        """Grafana's threshold expression on one row's `value`."""
+        return _COMPARE[self.kind](value, self.threshold)
+
+    def firing(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows of the query result for which the rule fires."""
+        return [row for row in rows if row["value"] is not None and self.fires(row["value"])]
+
+    def runbook(self) -> str:
+        dashboard = DASHBOARD_TITLES[self.dashboard_uid]
+        return f"Open '{dashboard}': " + ", then ".join(f"'{p}'" for p in self.next_panels)
+
+    def builder(self) -> alerting.Rule:
+        query = ClickHouseQueryBuilder(_dedent(self.sql)).ref_id("A").table()
+        source = (
+            alerting.Query("A")
+            .datasource_uid(datasource_ref().uid or "")
+            .relative_time_range(alerting_model.RelativeTimeRange(from_val=3600, to=0))
+            .model(query)
+        )
+        threshold = (
+            expr.TypeThreshold()
+            .ref_id("B")
+            .expression("A")
+            .conditions(
+                [
+                    _ThresholdCondition(
+                        expr_model.ExprTypeThresholdConditions(
+                            evaluator=expr_model.ExprTypeThresholdConditionsEvaluator(
+                                params=[self.threshold], type_val=self.kind
+                            )
+                        )
+                    )
+                ]
+            )
+        )
+        condition = (
+            alerting.Query("B")
+            .datasource_uid("__expr__")
+            .relative_time_range(alerting_model.RelativeTimeRange(from_val=0, to=0))
+            .model(threshold)
+        )
+        return (
+            alerting.Rule(self.title)
+            .uid(self.uid)
+            .folder_uid(FOLDER_UID)
+            .org_id(1)
+            .rule_group(RULE_GROUP)
+            .queries([source, condition])
+            .condition("B")
+            .for_val("1m")
+            .no_data_state("OK")
+            .exec_err_state("Error")
+            .labels({"team": "lagscope", "severity": self.severity})
+            .annotations(
+                {
+                    "summary": self.summary,
+                    "runbook": self.runbook(),
+                    "__dashboardUid__": self.dashboard_uid,
+                }
+            )
+        )
+
+
+class _ThresholdCondition:
+    """A built threshold condition handed to the SDK's list-of-builders setter."""
+
+    def __init__(self, built: expr_model.ExprTypeThresholdConditions) -> None:
+        self._built = built
+
+    def build(self) -> expr_model.ExprTypeThresholdConditions:
+        return self._built
+
+
+def _dedent(sql: str) -> str:
+    return "\n".join(line.strip() for line in sql.strip().splitlines())
+
+
+RULES: tuple[AlertRule, ...] = (
+    AlertRule(
+        uid="lagscope-slowdown-sustained",
+        title="Slowdown sustained",
+        sql=f"""
+            SELECT job_id, toString(attempt) AS attempt, min(minute_slowdown) AS value
+            FROM (
+                SELECT job_id, attempt, toStartOfMinute(ts) AS minute,
+                       avgIf(slowdown, isFinite(slowdown)) AS minute_slowdown
+                FROM steps FINAL
+                WHERE ts >= now() - INTERVAL {SUSTAINED_MINUTES} MINUTE
+                GROUP BY job_id, attempt, minute
+            )
+            WHERE isFinite(minute_slowdown)
+            GROUP BY job_id, attempt
+            HAVING count() >= {SUSTAINED_MINUTES - 1}
+        """,
+        threshold=SLOWDOWN_THRESHOLD,
+        kind="gt",
+        summary=f"Job {{{{ $labels.job_id }}}} (attempt {{{{ $labels.attempt }}}}) has run "
+        f"at least {SLOWDOWN_THRESHOLD:.2f}x slower than it could for "
+        f"{SUSTAINED_MINUTES} minutes (best minute: {{{{ $values.A }}}}x).",
+        dashboard_uid=JOB_OVERVIEW_UID,
+        next_panels=("Slowdown S per step", "Top stragglers in range", "Who and what"),
+    ),
+    AlertRule(
+        uid="lagscope-episode-onset",
+        title="Straggler episode onset",
+        sql="""
+            SELECT job_id, toString(attempt) AS attempt, series,
+                   toFloat64(argMax(kind, step) = 'onset') AS value
+            FROM changepoints FINAL
+            WHERE ts >= now() - INTERVAL 15 MINUTE
+            GROUP BY job_id, attempt, series
+        """,
+        threshold=0.5,
+        kind="gt",
+        summary="Job {{ $labels.job_id }}: series {{ $labels.series }} changed for the worse "
+        "and has not recovered.",
+        dashboard_uid=JOB_OVERVIEW_UID,
+        next_panels=("Change points in range", "Current diagnosis and advice"),
+        severity="ticket",
+    ),
+    AlertRule(
+        uid="lagscope-job-silent",
+        title="Job silent",
+        sql="""
+            SELECT job_id, toString(attempt) AS attempt,
+                   toFloat64(dateDiff('second', max(ts), now())) AS value
+            FROM steps FINAL
+            WHERE ts >= now() - INTERVAL 1 HOUR
+            GROUP BY job_id, attempt
+        """,
+        threshold=float(SILENT_AFTER_S),
+        kind="gt",
+        summary="No step of job {{ $labels.job_id }} (attempt {{ $labels.attempt }}) for "
+        "{{ $values.A }} s: the job stalled, crashed, finished, or its data stopped "
+        "arriving.",
+        dashboard_uid=PIPELINE_HEALTH_UID,
+        next_panels=("Ingest rate: ops per minute", "Kafka consumer lag per job"),
+    ),
+    AlertRule(
+        uid="lagscope-rank-silent",
+        title="Rank silent",
+        sql="""
+            SELECT job_id, toString(attempt) AS attempt, toString(missing_rank) AS rank,
+                   toFloat64(count()) AS value
+            FROM steps FINAL
+            ARRAY JOIN missing_ranks AS missing_rank
+            WHERE ts >= now() - INTERVAL 10 MINUTE
+            GROUP BY job_id, attempt, missing_rank
+        """,
+        threshold=RANK_MISSING_STEPS - 0.5,
+        kind="gt",
+        summary="Rank {{ $labels.rank }} of job {{ $labels.job_id }} was missing from "
+        "{{ $values.A }} steps in 10 minutes.",
+        dashboard_uid=PIPELINE_HEALTH_UID,
+        next_panels=("Incomplete steps and their missing ranks", "Late or incomplete steps"),
+    ),
+    AlertRule(
+        uid="lagscope-mfu-below-baseline",
+        title="MFU below the job's baseline",
+        sql="""
+            SELECT job_id, toString(attempt) AS attempt,
+                   avgIf(assumeNotNull(mfu_actual), ts >= now() - INTERVAL 10 MINUTE)
+                   / quantile(0.9)(assumeNotNull(mfu_actual)) AS value
+            FROM steps FINAL
+            WHERE isFinite(mfu_actual) AND ts >= now() - INTERVAL 1 DAY
+            GROUP BY job_id, attempt
+            HAVING countIf(ts >= now() - INTERVAL 10 MINUTE) > 0
+        """,
+        threshold=MFU_FRACTION_OF_BASELINE,
+        kind="lt",
+        summary="MFU of job {{ $labels.job_id }} is {{ $values.A }} of what the same "
+        "attempt reaches on a good stretch (its 90th percentile).",
+        dashboard_uid=JOB_OVERVIEW_UID,
+        next_panels=("MFU: actual vs straggler-free", "Slowdown S per step"),
+        severity="ticket",
+    ),
+    AlertRule(
+        uid="lagscope-dead-letters-rising",
+        title="Dead letters rising",
+        sql="""
+            SELECT job_id, toString(source) AS source,
+                   toFloat64(countIf(ts >= now() - INTERVAL 10 MINUTE)
+                             - countIf(ts < now() - INTERVAL 10 MINUTE)) AS value
+            FROM dead_letters FINAL
+            WHERE ts >= now() - INTERVAL 20 MINUTE
+            GROUP BY job_id, source
+        """,
+        threshold=0.0,
+        kind="gt",
+        summary="More input was rejected in the last 10 minutes than in the 10 before "
+        "(source {{ $labels.source }}, job {{ $labels.job_id }}).",
+        dashboard_uid=PIPELINE_HEALTH_UID,
+        next_panels=("Dead letters by reason", "Latest dead letters"),
+        severity="ticket",
+    ),
+)
+
+
+def rule_group() -> alerting_model.RuleGroup:
+    """Every rule, in one group evaluated every minute."""
+    group = (
+        alerting.RuleGroup(RULE_GROUP)
+        .folder_uid(FOLDER_UID)
+        .interval(EVALUATION_INTERVAL)
+        .rules([rule.builder() for rule in RULES])
+    )
+    return group.build()
+
+
+def rule_group_dict() -> dict[str, Any]:
+    """The rule group as the alerting provisioning API takes it (PUT .../rule-groups/...)."""
+    return json.loads(json.dumps(rule_group(), cls=JSONEncoder))
+
+
+def provisioning_file() -> str:
+    """Grafana's alerting file-provisioning document (`apiVersion: 1`, `groups`), as JSON
+    (YAML's superset: Grafana reads it from provisioning/alerting/)."""
+    group = rule_group_dict()
+    document = {
+        "apiVersion": 1,
+        "groups": [
+            {
+                "orgId": 1,
+                "name": group["title"],
+                "folder": FOLDER_UID,
+                "interval": group["interval"],
+                "rules": [
+                    {
+                        key: rule[key]
+                        for key in (
+                            "uid",
+                            "title",
+                            "condition",
+                            "data",
+                            "noDataState",
+                            "execErrState",
+                            "for",
+                            "annotations",
+                            "labels",
+                        )
+                        if key in rule
+                    }
+                    for rule in group["rules"]
+                ],
+            }
+        ],
+    }
+    return json.dumps(document, indent=2, sort_keys=True) + "\n"

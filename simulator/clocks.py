@@ -1,0 +1,280 @@
+"""Per-worker clock offsets, estimated from the two ends of every transfer.
+
+Each rank stamps its ops with its own clock, so a rank whose clock runs `o` seconds ahead
+records every op `o` late. The what-if slowdown barely notices (it compares a step with
+its own ideal), but every measured transfer time does: a pipeline transfer is "own end
+minus the latest start of the group", and the group's starts come from two clocks.
+
+Both ends of one transfer carry evidence about the difference of their clocks. A transfer
+completes on both sides at (nearly) the same true time, so the difference of the recorded
+ends measures `o_peer - o_self`; and neither side can finish before the other has started,
+so for ends e and starts s (recorded)
+
+    s_peer - e_self  <=  o_peer - o_self  <=  e_peer - s_self.
+
+Pipeline send/recv pairs link the stages of one pipeline replica; DP-synchronized
+collectives (all-gather, reduce-scatter, the clip-norm all-reduce, all of whose members end
+together) link the replicas. Every worker pair that shares transfers becomes one edge: the
+median of its end differences, weighted by how consistent they are, clipped to the
+intersection of its bounds. The offsets are the weighted least-squares solution over the
+whole graph with every edge's bounds enforced (an active set: a violated bound is pinned
+and the system solved again). Offsets are relative to one reference worker per connected
+component (the lowest (stage, dp) in it); workers that share no transfer cannot be
+compared and keep offset 0 with an infinite uncertainty.
+
+The estimate assumes one constant offset per worker over the analysed steps (drift within
+a trace shows up as inconsistent bounds, which are then dropped for that edge) and that a
+transfer's two ends complete together (true of NCCL and gloo p2p and of ring collectives;
+an eager send that completes before its receive is posted would bias the edge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.trace import Trace
+
+#: Spread (s) below which an edge's end differences count as exact: keeps weights finite
+#: when a generator or a coarse clock makes every difference identical.
+MIN_EDGE_SPREAD_S = 1e-6
+#: Slack (s) allowed on a bound before it counts as violated (float32 timestamps).
+BOUND_SLACK_S = 1e-6
+#: Weight of a pinned bound relative to the heaviest edge.
+PINNED_WEIGHT_FACTOR = 1e6
+
+
+@dataclass(frozen=True)
+class ClockEdge:
+    """What the transfers between two workers say about `offset[v] - offset[u]`."""
+
+    u: int
+    v: int
+    estimate_s: float
+    standard_error_s: float
+    lower_s: float
+    upper_s: float
+    n_transfers: int
+
+
+@dataclass(frozen=True)
+class ClockOffsets:
+    """Estimated clock offset of every (stage, dp) worker: how far its clock runs ahead of
+    its component's reference worker. Arrays are [stage, dp]."""
+
+    offset_s: np.ndarray
+    standard_error_s: np.ndarray
+    #: Connected component of every worker; offsets compare only within one.
+    component: np.ndarray
+    worker_rank: np.ndarray
+    edges: tuple[ClockEdge, ...]
+
+    @property
+    def n_transfers(self) -> int:
+        return sum(e.n_transfers for e in self.edges)
+
+    def largest(self) -> tuple[float, int, int]:
+        """(offset, stage, dp) of the worker whose clock is furthest from its reference."""
+        stage, dp = np.unravel_index(int(np.argmax(np.abs(self.offset_s))), self.offset_s.shape)
+        return float(self.offset_s[stage, dp]), int(stage), int(dp)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The `clock_offsets` entry of `lagscope analyze --json`."""
+        n_stages, n_dp = self.offset_s.shape
+        return {
+            "method": "send/recv and collective end alignment, bounded least squares",
+            "n_transfers": self.n_transfers,
+            "n_components": int(np.unique(self.component).size),
+            "workers": [
+                {
+                    "stage": stage,
+                    "dp": dp,
+                    "rank": int(self.worker_rank[stage, dp]),
+                    "offset_s": float(self.offset_s[stage, dp]),
+                    "standard_error_s": _finite_or_none(self.standard_error_s[stage, dp]),
+                    "component": int(self.component[stage, dp]),
+                }
+                for stage in range(n_stages)
+                for dp in range(n_dp)
+            ],
+        }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return float(value) if np.isfinite(value) else None
+
+
+def estimate_clock_offsets(prepared: PreparedTrace) -> ClockOffsets:
+    """Estimate every worker's clock offset from the transfers of `prepared`.
+
+    >>> from lagscope.simulator.generate import JobSpec, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=4))
+    >>> offsets = np.array([[0.0, 0.003], [-0.002, 0.001]])  # [stage, dp]
+    >>> skewed = shift_worker_clocks(job.trace, offsets)
+    >>> found = estimate_clock_offsets(prepare(skewed, job.meta))
+    >>> bool(np.abs(found.offset_s - offsets).max() < 1e-4)
+    True
+    """
+    n_workers = prepared.n_stages * prepared.n_dp
+    edges = _edges(prepared)
+    offset, error, component = _solve(edges, n_workers)
+    shape = (prepared.n_stages, prepared.n_dp)
+    return ClockOffsets(
+        offset_s=offset.reshape(shape),
+        standard_error_s=error.reshape(shape),
+        component=component.reshape(shape),
+        worker_rank=prepared.worker_rank,
+        edges=tuple(edges),
+    )
+
+
+def shift_worker_clocks(trace: Trace, shift_s: np.ndarray) -> Trace:
+    """`trace` as recorded by clocks running `shift_s[stage, dp]` seconds ahead.
+
+    Each step keeps its earliest start where it was (traces hold times relative to the
+    step), so shifting by an offset and then by its negation gives the trace back.
+    """
+    shift = np.asarray(shift_s, dtype=np.float64)[trace.stage, trace.dp_rank]
+    shifted = trace.start_ts.astype(np.float64) + shift
+    step_ids, step_idx = np.unique(trace.step, return_inverse=True)
+    old_origin = np.full(step_ids.size, np.inf)
+    new_origin = np.full(step_ids.size, np.inf)
+    np.minimum.at(old_origin, step_idx, trace.start_ts.astype(np.float64))
+    np.minimum.at(new_origin, step_idx, shifted)
+    columns = trace.columns()
+    columns["start_ts"] = (shifted - new_origin[step_idx] + old_origin[step_idx]).astype(np.float32)
+    return Trace.from_columns(columns, source=trace.source, allow_unknown_optypes=True)
+
+
+def correct_trace(trace: Trace, offsets: ClockOffsets) -> Trace:
+    """`trace` with every worker's clock set back by its estimated offset."""
+    return shift_worker_clocks(trace, -offsets.offset_s)
+
+
+# -- evidence --------------------------------------------------------------------------
+
+
+def _edges(prepared: PreparedTrace) -> list[ClockEdge]:
+    """One edge per worker pair that shares transfers, oriented u < v."""
+    model = prepared.model
+    n_dp = prepared.n_dp
+    stage = model.node_stage()
+    start = prepared.start.astype(np.float64)
+    end = start + prepared.duration.astype(np.float64)
+    evidence: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+    def link(a: int, da: int, b: int, db: int) -> None:
+        u, v = int(stage[a]) * n_dp + da, int(stage[b]) * n_dp + db
+        if u == v:
+            return
+        diff = end[b, :, db] - end[a, :, da]
+        lower = start[b, :, db] - end[a, :, da]
+        upper = end[b, :, db] - start[a, :, da]
+        if u > v:
+            u, v, diff, lower, upper = v, u, -diff, -upper, -lower
+        evidence.setdefault((u, v), []).append((diff, lower, upper))
+
+    for group in model.groups:
+        members = [m for m in group.members if m not in model.noop_nodes]
+        if group.dp_synchronized:
+            # One instance spans every DP rank: link each member end to the first one's.
+            ends = [(m, d) for m in members for d in range(n_dp)]
+            for m, d in ends[1:]:
+                link(ends[0][0], ends[0][1], m, d)
+        elif len(members) > 1:
+            for d in range(n_dp):
+                for m in members[1:]:
+                    link(members[0], d, m, d)
+
+    edges = []
+    for (u, v), parts in sorted(evidence.items()):
+        diff = np.concatenate([p[0] for p in parts])
+        lower = float(np.concatenate([p[1] for p in parts]).max())
+        upper = float(np.concatenate([p[2] for p in parts]).min())
+        if lower > upper:
+            # Drifting clocks or ends that do not complete together: the median still
+            # measures the typical difference, the bounds no longer hold as hard limits.
+            lower, upper = -np.inf, np.inf
+        median = float(np.median(diff))
+        spread = max(1.4826 * float(np.median(np.abs(diff - median))), MIN_EDGE_SPREAD_S)
+        edges.append(
+            ClockEdge(
+                u=u,
+                v=v,
+                estimate_s=min(max(median, lower), upper),
+                # Standard error of a median: 1.25 x that of a mean.
+                standard_error_s=1.2533 * spread / np.sqrt(diff.size),
+                lower_s=lower,
+                upper_s=upper,
+                n_transfers=int(diff.size),
+            )
+        )
+    return edges
+
+
+# -- solution --------------------------------------------------------------------------
+
+
+def _components(edges: list[ClockEdge], n_workers: int) -> np.ndarray:
+    parent = np.arange(n_workers)
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = int(parent[i])
+        return i
+
+    for e in edges:
+        a, b = root(e.u), root(e.v)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    return np.array([root(i) for i in range(n_workers)])
+
+
+def _solve(edges: list[ClockEdge], n_workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bounded weighted least squares; returns (offset, standard error, component)."""
+    component = _components(edges, n_workers)
+    offset = np.zeros(n_workers)
+    error = np.full(n_workers, np.inf)
+    # The reference worker of each component (its lowest index, which is also its root)
+    # is fixed at 0, which removes the one free constant per component.
+    references = np.flatnonzero(component == np.arange(n_workers))
+    error[references] = 0.0
+    free = np.setdiff1d(np.arange(n_workers), references)
+    if not edges or free.size == 0:
+        return offset, error, component
+    column = np.full(n_workers, -1)
+    column[free] = np.arange(free.size)
+
+    u = np.array([e.u for e in edges])
+    v = np.array([e.v for e in edges])
+    target = np.array([e.estimate_s for e in edges])
+    weight = 1.0 / np.array([e.standard_error_s for e in edges]) ** 2
+    lower = np.array([e.lower_s for e in edges])
+    upper = np.array([e.upper_s for e in edges])
+    incidence = np.zeros((len(edges), free.size))
+    rows = np.arange(len(edges))
+    incidence[rows[column[v] >= 0], column[v][column[v] >= 0]] = 1.0
+    incidence[rows[column[u] >= 0], column[u][column[u] >= 0]] = -1.0
+
+    pinned = np.full(len(edges), np.nan)
+    for _ in range(len(edges) + 1):
+        goal = np.where(np.isnan(pinned), target, pinned)
+        w = np.where(np.isnan(pinned), weight, PINNED_WEIGHT_FACTOR * weight.max())
+        root_w = np.sqrt(w)
+        solution = np.linalg.lstsq(incidence * root_w[:, None], goal * root_w, rcond=None)[0]
+        difference = incidence @ solution
+        too_low = difference < lower - BOUND_SLACK_S
+        too_high = difference > upper + BOUND_SLACK_S
+        newly = np.isnan(pinned) & (too_low | too_high)
+        if not newly.any():
+            break
+        pinned[newly] = np.where(too_low[newly], lower[newly], upper[newly])
+    offset[free] = solution
+    normal = (incidence * weight[:, None]).T @ incidence
+    error[free] = np.sqrt(np.clip(np.diag(np.linalg.pinv(normal)), 0.0, None))
+    return offset, error, component

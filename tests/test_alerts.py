@@ -1,0 +1,199 @@
+"""Alert rules as code: valid for grafana-foundation-sdk's alerting model, provisioned from
+a committed file that matches the code, and every rule's query run on chDB: on the demo's
+output, and on stores made to make each rule fire or stay quiet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from grafana_foundation_sdk.models import alerting as alerting_model
+from grafana_foundation_sdk.models import expr as expr_model
+
+from lagscope.dashboards.alerts import (
+    ALERTS_FILE,
+    DASHBOARD_TITLES,
+    RULES,
+    AlertRule,
+    provisioning_file,
+    rule_group_dict,
+)
+from lagscope.dashboards.clickhouse_query import ClickHouseQuery, register_clickhouse_query
+from lagscope.dashboards.definitions import build_all
+from tests.demo_store import DEMO_JOB, fill_demo_store
+
+BY_UID = {rule.uid: rule for rule in RULES}
+
+
+def test_rules_are_a_fixed_point_of_the_sdk_model() -> None:
+    register_clickhouse_query()
+    group = rule_group_dict()
+    decoded = alerting_model.RuleGroup.from_json(group)
+    assert [r.uid for r in decoded.rules or []] == [rule.uid for rule in RULES]
+    for rule in group["rules"]:
+        alerting_model.Rule.from_json(rule)
+        source, condition = rule["data"]
+        assert isinstance(ClickHouseQuery.from_json(source["model"]), ClickHouseQuery)
+        assert source["datasourceUid"] == "lagscope-clickhouse"
+        threshold = expr_model.TypeThreshold.from_json(condition["model"])
+        assert threshold.expression == "A" and rule["condition"] == "B"
+        assert condition["datasourceUid"] == "__expr__"
+
+
+def test_provisioning_file_is_what_the_code_builds() -> None:
+    assert ALERTS_FILE.read_text() == provisioning_file(), (
+        f"{ALERTS_FILE} is stale: run `lagscope dashboards build`"
+    )
+    document = yaml.safe_load(ALERTS_FILE.read_text())
+    assert document["apiVersion"] == 1
+    (group,) = document["groups"]
+    assert group["folder"] == "lagscope" and group["interval"] == "1m"
+    assert {r["uid"] for r in group["rules"]} == set(BY_UID)
+
+
+def test_every_runbook_names_panels_that_exist() -> None:
+    titles = {
+        item.uid: {p["title"] for p in item.to_dict()["panels"]} for item in build_all().values()
+    }
+    for rule in RULES:
+        assert rule.dashboard_uid in DASHBOARD_TITLES
+        missing = set(rule.next_panels) - titles[rule.dashboard_uid]
+        assert not missing, f"{rule.uid}: no panel {missing} in {rule.dashboard_uid}"
+
+
+def _rows(sink, rule: AlertRule) -> list[dict]:
+    result = sink.client.query(rule.sql)
+    rows = list(result.named_results())
+    for row in rows:
+        assert isinstance(row["value"], float | int), f"{rule.uid}: value is {row['value']!r}"
+        labels = {k: v for k, v in row.items() if k != "value"}
+        assert all(isinstance(v, str) for v in labels.values()), f"{rule.uid}: {labels}"
+    return rows
+
+
+# -- the demo's output --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_sink(chdb_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    return fill_demo_store(
+        f"chdb://{chdb_dir}?database=alerts_demo", tmp_path_factory.mktemp("alerts-demo")
+    )
+
+
+@pytest.mark.parametrize("uid", sorted(BY_UID))
+def test_every_rule_query_runs_on_the_demo_store(demo_sink, uid: str) -> None:
+    rule = BY_UID[uid]
+    rows = _rows(demo_sink, rule)
+    # The demo ran for about a minute, just now: its job is live, not silent, and the
+    # windows that need ten minutes of history have none.
+    if uid == "lagscope-job-silent":
+        assert [r["job_id"] for r in rows] == [DEMO_JOB]
+        assert not rule.firing(rows)
+    if uid in ("lagscope-slowdown-sustained", "lagscope-dead-letters-rising"):
+        assert not rule.firing(rows)
+
+
+def test_demo_straggler_onset_fires_the_episode_rule(demo_sink) -> None:
+    rule = BY_UID["lagscope-episode-onset"]
+    rows = _rows(demo_sink, rule)
+    assert rows, "the demo's injected slow worker leaves change points"
+    # Its slow worker recovers before the end: a series whose latest change is a recovery
+    # must not fire; one whose latest change is an onset must.
+    latest = demo_sink.client.query(
+        "SELECT series, argMax(kind, step) AS latest FROM changepoints FINAL GROUP BY series"
+    ).named_results()
+    expected = {r["series"] for r in latest if r["latest"] == "onset"}
+    assert {r["series"] for r in rule.firing(rows)} == expected
+
+
+# -- made to fire or to stay quiet ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crafted(chdb_dir: Path):
+    """Four jobs built to make the rules decide: `sick` (slow for 12 minutes, MFU fallen,
+    rank 5 gone, an onset, rising dead letters), `healthy` (all fine, an episode that
+    recovered, a steady trickle of dead letters), `stalled` (stopped 8 minutes ago) and
+    `finished-long-ago` (stopped 3 hours ago)."""
+    from lagscope.stream_app.sink import ClickHouseSink
+
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=alerts_crafted")
+    sink.ensure_schema()
+
+    def steps(job: str, age_from_s: int, age_to_s: int, slowdown: str, mfu: str, missing: str):
+        # One step every 10 s from `age_from_s` ago to `age_to_s` ago; `slowdown`, `mfu`
+        # and `missing` are SQL of `age` (seconds before now).
+        sink.command(
+            f"""INSERT INTO steps (job_id, attempt, step, ts, complete, missing_ranks,
+                actual_s, simulated_s, ideal_s, slowdown, launch_slowdown, waste,
+                mfu_actual, mfu_ideal, n_gpus, gpu_seconds, gpu_seconds_wasted,
+                processed_at, version)
+            SELECT '{job}', 0, number, now64(3) - age, empty(m), m, 10, 10, 10 / s, s, 1,
+                   1 - 1 / s, f, 0.45, 8, 80, 80 * (1 - 1 / s), now64(3) - age, 1
+            FROM (SELECT number, {age_from_s} - number * 10 AS age, {slowdown} AS s,
+                         {mfu} AS f, {missing} AS m
+                  FROM numbers(intDiv({age_from_s - age_to_s}, 10) + 1))"""
+        )
+
+    no_rank: str = "CAST([], 'Array(UInt32)')"
+    steps("sick", 720, 0, "1.3", "if(age < 600, 0.30, 0.45)", f"if(age < 60, [5], {no_rank})")
+    steps("healthy", 720, 0, "1.02", "0.44 + (number % 3) * 0.005", no_rank)
+    steps("stalled", 1500, 480, "1.01", "0.45", no_rank)
+    steps("finished-long-ago", 4 * 3600, 3 * 3600, "1.0", "0.45", no_rank)
+
+    def changepoint(job: str, series: str, age_s: int, kind: str) -> None:
+        sink.command(
+            f"""INSERT INTO changepoints (job_id, attempt, series, step, ts, kind,
+                before_mean, after_mean, probability, version)
+            VALUES ('{job}', 0, '{series}', {10_000 - age_s}, now64(3) - {age_s}, '{kind}',
+                    1.0, 1.3, 0.9, 1)"""
+        )
+
+    changepoint("sick", "stage 3", 300, "onset")
+    changepoint("healthy", "dp 2", 600, "onset")
+    changepoint("healthy", "dp 2", 240, "recovery")
+
+    def dead_letters(job: str, ages_s: list[int]) -> None:
+        for i, age in enumerate(ages_s):
+            sink.command(
+                f"""INSERT INTO dead_letters (ts, job_id, source, reason, payload)
+                VALUES (now64(3) - {age}, '{job}', 'log', 'garbage', 'payload {job} {i}')"""
+            )
+
+    dead_letters("sick", [900, 400, 300, 200, 100])
+    dead_letters("healthy", [1000, 800, 500, 200])
+    return sink
+
+
+EXPECTED_FIRING = {
+    "lagscope-slowdown-sustained": {"sick"},
+    "lagscope-episode-onset": {"sick"},
+    "lagscope-job-silent": {"stalled"},
+    "lagscope-rank-silent": {"sick"},
+    "lagscope-mfu-below-baseline": {"sick"},
+    "lagscope-dead-letters-rising": {"sick"},
+}
+
+
+@pytest.mark.parametrize("uid", sorted(EXPECTED_FIRING))
+def test_rule_fires_on_the_sick_job_and_stays_quiet_on_the_rest(crafted, uid: str) -> None:
+    rule = BY_UID[uid]
+    rows = _rows(crafted, rule)
+    firing = rule.firing(rows)
+    assert {r["job_id"] for r in firing} == EXPECTED_FIRING[uid], json.dumps(rows, default=str)
+    if uid == "lagscope-rank-silent":
+        assert [r["rank"] for r in firing] == ["5"]
+    if uid == "lagscope-episode-onset":
+        assert [r["series"] for r in firing] == ["stage 3"]
+
+
+def test_readme_on_call_explains_every_rule() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    on_call = readme.split("## On call", 1)[1].split("\n## ", 1)[0]
+    for rule in RULES:
+        assert f"| {rule.title} (" in on_call, f"README 'On call' lacks {rule.title!r}"
+        for panel in rule.next_panels:
+            assert f'"{panel}"' in on_call, f"README 'On call' lacks panel {panel!r}"

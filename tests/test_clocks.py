@@ -1,0 +1,165 @@
+"""Clock offsets: injected into generated jobs, recovered from the transfers, corrected."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lagscope.producers.reference_format import write_meta, write_trace
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.clocks import (
+    correct_trace,
+    estimate_clock_offsets,
+    shift_worker_clocks,
+)
+from lagscope.simulator.generate import JobSpec, SlowLink, SlowWorker, generate_job
+from lagscope.simulator.prepare import apply_clock_offsets, prepare
+from lagscope.simulator.timeline import trace_events
+from lagscope.stream_app.cli import main
+
+#: The acceptance bound: 10 % of the transfer time or 50 us, whichever is larger.
+FLOOR_S = 50e-6
+
+SPECS = {
+    "1f1b": JobSpec(dp=4, pp=4, steps=20, seed=3),
+    "interleaved": JobSpec(dp=2, pp=4, vpp=2, microbatches=8, steps=12, seed=4),
+    "stragglers": JobSpec(
+        dp=4,
+        pp=4,
+        steps=20,
+        seed=5,
+        stragglers=(
+            SlowLink(stage=1, dp=2, factor=4.0),
+            SlowWorker(dp=1, stage=2, factor=1.5, start_step=5),
+        ),
+    ),
+    "slow-p2p": JobSpec(dp=2, pp=3, microbatches=6, steps=16, seed=6).model_copy(
+        update={"cost": JobSpec().cost.model_copy(update={"p2p_s": 0.02})}
+    ),
+}
+
+
+def injected_offsets(spec: JobSpec, seed: int, scale_s: float = 0.005) -> np.ndarray:
+    """Offsets of up to +-`scale_s` for every (stage, dp) worker, worker (0, 0) at 0."""
+    offsets = np.random.default_rng(seed).uniform(-scale_s, scale_s, size=(spec.pp, spec.dp))
+    return offsets - offsets[0, 0]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_injected_offsets_are_recovered_within_the_bound(name):
+    spec = SPECS[name]
+    job = generate_job(spec)
+    truth = injected_offsets(spec, seed=len(name))
+    skewed = shift_worker_clocks(job.trace, truth)
+
+    found = estimate_clock_offsets(prepare(skewed, job.meta))
+
+    bound = max(FLOOR_S, 0.1 * spec.cost.p2p_s)
+    error = np.abs(found.offset_s - truth)
+    worst = np.unravel_index(int(np.argmax(error)), error.shape)
+    assert error.max() <= bound, f"{name}: worker (stage, dp) {worst} off by {error.max():.2e} s"
+    # One connected component: pipeline pairs join the stages, collectives the replicas.
+    assert np.unique(found.component).size == 1
+    assert np.all(np.isfinite(found.standard_error_s))
+
+
+def test_a_job_with_true_clocks_gets_offsets_near_zero():
+    job = generate_job(SPECS["1f1b"])
+    found = estimate_clock_offsets(prepare(job.trace, job.meta))
+    assert np.abs(found.offset_s).max() <= FLOOR_S
+
+
+def test_replicas_linked_only_by_the_clip_norm_all_reduce():
+    # dp 3 x pp 1 without DP collectives: the clip-norm all-reduce is the only transfer
+    # the three workers share, and it is enough.
+    spec = JobSpec(dp=3, pp=1, microbatches=2, steps=6, dp_comm=False)
+    job = generate_job(spec)
+    truth = np.array([[0.0, 0.004, -0.002]])
+    found = estimate_clock_offsets(prepare(shift_worker_clocks(job.trace, truth), job.meta))
+    assert {(e.u, e.v) for e in found.edges} == {(0, 1), (0, 2)}
+    assert np.abs(found.offset_s - truth).max() <= FLOOR_S
+
+
+def test_correcting_restores_pipeline_transfer_times():
+    """The pipeline-comm inputs (transfer times) of a skewed trace are wrong by the
+    offsets; the hook that prepares with the estimate gives the true ones back."""
+    spec = SPECS["1f1b"]
+    job = generate_job(spec)
+    clean = prepare(job.trace, job.meta)
+    skewed = prepare(shift_worker_clocks(job.trace, injected_offsets(spec, seed=9)), job.meta)
+    p2p = np.isin(np.array(clean.node_optype), ot.P2P_OPTYPES)
+
+    def p2p_error(prepared) -> float:
+        return float(np.abs(prepared.cost[p2p] - clean.cost[p2p]).max())
+
+    assert p2p_error(skewed) > 1e-3  # milliseconds of clock skew land in the transfers
+    corrected = apply_clock_offsets(skewed, estimate_clock_offsets(skewed).offset_s)
+    assert p2p_error(corrected) <= max(FLOOR_S, 0.1 * spec.cost.p2p_s)
+    assert np.allclose(corrected.actual_step_time, clean.actual_step_time, atol=2e-4)
+
+
+def test_correct_trace_undoes_the_skew():
+    spec = SPECS["interleaved"]
+    job = generate_job(spec)
+    skewed = shift_worker_clocks(job.trace, injected_offsets(spec, seed=2))
+    corrected = correct_trace(skewed, estimate_clock_offsets(prepare(skewed, job.meta)))
+    assert np.abs(corrected.start_ts - job.trace.start_ts).max() <= FLOOR_S
+    assert np.array_equal(corrected.duration, job.trace.duration)
+
+
+def test_timeline_draws_sends_and_receives_on_one_clock():
+    spec = SPECS["1f1b"]
+    job = generate_job(spec)
+    skewed = prepare(shift_worker_clocks(job.trace, injected_offsets(spec, seed=11)), job.meta)
+    offsets = estimate_clock_offsets(skewed).offset_s
+    ideal = np.zeros(skewed.model.n_nodes)
+
+    def pair_end_gap(events: list[dict]) -> float:
+        """Largest gap between the ends of a forward send and its receive, step 0, dp 0."""
+        ends = {
+            e["name"]: e["ts"] + e["dur"]
+            for e in events
+            if e.get("ph") == "X" and e["pid"] == 0 and e["args"]["step"] == 0
+        }
+        gaps = [
+            abs(ends[str(skewed.model.nodes[a])] - ends[str(skewed.model.nodes[b])])
+            for group in skewed.model.groups
+            if len(group.members) == 2
+            for a, b in [group.members]
+        ]
+        return max(gaps) * 1e-6
+
+    assert pair_end_gap(trace_events(skewed, ideal, ideal)) > 1e-3
+    corrected = trace_events(skewed, ideal, ideal, clock_offsets_s=offsets)
+    assert pair_end_gap(corrected) <= 0.1 * spec.cost.p2p_s + FLOOR_S
+    names = {e["args"]["name"] for e in corrected if e.get("ph") == "M"}
+    assert "dp 0 (actual, clocks corrected)" in names
+
+
+def test_analyze_reports_the_estimate(tmp_path, capsys):
+    spec = SPECS["stragglers"]
+    job = generate_job(spec)
+    truth = injected_offsets(spec, seed=4)
+    write_trace(shift_worker_clocks(job.trace, truth), tmp_path / "trace.parquet")
+    write_meta(job.meta, tmp_path / "meta.yaml")
+    out = tmp_path / "analysis.json"
+    code = main(
+        [
+            "analyze",
+            "--trace",
+            str(tmp_path / "trace.parquet"),
+            "--meta",
+            str(tmp_path / "meta.yaml"),
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    assert "clock offsets       largest" in capsys.readouterr().out
+    workers = json.loads(out.read_text())["clock_offsets"]["workers"]
+    assert len(workers) == spec.dp * spec.pp
+    for worker in workers:
+        expected = truth[worker["stage"], worker["dp"]]
+        assert worker["offset_s"] == pytest.approx(expected, abs=0.1 * spec.cost.p2p_s)

@@ -1,0 +1,181 @@
+"""Fleet and node dashboards: committed JSON matches the code and is an SDK fixed point;
+every query runs on chDB, on the demo's output (with the rank identity the node view
+needs) and on two jobs that share a bad machine."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+
+from lagscope.dashboards.commands import GENERATED_DIR
+from lagscope.dashboards.definitions import BuiltDashboard, sdk_round_trip
+from lagscope.dashboards.fleet import build_fleet
+from lagscope.dashboards.macros import QueryContext, render_sql
+from tests.demo_store import DEMO_JOB, fill_demo_store
+
+#: The demo's injected straggler (dp, pp); nodes hold 8 GPUs (`demo_node_of`).
+DEMO_SLOW_WORKER = (5, 2)
+DEMO_TP = 4
+DEMO_DP = 8
+
+
+def demo_node_of(dp: int, pp: int) -> str:
+    rank = (pp * DEMO_DP + dp) * DEMO_TP
+    return f"node-{rank // 8:02d}"
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, BuiltDashboard]:
+    return build_fleet()
+
+
+def test_generated_json_matches_the_code(built: dict[str, BuiltDashboard]) -> None:
+    folder = GENERATED_DIR / "fleet"
+    assert sorted(p.name for p in folder.glob("*.json")) == sorted(f"{n}.json" for n in built)
+    for name, item in built.items():
+        text = (folder / f"{name}.json").read_text()
+        assert text == item.to_json(), f"{folder / name}.json is stale: run dashboards build"
+        data = json.loads(text)
+        assert sdk_round_trip(data) == data
+        # No template variable: nothing a user types reaches the SQL.
+        assert data["templating"].get("list", []) == []
+
+
+def test_job_column_links_to_the_job_overview(built: dict[str, BuiltDashboard]) -> None:
+    (table,) = [p for p in built["fleet"].to_dict()["panels"] if p["title"] == "All jobs now"]
+    links = [
+        prop["value"]
+        for override in table["fieldConfig"]["overrides"]
+        if override["matcher"]["options"] == "job_id"
+        for prop in override["properties"]
+        if prop["id"] == "links"
+    ]
+    assert links and "var-job=${__data.fields.job_id:percentencode}" in links[0][0]["url"]
+
+
+def _context() -> QueryContext:
+    now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
+    return QueryContext(now - dt.timedelta(hours=6), now + dt.timedelta(minutes=1), 10.0)
+
+
+def _run(sink, item: BuiltDashboard, title: str) -> list[dict]:
+    (target,) = [
+        t for p in item.to_dict()["panels"] if p["title"] == title for t in p.get("targets", [])
+    ]
+    sql = render_sql(target["rawSql"], _context())
+    assert "$" not in sql, sql
+    return list(sink.client.query(sql).named_results())
+
+
+def _insert_identity(sink, job: str, workers: dict[tuple[int, int], str], tp: int = 1) -> None:
+    """Rank identity rows of `job` (attempt 0): (dp, pp) -> node, tensor-parallel ranks
+    included (the views must keep only rank 0 of each)."""
+    dp_size = max(dp for dp, _ in workers) + 1
+    rows = []
+    for (dp, pp), node in workers.items():
+        for tp_rank in range(tp):
+            rank = (pp * dp_size + dp) * tp + tp_rank
+            rows.append(
+                f"('{job}', 0, {rank}, {dp}, {pp}, {tp_rank}, 0, 'host-{node}', '{node}', '', "
+                f"{rank % 8}, '', 1)"
+            )
+    sink.command(
+        "INSERT INTO rank_identity (job_id, attempt, rank, dp_rank, pp_rank, tp_rank, "
+        "cp_rank, host, node, pod, gpu, pci_bus_id, version) VALUES " + ", ".join(rows)
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_sink(chdb_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    sink = fill_demo_store(
+        f"chdb://{chdb_dir}?database=fleet_demo", tmp_path_factory.mktemp("fleet-demo")
+    )
+    workers = {(dp, pp): demo_node_of(dp, pp) for dp in range(DEMO_DP) for pp in range(4)}
+    _insert_identity(sink, DEMO_JOB, workers, tp=DEMO_TP)
+    return sink
+
+
+@pytest.mark.parametrize("name", ["fleet", "nodes"])
+def test_every_query_runs_on_the_demo_store(demo_sink, built, name: str) -> None:
+    item = built[name]
+    for (title, _), expect in item.expectations.items():
+        rows = _run(demo_sink, item, title)
+        assert rows or expect.may_be_empty, f"{title}: no rows"
+        for column, kind in expect.columns.items():
+            value = rows[0][column]
+            wanted = {"string": str, "number": int | float, "time": dt.datetime}[kind]
+            assert isinstance(value, wanted), f"{title}: {column} = {value!r}"
+
+
+def test_fleet_names_the_top_worker_and_its_node(demo_sink, built) -> None:
+    """The top worker is the one the DP x PP heatmap ranks first (S_w = min(S_dp,
+    S_stage)): on the demo it is in the slow worker's DP replica, and the node named is
+    the machine that worker runs on."""
+    (row,) = _run(demo_sink, built["fleet"], "All jobs now")
+    assert row["job_id"] == DEMO_JOB
+    best = demo_sink.client.query(
+        "SELECT dp_rank, pp_rank FROM worker_slowdown FINAL GROUP BY dp_rank, pp_rank "
+        "ORDER BY avg(slowdown) DESC LIMIT 1"
+    ).result_rows[0]
+    dp, pp = (int(v) for v in best)
+    assert dp == DEMO_SLOW_WORKER[0]
+    assert row["top_worker"] == f"dp {dp}, pp {pp}"
+    assert row["top_node"] == demo_node_of(dp, pp)
+    assert row["latest_S"] > 1.0 and row["wasted_gpu_h_today"] > 0
+    assert row["current_episode"] == "" or "since step" in row["current_episode"]
+    assert 0 <= row["last_step_age_s"] < 600
+    (node_row, *_) = _run(demo_sink, built["nodes"], "Nodes by straggling, across jobs")
+    assert node_row["node"] == demo_node_of(dp, pp)
+
+
+@pytest.fixture(scope="module")
+def shared_bad_node(chdb_dir: Path):
+    """Jobs `a` and `b`, 2 dp x 2 pp each, 30 steps in the last 10 minutes. In `a` worker
+    (dp 1, pp 0) is slow, in `b` worker (dp 0, pp 1): different ranks, one machine,
+    `gpu-07`. A third job's worker on `c-node-3` has a single bad step."""
+    from lagscope.stream_app.sink import ClickHouseSink
+
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=fleet_nodes")
+    sink.ensure_schema()
+
+    def workers(job: str, slow: tuple[int, int], slow_s: float, bad_steps: int) -> None:
+        for dp in range(2):
+            for pp in range(2):
+                hot = (dp, pp) == slow
+                sink.command(
+                    f"""INSERT INTO worker_slowdown
+                        (job_id, attempt, step, ts, dp_rank, pp_rank, slowdown, version)
+                    SELECT '{job}', 0, number, now64(3) - (600 - number * 20), {dp}, {pp},
+                           if({int(hot)} AND number < {bad_steps}, {slow_s},
+                              1.0 + (number % 3) * 0.01), 1
+                    FROM numbers(30)"""
+                )
+
+    workers("a", (1, 0), 1.4, 30)
+    workers("b", (0, 1), 1.3, 30)
+    workers("c", (1, 1), 1.6, 1)
+    _insert_identity(
+        sink, "a", {(0, 0): "a-node-0", (1, 0): "gpu-07", (0, 1): "a-node-2", (1, 1): "a-node-3"}
+    )
+    _insert_identity(
+        sink, "b", {(0, 0): "b-node-0", (1, 0): "b-node-1", (0, 1): "gpu-07", (1, 1): "b-node-3"}
+    )
+    _insert_identity(
+        sink, "c", {(0, 0): "c-node-0", (1, 0): "c-node-1", (0, 1): "c-node-2", (1, 1): "c-node-3"}
+    )
+    return sink
+
+
+def test_a_node_slow_in_two_jobs_ranks_first(shared_bad_node, built) -> None:
+    rows = _run(shared_bad_node, built["nodes"], "Nodes by straggling, across jobs")
+    first, second = rows[0], rows[1]
+    assert first["node"] == "gpu-07"
+    assert (first["jobs"], first["jobs_straggling"]) == (2, 2)
+    assert first["straggling_share"] == pytest.approx(1.0)
+    # The one-off bad step comes next, far behind.
+    assert second["node"] == "c-node-3" and second["excess_per_step"] < first["excess_per_step"]
+    series = _run(shared_bad_node, built["nodes"], "Straggling nodes over time")
+    assert "gpu-07" in {r["node"] for r in series}
