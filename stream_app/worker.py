@@ -43,6 +43,11 @@ same numbers as an uninterrupted run):
    no snapshot is written (so no offset is committed past a step the store does not
    have), and the host takes no more messages until a retried write succeeds.
 
+Windows follow event time (`EventClock`): while Kafka holds more of a partition, its
+lateness clock is the newest record timestamp delivered, so a backlog of any size (or a
+worker held back by a store outage) closes complete steps complete; once caught up it is
+wall-clock time, so a silent rank still times out.
+
 Limits: a step closed by the lateness timeout depends on wall-clock time, so a step that
 was closed incomplete before a crash may re-close complete after it; the first stored
 version stands. Retained inputs are kept 30 days (table TTL): a job restored after a
@@ -181,6 +186,34 @@ class _JobTotals:
     rolled_up_step: int = -1
 
 
+class EventClock:
+    """A partition's lateness clock in event time: while the partition is behind (Kafka
+    holds more of it), the newest record timestamp it delivered, so a backlog of any size
+    is windowed as it was produced and a step times out only when later records show its
+    missing ranks were late; once caught up, wall-clock time, so a rank that went silent
+    still times out. Never goes backwards."""
+
+    def __init__(self, newest_record_s: float | None = None, wall: Callable[[], float] = time.time):
+        self._wall = wall
+        self.newest_record_s = newest_record_s
+        self._now = float("-inf")
+        self.behind = True
+
+    def __call__(self) -> float:
+        if self.newest_record_s is None:
+            now = self._wall()  # nothing delivered yet
+        elif self.behind:
+            now = self.newest_record_s
+        else:
+            now = max(self.newest_record_s, self._wall())
+        self._now = max(self._now, now)
+        return self._now
+
+    def observe(self, record_timestamp_s: float) -> None:
+        if self.newest_record_s is None or record_timestamp_s > self.newest_record_s:
+            self.newest_record_s = record_timestamp_s
+
+
 @dataclass
 class _Partition:
     number: int
@@ -201,6 +234,8 @@ class _Partition:
     #: Set when the partition was restored from an older snapshot than the newest (which
     #: did not decode): the consumer must re-read from here.
     seek_to: int | None = None
+    #: The processor's lateness clock (event time, see EventClock).
+    event_clock: EventClock = field(default_factory=EventClock)
 
 
 @dataclass(frozen=True)
@@ -297,8 +332,17 @@ class WorkerCore:
             batch = self._decode(message)
             if batch is not None:
                 batches.setdefault(message.partition, []).append(batch)
+        span: dict[int, tuple[float, float]] = {}
+        for message in messages:
+            first, last = span.get(message.partition, (message.timestamp_s, message.timestamp_s))
+            span[message.partition] = (
+                min(first, message.timestamp_s),
+                max(last, message.timestamp_s),
+            )
         for number, part_batches in batches.items():
             part = self.partition(number)
+            # The windows these batches open start no later than the run's first record.
+            part.event_clock.observe(span[number][0])
             try:
                 outputs = part.processor.on_batches(part_batches)
             except Exception as exc:
@@ -310,7 +354,15 @@ class WorkerCore:
                     part.processor.rejected.append((batch, f"windowing failed: {exc!r}"))
                 outputs = []
             self._closed(part, outputs)
+        for number, (_, last) in span.items():
+            self.partition(number).event_clock.observe(last)
         self.write_due()
+
+    def set_behind(self, number: int, behind: bool) -> None:
+        """The host says whether the partition has records past what it delivered."""
+        part = self.partitions.get(number)
+        if part is not None:
+            part.event_clock.behind = behind
 
     def _decode(self, message: OpsMessage) -> RankStepBatch | None:
         """The message's batch, or None when it was re-delivered or is a dead letter."""
@@ -577,6 +629,7 @@ class WorkerCore:
             "processor": part.processor.state_dict(with_retained_inputs=False),
             "totals": {k: vars(t) for k, t in part.totals.items()},
             "jobs_written": sorted(part.jobs_written),
+            "event_time_s": part.event_clock.newest_record_s,
         }
         blob = encode_state(payload)
         written_at = dt.datetime.now(dt.UTC)
@@ -679,7 +732,8 @@ class WorkerCore:
                 part.next_offset,
             )
             return part
-        part = _Partition(number, StepProcessor(self.config.processor, self.clock))
+        clock = EventClock()
+        part = _Partition(number, StepProcessor(self.config.processor, clock), event_clock=clock)
         part.last_write = part.last_snapshot = now
         if rows:
             log.error(
@@ -702,10 +756,17 @@ class WorkerCore:
                 f"{where}: version {version!r}, this worker reads {SNAPSHOT_VERSION}"
             )
         try:
+            clock = EventClock(payload["event_time_s"])
             processor = StepProcessor.from_state(
-                payload["processor"], self.clock, retained_inputs=self._retained_inputs
+                payload["processor"], clock, retained_inputs=self._retained_inputs
             )
-            part = _Partition(number, processor, payload["next_offset"], payload["next_offset"])
+            part = _Partition(
+                number,
+                processor,
+                payload["next_offset"],
+                payload["next_offset"],
+                event_clock=clock,
+            )
             part.totals = {tuple(k): _JobTotals(**v) for k, v in payload["totals"].items()}
             part.jobs_written = {tuple(k) for k in payload["jobs_written"]}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -974,7 +1035,18 @@ class FaustWorker:
         await self._wait_for_store()
         await self._wait_for_jobs(messages)
         await self._core(self.core.on_messages, messages)
+        await self._track_backlog(runs)
         await self._checkpoint_due()
+
+    async def _track_backlog(self, runs: list[Any]) -> None:
+        """Tell each partition of the pass whether Kafka holds more of it (its lateness
+        then follows the records' own timestamps, see EventClock)."""
+        consumer = self.app.consumer
+        for run in runs:
+            message = run.message
+            highwater = consumer.highwater(message.tp)
+            behind = highwater is not None and message.offset + 1 < highwater
+            await self._core(self.core.set_behind, message.partition, behind)
 
     async def _wait_for_store(self) -> None:
         """While the store refuses writes, take no more messages (backpressure: what is

@@ -104,3 +104,23 @@ def test_no_offset_is_committed_past_steps_the_store_does_not_have(
                            log_name="healthy.log")  # fmt: skip
     assert healthy.wait(180) == 0, healthy.log()[-4000:]
     _assert_every_step_stored_once(work)
+
+
+def test_a_worker_held_back_mid_backlog_closes_complete_steps_complete(
+    kafka_bootstrap, kafka_topics, tmp_path
+):
+    """The store is down for longer than the lateness while the worker is mid-backlog:
+    lateness follows the records' own timestamps, so the steps whose ranks all reported
+    in time are closed complete once the worker goes on, however long it was held."""
+    _produce_job(kafka_bootstrap, kafka_topics)
+    work = tmp_path / "w"
+    env = {
+        **FAST,
+        FAULT_ENV: "table=steps,after=0,seconds=4",
+        "LAGSCOPE_PROCESSOR__LATENESS_S": "1",
+    }
+    worker = start_worker(kafka_bootstrap, kafka_topics, work, group="flaky", env=env,
+                          module="tests.faulty_store")  # fmt: skip
+    assert worker.wait(180) == 0, worker.log()[-4000:]
+    assert "store unavailable, closed steps kept" in worker.log()
+    _assert_every_step_stored_once(work)
