@@ -110,6 +110,9 @@ class Streamer:
         self._checkpoint_dirty = False
         self._last_checkpoint = 0.0
         self._backoff_s = 0.0
+        #: Rewinds since the last confirmed delivery: the back-off grows with this, not
+        #: with the lifetime count, so one outage long ago does not slow every later rewind.
+        self._rewinds_in_a_row = 0
         self._fatal = False
         self._owns_producer = producer is None
         self._producer = producer or self._make_producer()
@@ -437,6 +440,8 @@ class Streamer:
             while pending and pending[0].delivered:
                 done = pending.popleft()
                 self._in_flight_bytes -= done.size
+                if done.size:  # a real delivery (not a job record already sent)
+                    self._rewinds_in_a_row = 0
                 state.confirmed = done.end
                 self._checkpoint_dirty = True
 
@@ -448,7 +453,8 @@ class Streamer:
         while any(not (p.delivered or p.failed) for s in self._ranks.values()
                   for p in s.pending) and time.monotonic() < deadline:  # fmt: skip
             self._producer.poll(0.1)
-        self._advance()
+        self._advance()  # deliveries confirmed before the failure reset the count first
+        self._rewinds_in_a_row += 1
         if self._fatal and self._owns_producer:
             self._producer.purge()
             self._producer = self._make_producer()
@@ -460,7 +466,7 @@ class Streamer:
             state.pending.clear()
             state.rewind = False
             state.reader = self._reader(self.log_dir / name, state.confirmed)
-        self._backoff_s = time.monotonic() + min(5.0, 0.5 * self.stats.rewinds)
+        self._backoff_s = time.monotonic() + min(5.0, 0.5 * self._rewinds_in_a_row)
 
 
 def _check_batch(payload: bytes, where: str = "batch") -> None:

@@ -27,7 +27,6 @@ others are counted and dropped.
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -47,6 +46,7 @@ from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
 from lagscope.stream_app import admission
+from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, encode_state
 
 log = logging.getLogger("lagscope.processor")
 
@@ -222,8 +222,22 @@ _STEP_INPUTS = (
 
 
 def encode_step_inputs(prepared: PreparedTrace) -> bytes:
-    """A retained step's inputs, without the job's model (hosts persist these once)."""
-    return pickle.dumps({name: getattr(prepared, name) for name in _STEP_INPUTS}, protocol=5)
+    """A retained step's inputs, without the job's model (hosts persist these once), in the
+    safe state format (`stream_app.snapshot_format`: no pickle)."""
+    return encode_state(_step_inputs(prepared))
+
+
+def _step_inputs(prepared: PreparedTrace) -> dict[str, Any]:
+    return {name: getattr(prepared, name) for name in _STEP_INPUTS}
+
+
+def decode_step_inputs(payload: bytes, where: str = "retained step") -> dict[str, Any]:
+    """The fields `encode_step_inputs` wrote; a payload of another shape is a
+    SnapshotError."""
+    inputs = decode_state(payload, where)
+    if not isinstance(inputs, dict) or set(inputs) != set(_STEP_INPUTS):
+        raise SnapshotError(f"{where}: not the inputs of a retained step")
+    return inputs
 
 
 def _remove_sorted(values: np.ndarray, gone: np.ndarray) -> np.ndarray:
@@ -686,7 +700,7 @@ class StepProcessor:
                     "info": job.info.model_dump(),
                     "model": job.model,
                     "ideal": job.ideal.state(),
-                    "retained": list(job.retained)
+                    "retained": [_step_inputs(p) for p in job.retained]
                     if with_retained_inputs
                     else [int(p.steps[0]) for p in job.retained],
                     "detector": job.detector.state_dict() if job.detector else None,
@@ -724,7 +738,10 @@ class StepProcessor:
             job = _JobState(JobInfo.model_validate(saved["info"]), processor.settings)
             job.model = saved["model"]
             retained = list(saved["retained"])
-            if retained and not isinstance(retained[0], PreparedTrace):
+            if retained and isinstance(retained[0], dict):
+                meta = job.info.to_meta()
+                retained = [PreparedTrace(model=job.model, meta=meta, **r) for r in retained]
+            elif retained:
                 retained = _load_retained(job, key, retained, retained_inputs)
             job.retained.extend(retained)
             job.ideal.restore(saved["ideal"], retained)
@@ -755,11 +772,17 @@ def _load_retained(
             lost[:5],
         )
     meta = job.info.to_meta()
-    return [
-        PreparedTrace(model=job.model, meta=meta, **pickle.loads(found[step]))
-        for step in steps
-        if step in found
-    ]
+    retained = []
+    for step in steps:
+        if step not in found:
+            continue
+        try:
+            inputs = decode_step_inputs(found[step], f"retained step {step} of job {key}")
+        except SnapshotError as exc:
+            log.warning("%s; the roll-up goes on without it", exc)
+            continue
+        retained.append(PreparedTrace(model=job.model, meta=meta, **inputs))
+    return retained
 
 
 def _relative_work(prepared: PreparedTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -207,8 +207,9 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
             2,
             "distributed worker checkpoints",
             (
-                # One row per snapshot of a partition's step processor (pickle, without
-                # its retained steps); the newest next_offset wins.
+                # One row per snapshot of a partition's step processor (the safe state
+                # format of stream_app.snapshot_format, without its retained steps); the
+                # newest next_offset wins.
                 f"""CREATE TABLE IF NOT EXISTS {WORKER_STATE_TABLE} (
                     group_id String, topic String, partition UInt32, next_offset UInt64,
                     written_at DateTime64(3), state String CODEC(ZSTD(1))

@@ -13,17 +13,21 @@ interface), so the sink has one code path. Writes follow the idempotence design 
 `stream_app.schema`: every insert carries a deterministic `insert_deduplication_token`
 derived from the batch's `dedup_token`, a step already stored at the same or a newer
 version is skipped, and a superseded version is retracted from the minute rollup first
-and its attribution / worker_slowdown rows are deleted.
+and its attribution / worker_slowdown rows are deleted. Because of that, a write that failed
+half-way is safe to repeat: `write` retries a failed write with bounded exponential back-off
+(`RetryPolicy`) before it gives up with a StoreError; a batch that does not fit the schema
+(`BatchError`) is not retried.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
@@ -32,7 +36,10 @@ import pyarrow as pa
 from lagscope.stream_app import schema
 from lagscope.stream_app.store_location import DEFAULT_DSN
 
+log = logging.getLogger("lagscope.sink")
+
 ColumnData = Sequence[Any] | np.ndarray
+_T = TypeVar("_T")
 
 #: Tables a batch may write, in write order: `steps` last, because a stored step is what
 #: marks its version as written (see `ClickHouseSink.write`).
@@ -59,6 +66,46 @@ _ARROW_TIME_UNITS = {0: "s", 3: "ms", 6: "us", 9: "ns"}
 class StoreError(Exception):
     """A problem with the store: a bad DSN, an unreachable server, a failed statement, or
     a batch that does not fit the schema. The message names what and where."""
+
+
+class BatchError(StoreError):
+    """A batch that does not fit the schema: writing it again cannot succeed."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long a failed write is retried: `attempts` tries in all, waiting `first_wait_s`,
+    then twice as long each time, at most `max_wait_s` between two tries."""
+
+    attempts: int = 5
+    first_wait_s: float = 0.1
+    max_wait_s: float = 2.0
+
+    def call(self, fn: Callable[..., _T], *args: Any, what: str = "store write") -> _T:
+        """`fn(*args)`, retried on StoreError (not BatchError); the last error is raised."""
+        from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+        def transient(exc: BaseException) -> bool:
+            return isinstance(exc, StoreError) and not isinstance(exc, BatchError)
+
+        def before_sleep(state: Any) -> None:
+            log.warning(
+                "%s failed (attempt %d of %d), retrying in %.1f s: %s",
+                what,
+                state.attempt_number,
+                self.attempts,
+                state.next_action.sleep,
+                state.outcome.exception(),
+            )
+
+        retrying = Retrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=self.first_wait_s, min=0, max=self.max_wait_s),
+            retry=retry_if_exception(transient),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        return retrying(fn, *args)
 
 
 @dataclass
@@ -147,14 +194,21 @@ class ClickHouseSink:
     """Writes `SinkBatch`es to ClickHouse (embedded chDB or a server) and runs queries."""
 
     def __init__(
-        self, dsn: str = DEFAULT_DSN, *, create: bool = True, connect_timeout_s: float = 10.0
+        self,
+        dsn: str = DEFAULT_DSN,
+        *,
+        create: bool = True,
+        connect_timeout_s: float = 10.0,
+        retry: RetryPolicy | None = None,
     ):
         """Open the store. create=False: a chDB directory that does not exist is an error
-        (a reader should not conjure an empty store out of a mistyped path)."""
+        (a reader should not conjure an empty store out of a mistyped path). `retry`:
+        how failed writes are retried (default `RetryPolicy()`)."""
         import clickhouse_connect
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         self.dsn = parse_dsn(dsn)
+        self.retry = retry or RetryPolicy()
         self._column_types: dict[str, dict[str, tuple[str, bool]]] = {}
         # pyarrow imports pandas on its first array (half a second): pay it when the store
         # opens, not in the first write, which a live step's latency would carry.
@@ -266,12 +320,16 @@ class ClickHouseSink:
     # -- writes -------------------------------------------------------------------------
     def write(self, batch: SinkBatch) -> WriteReport:
         """Insert a batch idempotently: replaying it, or writing an older version of its
-        steps, changes nothing; a newer version of a step replaces the stored one."""
+        steps, changes nothing; a newer version of a step replaces the stored one. A failed
+        write is retried as `self.retry` says (repeating a half-done write is safe)."""
+        return self.retry.call(self._write_once, batch, what=f"write of {batch.dedup_token!r}")
+
+    def _write_once(self, batch: SinkBatch) -> WriteReport:
         if not batch.dedup_token:
-            raise StoreError("SinkBatch has no dedup_token; it must identify the content")
+            raise BatchError("SinkBatch has no dedup_token; it must identify the content")
         unknown = sorted(set(batch.tables) - set(WRITABLE_TABLES))
         if unknown:
-            raise StoreError(
+            raise BatchError(
                 f"SinkBatch {batch.dedup_token!r}: unknown table(s) {', '.join(unknown)}; "
                 f"writable: {', '.join(WRITABLE_TABLES)}"
             )
@@ -397,22 +455,22 @@ class ClickHouseSink:
         known = self._table_columns(table)
         unknown = sorted(set(columns) - set(known))
         if unknown:
-            raise StoreError(f"{where}: unknown column(s) {', '.join(unknown)}")
+            raise BatchError(f"{where}: unknown column(s) {', '.join(unknown)}")
         missing = [
             name for name, (_, required) in known.items() if required and name not in columns
         ]
         if missing:
-            raise StoreError(f"{where}: missing column(s) {', '.join(missing)}")
+            raise BatchError(f"{where}: missing column(s) {', '.join(missing)}")
         lengths = {name: len(values) for name, values in columns.items()}
         if len(set(lengths.values())) > 1:
-            raise StoreError(f"{where}: columns differ in length: {lengths}")
+            raise BatchError(f"{where}: columns differ in length: {lengths}")
         out: dict[str, pa.Array] = {}
         for name, values in columns.items():
             type_ = known[name][0]
             try:
                 out[name] = _to_arrow(values, type_)
             except (TypeError, ValueError, pa.ArrowException) as exc:
-                raise StoreError(f"{where}, column {name} ({type_}): {exc}") from None
+                raise BatchError(f"{where}, column {name} ({type_}): {exc}") from None
         return out
 
 

@@ -38,12 +38,24 @@ same numbers as an uninterrupted run):
    crash is never written twice (not even transiently, i.e. also without `FINAL`); the
    sink's own version check is the second line. Results on `lagscope.results` are
    at-least-once (key = job id; consumers dedup on (job, attempt, step)).
+5. *Store faults.* The sink retries a failed write with bounded exponential back-off
+   (`store.write_attempts`); when the store still refuses, the closed steps stay pending,
+   no snapshot is written (so no offset is committed past a step the store does not
+   have), and the host takes no more messages until a retried write succeeds.
+
+Windows follow event time (`EventClock`): while Kafka holds more of a partition, its
+lateness clock is the newest record timestamp delivered, so a backlog of any size (or a
+worker held back by a store outage) closes complete steps complete; once caught up it is
+wall-clock time, so a silent rank still times out.
 
 Limits: a step closed by the lateness timeout depends on wall-clock time, so a step that
 was closed incomplete before a crash may re-close complete after it; the first stored
 version stands. Retained inputs are kept 30 days (table TTL): a job restored after a
-longer silence rolls up without the expired steps. Snapshots are pickles read back from
-the project's own store (trusted input).
+longer silence rolls up without the expired steps. Snapshots and retained inputs are in
+the safe state format (`stream_app.snapshot_format`: JSON and numpy arrays, never pickle),
+so whoever can write the store cannot run code in the worker; a snapshot that does not
+decode is skipped for the newest older one that does (or a fresh start), and the
+partition is re-read from that snapshot's offset.
 
 The job-level roll-up (`StepProcessor.rollup`: `lagscope analyze` of the retained steps)
 is diagnosed and written to `diagnoses` (its evidence holds the job's slowdown) and
@@ -57,7 +69,6 @@ import datetime as dt
 import json
 import logging
 import os
-import pickle
 import signal
 import threading
 import time
@@ -89,13 +100,16 @@ from lagscope.stream_app.processor import (
 )
 from lagscope.stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
 from lagscope.stream_app.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
-from lagscope.stream_app.sink import ClickHouseSink, SinkBatch
+from lagscope.stream_app.sink import ClickHouseSink, RetryPolicy, SinkBatch, StoreError
+from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app.store_location import DEFAULT_DSN, DSN_ENV
 
 log = logging.getLogger("lagscope.worker")
 
-#: 2: raw pickle bytes, retained steps as ids (inputs in worker_retained).
-SNAPSHOT_VERSION = 2
+#: 3: the safe state format (no pickle), retained steps as ids (inputs in worker_retained).
+SNAPSHOT_VERSION = 3
+#: Snapshots of a partition tried, newest first, when the newest does not decode.
+SNAPSHOTS_TRIED = 5
 
 
 # -- configuration ------------------------------------------------------------------------
@@ -110,9 +124,21 @@ class StoreSettings(BaseModel):
     #: the embedded store under the working directory.
     dsn: str | None = None
     ops_ttl_days: int = Field(default=7, ge=1)
+    #: A failed write is tried this many times in all, with exponential back-off of at most
+    #: `write_retry_max_wait_s` between tries; after that the closed steps stay pending
+    #: (and the offsets uncommitted) until a later write succeeds.
+    write_attempts: int = Field(default=5, ge=1)
+    write_retry_max_wait_s: float = Field(default=2.0, gt=0)
 
     def resolved_dsn(self) -> str:
         return self.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            attempts=self.write_attempts,
+            first_wait_s=min(0.1, self.write_retry_max_wait_s),
+            max_wait_s=self.write_retry_max_wait_s,
+        )
 
 
 class WorkerSettings(BaseModel):
@@ -160,6 +186,34 @@ class _JobTotals:
     rolled_up_step: int = -1
 
 
+class EventClock:
+    """A partition's lateness clock in event time: while the partition is behind (Kafka
+    holds more of it), the newest record timestamp it delivered, so a backlog of any size
+    is windowed as it was produced and a step times out only when later records show its
+    missing ranks were late; once caught up, wall-clock time, so a rank that went silent
+    still times out. Never goes backwards."""
+
+    def __init__(self, newest_record_s: float | None = None, wall: Callable[[], float] = time.time):
+        self._wall = wall
+        self.newest_record_s = newest_record_s
+        self._now = float("-inf")
+        self.behind = True
+
+    def __call__(self) -> float:
+        if self.newest_record_s is None:
+            now = self._wall()  # nothing delivered yet
+        elif self.behind:
+            now = self.newest_record_s
+        else:
+            now = max(self.newest_record_s, self._wall())
+        self._now = max(self._now, now)
+        return self._now
+
+    def observe(self, record_timestamp_s: float) -> None:
+        if self.newest_record_s is None or record_timestamp_s > self.newest_record_s:
+            self.newest_record_s = record_timestamp_s
+
+
 @dataclass
 class _Partition:
     number: int
@@ -177,6 +231,11 @@ class _Partition:
     last_step_at: dict[tuple[str, int], float] = field(default_factory=dict)
     #: Retained steps whose inputs are in the store (written by a snapshot).
     persisted: set[tuple[str, int, int]] = field(default_factory=set)
+    #: Set when the partition was restored from an older snapshot than the newest (which
+    #: did not decode): the consumer must re-read from here.
+    seek_to: int | None = None
+    #: The processor's lateness clock (event time, see EventClock).
+    event_clock: EventClock = field(default_factory=EventClock)
 
 
 @dataclass(frozen=True)
@@ -219,7 +278,13 @@ class WorkerCore:
             "dead_letters": 0,
             "snapshots": 0,
             "rollups": 0,
+            "failed_writes": 0,
         }
+        #: True from a write that failed (after its retries) until one succeeds: the host
+        #: stops taking messages meanwhile (backpressure instead of buffering).
+        self.store_failing = False
+        #: Dead letters of the jobs topic (no partition owns them) not stored yet.
+        self._unowned_dead: list[tuple[str, str, str, bytes, float]] = []
         #: Wall-clock time of the first message consumed and of the last steps write.
         self.first_message_at: float | None = None
         self.last_write_at: float | None = None
@@ -231,10 +296,9 @@ class WorkerCore:
         except ValueError as exc:
             log.warning("dead letter %s: invalid job metadata: %s", where, exc)
             self.counters["dead_letters"] += 1
-            # No partition owns a jobs record; store it with the first partition's
-            # letters, or directly when none is assigned yet.
-            self._write_dead(
-                [("", where, f"invalid job metadata: {exc}", value or b"", timestamp_s)]
+            # No partition owns a jobs record: stored with the next write.
+            self._unowned_dead.append(
+                ("", where, f"invalid job metadata: {exc}", value or b"", timestamp_s)
             )
             return
         key = (info.job_id, info.attempt)
@@ -249,7 +313,7 @@ class WorkerCore:
         if problem:
             log.warning("dead letter %s: %s", where, problem)
             self.counters["dead_letters"] += 1
-            self._write_dead([(info.job_id, where, problem, value or b"", timestamp_s)])
+            self._unowned_dead.append((info.job_id, where, problem, value or b"", timestamp_s))
 
     def partition(self, number: int) -> _Partition:
         """The state of a partition, restored from its last snapshot on first use."""
@@ -268,8 +332,17 @@ class WorkerCore:
             batch = self._decode(message)
             if batch is not None:
                 batches.setdefault(message.partition, []).append(batch)
+        span: dict[int, tuple[float, float]] = {}
+        for message in messages:
+            first, last = span.get(message.partition, (message.timestamp_s, message.timestamp_s))
+            span[message.partition] = (
+                min(first, message.timestamp_s),
+                max(last, message.timestamp_s),
+            )
         for number, part_batches in batches.items():
             part = self.partition(number)
+            # The windows these batches open start no later than the run's first record.
+            part.event_clock.observe(span[number][0])
             try:
                 outputs = part.processor.on_batches(part_batches)
             except Exception as exc:
@@ -281,7 +354,15 @@ class WorkerCore:
                     part.processor.rejected.append((batch, f"windowing failed: {exc!r}"))
                 outputs = []
             self._closed(part, outputs)
+        for number, (_, last) in span.items():
+            self.partition(number).event_clock.observe(last)
         self.write_due()
+
+    def set_behind(self, number: int, behind: bool) -> None:
+        """The host says whether the partition has records past what it delivered."""
+        part = self.partitions.get(number)
+        if part is not None:
+            part.event_clock.behind = behind
 
     def _decode(self, message: OpsMessage) -> RankStepBatch | None:
         """The message's batch, or None when it was re-delivered or is a dead letter."""
@@ -356,6 +437,8 @@ class WorkerCore:
         """Write the partitions whose closed steps waited long enough, or are many."""
         now = self.clock()
         settings = self.config.worker
+        if self._unowned_dead:
+            self._store_or_keep(self._write_unowned_dead)
         for part in list(self.partitions.values()):
             if part.pending or part.dead:
                 due = len(part.pending) >= settings.write_every_steps
@@ -369,11 +452,15 @@ class WorkerCore:
         return self.clock() - part.last_snapshot >= self.config.worker.checkpoint_interval_s
 
     def checkpoint(self, number: int) -> int:
-        """Write everything closed, snapshot; returns the offset safe to commit."""
+        """Write everything closed, snapshot; returns the offset safe to commit: past the
+        new snapshot only when every step it has closed is stored, else the last one's."""
         part = self.partitions[number]
-        self.write(part)
-        if part.next_offset != part.snapshot_offset:
-            self._snapshot(part)
+        if (
+            self.write(part)
+            and part.next_offset != part.snapshot_offset
+            and self._store_or_keep(self._snapshot, part)
+        ):
+            self.counters["snapshots"] += 1
         part.last_snapshot = self.clock()
         return part.snapshot_offset
 
@@ -391,21 +478,51 @@ class WorkerCore:
 
     def busy(self) -> bool:
         """True while a partition holds something not yet durable."""
-        return any(
+        return bool(self._unowned_dead) or any(
             p.pending or p.dead or p.next_offset != p.snapshot_offset or p.processor.windows
             for p in self.partitions.values()
         )
 
+    def retry_writes(self) -> bool:
+        """Try again to store what a failed write left pending; True once all is stored."""
+        if self._unowned_dead and not self._store_or_keep(self._write_unowned_dead):
+            return False
+        return all(self.write(part) for part in list(self.partitions.values()))
+
     # -- writes -------------------------------------------------------------------------
-    def write(self, part: _Partition) -> None:
-        """Durably store closed steps (each exactly once) and dead letters; publish results."""
+    def write(self, part: _Partition) -> bool:
+        """Durably store closed steps (each exactly once) and dead letters, then publish
+        the results. False when the store failed even after the sink's retries: what was
+        not stored stays pending for the next write (nothing closed is dropped)."""
         part.last_write = self.clock()
+        if not part.pending and not part.dead:
+            return True
+        return self._store_or_keep(self._store_closed, part)
+
+    def _store_or_keep(self, store: Callable[..., None], *args: Any) -> bool:
+        """Run a store step that keeps its input on failure; a failure is logged in one
+        line and marks the store failing until a later step succeeds."""
+        try:
+            store(*args)
+        except StoreError as exc:
+            self.counters["failed_writes"] += 1
+            self.store_failing = True
+            log.error("store unavailable, closed steps kept and retried: %s", exc)
+            return False
+        self.store_failing = False
+        return True
+
+    def _write_unowned_dead(self) -> None:
+        self._write_dead(self._unowned_dead)
+        self._unowned_dead = []
+
+    def _store_closed(self, part: _Partition) -> None:
         if part.dead:
             self._write_dead(part.dead)
             part.dead = []
         if not part.pending:
             return
-        outputs, part.pending = part.pending, []
+        outputs = part.pending
         for key in {(o.job_id, o.attempt) for o in outputs} - part.jobs_written:
             known = self.job_infos.get(key)
             info = (
@@ -421,7 +538,7 @@ class WorkerCore:
             batch.add("jobs", job_rows(key[0], key[1], info.to_meta(), known[1] if known else 0.0))
             self.sink.write(batch)
             part.jobs_written.add(key)
-        stored = self._stored_steps(outputs)
+        stored = self.sink.retry.call(self._stored_steps, outputs, what="steps lookup")
         fresh = [o for o in outputs if (o.job_id, o.attempt, o.step) not in stored]
         self.counters["steps_already_stored"] += len(outputs) - len(fresh)
         by_job: dict[tuple[str, int], list[StepOutput]] = {}
@@ -437,6 +554,7 @@ class WorkerCore:
                 len(fresh),
                 len(outputs) - len(fresh),
             )
+        part.pending = []  # only now: a failure above kept them for the next write
         for out in outputs:
             self.publish(out.job_id.encode(), json.dumps(step_result(out), default=float).encode())
 
@@ -471,10 +589,11 @@ class WorkerCore:
             idle = now - part.last_step_at.get(key, now)
             if not force and idle < self.config.worker.rollup_idle_s:
                 continue
-            self.write(part)  # the roll-up follows its steps into the store
+            if not self.write(part):  # the roll-up follows its steps into the store
+                return
             rollup = part.processor.rollup(*key)
-            totals.rolled_up_step = totals.last_step
             if rollup is None:
+                totals.rolled_up_step = totals.last_step
                 continue
             state = part.processor.jobs[key]
             prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
@@ -482,7 +601,9 @@ class WorkerCore:
             last = int(rollup.steps[-1])
             batch = SinkBatch(f"diagnosis/{key[0]}/{key[1]}/{last}")
             batch.add("diagnoses", diagnosis_rows(key[0], key[1], last, 0, diagnosis))
-            self.sink.write(batch)
+            if not self._store_or_keep(self.sink.write, batch):
+                return  # rolled up again on a later tick
+            totals.rolled_up_step = totals.last_step
             self.counters["rollups"] += 1
             message = {
                 "kind": "rollup",
@@ -508,17 +629,19 @@ class WorkerCore:
             "processor": part.processor.state_dict(with_retained_inputs=False),
             "totals": {k: vars(t) for k, t in part.totals.items()},
             "jobs_written": sorted(part.jobs_written),
+            "event_time_s": part.event_clock.newest_record_s,
         }
-        blob = pickle.dumps(payload, protocol=5)
+        blob = encode_state(payload)
         written_at = dt.datetime.now(dt.UTC)
-        self._insert_rows(
+        self.sink.retry.call(
+            self._insert_rows,
             WORKER_STATE_TABLE,
             ["group_id", "topic", "partition", "next_offset", "written_at", "state"],
             [[self.group, self.topic, part.number, part.next_offset, written_at, blob]],
             f"state/{self.group}/{self.topic}/{part.number}/{part.next_offset}",
+            what="snapshot write",
         )
         part.snapshot_offset = part.next_offset
-        self.counters["snapshots"] += 1
         log.info(
             "checkpoint %s[%d] next offset %d (%d KiB)",
             self.topic,
@@ -540,23 +663,30 @@ class WorkerCore:
                     rows.append([self.group, *key, now, encode_step_inputs(prepared)])
         if rows:
             first, last = rows[0], rows[-1]
-            self._insert_rows(
+            self.sink.retry.call(
+                self._insert_rows,
                 WORKER_RETAINED_TABLE,
                 ["group_id", "job_id", "attempt", "step", "written_at", "inputs"],
                 rows,
                 f"retained/{self.group}/{first[1]}/{first[2]}/{first[3]}-"
                 f"{last[1]}/{last[2]}/{last[3]}/{len(rows)}",
+                what="retained steps write",
             )
         part.persisted = current
 
     def _insert_rows(self, table: str, columns: list[str], rows: list[list], token: str) -> None:
         """Checkpoint rows, deduplicated by `token` (a retried checkpoint writes nothing)."""
-        self.sink.client.insert(
-            table,
-            rows,
-            column_names=columns,
-            settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
-        )
+        from clickhouse_connect.driver.exceptions import ClickHouseError
+
+        try:
+            self.sink.client.insert(
+                table,
+                rows,
+                column_names=columns,
+                settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
+            )
+        except (ClickHouseError, OSError) as exc:
+            raise StoreError(f"{self.sink.dsn.shown}: insert into {table} failed: {exc}") from None
 
     def _retained_inputs(self, job: tuple[str, int], steps: list[int]) -> dict[int, bytes]:
         result = self.sink.client.query(
@@ -570,47 +700,96 @@ class WorkerCore:
 
     def _restore(self, number: int) -> _Partition:
         rows = self.sink.client.query(
-            f"SELECT state FROM {WORKER_STATE_TABLE} "
+            f"SELECT next_offset, state FROM {WORKER_STATE_TABLE} "
             "WHERE group_id = {group:String} AND topic = {topic:String} "
-            "AND partition = {partition:UInt32} ORDER BY next_offset DESC LIMIT 1",
-            parameters={"group": self.group, "topic": self.topic, "partition": number},
+            "AND partition = {partition:UInt32} ORDER BY next_offset DESC LIMIT {n:UInt32}",
+            parameters={
+                "group": self.group,
+                "topic": self.topic,
+                "partition": number,
+                "n": SNAPSHOTS_TRIED,
+            },
             column_formats={"state": "bytes"},
         ).result_rows
         now = self.clock()
-        if not rows:
-            log.info("partition %s[%d]: no snapshot, starting fresh", self.topic, number)
-            part = _Partition(number, StepProcessor(self.config.processor, self.clock))
+        for index, (offset, blob) in enumerate(rows):
+            where = f"{WORKER_STATE_TABLE}: snapshot of {self.topic}[{number}] at offset {offset}"
+            try:
+                part = self._from_snapshot(number, blob, where)
+            except SnapshotError as exc:
+                log.error("%s; trying an older one", exc)
+                continue
+            if index:
+                # Kafka's committed offset may be past this older snapshot: read from it.
+                part.seek_to = part.next_offset
             part.last_write = part.last_snapshot = now
-            return part
-        payload = pickle.loads(rows[0][0])
-        if payload.get("version") != SNAPSHOT_VERSION:
-            raise ConfigError(
-                f"{WORKER_STATE_TABLE}: snapshot of {self.topic}[{number}] has version "
-                f"{payload.get('version')!r}, this worker reads {SNAPSHOT_VERSION}"
+            for key in part.totals:
+                part.last_step_at[key] = now
+            log.info(
+                "partition %s[%d]: restored snapshot at offset %d",
+                self.topic,
+                number,
+                part.next_offset,
             )
-        processor = StepProcessor.from_state(
-            payload["processor"], self.clock, retained_inputs=self._retained_inputs
-        )
+            return part
+        clock = EventClock()
+        part = _Partition(number, StepProcessor(self.config.processor, clock), event_clock=clock)
+        part.last_write = part.last_snapshot = now
+        if rows:
+            log.error(
+                "partition %s[%d]: no readable snapshot; re-reading it from its start "
+                "(steps already stored are not stored again)",
+                self.topic,
+                number,
+            )
+            part.seek_to = 0
+        else:
+            log.info("partition %s[%d]: no snapshot, starting fresh", self.topic, number)
+        return part
+
+    def _from_snapshot(self, number: int, blob: bytes, where: str) -> _Partition:
+        """A partition resumed from a snapshot payload; SnapshotError when it is not one."""
+        payload = decode_state(blob, where)
+        version = payload.get("version") if isinstance(payload, dict) else None
+        if version != SNAPSHOT_VERSION:
+            raise SnapshotError(
+                f"{where}: version {version!r}, this worker reads {SNAPSHOT_VERSION}"
+            )
+        try:
+            clock = EventClock(payload["event_time_s"])
+            processor = StepProcessor.from_state(
+                payload["processor"], clock, retained_inputs=self._retained_inputs
+            )
+            part = _Partition(
+                number,
+                processor,
+                payload["next_offset"],
+                payload["next_offset"],
+                event_clock=clock,
+            )
+            part.totals = {tuple(k): _JobTotals(**v) for k, v in payload["totals"].items()}
+            part.jobs_written = {tuple(k) for k in payload["jobs_written"]}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SnapshotError(f"{where}: malformed snapshot ({exc!r})") from None
         # The analysis settings are the snapshot's (changing them mid-job would change the
         # numbers of re-processed steps); only the lateness follows the configuration.
         processor.settings = processor.settings.model_copy(
             update={"lateness_s": self.config.processor.lateness_s}
         )
-        part = _Partition(number, processor, payload["next_offset"], payload["next_offset"])
-        part.totals = {tuple(k): _JobTotals(**v) for k, v in payload["totals"].items()}
-        part.jobs_written = {tuple(k) for k in payload["jobs_written"]}
         part.persisted = {
             (job_id, attempt, int(p.steps[0]))
             for (job_id, attempt), job in processor.jobs.items()
             for p in job.retained
         }
-        part.last_write = part.last_snapshot = now
-        for key in part.totals:
-            part.last_step_at[key] = now
-        log.info(
-            "partition %s[%d]: restored snapshot at offset %d", self.topic, number, part.next_offset
-        )
         return part
+
+    def take_seek(self, number: int) -> int | None:
+        """The offset the host must move the consumer of a restored partition back to."""
+        part = self.partitions.get(number)
+        if part is None:
+            return None
+        seek, part.seek_to = part.seek_to, None
+        return seek
 
     def flush_results(self) -> None:
         """Overridden by the host: make published results durable."""
@@ -673,7 +852,7 @@ class FaustWorker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.sink = ClickHouseSink(config.store.resolved_dsn())
+        self.sink = ClickHouseSink(config.store.resolved_dsn(), retry=config.store.retry_policy())
         self.sink.ensure_schema(ops_ttl_days=config.store.ops_ttl_days)
         self._producer = self._make_producer()
         self.core = WorkerCore(config, self.sink, self._publish)
@@ -818,6 +997,9 @@ class FaustWorker:
             for tp in assigned:
                 if tp.topic == kafka.topic_ops:
                     await self._core(self.core.partition, tp.partition)
+                    seek = await self._core(self.core.take_seek, tp.partition)
+                    if seek is not None:
+                        await self.app.consumer.seek(tp, seek)
 
         @app.task
         async def jobs_reader() -> None:
@@ -850,9 +1032,28 @@ class FaustWorker:
             if run.message.partition in owned  # else revoked while buffered: its owner replays it
             for record in run_records(run.message)
         ]  # fmt: skip
+        await self._wait_for_store()
         await self._wait_for_jobs(messages)
         await self._core(self.core.on_messages, messages)
+        await self._track_backlog(runs)
         await self._checkpoint_due()
+
+    async def _track_backlog(self, runs: list[Any]) -> None:
+        """Tell each partition of the pass whether Kafka holds more of it (its lateness
+        then follows the records' own timestamps, see EventClock)."""
+        consumer = self.app.consumer
+        for run in runs:
+            message = run.message
+            highwater = consumer.highwater(message.tp)
+            behind = highwater is not None and message.offset + 1 < highwater
+            await self._core(self.core.set_behind, message.partition, behind)
+
+    async def _wait_for_store(self) -> None:
+        """While the store refuses writes, take no more messages (backpressure: what is
+        closed waits in memory, the rest waits in Kafka) and retry the pending writes."""
+        while self.core.store_failing and not self._stop.is_set():
+            await asyncio.sleep(self.config.worker.write_interval_s)
+            await self._core(self.core.retry_writes)
 
     async def _wait_for_jobs(self, messages: list[OpsMessage]) -> None:
         """Give `lagscope.jobs` a moment to deliver the metadata of jobs not seen yet."""
@@ -885,6 +1086,8 @@ class FaustWorker:
             await self._commit(committed)
             if self._passes_in_flight or self._last_message != last_pass_ended:
                 return  # messages came after all: not idle
+            if await self._core(self.core.busy):
+                return  # the store failed: not everything is stored yet
             log.info("idle for %.1f s: exiting (%s)", idle_exit, json.dumps(self.core.counters))
             summary = {
                 "worker_counters": self.core.counters,

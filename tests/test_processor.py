@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import pickle
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import default_job_id, iter_step_batches
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
 from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
+from lagscope.stream_app.snapshot_format import decode_state, encode_state
 from tests.conftest import analyzed_reference, assert_same_result, load_reference
 
 
@@ -110,8 +110,9 @@ def test_duplicates_and_other_tp_ranks_are_dropped(reference_dir):
 
 @pytest.mark.parametrize("inputs_outside", [False, True])
 def test_restart_from_state_gives_identical_results(reference_dir, inputs_outside):
-    """Resuming gives the same numbers, also when the retained steps' inputs are kept
-    outside the state (the worker persists each once) and handed back on restore."""
+    """Resuming from the state as the worker stores it (the safe state format) gives the
+    same numbers, also when the retained steps' inputs are kept outside the state (the
+    worker persists each once) and handed back on restore."""
     from lagscope.stream_app.processor import encode_step_inputs
 
     info, steps = stream_of("ST")
@@ -132,15 +133,15 @@ def test_restart_from_state_gives_identical_results(reference_dir, inputs_outsid
                         outside.update(
                             {int(p.steps[0]): encode_step_inputs(p) for p in job.retained}
                         )
-                    state = pickle.dumps(
+                    state = encode_state(
                         processor.state_dict(with_retained_inputs=not inputs_outside)
                     )
                     # Without inputs the state is lighter by (almost) all of them.
-                    full = len(pickle.dumps(processor.state_dict()))
-                    lean = len(pickle.dumps(processor.state_dict(with_retained_inputs=False)))
+                    full = len(encode_state(processor.state_dict()))
+                    lean = len(encode_state(processor.state_dict(with_retained_inputs=False)))
                     assert full - lean > 0.8 * sum(len(v) for v in outside.values())
                     processor = StepProcessor.from_state(
-                        pickle.loads(state), retained_inputs=inputs
+                        decode_state(state), retained_inputs=inputs
                     )
                 outs.extend(processor.on_batch(batch))
         return outs, processor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -235,3 +236,27 @@ def test_delete_shipped_removes_only_confirmed_files(
     assert left == files_before[-1:]  # the newest file may still grow: kept
     delivered = consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
     assert sorted(decode_batch(m.value).step for m in delivered) == list(range(30))
+
+
+def test_back_off_after_a_rewind_resets_once_a_delivery_succeeds(
+    tmp_path: Path, streamer_config, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    log_dir = tmp_path / "logs"
+    streamer = Streamer(streamer_config(log_dir, torn_grace_s=0.0))
+    # A long outage: rewind after rewind, the back-off grows to its 5 s cap.
+    for _ in range(12):
+        streamer._rewind_failed()
+    assert streamer._backoff_s - time.monotonic() > 4.5
+    streamer._backoff_s = 0.0  # the outage ends
+    with LogWriter(log_dir, 3, flush_interval_s=0.01) as writer:
+        writer.append(KIND_BATCH, _batch(1).encode())
+    deadline = time.monotonic() + 30
+    while streamer.stats.batches == 0 or streamer._in_flight_bytes:
+        assert time.monotonic() < deadline, "the batch was not delivered"
+        streamer.step()
+        streamer._producer.poll(0.05)
+    # The next failure is the first of a new outage: it waits the first back-off, not 5 s.
+    streamer._rewind_failed()
+    assert streamer._backoff_s - time.monotonic() <= 0.5
+    assert streamer.stats.rewinds == 13
+    streamer.close()

@@ -77,8 +77,10 @@ def start_worker(
     exit_when_idle_s: float | None = 3.0,
     env: dict[str, str] | None = None,
     log_name: str = "worker.log",
+    module: str = "lagscope.stream_app.cli",
 ) -> WorkerProcess:
-    """`lagscope worker` with its own chDB directory and faust data dir under `work_dir`."""
+    """`lagscope worker` with its own chDB directory and faust data dir under `work_dir`
+    (`module`: another entry point taking the same arguments, e.g. tests.faulty_store)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     full_env = {
         **os.environ,
@@ -94,7 +96,7 @@ def start_worker(
     command = [
         sys.executable,
         "-m",
-        "lagscope.stream_app.cli",
+        module,
         "worker",
         "--bootstrap",
         bootstrap,
