@@ -122,7 +122,15 @@ def check_seams() -> list[str]:
 _lock = threading.Lock()
 _installed: dict[str, Callable[..., Any]] = {}
 _monitor: Monitor | None = None
-_inside = threading.local()
+
+
+class _Inside(threading.local):
+    #: A class default: reading an attribute a thread never set would raise and catch
+    #: AttributeError inside getattr, on every call.
+    active = False
+
+
+_inside = _Inside()
 
 
 def install(monitor: Monitor) -> None:
@@ -166,6 +174,9 @@ def uninstall(monitor: Monitor) -> None:
         _monitor = None
 
 
+_UNSEEN = object()
+
+
 class suppressed:
     """Within this block, wrapped calls on this thread are not recorded (an integration
     that records the op itself, like the DDP comm hook, calls all_reduce inside)."""
@@ -173,7 +184,7 @@ class suppressed:
     __slots__ = ("_before",)
 
     def __enter__(self) -> None:
-        self._before = getattr(_inside, "active", False)
+        self._before = _inside.active
         _inside.active = True
 
     def __exit__(self, *exc: object) -> None:
@@ -187,39 +198,54 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
     peer_at = 1 if kind in ("send", "recv") else -1
     group_peer_name = "group_dst" if kind == "send" else "group_src"
     is_async_p2p = name in _ASYNC_P2P
+    is_p2p = kind in ("send", "recv")
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         monitor = _monitor
-        if monitor is None or not monitor.active or getattr(_inside, "active", False):
+        if monitor is None or not monitor.active or _inside.active:
             return original(*args, **kwargs)
         group = args[group_at] if len(args) > group_at else kwargs.get("group")
-        if kind in ("send", "recv"):
+        if is_p2p:
             peer = args[peer_at] if len(args) > peer_at else kwargs.get(params[peer_at])
             group_peer = args[4] if len(args) > 4 else kwargs.get(group_peer_name)
-            optype = monitor.p2p_optype(kind, args[0] if args else kwargs["tensor"], peer,
-                                        group, group_peer)  # fmt: skip
+            code = monitor.p2p_code(kind, args[0] if args else kwargs["tensor"], peer,
+                                    group, group_peer)  # fmt: skip
             is_async = is_async_p2p
         else:
-            optype = monitor.collective_optype(kind, group)
+            codes = monitor.collective_codes
+            key = (kind, id(group))
+            code = codes.get(key, _UNSEEN)
+            if code is _UNSEEN:
+                code = monitor.collective_code(kind, group)
             is_async = bool(args[async_at] if len(args) > async_at else kwargs.get("async_op"))
-        if optype is None:
+        if code is None:
             monitor.unrecorded_calls += 1
             return original(*args, **kwargs)
-        monitor.on_event()
-        scope = monitor.open_comm(optype, group)
-        # A c10d function may call another wrapped one (send calls isend): record it once.
+        if monitor.pending_works:
+            monitor.poll_works()
+        if not is_p2p and not is_async and monitor.host_clock:
+            # The common blocking collective, inlined (no scope, no re-entry guard: no
+            # wrapped collective calls another wrapped function).
+            start = _perf_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                monitor.append(((code, monitor.step_id, -1, 0), start, _perf_ns() - start))
+        opened = monitor.begin(code)
+        # A c10d p2p function may call another wrapped one (send calls isend in some
+        # versions): record it once.
         _inside.active = True
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            scope.__exit__(None, None, None)
+            monitor.end(opened)
             raise
         finally:
             _inside.active = False
         if not is_async or result is None:
-            scope.__exit__(None, None, None)
+            monitor.end(opened)
             return result
-        return monitor.time_work(result, scope, is_async_p2p)
+        return monitor.time_work(result, opened, is_async_p2p)
 
     wrapper.__wrapped_by_lagscope__ = original  # type: ignore[attr-defined]
     wrapper.__name__ = name
@@ -238,17 +264,17 @@ def timed_work_class() -> type:
         class TimedWork(dist.Work):
             """A `Work` whose completion ends its op's scope (see the module docstring)."""
 
-            def __init__(self, inner: Any, scope: Any, pending: list[Any]) -> None:
+            def __init__(self, inner: Any, opened: Any, monitor: Monitor) -> None:
                 super().__init__()
                 self.inner = inner
-                self.scope = scope
-                self._pending = pending
+                self.scope = opened
+                self._monitor = monitor
 
             def complete(self) -> None:
-                scope = self.scope
-                if scope is not None:
+                opened = self.scope
+                if opened is not None:
                     self.scope = None
-                    scope.__exit__(None, None, None)
+                    self._monitor.end(opened)
 
             def poll(self) -> bool:
                 """End the op if the inner work has completed; True when it has."""
