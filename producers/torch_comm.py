@@ -1,13 +1,15 @@
 """Collectives and p2p of torch.distributed, recorded as lagscope ops.
 
 torch.distributed has no public observer for gloo collectives, so the functions a job (or
-`torch.distributed.pipelining`) calls are wrapped: `all_reduce`, `reduce_scatter(_tensor)`,
-`all_gather(_into_tensor)`, `broadcast`, `send`/`recv`, `isend`/`irecv` (and through them
-`batch_isend_irecv`, which calls `P2POp.op`). Each wrapper is set on both
-`torch.distributed` and `torch.distributed.distributed_c10d` (c10d compares `P2POp.op`
-against its own module globals). `check_seams()` verifies every wrapped function still
-exists with the parameters the wrappers read; `install` refuses to patch when it fails, and
-`tests/test_torch_seams.py` fails loudly on a torch whose seam moved.
+`torch.distributed.pipelining`, or FSDP2) calls are wrapped: `all_reduce`,
+`reduce_scatter(_tensor)`, `all_gather(_into_tensor)`, `all_gather_single` and
+`reduce_scatter_single` (torch >= 2.15; FSDP2 calls these), `broadcast`, `send`/`recv`,
+`isend`/`irecv` (and through them `batch_isend_irecv`, which calls `P2POp.op`). Each
+wrapper is set on both `torch.distributed` and `torch.distributed.distributed_c10d` (c10d
+compares `P2POp.op` and calls the aliases' targets through its own module globals).
+`check_seams()` verifies every wrapped function still exists with the parameters the
+wrappers read; `install` refuses to patch when it fails, and `tests/test_torch_seams.py`
+fails loudly on a torch whose seam moved.
 
 Classification, by the role of the op's process group (`producers.torch_layout`):
 
@@ -69,12 +71,21 @@ SEAMS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("output_tensor", "input_tensor", "group", "async_op"),
     ),
     "broadcast": ("broadcast", ("tensor", "src", "group", "async_op")),
+    # torch >= 2.15: the single-tensor collectives FSDP2 calls; the `_into_tensor` /
+    # `_tensor` names above became aliases that call these.
+    "all_gather_single": (
+        "all_gather",
+        ("output_tensor", "input_tensor", "group", "async_op"),
+    ),
+    "reduce_scatter_single": ("reduce_scatter", ("output", "input", "op", "group", "async_op")),
     "send": ("send", ("tensor", "dst", "group", "tag", "group_dst")),
     "recv": ("recv", ("tensor", "src", "group", "tag", "group_src")),
     "isend": ("send", ("tensor", "dst", "group", "tag", "group_dst")),
     "irecv": ("recv", ("tensor", "src", "group", "tag", "group_src")),
 }
 _ASYNC_P2P = frozenset({"isend", "irecv"})
+#: Seams a torch older than 2.15 does not have (nothing calls them there).
+_OPTIONAL = frozenset({"all_gather_single", "reduce_scatter_single"})
 
 _DP_OPTYPE = {
     "all_reduce": ot.SEPARATE_GRADS_ALL_REDUCE,
@@ -97,7 +108,8 @@ def check_seams() -> list[str]:
     for name, (_, params) in SEAMS.items():
         function = getattr(c10d, name, None)
         if function is None or getattr(dist, name, None) is None:
-            problems.append(f"torch.distributed.{name} is missing")
+            if name not in _OPTIONAL:
+                problems.append(f"torch.distributed.{name} is missing")
             continue
         function = getattr(function, "__wrapped_by_lagscope__", function)
         try:
@@ -151,7 +163,9 @@ def install(monitor: Monitor) -> None:
                 + "; ".join(problems)
             )
         for name, (kind, _) in SEAMS.items():
-            original = getattr(c10d, name)
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
             wrapper = _make_wrapper(name, kind, original)
             _installed[name] = original
             setattr(c10d, name, wrapper)
@@ -223,18 +237,19 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
             return original(*args, **kwargs)
         if monitor.pending_works:
             monitor.poll_works()
+        # A c10d function may call another wrapped one (all_gather_into_tensor calls
+        # all_gather_single in torch 2.15, send calls isend in some versions): the guard
+        # records it once.
+        _inside.active = True
         if not is_p2p and not is_async and monitor.host_clock:
-            # The common blocking collective, inlined (no scope, no re-entry guard: no
-            # wrapped collective calls another wrapped function).
+            # The common blocking collective, inlined (no scope object).
             start = _perf_ns()
             try:
                 return original(*args, **kwargs)
             finally:
+                _inside.active = False
                 monitor.append(((code, monitor.step_id, -1, 0), start, _perf_ns() - start))
         opened = monitor.begin(code)
-        # A c10d p2p function may call another wrapped one (send calls isend in some
-        # versions): record it once.
-        _inside.active = True
         try:
             result = original(*args, **kwargs)
         except BaseException:

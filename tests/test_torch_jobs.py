@@ -209,3 +209,24 @@ def test_sampling_records_exactly_the_scheduled_steps(tmp_path: Path) -> None:
     for rank in range(4):
         assert {op["step"] for op in ops if op["rank"] == rank} == {2, 5, 8}
 
+
+def test_fsdp2_all_gathers_and_reduce_scatters_are_recorded(tmp_path: Path) -> None:
+    """FSDP2 (`fully_shard` per block, gloo on CPU): per step and rank, each block's
+    parameters are all-gathered for its forward and again for its backward, its gradients
+    reduce-scattered once, as data-parallel ops; nothing is an all-reduce."""
+    from tests.torch_jobs import fsdp
+
+    blocks = fsdp.DEFAULTS["layers"]
+    ops = run(tmp_path, fsdp.worker, steps=4, world=2, gc_probe=False, **fsdp.DEFAULTS)
+    assert {op["step"] for op in ops} == {0, 1, 2, 3}
+    for (rank, step), step_ops in _by_rank_step(ops).items():
+        kinds = collections.Counter(o["optype"] for o in step_ops)
+        assert kinds == {"params-all-gather": 2 * blocks, "grads-reduce-scatter": blocks,
+                         "input-wait": 1, "forward-compute": 1, "backward-compute": 1,
+                         "optimizer": 1}, (rank, step, kinds)  # fmt: skip
+        (backward,) = [o for o in step_ops if o["optype"] == "backward-compute"]
+        (optimizer,) = [o for o in step_ops if o["optype"] == "optimizer"]
+        for scatter in (o for o in step_ops if o["optype"] == "grads-reduce-scatter"):
+            # Gradients exist only once backward has started; the update waits for them.
+            assert backward["start_ns"] < scatter["start_ns"], (rank, step)
+            assert scatter["start_ns"] + scatter["duration_ns"] <= optimizer["start_ns"]
