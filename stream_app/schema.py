@@ -48,6 +48,7 @@ SCHEMA_VERSION_TABLE = "schema_version"
 #: Tables of the distributed worker's checkpoints (stream_app/worker.py).
 WORKER_STATE_TABLE = "worker_state"
 WORKER_RETAINED_TABLE = "worker_retained"
+RANK_IDENTITY_TABLE = "rank_identity"
 DEFAULT_OPS_TTL_DAYS = 7
 #: Recent insert blocks whose tokens a table remembers: replays after a crash come within
 #: minutes, i.e. well inside this many batches.
@@ -238,6 +239,30 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
                 "DEFAULT nan CODEC(Gorilla, ZSTD(1))",
                 "ALTER TABLE steps ADD COLUMN IF NOT EXISTS trusted Bool "
                 "DEFAULT sim_discrepancy <= 0.05",
+            ),
+        ),
+        Migration(
+            4,
+            "rank identity: the machine each rank of a job attempt runs on",
+            (
+                # One row per (job, attempt, rank): what the node view joins worker
+                # slowdowns with to rank machines across jobs. `node` is the scheduler's or
+                # Kubernetes' node name where known, else empty (the host then names it).
+                f"""CREATE TABLE IF NOT EXISTS {RANK_IDENTITY_TABLE} (
+                    job_id LowCardinality(String), attempt UInt32, rank UInt32,
+                    dp_rank UInt32, pp_rank UInt32, tp_rank UInt32, cp_rank UInt32,
+                    host LowCardinality(String), node LowCardinality(String), pod String,
+                    gpu Nullable(Int32), pci_bus_id String, version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt, rank) {_SETTINGS}""",
+            ),
+        ),
+        Migration(
+            5,
+            "rank identity: the rank's index on its machine",
+            (
+                f"ALTER TABLE {RANK_IDENTITY_TABLE} ADD COLUMN IF NOT EXISTS local_rank UInt32 "
+                "DEFAULT 0 AFTER rank",
             ),
         ),
     )

@@ -230,3 +230,25 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_recorded(tmp_path: Path) -> N
             # Gradients exist only once backward has started; the update waits for them.
             assert backward["start_ns"] < scatter["start_ns"], (rank, step)
             assert scatter["start_ns"] + scatter["duration_ns"] <= optimizer["start_ns"]
+
+
+def test_every_rank_identity_is_stored_by_the_embedded_host(
+    one_f_one_b: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
+    """Each of the 4 ranks' job records becomes its `rank_identity` row; none is taken for
+    a conflicting second job record (each names another rank and machine by design)."""
+    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.processor import ProcessorSettings
+    from lagscope.stream_app.sink import ClickHouseSink
+
+    log_dir, _ = one_f_one_b
+    sink = ClickHouseSink(f"chdb://{tmp_path / 'chdb'}")
+    sink.ensure_schema()
+    report = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0)).run_logs(log_dir)
+    assert report.dead_letters == 0
+    _, rows = sink.query(
+        "SELECT rank, local_rank, dp_rank, pp_rank, host != '', node, pod, gpu, pci_bus_id "
+        "FROM rank_identity FINAL WHERE job_id = 'torch-job' ORDER BY rank"
+    )
+    assert rows == [(r, r, r // 2, r % 2, True, "node-7", "trainer-0", None, "")
+                    for r in range(4)]  # fmt: skip
