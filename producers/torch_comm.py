@@ -33,10 +33,9 @@ Timing to completion, never to the call's return:
   outstanding works at every hook it receives, so a receive that completed while the rank
   computed is not charged for the computation;
 - CUDA mode: the op's scope records CUDA events on the current stream at the call and at
-  completion (the end event after `wait()`, which orders the stream after the comm).
-  Not done yet: on NCCL, prefer the process group's own device timing
-  (`TORCH_NCCL_ENABLE_TIMING=1`, `ProcessGroupNCCL._register_on_completion_hook`), matching
-  its `WorkInfo.seq` to the op recorded at the call.
+  completion (the end event after `wait()`, which orders the stream after the comm);
+- NCCL: collectives on a data-parallel group whose backend is NCCL are timed on the
+  device by the process group itself (`producers.torch_nccl`), not by our events.
 """
 
 from __future__ import annotations
@@ -241,6 +240,17 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
         # all_gather_single in torch 2.15, send calls isend in some versions): the guard
         # records it once.
         _inside.active = True
+        nccl = monitor.nccl
+        if nccl is not None and not is_p2p:
+            issued_on = group if group is not None else _default_group()
+            if nccl.timed_here(issued_on):
+                # NCCL times it on the device; its completion hook records it.
+                try:
+                    result = original(*args, **kwargs)
+                finally:
+                    _inside.active = False
+                nccl.park(issued_on, (code, monitor.step_id, -1, 0))
+                return result
         if not is_p2p and not is_async and monitor.host_clock:
             # The common blocking collective, inlined (no scope object).
             start = _perf_ns()
@@ -268,6 +278,12 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
     wrapper.__doc__ = original.__doc__
     wrapper.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
     return wrapper
+
+
+def _default_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.group.WORLD
 
 
 def timed_work_class() -> type:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from lagscope.producers import torch_comm, torch_hooks
+from lagscope.producers import torch_comm, torch_hooks, torch_nccl
 from lagscope.producers.events import JobInfo
 from lagscope.producers.timer import OpTimer
 from lagscope.producers.torch_layout import Layout
@@ -78,6 +78,8 @@ class Monitor:
         self.append = timer.appender()
         self._names = timer.optype_names
         self._codes = {name: timer.code_of(name) for name in timer.optype_names}
+        #: Device-side collective times on NCCL groups (`attach_nccl`), else None.
+        self.nccl: torch_nccl.NcclDeviceTimes | None = None
         #: (collective kind, id(group)) -> op code, or None when the op is not recorded.
         self.collective_codes: dict[tuple[str, int], int | None] = {}
         #: id(tensor) -> "forward"/"backward", set by a schedule that knows a p2p's direction.
@@ -229,6 +231,15 @@ class Monitor:
     def attach_modules(self, modules: Sequence[Any]) -> None:
         for chunk, module in enumerate(modules):
             self.module_hooks.append(torch_hooks.ModuleHooks(self, module, chunk))
+
+    def attach_nccl(self, groups: Sequence[Any]) -> None:
+        """Time the collectives of these (data-parallel) groups on the device where their
+        backend is NCCL; groups on other backends keep the wrappers' own timing."""
+        if self.timer.on_host_clock:
+            return  # host mode was asked for (or no GPU): one clock for every op
+        nccl = self.nccl or torch_nccl.NcclDeviceTimes(self)
+        if any([nccl.attach(group) for group in groups]):
+            self.nccl = nccl
 
     def attach_optimizer(self, optimizer: Any) -> None:
         self.optimizer_hooks.append(torch_hooks.OptimizerHooks(self, optimizer))

@@ -93,6 +93,9 @@ def start_monitor(
         first_step=first_step,
     )
     try:
+        import torch.distributed as dist
+
+        monitor.attach_nccl([groups["dp"] if groups.get("dp") is not None else dist.group.WORLD])
         if stages:
             monitor.attach_modules([s.submod for s in stages])
             for stage in stages:
