@@ -3,7 +3,7 @@
     import lagscope.torch
 
     dist.init_process_group("nccl")                  # or gloo
-    model = DDP(model)                               # or a pipelining schedule, or both
+    model = DDP(model)                   # or fully_shard(model), a pipelining schedule, ...
     monitor = lagscope.torch.monitor(model=model, optimizer=optimizer, data=loader,
                                      job_id="llama-70b", log_dir="/local/lagscope")
     for batch in loader:                             # unchanged training loop
@@ -12,11 +12,14 @@
         optimizer.step()
     monitor.close()
 
-Recorded, with no timing lines in the job: forward and backward per micro-batch (module
-hooks), the optimizer step (optimizer hooks; it also ends each step), DDP gradient buckets
-(comm hook), data-parallel collectives and pipeline send/recv of torch.distributed timed to
-completion, and the wait for the next batch (`data=`). The job record (dp/pp/tp sizes, this
-rank's host, GPU, node and pod) is derived from the process groups and the environment.
+Recorded, with no timing lines in the job: forward and backward per micro-batch (a
+forward wrapper and autograd hooks), the optimizer step (optimizer hooks; it also ends each
+step), DDP gradient buckets (comm hook), FSDP2 all-gathers and reduce-scatters, data-
+parallel collectives and pipeline send/recv of torch.distributed timed to completion (on
+NCCL by the process group's own device timing), and the wait for the next batch (`data=`).
+The job record (dp/pp/tp sizes, this rank's host, GPU and its PCI bus id, node and pod) is
+derived from the process groups and the environment; the analysis stores every rank's
+machine and names it next to the workers it names.
 Then `lagscope run --logs /local/lagscope` analyses the job.
 
 A job without an optimizer calls `monitor.step()` at the end of each step. Sampling is
@@ -65,10 +68,11 @@ def monitor(
     """Start monitoring this rank; call after the process groups and the model exist.
 
     model: the model (a DDP model: its gradient buckets are timed and its process group is
-    data parallel). pipeline: a torch.distributed.pipelining schedule (its stages are
-    hooked; its group is pipeline parallel). modules: the model chunks to hook when neither
-    says (e.g. a hand-written pipeline's stage module). data: the data loader whose waits
-    are recorded (iterate the returned object if it is not the loader itself).
+    data parallel; an FSDP2 model: its parameters' 1-D mesh is data parallel). pipeline: a
+    torch.distributed.pipelining schedule (its stages are hooked; its group is pipeline
+    parallel). modules: the model chunks to hook when neither says (e.g. a hand-written
+    pipeline's stage module). data: the data loader whose waits are recorded (iterate the
+    returned object if it is not the loader itself).
     dp_group/pp_group/...: the roles of hand-built groups; mesh: a DeviceMesh with named
     dimensions. job_id/log_dir default to $LAGSCOPE_JOB_ID (else the launcher's run id)
     and $LAGSCOPE_LOG_DIR.

@@ -123,6 +123,9 @@ class RankIdentity(BaseModel):
     node: str | None = None
     #: Kubernetes pod name when running in a pod.
     pod: str | None = None
+    #: PCI bus id of the GPU ("0000:3b:00.0"): the one name of a GPU that holds across
+    #: CUDA_VISIBLE_DEVICES remappings and matches nvidia-smi / DCGM.
+    pci_bus_id: str | None = None
 
 
 class JobInfo(JobMeta):
@@ -143,8 +146,16 @@ class JobInfo(JobMeta):
 
     @property
     def key(self) -> str:
-        """Compaction key: one live record per (job, attempt)."""
+        """The job attempt's key: one job record per (job, attempt) describes the job."""
         return f"{self.job_id}/{self.attempt}"
+
+    @property
+    def record_key(self) -> str:
+        """Compaction key on the jobs topic: one live record per rank that carries its
+        identity (every rank's machine is kept), else one per (job, attempt)."""
+        if self.rank_identity is None:
+            return self.key
+        return f"{self.key}/{self.rank_identity.rank}"
 
     @classmethod
     def from_meta(cls, meta: JobMeta, *, job_id: str, attempt: int = 0) -> JobInfo:

@@ -371,12 +371,13 @@ class Streamer:
                     item.payload[:64],
                 )
                 return
-            if info.key in self._jobs_sent:
+            if info.record_key in self._jobs_sent:
                 self._track(state, _Pending(item.position_after, 0, delivered=True))
                 return
             self._produce(state, item.position_after, kafka.topic_jobs,
-                          key=info.key.encode(), value=item.payload,
-                          headers=[(SCHEMA_HEADER, b"job-1")], job_key=info.key)  # fmt: skip
+                          key=info.record_key.encode(), value=item.payload,
+                          headers=[(SCHEMA_HEADER, b"job-1")],
+                          job_key=info.record_key)  # fmt: skip
             self.stats.jobs += 1
 
     def _send_dead_letter(

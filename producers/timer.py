@@ -76,7 +76,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import operator
+import queue
 import threading
 import time
 from collections import deque
@@ -89,6 +91,8 @@ import numpy as np
 from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
 from lagscope.simulator.optypes import GC_PAUSE, KNOWN_OPTYPES
+
+log = logging.getLogger("lagscope.timer")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -243,6 +247,13 @@ class OpTimer:
         self._lock = threading.Lock()
         self._closed = False
         self.batches_written = 0
+        # Steps' ops travel to the sealer thread, which encodes and writes them (one list
+        # per seal; None stops it): the training thread pays a list copy and a put per step.
+        self._sealing: queue.Queue[list[Any] | None] = queue.Queue()
+        self._sealer = threading.Thread(
+            target=self._seal_loop, name=f"lagscope-sealer-{rank}", daemon=True
+        )
+        self._sealer.start()
         self._cuda: _CudaTimer | None = None
         if mode == "cuda" or (mode == "auto" and _cuda_available()):
             self._cuda = _CudaTimer(self, calibrate_every_s)
@@ -356,6 +367,19 @@ class OpTimer:
     def current_step(self) -> int:
         return self._current_step
 
+    @property
+    def on_host_clock(self) -> bool:
+        """Whether ops are timed with the host clock (no CUDA events): `appender()` applies."""
+        return self._cuda is None
+
+    def appender(self) -> Callable[[tuple[tuple[int, int, int, int], int, int]], None]:
+        """The buffer's bound `append`, for an integration's hottest path (host clock only).
+
+        It takes `((code, step, microbatch, chunk), start_perf_ns, duration_ns)`, with the
+        same obligations as `add`; the head tuple can be built once and reused.
+        """
+        return self._buffer.append
+
     def add(
         self,
         code: int,
@@ -376,10 +400,11 @@ class OpTimer:
         )
 
     def step(self, step: int) -> None:
-        """Start step `step`: ops recorded so far are sealed into their steps' batches."""
+        """Start step `step`: ops recorded so far go to the sealer thread, which encodes
+        them into their steps' batches and appends those to the log."""
         if not 0 <= step < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT)
-        self._seal()
+        self._hand_over()
         self._current_step = step
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -388,7 +413,8 @@ class OpTimer:
         """Seal everything recorded so far and wait until it is in the log file."""
         if self._cuda is not None:
             self._cuda.drain()
-        self._seal()
+        self._hand_over()
+        self._sealing.join()
         self._writer.flush()
 
     def close(self) -> None:
@@ -400,6 +426,8 @@ class OpTimer:
         if self._cuda is not None:
             self._cuda.stop()
         self._closed = True
+        self._sealing.put(None)
+        self._sealer.join()
         self._writer.close()
 
     def __enter__(self) -> OpTimer:
@@ -428,19 +456,34 @@ class OpTimer:
             self._buffer.append((head, self._gc_start, end - self._gc_start))
             self._gc_start = 0
 
-    def _seal(self) -> None:
-        """Write the batches of everything recorded so far.
+    def _hand_over(self) -> None:
+        """Give everything recorded so far to the sealer thread.
 
         The buffer list is never replaced (scopes hold its bound `append`): we copy it and
         delete exactly the copied prefix, so an op appended by another thread (the GC
         callback, a comm thread calling record()) in between is kept for the next seal.
         """
-        with self._lock:
-            taken = self._buffer.copy()
-            del self._buffer[: len(taken)]
-            if taken:
-                self._write_batches(_rows(taken))
-            self._wall_offset_ns = _wall_minus_perf_ns()
+        buffer = self._buffer
+        if buffer:
+            taken = buffer.copy()
+            del buffer[: len(taken)]
+            self._sealing.put(taken)
+
+    def _seal_loop(self) -> None:
+        while True:
+            taken = self._sealing.get()
+            try:
+                if taken is None:
+                    return
+                with self._lock:
+                    self._write_batches(_rows(taken))
+                    self._wall_offset_ns = _wall_minus_perf_ns()
+            except Exception:
+                # A batch that cannot be encoded is lost, never the thread: later steps
+                # and flush() must keep working.
+                log.exception("lagscope timer on rank %d could not write a batch", self.rank)
+            finally:
+                self._sealing.task_done()
 
     def _write_batches(self, ops: np.ndarray) -> None:
         if not ops.size:

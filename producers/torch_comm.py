@@ -1,13 +1,15 @@
 """Collectives and p2p of torch.distributed, recorded as lagscope ops.
 
 torch.distributed has no public observer for gloo collectives, so the functions a job (or
-`torch.distributed.pipelining`) calls are wrapped: `all_reduce`, `reduce_scatter(_tensor)`,
-`all_gather(_into_tensor)`, `broadcast`, `send`/`recv`, `isend`/`irecv` (and through them
-`batch_isend_irecv`, which calls `P2POp.op`). Each wrapper is set on both
-`torch.distributed` and `torch.distributed.distributed_c10d` (c10d compares `P2POp.op`
-against its own module globals). `check_seams()` verifies every wrapped function still
-exists with the parameters the wrappers read; `install` refuses to patch when it fails, and
-`tests/test_torch_seams.py` fails loudly on a torch whose seam moved.
+`torch.distributed.pipelining`, or FSDP2) calls are wrapped: `all_reduce`,
+`reduce_scatter(_tensor)`, `all_gather(_into_tensor)`, `all_gather_single` and
+`reduce_scatter_single` (torch >= 2.15; FSDP2 calls these), `broadcast`, `send`/`recv`,
+`isend`/`irecv` (and through them `batch_isend_irecv`, which calls `P2POp.op`). Each
+wrapper is set on both `torch.distributed` and `torch.distributed.distributed_c10d` (c10d
+compares `P2POp.op` and calls the aliases' targets through its own module globals).
+`check_seams()` verifies every wrapped function still exists with the parameters the
+wrappers read; `install` refuses to patch when it fails, and `tests/test_torch_seams.py`
+fails loudly on a torch whose seam moved.
 
 Classification, by the role of the op's process group (`producers.torch_layout`):
 
@@ -31,10 +33,9 @@ Timing to completion, never to the call's return:
   outstanding works at every hook it receives, so a receive that completed while the rank
   computed is not charged for the computation;
 - CUDA mode: the op's scope records CUDA events on the current stream at the call and at
-  completion (the end event after `wait()`, which orders the stream after the comm).
-  Not done yet: on NCCL, prefer the process group's own device timing
-  (`TORCH_NCCL_ENABLE_TIMING=1`, `ProcessGroupNCCL._register_on_completion_hook`), matching
-  its `WorkInfo.seq` to the op recorded at the call.
+  completion (the end event after `wait()`, which orders the stream after the comm);
+- NCCL: collectives on a data-parallel group whose backend is NCCL are timed on the
+  device by the process group itself (`producers.torch_nccl`), not by our events.
 """
 
 from __future__ import annotations
@@ -69,12 +70,21 @@ SEAMS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("output_tensor", "input_tensor", "group", "async_op"),
     ),
     "broadcast": ("broadcast", ("tensor", "src", "group", "async_op")),
+    # torch >= 2.15: the single-tensor collectives FSDP2 calls; the `_into_tensor` /
+    # `_tensor` names above became aliases that call these.
+    "all_gather_single": (
+        "all_gather",
+        ("output_tensor", "input_tensor", "group", "async_op"),
+    ),
+    "reduce_scatter_single": ("reduce_scatter", ("output", "input", "op", "group", "async_op")),
     "send": ("send", ("tensor", "dst", "group", "tag", "group_dst")),
     "recv": ("recv", ("tensor", "src", "group", "tag", "group_src")),
     "isend": ("send", ("tensor", "dst", "group", "tag", "group_dst")),
     "irecv": ("recv", ("tensor", "src", "group", "tag", "group_src")),
 }
 _ASYNC_P2P = frozenset({"isend", "irecv"})
+#: Seams a torch older than 2.15 does not have (nothing calls them there).
+_OPTIONAL = frozenset({"all_gather_single", "reduce_scatter_single"})
 
 _DP_OPTYPE = {
     "all_reduce": ot.SEPARATE_GRADS_ALL_REDUCE,
@@ -97,7 +107,8 @@ def check_seams() -> list[str]:
     for name, (_, params) in SEAMS.items():
         function = getattr(c10d, name, None)
         if function is None or getattr(dist, name, None) is None:
-            problems.append(f"torch.distributed.{name} is missing")
+            if name not in _OPTIONAL:
+                problems.append(f"torch.distributed.{name} is missing")
             continue
         function = getattr(function, "__wrapped_by_lagscope__", function)
         try:
@@ -122,7 +133,15 @@ def check_seams() -> list[str]:
 _lock = threading.Lock()
 _installed: dict[str, Callable[..., Any]] = {}
 _monitor: Monitor | None = None
-_inside = threading.local()
+
+
+class _Inside(threading.local):
+    #: A class default: reading an attribute a thread never set would raise and catch
+    #: AttributeError inside getattr, on every call.
+    active = False
+
+
+_inside = _Inside()
 
 
 def install(monitor: Monitor) -> None:
@@ -143,7 +162,9 @@ def install(monitor: Monitor) -> None:
                 + "; ".join(problems)
             )
         for name, (kind, _) in SEAMS.items():
-            original = getattr(c10d, name)
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
             wrapper = _make_wrapper(name, kind, original)
             _installed[name] = original
             setattr(c10d, name, wrapper)
@@ -166,6 +187,9 @@ def uninstall(monitor: Monitor) -> None:
         _monitor = None
 
 
+_UNSEEN = object()
+
+
 class suppressed:
     """Within this block, wrapped calls on this thread are not recorded (an integration
     that records the op itself, like the DDP comm hook, calls all_reduce inside)."""
@@ -173,7 +197,7 @@ class suppressed:
     __slots__ = ("_before",)
 
     def __enter__(self) -> None:
-        self._before = getattr(_inside, "active", False)
+        self._before = _inside.active
         _inside.active = True
 
     def __exit__(self, *exc: object) -> None:
@@ -187,39 +211,66 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
     peer_at = 1 if kind in ("send", "recv") else -1
     group_peer_name = "group_dst" if kind == "send" else "group_src"
     is_async_p2p = name in _ASYNC_P2P
+    is_p2p = kind in ("send", "recv")
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         monitor = _monitor
-        if monitor is None or not monitor.active or getattr(_inside, "active", False):
+        if monitor is None or not monitor.active or _inside.active:
             return original(*args, **kwargs)
         group = args[group_at] if len(args) > group_at else kwargs.get("group")
-        if kind in ("send", "recv"):
+        if is_p2p:
             peer = args[peer_at] if len(args) > peer_at else kwargs.get(params[peer_at])
             group_peer = args[4] if len(args) > 4 else kwargs.get(group_peer_name)
-            optype = monitor.p2p_optype(kind, args[0] if args else kwargs["tensor"], peer,
-                                        group, group_peer)  # fmt: skip
+            code = monitor.p2p_code(kind, args[0] if args else kwargs["tensor"], peer,
+                                    group, group_peer)  # fmt: skip
             is_async = is_async_p2p
         else:
-            optype = monitor.collective_optype(kind, group)
+            codes = monitor.collective_codes
+            key = (kind, id(group))
+            code = codes.get(key, _UNSEEN)
+            if code is _UNSEEN:
+                code = monitor.collective_code(kind, group)
             is_async = bool(args[async_at] if len(args) > async_at else kwargs.get("async_op"))
-        if optype is None:
+        if code is None:
             monitor.unrecorded_calls += 1
             return original(*args, **kwargs)
-        monitor.on_event()
-        scope = monitor.open_comm(optype, group)
-        # A c10d function may call another wrapped one (send calls isend): record it once.
+        if monitor.pending_works:
+            monitor.poll_works()
+        # A c10d function may call another wrapped one (all_gather_into_tensor calls
+        # all_gather_single in torch 2.15, send calls isend in some versions): the guard
+        # records it once.
         _inside.active = True
+        nccl = monitor.nccl
+        if nccl is not None and not is_p2p:
+            issued_on = group if group is not None else _default_group()
+            if nccl.timed_here(issued_on):
+                # NCCL times it on the device; its completion hook records it.
+                try:
+                    result = original(*args, **kwargs)
+                finally:
+                    _inside.active = False
+                nccl.park(issued_on, (code, monitor.step_id, -1, 0))
+                return result
+        if not is_p2p and not is_async and monitor.host_clock:
+            # The common blocking collective, inlined (no scope object).
+            start = _perf_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _inside.active = False
+                monitor.append(((code, monitor.step_id, -1, 0), start, _perf_ns() - start))
+        opened = monitor.begin(code)
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            scope.__exit__(None, None, None)
+            monitor.end(opened)
             raise
         finally:
             _inside.active = False
         if not is_async or result is None:
-            scope.__exit__(None, None, None)
+            monitor.end(opened)
             return result
-        return monitor.time_work(result, scope, is_async_p2p)
+        return monitor.time_work(result, opened, is_async_p2p)
 
     wrapper.__wrapped_by_lagscope__ = original  # type: ignore[attr-defined]
     wrapper.__name__ = name
@@ -227,6 +278,12 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
     wrapper.__doc__ = original.__doc__
     wrapper.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
     return wrapper
+
+
+def _default_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.group.WORLD
 
 
 def timed_work_class() -> type:
@@ -238,17 +295,17 @@ def timed_work_class() -> type:
         class TimedWork(dist.Work):
             """A `Work` whose completion ends its op's scope (see the module docstring)."""
 
-            def __init__(self, inner: Any, scope: Any, pending: list[Any]) -> None:
+            def __init__(self, inner: Any, opened: Any, monitor: Monitor) -> None:
                 super().__init__()
                 self.inner = inner
-                self.scope = scope
-                self._pending = pending
+                self.scope = opened
+                self._monitor = monitor
 
             def complete(self) -> None:
-                scope = self.scope
-                if scope is not None:
+                opened = self.scope
+                if opened is not None:
                     self.scope = None
-                    scope.__exit__(None, None, None)
+                    self._monitor.end(opened)
 
             def poll(self) -> bool:
                 """End the op if the inner work has completed; True when it has."""

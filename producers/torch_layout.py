@@ -147,6 +147,7 @@ def rank_identity(layout: Layout) -> RankIdentity:
     in_kubernetes = "KUBERNETES_SERVICE_HOST" in os.environ
     pod = os.environ.get("POD_NAME") or (os.environ.get("HOSTNAME") if in_kubernetes else None)
     node = os.environ.get("NODE_NAME") or os.environ.get("SLURMD_NODENAME")
+    gpu = _gpu_index()
     return RankIdentity(
         rank=layout.rank,
         local_rank=local_rank,
@@ -155,9 +156,10 @@ def rank_identity(layout: Layout) -> RankIdentity:
         tp_rank=layout.coords["tp"],
         cp_rank=layout.coords["cp"],
         host=socket.gethostname(),
-        gpu=_gpu_index(),
+        gpu=gpu,
         node=node,
         pod=pod,
+        pci_bus_id=_pci_bus_id(gpu),
     )
 
 
@@ -195,3 +197,16 @@ def _gpu_index() -> int | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return int(torch.cuda.current_device())
+
+
+def _pci_bus_id(gpu: int | None) -> str | None:
+    """The GPU's PCI bus id in nvidia-smi's form ("00000000:3B:00.0"), or None."""
+    if gpu is None:
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(gpu)
+    try:
+        return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    except AttributeError:  # a torch whose device properties lack the PCI ids
+        return None

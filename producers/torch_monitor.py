@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from lagscope.producers import torch_comm, torch_hooks
+from lagscope.producers import torch_comm, torch_hooks, torch_nccl
 from lagscope.producers.events import JobInfo
 from lagscope.producers.timer import OpTimer
 from lagscope.producers.torch_layout import Layout
 from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
+
+_perf_ns = time.perf_counter_ns
 
 
 class Monitor:
@@ -65,7 +67,21 @@ class Monitor:
         #: What to iterate for the recorded input waits: the data loader itself when it
         #: could be changed in place, else a wrapping iterator.
         self.data: Any = None
-        self._works: list[Any] = []
+        #: Async p2p works not known to be complete yet (`TimedWork`s).
+        self.pending_works: list[Any] = []
+        timer = self.timer
+        if timer.on_host_clock:
+            self.begin = self._begin_host  # type: ignore[method-assign]
+            self.end = self._end_host  # type: ignore[method-assign]
+        #: Whether ops are timed on the host clock (then `append` takes a finished op).
+        self.host_clock = timer.on_host_clock
+        self.append = timer.appender()
+        self._names = timer.optype_names
+        self._codes = {name: timer.code_of(name) for name in timer.optype_names}
+        #: Device-side collective times on NCCL groups (`attach_nccl`), else None.
+        self.nccl: torch_nccl.NcclDeviceTimes | None = None
+        #: (collective kind, id(group)) -> op code, or None when the op is not recorded.
+        self.collective_codes: dict[tuple[str, int], int | None] = {}
         #: id(tensor) -> "forward"/"backward", set by a schedule that knows a p2p's direction.
         self.direction_hints: dict[int, str] = {}
         self._closed = False
@@ -94,26 +110,56 @@ class Monitor:
 
     def on_event(self) -> None:
         """Called by every recording hook: stamp works that completed meanwhile."""
-        if self._works:
+        if self.pending_works:
             self.poll_works()
 
     def poll_works(self) -> None:
-        self._works = [work for work in self._works if not work.poll()]
+        self.pending_works = [work for work in self.pending_works if not work.poll()]
+
+    # -- opening and closing ops (host clock, or CUDA events in CUDA mode) ----------------
+
+    def begin(self, code: int, microbatch: int = -1, chunk: int = 0) -> Any:
+        """Start an op of the current step; pass what it returns to `end`."""
+        scope = self.timer.op(self._names[code], microbatch=microbatch, chunk=chunk)
+        scope.__enter__()
+        return scope
+
+    def end(self, opened: Any) -> None:
+        opened.__exit__(None, None, None)
+
+    def _begin_host(self, code: int, microbatch: int = -1, chunk: int = 0) -> Any:
+        return ((code, self.step_id, microbatch, chunk), _perf_ns())
+
+    def _end_host(self, opened: Any) -> None:
+        head, start = opened
+        self.append((head, start, _perf_ns() - start))
 
     def close_backwards(self) -> None:
         for hooks in self.module_hooks:
             hooks.close_backward()
 
-    def collective_optype(self, kind: str, group: Any) -> str | None:
-        role = self._role(group)
-        if role != "dp":
-            return None
-        return torch_comm._DP_OPTYPE.get(kind)
+    def collective_code(self, kind: str, group: Any) -> int | None:
+        """The op code of a collective of `kind` on `group`, or None (not recorded)."""
+        key = (kind, id(group))
+        try:
+            return self.collective_codes[key]
+        except KeyError:
+            pass
+        optype = torch_comm._DP_OPTYPE.get(kind) if self._role(group) == "dp" else None
+        code = None if optype is None else self._codes[optype]
+        self.collective_codes[key] = code
+        return code
+
+    def p2p_code(
+        self, kind: str, tensor: Any, peer: int | None, group: Any, group_peer: int | None
+    ) -> int | None:
+        optype = self.p2p_optype(kind, tensor, peer, group, group_peer)
+        return None if optype is None else self._codes[optype]
 
     def p2p_optype(
         self, kind: str, tensor: Any, peer: int | None, group: Any, group_peer: int | None
     ) -> str | None:
-        hint = self.direction_hints.pop(id(tensor), None)
+        hint = self.direction_hints.pop(id(tensor), None) if self.direction_hints else None
         if hint is not None:
             return f"{hint}-{kind}"
         import torch.distributed as dist
@@ -140,24 +186,19 @@ class Monitor:
             group = dist.group.WORLD
         return self.layout.roles.get(id(group))
 
-    def open_comm(self, optype: str, group: Any) -> Any:
-        """An entered scope for a comm op (host clock, or CUDA events in CUDA mode)."""
-        scope = self.timer.op(optype)
-        scope.__enter__()
-        return scope
-
-    def time_work(self, work: Any, scope: Any, p2p: bool) -> Any:
-        """End `scope` when `work` completes; returns what the caller gets back."""
+    def time_work(self, work: Any, opened: Any, p2p: bool) -> Any:
+        """End the op `opened` when `work` completes; returns what the caller gets back."""
         if not p2p:
             try:
                 future = work.get_future()
             except RuntimeError:
                 future = None
             if future is not None:
-                future.add_done_callback(lambda _: scope.__exit__(None, None, None))
+                end = self.end
+                future.add_done_callback(lambda _: end(opened))
                 return work
-        timed = torch_comm.timed_work_class()(work, scope, self._works)
-        self._works.append(timed)
+        timed = torch_comm.timed_work_class()(work, opened, self)
+        self.pending_works.append(timed)
         return timed
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -176,7 +217,7 @@ class Monitor:
         for loader in self.loaders:
             torch_hooks.untime_input(loader)
         deadline = time.monotonic() + 5.0
-        while self._works and time.monotonic() < deadline:
+        while self.pending_works and time.monotonic() < deadline:
             self.poll_works()
             time.sleep(0.001)
         self.timer.close()
@@ -190,6 +231,15 @@ class Monitor:
     def attach_modules(self, modules: Sequence[Any]) -> None:
         for chunk, module in enumerate(modules):
             self.module_hooks.append(torch_hooks.ModuleHooks(self, module, chunk))
+
+    def attach_nccl(self, groups: Sequence[Any]) -> None:
+        """Time the collectives of these (data-parallel) groups on the device where their
+        backend is NCCL; groups on other backends keep the wrappers' own timing."""
+        if self.timer.on_host_clock:
+            return  # host mode was asked for (or no GPU): one clock for every op
+        nccl = self.nccl or torch_nccl.NcclDeviceTimes(self)
+        if any([nccl.attach(group) for group in groups]):
+            self.nccl = nccl
 
     def attach_optimizer(self, optimizer: Any) -> None:
         self.optimizer_hooks.append(torch_hooks.OptimizerHooks(self, optimizer))

@@ -1,7 +1,7 @@
 """`lagscope.torch.monitor()`: from the job's own objects to a running `Monitor`.
 
 Reads the roles of the process groups from what the job passes (a DDP model, a
-pipelining schedule, explicit groups, a DeviceMesh), derives the layout and the job
+pipelining schedule, an FSDP2 model, explicit groups, a DeviceMesh), derives the layout and the job
 record, starts the monitor and attaches every hook: module hooks on the model chunks, the
 optimizer's step hooks, the DDP comm hook, the data loader's iterator.
 """
@@ -61,6 +61,8 @@ def start_monitor(
     ddp = model if isinstance(model, DistributedDataParallel) else None
     if ddp is not None and groups.get("dp") is None:
         groups["dp"] = ddp.process_group
+    if ddp is None and groups.get("dp") is None and mesh is None:
+        groups["dp"] = fsdp_group(model)
     stages = torch_pipelining.stages_of(pipeline) if pipeline is not None else []
     if stages and groups.get("pp") is None:
         groups["pp"] = stages[0].group
@@ -91,6 +93,9 @@ def start_monitor(
         first_step=first_step,
     )
     try:
+        import torch.distributed as dist
+
+        monitor.attach_nccl([groups["dp"] if groups.get("dp") is not None else dist.group.WORLD])
         if stages:
             monitor.attach_modules([s.submod for s in stages])
             for stage in stages:
@@ -112,3 +117,29 @@ def start_monitor(
         monitor.close()
         raise
     return monitor
+
+
+def fsdp_group(model: Any) -> Any:
+    """The data-parallel group of an FSDP2 (`fully_shard`) model, or None for other models.
+
+    FSDP2's parameters are DTensors on the mesh they are sharded over (a public DTensor
+    attribute): on a 1-D mesh its one group is where the all-gathers and reduce-scatters
+    run. A 2-D (HSDP) mesh has two data-parallel groups: pass `mesh=` with named dims.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    if not isinstance(model, FSDPModule):
+        return None
+    for parameter in model.parameters():
+        device_mesh = getattr(parameter, "device_mesh", None)
+        if device_mesh is None:
+            continue
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"this FSDP model is sharded over a {device_mesh.ndim}-D mesh (HSDP): pass "
+                "mesh= with its dimensions named (e.g. 'dp') or dp_group= to monitor()"
+            )
+        return device_mesh.get_group()
+    return None

@@ -40,8 +40,13 @@ def job_problem(info: JobInfo, max_world_size: int) -> str:
 
 
 def job_conflict(first: JobInfo, other: JobInfo) -> str:
-    """Why `other` does not replace `first` (same job and attempt, other values), or ""."""
-    kept, offered = first.model_dump(), other.model_dump()
+    """Why `other` does not replace `first` (same job and attempt, other values), or "".
+
+    Each rank's record names its own rank and machine (`rank_identity`): that part differs
+    by design and is no conflict.
+    """
+    kept = first.model_dump(exclude={"rank_identity"})
+    offered = other.model_dump(exclude={"rank_identity"})
     differing = [name for name in kept if kept[name] != offered[name]]
     if not differing:
         return ""

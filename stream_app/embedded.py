@@ -23,6 +23,12 @@ from lagscope.simulator.diagnose import Diagnosis, diagnose
 from lagscope.simulator.episodes import Episode, diagnosed_episodes
 from lagscope.simulator.prepare import concat_steps
 from lagscope.simulator.whatif import WhatIfResult
+from lagscope.stream_app.identity import (
+    MachineBook,
+    name_episode_machines,
+    name_machines,
+    rank_identity_batch,
+)
 from lagscope.stream_app.processor import (
     DetectedChange,
     ProcessorSettings,
@@ -73,6 +79,8 @@ class EmbeddedRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sink = sink
+        #: The machine of every worker, from every rank's job record.
+        self.machines = MachineBook()
         self._lateness_clock = _CaughtUpClock(clock)
         self.processor = StepProcessor(settings, self._lateness_clock)
         self.write_every_steps = write_every_steps
@@ -159,6 +167,8 @@ class EmbeddedRunner:
                 batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}")
                 batch.add("jobs", job_rows(info.job_id, info.attempt, info.to_meta(), time.time()))
                 self.sink.write(batch)
+            if not problem and self.machines.add(info):
+                self.sink.write(rank_identity_batch(info))
             return
         if item.kind != KIND_BATCH:
             self._dead_letter(
@@ -279,12 +289,18 @@ class EmbeddedRunner:
             job.rollup = rollup
             state = self.processor.jobs[job_id, attempt]
             prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
-            job.diagnosis = diagnose(rollup, prepared, wasted_gpu_s=job.gpu_seconds_wasted)
-            job.episodes = diagnosed_episodes(
-                job.changes,
-                prepared,
-                rollup.ideal_cost,
-                decompose_threshold=self.processor.settings.decompose_threshold,
+            job.diagnosis = name_machines(
+                diagnose(rollup, prepared, wasted_gpu_s=job.gpu_seconds_wasted),
+                self.machines.machines(job_id, attempt),
+            )
+            job.episodes = name_episode_machines(
+                diagnosed_episodes(
+                    job.changes,
+                    prepared,
+                    rollup.ideal_cost,
+                    decompose_threshold=self.processor.settings.decompose_threshold,
+                ),
+                self.machines.machines(job_id, attempt),
             )
             last = int(rollup.steps[-1])
             batch = SinkBatch(f"diagnosis/{job_id}/{attempt}/{last}")

@@ -258,6 +258,14 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
                 ORDER BY (job_id, attempt, rank) {_SETTINGS}""",
             ),
         ),
+        Migration(
+            5,
+            "rank identity: the rank's index on its machine",
+            (
+                f"ALTER TABLE {RANK_IDENTITY_TABLE} ADD COLUMN IF NOT EXISTS local_rank UInt32 "
+                "DEFAULT 0 AFTER rank",
+            ),
+        ),
     )
 
 

@@ -51,6 +51,7 @@ WRITABLE_TABLES: tuple[str, ...] = (
     "changepoints",
     "diagnoses",
     "dead_letters",
+    "rank_identity",
     "steps",
 )
 

@@ -92,6 +92,7 @@ from lagscope.producers.events import (
 from lagscope.simulator.diagnose import diagnose
 from lagscope.simulator.prepare import concat_steps
 from lagscope.stream_app.admission import job_conflict, job_problem
+from lagscope.stream_app.identity import MachineBook, name_machines, rank_identity_batch
 from lagscope.stream_app.processor import (
     ProcessorSettings,
     StepOutput,
@@ -269,6 +270,8 @@ class WorkerCore:
         self.partitions: dict[int, _Partition] = {}
         #: (job, attempt) -> (metadata, record timestamp s); filled by the jobs reader.
         self.job_infos: dict[tuple[str, int], tuple[JobInfo, float]] = {}
+        #: The machine of every worker, from every rank's job record (one per rank).
+        self.machines = MachineBook()
         self.counters: dict[str, int] = {
             "messages": 0,
             "replayed_skipped": 0,
@@ -314,6 +317,8 @@ class WorkerCore:
             log.warning("dead letter %s: %s", where, problem)
             self.counters["dead_letters"] += 1
             self._unowned_dead.append((info.job_id, where, problem, value or b"", timestamp_s))
+        elif self.machines.add(info):
+            self.sink.write(rank_identity_batch(info))
 
     def partition(self, number: int) -> _Partition:
         """The state of a partition, restored from its last snapshot on first use."""
@@ -597,7 +602,10 @@ class WorkerCore:
                 continue
             state = part.processor.jobs[key]
             prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
-            diagnosis = diagnose(rollup, prepared, wasted_gpu_s=totals.gpu_seconds_wasted)
+            diagnosis = name_machines(
+                diagnose(rollup, prepared, wasted_gpu_s=totals.gpu_seconds_wasted),
+                self.machines.machines(*key),
+            )
             last = int(rollup.steps[-1])
             batch = SinkBatch(f"diagnosis/{key[0]}/{key[1]}/{last}")
             batch.add("diagnoses", diagnosis_rows(key[0], key[1], last, 0, diagnosis))

@@ -38,23 +38,30 @@ def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[di
 
 
 def test_late_sender_is_timed_to_completion(one_f_one_b: tuple[Path, list[dict]]) -> None:
-    """The first irecv of a step whose peer sends 50 ms late lasts >= 50 ms (issue (c))."""
+    """An irecv whose peer sends 50 ms late lasts >= 50 ms (issue (c)), and it is the
+    lateness that is measured: the same run's on-time receives are far shorter.
+
+    The machine's load only lengthens a receive, so the lower bound holds under any load;
+    the on-time receives are compared with the late ones of the same run (medians: one
+    receive descheduled by the machine's load does not decide), not with a fixed bound.
+    """
     _, ops = one_f_one_b
-    first_recv = {
-        op["step"]: op["duration_ns"] / 1e6
-        for op in ops
-        if op["rank"] == 1 and op["optype"] == "forward-recv" and op["seq"] == 0
-    }
+
+    def first_recvs_ms(rank: int, steps: tuple[int, ...]) -> list[float]:
+        return [op["duration_ns"] / 1e6 for op in ops
+                if op["rank"] == rank and op["optype"] == "forward-recv" and op["seq"] == 0
+                and op["step"] in steps]  # fmt: skip
+
     late = [op["duration_ns"] / 1e6 for op in ops if op["rank"] == 1
             and op["optype"] == "forward-recv" and op["step"] in (4, 5)]  # fmt: skip
-    assert min(late) >= 50, late
-    on_time = [first_recv[s] for s in (1, 2, 3, 6, 7)]
-    assert max(on_time) < 50, first_recv
+    assert len(late) == 8 and min(late) >= 50, late
+    # Timed to the call's return (the defect this guards against), a receive posted before
+    # its data arrives would read well under a millisecond, late or not.
+    on_time = first_recvs_ms(1, (1, 2, 3, 6, 7))
+    assert statistics.median(on_time) < 0.5 * min(late), (on_time, late)
     # The other pipeline replica's sender was on time in the same steps.
-    replica = [op["duration_ns"] / 1e6 for op in ops
-               if op["rank"] == 3 and op["optype"] == "forward-recv" and op["step"] in (4, 5)
-               and op["seq"] == 0]  # fmt: skip
-    assert max(replica) < 50, replica
+    replica = first_recvs_ms(3, (4, 5))
+    assert statistics.median(replica) < 0.5 * min(late), (replica, late)
 
 
 def test_1f1b_records_every_op_of_every_micro_batch(one_f_one_b: tuple[Path, list[dict]]) -> None:
@@ -107,11 +114,13 @@ def test_every_collective_and_p2p_kind_is_classified(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def ddp_backward_straggler(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """DDP on 2 ranks, several gradient buckets; rank 1 is 3x slower in backward in
-    steps 7-12 (2 ranks: the other jobs and tests on this machine add enough noise)."""
+    """DDP on 2 ranks, several gradient buckets; rank 1 is 4x slower in backward in
+    steps 7-12 (2 ranks: the other jobs and tests on this machine add enough noise). The
+    slowdown is a sleep proportional to the rank's own backward time, so it stays 4x under
+    any load while the load's noise does not grow with it."""
     tmp = tmp_path_factory.mktemp("ddp")
     return run(tmp, ddp.worker, steps=13, world=2, slow_rank=1, slow_phase="backward",
-               slow_factor=3.0, slow_start=7, slow_end=13, gc_probe=False,
+               slow_factor=4.0, slow_start=7, slow_end=13, gc_probe=False,
                **ddp.DEFAULTS)  # fmt: skip
 
 
@@ -156,9 +165,11 @@ def test_ddp_backward_straggler_shows_in_its_backward_compute(
 
     slow_rank = backward_ms(1, slow_steps) / backward_ms(1, before)
     peer = backward_ms(0, slow_steps) / backward_ms(0, before)
-    # 3x in its own time; the machine's other load moves both ranks, so compare them.
-    assert slow_rank > 1.4 and slow_rank / peer > 2.0, (slow_rank, peer)
-    assert backward_ms(1, slow_steps) > 1.5 * backward_ms(0, slow_steps)
+    # 4x in its own time; the machine's other load moves both ranks, so compare them
+    # (medians over six steps each). A backward that absorbed the bucket waits would show
+    # the peer slowed as much as the straggler: both ratios near 1 relative to each other.
+    assert slow_rank / peer > 2.0, (slow_rank, peer)
+    assert backward_ms(1, slow_steps) > 2.0 * backward_ms(0, slow_steps)
 
 
 def _by_rank_step(ops: list[dict]) -> dict[tuple[int, int], list[dict]]:
@@ -197,3 +208,47 @@ def test_sampling_records_exactly_the_scheduled_steps(tmp_path: Path) -> None:
     assert {op["step"] for op in ops} == {2, 5, 8}
     for rank in range(4):
         assert {op["step"] for op in ops if op["rank"] == rank} == {2, 5, 8}
+
+
+def test_fsdp2_all_gathers_and_reduce_scatters_are_recorded(tmp_path: Path) -> None:
+    """FSDP2 (`fully_shard` per block, gloo on CPU): per step and rank, each block's
+    parameters are all-gathered for its forward and again for its backward, its gradients
+    reduce-scattered once, as data-parallel ops; nothing is an all-reduce."""
+    from tests.torch_jobs import fsdp
+
+    blocks = fsdp.DEFAULTS["layers"]
+    ops = run(tmp_path, fsdp.worker, steps=4, world=2, gc_probe=False, **fsdp.DEFAULTS)
+    assert {op["step"] for op in ops} == {0, 1, 2, 3}
+    for (rank, step), step_ops in _by_rank_step(ops).items():
+        kinds = collections.Counter(o["optype"] for o in step_ops)
+        assert kinds == {"params-all-gather": 2 * blocks, "grads-reduce-scatter": blocks,
+                         "input-wait": 1, "forward-compute": 1, "backward-compute": 1,
+                         "optimizer": 1}, (rank, step, kinds)  # fmt: skip
+        (backward,) = [o for o in step_ops if o["optype"] == "backward-compute"]
+        (optimizer,) = [o for o in step_ops if o["optype"] == "optimizer"]
+        for scatter in (o for o in step_ops if o["optype"] == "grads-reduce-scatter"):
+            # Gradients exist only once backward has started; the update waits for them.
+            assert backward["start_ns"] < scatter["start_ns"], (rank, step)
+            assert scatter["start_ns"] + scatter["duration_ns"] <= optimizer["start_ns"]
+
+
+def test_every_rank_identity_is_stored_by_the_embedded_host(
+    one_f_one_b: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
+    """Each of the 4 ranks' job records becomes its `rank_identity` row; none is taken for
+    a conflicting second job record (each names another rank and machine by design)."""
+    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.processor import ProcessorSettings
+    from lagscope.stream_app.sink import ClickHouseSink
+
+    log_dir, _ = one_f_one_b
+    sink = ClickHouseSink(f"chdb://{tmp_path / 'chdb'}")
+    sink.ensure_schema()
+    report = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0)).run_logs(log_dir)
+    assert report.dead_letters == 0
+    _, rows = sink.query(
+        "SELECT rank, local_rank, dp_rank, pp_rank, host != '', node, pod, gpu, pci_bus_id "
+        "FROM rank_identity FINAL WHERE job_id = 'torch-job' ORDER BY rank"
+    )
+    assert rows == [(r, r, r // 2, r % 2, True, "node-7", "trainer-0", None, "")
+                    for r in range(4)]  # fmt: skip

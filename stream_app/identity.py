@@ -1,0 +1,111 @@
+"""Which machine each rank runs on: stored per (job, attempt, rank) in `rank_identity`, and
+named in a diagnosis next to the workers it names.
+
+Every rank writes its own job record carrying its `RankIdentity` (host, GPU index, PCI
+bus id, scheduler node, pod); both hosts (the faust worker and the embedded runner) turn
+each record into one `rank_identity` row and remember the representative rank (tp 0,
+cp 0) of every (dp, pp) worker, so that "(dp 3, pp 1)" in a summary or an advice reads
+"(dp 3, pp 1) on node-7 GPU 5".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from lagscope.producers.events import JobInfo, RankIdentity
+from lagscope.simulator.diagnose import Diagnosis
+from lagscope.simulator.episodes import Episode
+from lagscope.stream_app.schema import RANK_IDENTITY_TABLE
+from lagscope.stream_app.sink import SinkBatch
+
+_WORKER = re.compile(r"\(dp (\d+), pp (\d+)\)")
+
+
+def rank_identity_rows(info: JobInfo, *, version: int = 0) -> dict[str, list]:
+    """The `rank_identity` row of the rank whose job record `info` is (it must carry one)."""
+    who = info.rank_identity
+    if who is None:
+        raise ValueError(f"job record {info.key} carries no rank identity")
+    return {
+        "job_id": [info.job_id],
+        "attempt": [info.attempt],
+        "rank": [who.rank],
+        "local_rank": [who.local_rank],
+        "dp_rank": [who.dp_rank],
+        "pp_rank": [who.pp_rank],
+        "tp_rank": [who.tp_rank],
+        "cp_rank": [who.cp_rank],
+        "host": [who.host],
+        "node": [who.node or ""],
+        "pod": [who.pod or ""],
+        "gpu": [who.gpu],
+        "pci_bus_id": [who.pci_bus_id or ""],
+        "version": [version],
+    }
+
+
+def rank_identity_batch(info: JobInfo) -> SinkBatch:
+    """A sink batch with `info`'s rank identity row (its token: job, attempt and rank)."""
+    who = info.rank_identity
+    rank = who.rank if who is not None else -1
+    batch = SinkBatch(f"rank-identity/{info.job_id}/{info.attempt}/{rank}")
+    batch.add(RANK_IDENTITY_TABLE, rank_identity_rows(info))
+    return batch
+
+
+def machine_label(who: RankIdentity) -> str:
+    """ "node-7 GPU 5 (0000:3b:00.0)": the scheduler's node name, else the host name."""
+    label = who.node or who.host or "an unnamed host"
+    if who.pod:
+        label += f" (pod {who.pod})"
+    if who.gpu is not None:
+        label += f" GPU {who.gpu}"
+        if who.pci_bus_id:
+            label += f" ({who.pci_bus_id})"
+    return label
+
+
+class MachineBook:
+    """The machine of every (dp, pp) worker of every job attempt seen so far."""
+
+    def __init__(self) -> None:
+        self._by_job: dict[tuple[str, int], dict[tuple[int, int], str]] = {}
+
+    def add(self, info: JobInfo) -> bool:
+        """Remember `info`'s rank; True when it carried an identity (a row to store)."""
+        who = info.rank_identity
+        if who is None:
+            return False
+        if who.tp_rank == 0 and who.cp_rank == 0:
+            workers = self._by_job.setdefault((info.job_id, info.attempt), {})
+            workers[who.dp_rank, who.pp_rank] = machine_label(who)
+        return True
+
+    def machines(self, job_id: str, attempt: int) -> Mapping[tuple[int, int], str]:
+        return self._by_job.get((job_id, attempt), {})
+
+
+def name_machines(diagnosis: Diagnosis, machines: Mapping[tuple[int, int], str]) -> Diagnosis:
+    """`diagnosis` with every "(dp d, pp s)" it names followed by "on <machine>" when known."""
+    if not machines:
+        return diagnosis
+
+    def named(match: re.Match[str]) -> str:
+        machine = machines.get((int(match.group(1)), int(match.group(2))))
+        return f"{match.group(0)} on {machine}" if machine else match.group(0)
+
+    advice = tuple(
+        dataclasses.replace(a, detail=_WORKER.sub(named, a.detail)) for a in diagnosis.advice
+    )
+    return dataclasses.replace(diagnosis, summary=_WORKER.sub(named, diagnosis.summary),
+                               advice=advice)  # fmt: skip
+
+
+def name_episode_machines(
+    episodes: list[Episode], machines: Mapping[tuple[int, int], str]
+) -> list[Episode]:
+    """`name_machines` applied to each episode's diagnosis."""
+    return [dataclasses.replace(e, diagnosis=name_machines(e.diagnosis, machines))
+            for e in episodes]  # fmt: skip
