@@ -207,12 +207,17 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
         monitor.on_event()
         scope = monitor.open_comm(optype, group)
         if scope is None:  # timed by the process group itself (NCCL completion hook)
-            return original(*args, **kwargs)
+            with suppressed():
+                return original(*args, **kwargs)
+        # A c10d function may call another wrapped one (send calls isend): record it once.
+        _inside.active = True
         try:
             result = original(*args, **kwargs)
         except BaseException:
             scope.__exit__(None, None, None)
             raise
+        finally:
+            _inside.active = False
         if not is_async or result is None:
             scope.__exit__(None, None, None)
             return result

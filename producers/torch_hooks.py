@@ -194,6 +194,8 @@ def register_ddp_hook(monitor: Monitor, ddp: Any, hook: Any = None, state: Any =
 
         return future.then(done)
 
+    # DDP checks the hook's annotations against the real types; this module's are strings.
+    timed_hook.__annotations__ = {}
     try:
         ddp.register_comm_hook(None, timed_hook)
     except RuntimeError as exc:

@@ -8,6 +8,7 @@ optimizer's step hooks, the DDP comm hook, the data loader's iterator.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,6 +74,11 @@ def start_monitor(
                 f"do not fit pipeline rank {layout.coords['pp']} of {pp} with "
                 f"{len(stages)} stage(s) per rank (lagscope expects stage = chunk x pp + rank)"
             )
+    if ddp is not None or stages:
+        # The first step is not the job's steady state: DDP re-buckets its gradients in
+        # ready order after it, pipelining stages exchange shapes (extra forwards and p2p)
+        # in it. It is not recorded.
+        schedule = dataclasses.replace(schedule, skip_first=max(schedule.skip_first, 1))
     identity = rank_identity(layout)
     info = job_info(layout, job_id=job_id, attempt=attempt_from_environment(), identity=identity)
     monitor = Monitor(

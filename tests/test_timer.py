@@ -290,3 +290,50 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
     assert fake.device_synchronize_calls == 0
     # The training thread waited on one marker event, once, at start-up calibration.
     assert fake.event_synchronize_by_thread["MainThread"] == 1
+
+
+class TestValidation:
+    """Out-of-range ids are rejected at the call, naming the value and the expected range."""
+
+    def test_negative_or_oversized_rank_coordinates(self, tmp_path: Path) -> None:
+        with pytest.raises(ValueError, match=r"rank -1 is out of range: expected 0 <= rank <"):
+            OpTimer(job_id="j", rank=-1, dp_rank=0, pp_rank=0, log_dir=tmp_path, mode="host")
+        info = JobInfo(job_id="j", dp_size=2, pp_size=2, world_size=4)
+        with pytest.raises(
+            ValueError, match=r"pp_rank 2 is out of range: expected 0 <= pp_rank < 2"
+        ):
+            OpTimer(job_id="j", rank=3, dp_rank=1, pp_rank=2, log_dir=tmp_path, mode="host",
+                    job_info=info)  # fmt: skip
+        with pytest.raises(ValueError, match=r"rank 4 is out of range: expected 0 <= rank < 4"):
+            OpTimer(job_id="j", rank=4, dp_rank=1, pp_rank=1, log_dir=tmp_path, mode="host",
+                    job_info=info)  # fmt: skip
+        with pytest.raises(ValueError, match=r"dp_rank 1.5 is out of range"):
+            OpTimer(job_id="j", rank=0, dp_rank=1.5, pp_rank=0, log_dir=tmp_path, mode="host")  # type: ignore[arg-type]
+
+    def test_step_micro_batch_and_chunk(self, tmp_path: Path) -> None:
+        info = JobInfo(job_id="j", dp_size=1, pp_size=1, world_size=1, vpp_size=2)
+        timer = OpTimer(job_id="j", rank=0, dp_rank=0, pp_rank=0, log_dir=tmp_path,
+                        mode="host", gc_probe=False, job_info=info)  # fmt: skip
+        with pytest.raises(ValueError, match=r"step -3 is out of range: expected 0 <= step < "):
+            timer.step(-3)
+        with pytest.raises(
+            ValueError,
+            match=r"microbatch -2 for op 'forward-compute' is out of"
+            r" range: expected -1 <= microbatch < 2147483648",
+        ):
+            timer.op("forward-compute", microbatch=-2)
+        with pytest.raises(ValueError, match=r"step -1 for op 'optimizer'"):
+            timer.op("optimizer", step=-1)
+        with pytest.raises(
+            ValueError,
+            match=r"chunk 2 for op 'forward-compute' is out of range:"
+            r" expected 0 <= chunk < 2",
+        ):
+            timer.op("forward-compute", chunk=2)
+        with pytest.raises(ValueError, match=r"microbatch 2147483648"):
+            timer.record("forward-compute", start_ns=0, duration_ns=1, microbatch=1 << 31)
+        timer.step(0)
+        with timer.op("forward-compute", microbatch=-1, chunk=1):
+            pass
+        timer.close()
+        assert timer.batches_written == 1

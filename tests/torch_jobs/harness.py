@@ -20,6 +20,15 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("forward", "backward", "input")
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "torch.utils.data",
+    "lagscope.torch",
+    "lagscope.producers.torch_setup",
+    "tests.torch_jobs.harness",
+]
 
 
 @dataclass
@@ -44,12 +53,17 @@ class Knobs:
     slow_end: int = 1 << 30
     #: An input straggler's extra wait per batch (ms): its loader has no compute to scale.
     input_ms: float = 30.0
-    #: Late sender: this rank sends every activation `late_ms` late in [late_start, late_end).
+    #: Late sender: in steps [late_start, late_end) this rank sends every activation
+    #: `late_ms` after its receiver posted the irecv for it.
     late_rank: int = -1
     late_ms: float = 0.0
     late_start: int = 0
     late_end: int = 1 << 30
     gc_probe: bool = True
+    #: Run the job without lagscope at all (the baseline of the overhead bench).
+    monitor: bool = True
+    #: Record the data loader's waits (`input-wait` ops) where the job reads data.
+    record_input: bool = True
     #: Sampling: record `sample_active` steps of every `sample_wait + sample_active`.
     sample_wait: int = 0
     sample_active: int = 1
@@ -57,14 +71,29 @@ class Knobs:
     bucket_mb: float = 0.25
     #: pipelining schedule: gpipe, 1f1b or interleaved.
     schedule: str = "1f1b"
+    #: Extra environment of every rank, "NAME=value,NAME=value" (e.g. a Slurm node name).
+    env: str = ""
 
     def slow(self, rank: int, step: int, phase: str) -> bool:
-        return rank == self.slow_rank and phase == self.slow_phase and (
-            self.slow_start <= step < self.slow_end
+        return (
+            rank == self.slow_rank
+            and phase == self.slow_phase
+            and (self.slow_start <= step < self.slow_end)
         )
 
     def late(self, rank: int, step: int) -> bool:
         return rank == self.late_rank and self.late_start <= step < self.late_end
+
+    def start_monitor(self, **job_objects: Any) -> Any:
+        """`lagscope.torch.monitor(...)` with the job's objects and these knobs' settings;
+        a stand-in that records nothing when the job runs without lagscope."""
+        if not self.monitor:
+            return _NoMonitor()
+        import lagscope.torch
+
+        if not self.record_input:
+            job_objects.pop("data", None)
+        return lagscope.torch.monitor(**job_objects, **self.monitor_kwargs())
 
     def monitor_kwargs(self) -> dict[str, Any]:
         import lagscope.torch
@@ -76,6 +105,11 @@ class Knobs:
             "mode": "host",
             "schedule": lagscope.torch.schedule(wait=self.sample_wait, active=self.sample_active),
         }
+
+
+class _NoMonitor:
+    def close(self) -> None:
+        pass
 
 
 def parse_knobs(argv: list[str] | None, description: str, **defaults: Any) -> Knobs:
@@ -120,6 +154,9 @@ def _entry(rank: int, target: Callable[[int, Knobs], None], knobs: dict, port: i
         WORLD_SIZE=str(knobs["world"]),
         OMP_NUM_THREADS="1",
     )
+    for assignment in filter(None, knobs["env"].split(",")):
+        name, _, value = assignment.partition("=")
+        os.environ[name] = value
     import torch
     import torch.distributed as dist
 
@@ -133,12 +170,17 @@ def _entry(rank: int, target: Callable[[int, Knobs], None], knobs: dict, port: i
 
 def launch(target: Callable[[int, Knobs], None], knobs: Knobs, timeout_s: float = 300) -> None:
     """Run `target(rank, knobs)` in `knobs.world` processes; raise if one fails."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     Path(knobs.log_dir).mkdir(parents=True, exist_ok=True)
+    # A fork server imports torch once and forks every rank of every job from that clean,
+    # thread-free process: ~1 s per job instead of one torch import per rank.
+    multiprocessing.set_forkserver_preload(_PRELOAD)
     context = mp.start_processes(
         _entry, args=(target, asdict(knobs), free_port()), nprocs=knobs.world,
-        join=False, start_method="spawn",
+        join=False, start_method="forkserver",
     )  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
@@ -152,8 +194,10 @@ def main_for(target: Callable[[int, Knobs], None], description: str, **defaults:
     knobs = parse_knobs(sys.argv[1:], description, **defaults)
     started = time.monotonic()
     launch(target, knobs)
-    print(f"{knobs.world} ranks, {knobs.steps} steps in {time.monotonic() - started:.1f} s; "
-          f"logs in {knobs.log_dir}; analyse with: lagscope run --logs {knobs.log_dir}")  # fmt: skip
+    print(
+        f"{knobs.world} ranks, {knobs.steps} steps in {time.monotonic() - started:.1f} s; logs "
+        f"in {knobs.log_dir}; analyse with: lagscope run --logs {knobs.log_dir}"
+    )
 
 
 # -- realistic compute ------------------------------------------------------------------

@@ -7,7 +7,9 @@ DataLoader (input waits recorded), the last stage computes an MSE loss.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from tests.torch_jobs.harness import (
@@ -19,11 +21,109 @@ from tests.torch_jobs.harness import (
 )
 
 
-def worker(rank: int, knobs: Knobs) -> None:
+class Stage:
+    """One pipeline stage's forward and backward of a micro-batch, with their p2p."""
+
+    def __init__(self, knobs: Knobs, rank: int, model: Any, batches: Any) -> None:
+        import torch
+
+        self.knobs = knobs
+        self.rank = rank
+        self.model = model
+        self.batches = batches
+        stage = rank % knobs.pp
+        self.first, self.last = stage == 0, stage == knobs.pp - 1
+        self.shape = (knobs.batch, knobs.hidden)
+        generator = torch.Generator().manual_seed(knobs.seed + 100 + rank // knobs.pp)
+        self.targets = [torch.randn(self.shape, generator=generator)
+                        for _ in range(knobs.microbatches)]  # fmt: skip
+        self.step = 0
+        self.sends: list[Any] = []
+        self.saved: dict[int, tuple[Any, Any]] = {}
+        (Path(knobs.log_dir).parent / "late-sender").mkdir(exist_ok=True)
+
+    def forward(self, m: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.first:
+            x, _ = next(self.batches)
+        else:
+            x = torch.empty(self.shape)
+            work = dist.irecv(x, self.rank - 1)
+            if self.knobs.late(self.rank - 1, self.step):
+                self._posted(self.rank, m).write_text(repr(time.time()))
+            work.wait()
+            x.requires_grad_()
+        out = self.model(x)
+        if self.last:
+            out = torch.nn.functional.mse_loss(out, self.targets[m])
+        else:
+            if self.knobs.late(self.rank, self.step):
+                self._send_late(m)
+            self.sends.append(dist.isend(out.detach(), self.rank + 1))
+        self.saved[m] = (x, out)
+
+    def _posted(self, receiver: int, m: int) -> Path:
+        return Path(self.knobs.log_dir).parent / "late-sender" / f"{receiver}-{self.step}-{m}"
+
+    def _send_late(self, m: int) -> None:
+        """Send `late_ms` after the receiver posted its irecv (it leaves a time stamp in a
+        file: no torch.distributed call, so nothing of the handshake is recorded)."""
+        posted = self._posted(self.rank + 1, m)
+        while not posted.exists() or not posted.read_text():
+            time.sleep(0.0005)
+        time.sleep(max(0.0, float(posted.read_text()) + self.knobs.late_ms / 1e3 - time.time()))
+
+    def backward(self, m: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        x, out = self.saved.pop(m)
+        if self.last:
+            out.backward()
+        else:
+            grad = torch.empty(self.shape)
+            dist.irecv(grad, self.rank + 1).wait()
+            out.backward(grad)
+        if not self.first:
+            self.sends.append(dist.isend(x.grad, self.rank - 1))
+
+    def one_f_one_b(self, step: int) -> None:
+        """Warm-up forwards, then one forward and one backward at a time, then the rest."""
+        self.step = self.model.step = step
+        n = self.knobs.microbatches
+        warmup = min(self.knobs.pp - self.rank % self.knobs.pp - 1, n)
+        for m in range(warmup):
+            self.forward(m)
+        for m in range(n - warmup):
+            self.forward(warmup + m)
+            self.backward(m)
+        for m in range(n - warmup, n):
+            self.backward(m)
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
+def all_reduce_grads(params: list[Any], group: Any, size: int) -> None:
+    """One data-parallel all-reduce of all gradients, flattened (one op per step)."""
     import torch
     import torch.distributed as dist
 
-    import lagscope.torch
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def worker(rank: int, knobs: Knobs) -> None:
+    import torch
+    import torch.distributed as dist
 
     pp = knobs.pp
     dp = knobs.world // pp
@@ -34,72 +134,27 @@ def worker(rank: int, knobs: Knobs) -> None:
     pp_group, dp_group = pp_groups[dp_rank], dp_groups[stage]
     model = straggler_model(knobs, rank, seed=knobs.seed + stage)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    first, last = stage == 0, stage == pp - 1
-    loader = synthetic_loader(knobs, rank, knobs.microbatches, knobs.seed + dp_rank) if first else None
-
-    monitor = lagscope.torch.monitor(
-        modules=[model], optimizer=optimizer, data=loader, dp_group=dp_group,
-        pp_group=pp_group, **knobs.monitor_kwargs(),
-    )  # fmt: skip
-    batches = endless(loader) if first else None
-    previous, following = rank - 1, rank + 1
-    shape = (knobs.batch, knobs.hidden)
-    target_gen = torch.Generator().manual_seed(knobs.seed + 100 + dp_rank)
-    targets = [torch.randn(shape, generator=target_gen) for _ in range(knobs.microbatches)]
-
+    loader = None
+    if stage == 0:
+        loader = synthetic_loader(knobs, rank, knobs.microbatches, knobs.seed + dp_rank)
+    monitor = knobs.start_monitor(
+        modules=[model], optimizer=optimizer, data=loader, dp_group=dp_group, pp_group=pp_group
+    )
+    runner = Stage(knobs, rank, model, endless(loader) if loader is not None else None)
+    params = list(model.parameters())
+    step_seconds = []
     for step in range(knobs.steps):
-        model.step = step
-        sends: list[Any] = []
-        saved: dict[int, tuple[Any, Any]] = {}
-
-        def forward(m: int) -> None:
-            if first:
-                x, _ = next(batches)
-            else:
-                x = torch.empty(shape)
-                dist.irecv(x, previous).wait()
-                x.requires_grad_()
-            out = model(x)
-            if last:
-                out = torch.nn.functional.mse_loss(out, targets[m])
-            else:
-                if knobs.late(rank, step):
-                    time.sleep(knobs.late_ms / 1e3)
-                sends.append(dist.isend(out.detach(), following))
-            saved[m] = (x, out)
-
-        def backward(m: int) -> None:
-            x, out = saved.pop(m)
-            if last:
-                out.backward()
-            else:
-                grad = torch.empty(shape)
-                dist.irecv(grad, following).wait()
-                out.backward(grad)
-            if not first:
-                sends.append(dist.isend(x.grad, previous))
-
-        warmup = min(pp - stage - 1, knobs.microbatches)
-        for m in range(warmup):
-            forward(m)
-        for m in range(knobs.microbatches - warmup):
-            forward(warmup + m)
-            backward(m)
-        for m in range(knobs.microbatches - warmup, knobs.microbatches):
-            backward(m)
-        for work in sends:
-            work.wait()
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=dp_group)
-        flat /= dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        began = time.perf_counter()
+        runner.one_f_one_b(step)
+        all_reduce_grads(params, dp_group, dp)
         optimizer.step()
         optimizer.zero_grad()
+        step_seconds.append(time.perf_counter() - began)
     monitor.close()
+    # The job's own step times, for the overhead bench (with and without lagscope).
+    times = Path(knobs.log_dir).parent / "step-seconds"
+    times.mkdir(exist_ok=True)
+    (times / f"rank-{rank}.json").write_text(json.dumps(step_seconds))
 
 
 if __name__ == "__main__":

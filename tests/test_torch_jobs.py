@@ -1,0 +1,199 @@
+"""lagscope.torch on real multi-process jobs (gloo on CPU, 127.0.0.1): what each job records.
+
+Each job runs once per module (fixtures) and the tests read back the per-rank logs. The
+jobs are the harness's (`tests/torch_jobs/`); nothing here writes a timing line.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.torch_jobs import comm_kinds, ddp, pipeline_1f1b, pipelining
+from tests.torch_jobs.harness import Knobs, job_records, launch, recorded_ops
+
+
+def run(tmp: Path, target: Any, **knobs: Any) -> list[dict[str, Any]]:
+    settings = Knobs(log_dir=str(tmp / "logs"), **knobs)
+    launch(target, settings)
+    return recorded_ops(settings.log_dir)
+
+
+def count(ops: list[dict[str, Any]], *keys: str) -> collections.Counter:
+    return collections.Counter(tuple(op[k] for k in keys) for op in ops)
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """DP 2 x PP 2 1F1B, 8 steps; rank 0 (dp 0, stage 0) sends 50 ms late in steps 4-5."""
+    tmp = tmp_path_factory.mktemp("one_f_one_b")
+    env = "SLURMD_NODENAME=node-7,POD_NAME=trainer-0"
+    ops = run(tmp, pipeline_1f1b.worker, steps=8, late_rank=0, late_ms=50, late_start=4,
+              late_end=6, gc_probe=False, env=env)  # fmt: skip
+    return tmp / "logs", ops
+
+
+def test_late_sender_is_timed_to_completion(one_f_one_b: tuple[Path, list[dict]]) -> None:
+    """The first irecv of a step whose peer sends 50 ms late lasts >= 50 ms (issue (c))."""
+    _, ops = one_f_one_b
+    first_recv = {
+        op["step"]: op["duration_ns"] / 1e6
+        for op in ops
+        if op["rank"] == 1 and op["optype"] == "forward-recv" and op["seq"] == 0
+    }
+    late = [op["duration_ns"] / 1e6 for op in ops if op["rank"] == 1
+            and op["optype"] == "forward-recv" and op["step"] in (4, 5)]  # fmt: skip
+    assert min(late) >= 50, late
+    on_time = [first_recv[s] for s in (1, 2, 3, 6, 7)]
+    assert max(on_time) < 50, first_recv
+    # The other pipeline replica's sender was on time in the same steps.
+    replica = [op["duration_ns"] / 1e6 for op in ops
+               if op["rank"] == 3 and op["optype"] == "forward-recv" and op["step"] in (4, 5)
+               and op["seq"] == 0]  # fmt: skip
+    assert max(replica) < 50, replica
+
+
+def test_1f1b_records_every_op_of_every_micro_batch(one_f_one_b: tuple[Path, list[dict]]) -> None:
+    _, ops = one_f_one_b
+    per_step = count(ops, "rank", "step", "optype")
+    m = 4
+    first_stage = {"input-wait": m, "forward-compute": m, "backward-compute": m,
+                   "forward-send": m, "backward-recv": m, "separate-grads-all-reduce": 1,
+                   "optimizer": 1}  # fmt: skip
+    last_stage = {"forward-compute": m, "backward-compute": m, "forward-recv": m,
+                  "backward-send": m, "separate-grads-all-reduce": 1, "optimizer": 1}  # fmt: skip
+    for rank, expected in ((0, first_stage), (2, first_stage), (1, last_stage), (3, last_stage)):
+        for step in range(8):
+            got = {optype: n for (r, s, optype), n in per_step.items() if r == rank and s == step}
+            assert got == expected, (rank, step, got)
+    step_3 = [op for op in ops if op["rank"] == 1 and op["step"] == 3]
+    forwards = sorted(op["microbatch"] for op in step_3 if op["optype"] == "forward-compute")
+    assert forwards == [0, 1, 2, 3]
+    # 1F1B on the last stage: F0 B0 F1 B1 ... (compute ops in start order).
+    computes = [op["optype"][0] + str(op["microbatch"])
+                for op in sorted(step_3, key=lambda o: o["start_ns"])
+                if op["optype"].endswith("compute")]  # fmt: skip
+    assert computes == ["f0", "b0", "f1", "b1", "f2", "b2", "f3", "b3"]
+
+
+def test_job_record_is_derived(one_f_one_b: tuple[Path, list[dict]]) -> None:
+    log_dir, _ = one_f_one_b
+    infos = job_records(log_dir)
+    assert len(infos) == 4
+    for rank, info in enumerate(infos):
+        assert (info.dp_size, info.pp_size, info.tp_size, info.dsp_size) == (2, 2, 1, 1)
+        assert info.world_size == 4 and info.job_id == "torch-job"
+        identity = info.rank_identity
+        assert identity is not None
+        assert (identity.rank, identity.dp_rank, identity.pp_rank) == (rank, rank // 2, rank % 2)
+        assert identity.local_rank == rank
+        assert identity.host and identity.gpu is None
+        assert (identity.node, identity.pod) == ("node-7", "trainer-0")
+
+
+def test_every_collective_and_p2p_kind_is_classified(tmp_path: Path) -> None:
+    ops = run(tmp_path, comm_kinds.worker, steps=1, gc_probe=False)
+    for rank in range(4):
+        recorded = [op["optype"] for op in sorted(ops, key=lambda o: o["start_ns"])
+                    if op["rank"] == rank]  # fmt: skip
+        column = 1 + rank % 2
+        expected = [row[column] for row in comm_kinds.EXPECTED if row[column] is not None]
+        assert recorded == expected, rank
+
+
+@pytest.fixture(scope="module")
+def ddp_backward_straggler(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """DDP on 2 ranks, several gradient buckets; rank 1 is 3x slower in backward in
+    steps 7-12 (2 ranks: the other jobs and tests on this machine add enough noise)."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    return run(tmp, ddp.worker, steps=13, world=2, slow_rank=1, slow_phase="backward",
+               slow_factor=3.0, slow_start=7, slow_end=13, gc_probe=False,
+               **ddp.DEFAULTS)  # fmt: skip
+
+
+def test_ddp_buckets_are_separate_ops_after_backward_compute(
+    ddp_backward_straggler: list[dict],
+) -> None:
+    ops = ddp_backward_straggler
+    assert min(op["step"] for op in ops) == 1  # DDP's first step (re-bucketing) is skipped
+    n_buckets = len({op["microbatch"] for op in ops if op["optype"] == "separate-grads-all-reduce"})
+    assert n_buckets >= 3
+    for (rank, step), step_ops in _by_rank_step(ops).items():
+        buckets = sorted((o for o in step_ops if o["optype"] == "separate-grads-all-reduce"),
+                         key=lambda o: o["start_ns"])  # fmt: skip
+        assert sorted(o["microbatch"] for o in buckets) == list(range(n_buckets)), (rank, step)
+        (backward,) = [o for o in step_ops if o["optype"] == "backward-compute"]
+        (optimizer,) = [o for o in step_ops if o["optype"] == "optimizer"]
+        backward_end = backward["start_ns"] + backward["duration_ns"]
+        # Buckets are launched during backward; the last one once every gradient exists,
+        # which is where backward compute ends.
+        assert backward["start_ns"] < buckets[0]["start_ns"] < backward_end
+        assert buckets[-1]["start_ns"] >= backward_end - 1e6, (rank, step)
+        # The wait for the buckets is not compute: the optimizer starts after the last
+        # bucket completed, and backward compute ended before that.
+        last_done = max(o["start_ns"] + o["duration_ns"] for o in buckets)
+        assert backward_end <= last_done <= optimizer["start_ns"]
+
+
+def test_ddp_backward_straggler_shows_in_its_backward_compute(
+    ddp_backward_straggler: list[dict],
+) -> None:
+    """The slow rank's backward compute grows while its peer's does not: the waits that
+    equalise backward() wall time across ranks are in the bucket ops, not in compute."""
+    ops = ddp_backward_straggler
+    slow_steps, before = range(7, 13), range(1, 7)
+
+    def backward_ms(rank: int, steps: range) -> float:
+        return statistics.median(
+            o["duration_ns"] / 1e6
+            for o in ops
+            if o["rank"] == rank and o["step"] in steps and o["optype"] == "backward-compute"
+        )
+
+    slow_rank = backward_ms(1, slow_steps) / backward_ms(1, before)
+    peer = backward_ms(0, slow_steps) / backward_ms(0, before)
+    # 3x in its own time; the machine's other load moves both ranks, so compare them.
+    assert slow_rank > 1.4 and slow_rank / peer > 2.0, (slow_rank, peer)
+    assert backward_ms(1, slow_steps) > 1.5 * backward_ms(0, slow_steps)
+
+
+def _by_rank_step(ops: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    grouped: dict[tuple[int, int], list[dict]] = collections.defaultdict(list)
+    for op in ops:
+        grouped[op["rank"], op["step"]].append(op)
+    return grouped
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipelining_schedules_record_each_micro_batch(tmp_path: Path, schedule: str) -> None:
+    ops = run(tmp_path, pipelining.worker, steps=3, schedule=schedule, gc_probe=False)
+    chunks = 2 if schedule == "interleaved" else 1
+    assert {op["step"] for op in ops} == {1, 2}  # the shape-exchanging first step is skipped
+    for (rank, step), step_ops in _by_rank_step(ops).items():
+        for phase in ("forward-compute", "backward-compute"):
+            for chunk in range(chunks):
+                micro = sorted(o["microbatch"] for o in step_ops
+                               if o["optype"] == phase and o["chunk"] == chunk)  # fmt: skip
+                assert micro == [0, 1, 2, 3], (schedule, rank, step, phase, chunk)
+        kinds = collections.Counter(o["optype"] for o in step_ops)
+        # Each chunk of stage s sends forward unless it is the last stage, backward unless
+        # it is the first.
+        stages = [chunk * 2 + rank % 2 for chunk in range(chunks)]
+        n_stages = 2 * chunks
+        assert kinds["forward-send"] == 4 * sum(s < n_stages - 1 for s in stages), kinds
+        assert kinds["forward-recv"] == 4 * sum(s > 0 for s in stages), kinds
+        assert kinds["backward-send"] == 4 * sum(s > 0 for s in stages), kinds
+        assert kinds["backward-recv"] == 4 * sum(s < n_stages - 1 for s in stages), kinds
+
+
+def test_sampling_records_exactly_the_scheduled_steps(tmp_path: Path) -> None:
+    """wait=2, active=1 over 9 steps: steps 2, 5 and 8 only, GC probe included."""
+    ops = run(tmp_path, pipeline_1f1b.worker, steps=9, sample_wait=2, sample_active=1,
+              gc_probe=True)  # fmt: skip
+    assert {op["step"] for op in ops} == {2, 5, 8}
+    for rank in range(4):
+        assert {op["step"] for op in ops if op["rank"] == rank} == {2, 5, 8}
