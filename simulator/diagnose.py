@@ -702,7 +702,23 @@ def diagnose(
     workers_slow = mw_verified and (
         result.mw.removed_share >= cfg.explains_share or mw_speedup >= cfg.floor_margin
     )
-    structure = workers_slow
+    # A last stage that computes more in the median step (an output head) is structure in
+    # the same way, however noisy the rest of the job: when it explains most of the
+    # slowdown, exceeds the median stage by a worker's margin (half of it, the loss work
+    # of an ordinary last stage, hides under the floor) and evening it out would speed the
+    # job up by the floor's margin.
+    ms_speedup = 1.0 - result.ms.t_removed / result.ms.t_original
+    evidence["ms_speedup"] = ms_speedup
+    last_stage_heavy = (
+        prepared.n_stages > 1
+        and last_stage_heavier
+        and result.ms.removed_share >= cfg.explains_share
+    )
+    structure = workers_slow or (
+        last_stage_heavy
+        and stages[-1] >= 1 + cfg.persistent_margin
+        and ms_speedup >= cfg.floor_margin
+    )
     if result.slowdown < floor + cfg.floor_margin and not (unbalanced_sequences or structure):
         return Diagnosis(
             "none",
@@ -734,11 +750,7 @@ def diagnose(
         advice.append(advise_healthy_links(prepared, base_time, compiled, cfg.slow_group_factor))
     elif workers_slow:
         cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
-    elif (
-        result.ms.removed_share >= cfg.explains_share
-        and prepared.n_stages > 1
-        and last_stage_heavier
-    ):
+    elif last_stage_heavy:
         cause = "last_stage_imbalance"
         summary = f"the last stage explains {result.ms.removed_share:.0%} of the slowdown"
         move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)

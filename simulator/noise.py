@@ -55,6 +55,39 @@ def relative_to_peers(work: np.ndarray) -> np.ndarray:
     return work / np.where(peers > 0, peers, np.nan)
 
 
+def series_names(n_stages: int, n_dp: int) -> list[str]:
+    """Names of the series `step_series` returns, in its column order."""
+    return (
+        ["step_time"]
+        + [f"stage/{s}" for s in range(n_stages)]
+        + [f"dp/{d}" for d in range(n_dp)]
+        + [f"worker/{d}.{s}" for s in range(n_stages) for d in range(n_dp)]
+    )
+
+
+def step_series(prepared: PreparedTrace) -> np.ndarray:
+    """[step, series] in `series_names` order: the measured step time, then each step's own
+    work per stage (its slowest DP rank), per DP rank (its whole pipeline) and per worker,
+    each over the step's median of its kind. Relative series move when one worker or stage
+    changes against the others, not when the whole machine slows down (a shared box's
+    load), which only the step time sees."""
+    work = own_work(prepared)  # [step, stage, dp]
+
+    def relative(values: np.ndarray) -> np.ndarray:
+        median = np.median(values, axis=1, keepdims=True)
+        return values / np.where(median > 0, median, np.nan)
+
+    return np.concatenate(
+        [
+            prepared.actual_step_time.astype(np.float64)[:, None],
+            relative(work.max(axis=2)),
+            relative(work.sum(axis=1)),
+            relative(work.reshape(work.shape[0], -1)),
+        ],
+        axis=1,
+    )
+
+
 def persistent_excess(prepared: PreparedTrace) -> np.ndarray:
     """[stage, dp]: median over steps of the worker's own work relative to its peers'."""
     return np.nanmedian(relative_to_peers(own_work(prepared)), axis=0)
