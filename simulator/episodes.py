@@ -106,6 +106,8 @@ _MIN_STRETCH_STEPS = 4
 #: A stretch stands out from the noise by this many standard errors: with hundreds of
 #: (onset, recovery) pairs tried on pure noise, a smaller bar finds stretches in it.
 _MIN_Z = 5.0
+#: Where the stretch ends is asked only once it is known to exist: a smaller bar.
+_MIN_FALL_Z = 3.0
 
 
 def square_wave(
@@ -152,8 +154,27 @@ def square_wave(
     if best is None:
         return None
     onset, end = best
-    recovery = end if n - end >= _MIN_RECOVERED_STEPS else None
-    return onset, recovery
+    if n - end >= _MIN_RECOVERED_STEPS:
+        return onset, end
+    return onset, _partial_recovery(x, onset, noise)
+
+
+def _partial_recovery(x: np.ndarray, onset: int, noise: float) -> int | None:
+    """Where a raised log series falls back most of the way after `onset` though it stays
+    noisier or a little higher than before it (the straggler's machine still busy): the
+    first split of [onset, end) whose fall (medians) is at least half of the rise and clear
+    of the noise."""
+    n = x.size
+    baseline = float(np.mean(x[:onset])) if onset > 0 else None
+    if baseline is None:
+        return None
+    for b in range(onset + _MIN_STRETCH_STEPS, n - _MIN_RECOVERED_STEPS + 1):
+        raised, after = float(np.median(x[onset:b])), float(np.median(x[b:]))
+        fall = raised - after
+        z = fall / (noise * np.sqrt(1 / (b - onset) + 1 / (n - b)))
+        if fall >= 0.5 * (raised - baseline) and z >= _MIN_FALL_Z:
+            return b
+    return None
 
 
 def _refined(span: Span, diagnosis: Diagnosis, prepared: PreparedTrace) -> Span:
