@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from lagscope.simulator.diagnose import Diagnosis, diagnose
-from lagscope.simulator.noise import series_names, step_series
+from lagscope.simulator.noise import own_work, relative_to_peers, series_names, step_series
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, analyze
 
@@ -179,24 +179,33 @@ def _partial_recovery(x: np.ndarray, onset: int, noise: float) -> int | None:
 
 def _refined(span: Span, diagnosis: Diagnosis, prepared: PreparedTrace) -> Span:
     """The span's bounds from the first named worker's own series, when a worker is named
-    and its series shows the raised stretch; the detected bounds otherwise."""
+    and its series shows the raised stretch; the detected bounds otherwise. The series of
+    the op type it is slow in comes first: a 2x slower forward is a 2x rise there, but only
+    a third of that in the worker's whole own work."""
     named = diagnosis.evidence.get("verified_workers") or []
     if not named:
         return span
-    worker = f"worker/{named[0]['dp']}.{named[0]['stage']}"
-    series = step_series(prepared)[:, series_names(prepared.n_stages, prepared.n_dp).index(worker)]
+    dp, stage = named[0]["dp"], named[0]["stage"]
+    worker = f"worker/{dp}.{stage}"
+    candidates = [
+        relative_to_peers(own_work(prepared, optype))[:, stage, dp]
+        for optype in list(named[0].get("slow_in") or {})[:1]
+    ]
+    names = series_names(prepared.n_stages, prepared.n_dp)
+    candidates.append(step_series(prepared)[:, names.index(worker)])
     steps = prepared.steps
     first = int(np.searchsorted(steps, span.onset - _ONSET_SLACK))
     last = int(np.searchsorted(steps, span.recovery if span.recovery is not None else steps[-1]))
-    fitted = square_wave(series, first, min(last, steps.size - 1))
-    if fitted is None:
-        return span
-    onset, recovery = fitted
-    return Span(
-        int(steps[onset]),
-        int(steps[recovery]) if recovery is not None else None,
-        tuple(dict.fromkeys((worker, *span.series))),
-    )
+    for series in candidates:
+        fitted = square_wave(series, first, min(last, steps.size - 1))
+        if fitted is not None:
+            onset, recovery = fitted
+            return Span(
+                int(steps[onset]),
+                int(steps[recovery]) if recovery is not None else None,
+                tuple(dict.fromkeys((worker, *span.series))),
+            )
+    return span
 
 
 @dataclass(frozen=True)

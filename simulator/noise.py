@@ -35,9 +35,12 @@ def own_work_mask(prepared: PreparedTrace) -> np.ndarray:
     return np.array([ot.is_compute(t) for t in prepared.node_optype])
 
 
-def own_work(prepared: PreparedTrace) -> np.ndarray:
-    """Own work of every worker in every step, [step, stage, dp] (seconds)."""
+def own_work(prepared: PreparedTrace, optype: str | None = None) -> np.ndarray:
+    """Own work of every worker in every step, [step, stage, dp] (seconds); only that of
+    `optype` when given."""
     mask = own_work_mask(prepared)
+    if optype is not None:
+        mask &= np.array([t == optype for t in prepared.node_optype])
     stage = prepared.model.node_stage()
     out = np.zeros((prepared.n_steps, prepared.n_stages, prepared.n_dp))
     values = prepared.duration[mask].astype(np.float64)  # [node, step, dp]
