@@ -30,10 +30,11 @@ Timing to completion, never to the call's return:
   end when `wait()` returns or `is_completed()` first says so; the monitor also polls
   outstanding works at every hook it receives, so a receive that completed while the rank
   computed is not charged for the computation;
-- CUDA tensors: the op's scope records CUDA events on the current stream at the call and
-  at completion (the end event after `wait()`, which orders the stream after the comm).
-  On NCCL the process group times collectives itself (`TORCH_NCCL_ENABLE_TIMING=1`): the
-  on-completion hook's device duration is used instead where the group accepts the hook.
+- CUDA mode: the op's scope records CUDA events on the current stream at the call and at
+  completion (the end event after `wait()`, which orders the stream after the comm).
+  Not done yet: on NCCL, prefer the process group's own device timing
+  (`TORCH_NCCL_ENABLE_TIMING=1`, `ProcessGroupNCCL._register_on_completion_hook`), matching
+  its `WorkInfo.seq` to the op recorded at the call.
 """
 
 from __future__ import annotations
@@ -206,9 +207,6 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
             return original(*args, **kwargs)
         monitor.on_event()
         scope = monitor.open_comm(optype, group)
-        if scope is None:  # timed by the process group itself (NCCL completion hook)
-            with suppressed():
-                return original(*args, **kwargs)
         # A c10d function may call another wrapped one (send calls isend): record it once.
         _inside.active = True
         try:

@@ -69,7 +69,6 @@ class Monitor:
         #: id(tensor) -> "forward"/"backward", set by a schedule that knows a p2p's direction.
         self.direction_hints: dict[int, str] = {}
         self._closed = False
-        self._nccl_timed: set[int] = set()
         self._set_gc(self.active)
         torch_comm.install(self)
 
@@ -142,9 +141,7 @@ class Monitor:
         return self.layout.roles.get(id(group))
 
     def open_comm(self, optype: str, group: Any) -> Any:
-        """An entered scope for a comm op (None when its process group times it)."""
-        if id(group) in self._nccl_timed:
-            return None
+        """An entered scope for a comm op (host clock, or CUDA events in CUDA mode)."""
         scope = self.timer.op(optype)
         scope.__enter__()
         return scope
