@@ -10,9 +10,11 @@ links are *persistent* structure on top of it; only that structure is diagnosed.
 - **Noise floor.** Every op's cost is split into its worker's persistent level for that op
   (the median over the analysed steps) and a fluctuation (cost / level). The noise-only
   job puts the fluctuations on the ideal costs: ideal x fluctuation, no persistent
-  difference between workers or stages left. Replayed, each step gives the slowdown its
-  fluctuations alone cause; the floor is the median over steps, so an episode shorter
-  than half the steps does not raise it.
+  difference between workers or stages left. Replayed, the steps give the slowdown the
+  fluctuations alone cause, as a ratio of mean step times like S itself: a shared
+  machine's load bursts (every op of some steps slower, comm most) raise the floor as
+  they raise S. A straggler shorter than half the run is a fluctuation here too; it is
+  found by its episode, and a persistent one is structure that no floor hides.
 - **Persistent excess.** A worker's own work per step (its computes, optimizer and input
   wait: time nobody else makes it wait) over the median of its peers' (the other DP ranks
   of its stage; all workers when there is one DP rank), median over steps.
@@ -105,7 +107,7 @@ def stage_excess(prepared: PreparedTrace) -> np.ndarray:
 
 
 def noise_floor(prepared: PreparedTrace, ideal: dict[str, float], compiled: CompiledModel) -> float:
-    """The slowdown the job's fluctuations alone cause (median over steps)."""
+    """The slowdown the job's fluctuations alone cause (ratio of mean step times, as S)."""
     level = np.median(prepared.cost, axis=1, keepdims=True).astype(np.float64)
     fluctuation = np.where(level > 0, prepared.cost / np.where(level > 0, level, 1.0), 1.0)
     ideal_cost = np.array([ideal[t] for t in prepared.node_optype], dtype=np.float64)
@@ -114,7 +116,7 @@ def noise_floor(prepared: PreparedTrace, ideal: dict[str, float], compiled: Comp
     )
     analysis = WhatIfAnalysis(noisy, ideal, compiled=compiled)
     t_noise, t_ideal = analysis.run([Variant("measured"), Variant("ideal")])
-    return float(np.median(t_noise / t_ideal))
+    return float(t_noise.mean() / t_ideal.mean())
 
 
 def slow_in(prepared: PreparedTrace, worker: tuple[int, int]) -> dict[str, float]:
