@@ -218,6 +218,19 @@ class Episode:
     series: tuple[str, ...] = ()
 
 
+#: Computes this much slower (median step) inside an episode than outside it: the machine.
+_MACHINE_SLOWDOWN = 0.04
+
+
+def _machine_slowed(prepared: PreparedTrace, inside: np.ndarray) -> bool:
+    """Whether the workers' own work (computes, optimizer, input) per step is slower inside
+    the episode's steps than in the rest of the run, by `_MACHINE_SLOWDOWN`."""
+    if inside.all():
+        return False
+    work = own_work(prepared).sum(axis=(1, 2))
+    return bool(np.median(work[inside]) >= (1 + _MACHINE_SLOWDOWN) * np.median(work[~inside]))
+
+
 def diagnosed_episodes(
     changes: Iterable[Change],
     prepared: PreparedTrace,
@@ -228,7 +241,9 @@ def diagnosed_episodes(
     """Every episode diagnosed on its own steps with the whole run's ideal, so a straggler
     that came and went is named even when something permanent dominates the run. An
     episode whose steps show no cause beyond the job's noise (a shared machine's load
-    moving the step time) is dropped: a healthy job has no episode."""
+    moving the step time) is dropped: a healthy job has no episode. So is one that reads as
+    slow communication while the computes slowed with it: the whole machine was slower
+    (a slow link leaves the computes alone)."""
     episodes = []
     for span in episode_spans(changes):
         end = span.recovery if span.recovery is not None else np.inf
@@ -238,6 +253,8 @@ def diagnosed_episodes(
         part = prepared.select_steps(inside)
         result = analyze(part, ideal=ideal, decompose_threshold=decompose_threshold)
         diagnosis = diagnose(result, part)
+        if diagnosis.cause == "slow_communication" and _machine_slowed(prepared, inside):
+            continue
         if diagnosis.cause not in ("none", "unattributed"):
             fitted = _refined(span, diagnosis, prepared)
             episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
