@@ -177,6 +177,36 @@ def _partial_recovery(x: np.ndarray, onset: int, noise: float) -> int | None:
     return None
 
 
+def _fitted_to_moved_worker(span: Span, prepared: PreparedTrace) -> Span:
+    """The span's bounds from the own-work series of the first worker whose series opened
+    it, so that its diagnosis reads the worker's slow steps, not a stretch diluted by the
+    steps after a recovery the detector could not verify yet."""
+    worker = next((name for name in span.series if name.startswith("worker/")), None)
+    if worker is None:
+        return span
+    names = series_names(prepared.n_stages, prepared.n_dp)
+    if worker not in names:
+        return span
+    return _fitted(span, [step_series(prepared)[:, names.index(worker)]], worker, prepared)
+
+
+def _fitted(span: Span, candidates: list[np.ndarray], worker: str, prepared: PreparedTrace) -> Span:
+    """The span refitted on the first candidate series that shows a raised stretch."""
+    steps = prepared.steps
+    first = int(np.searchsorted(steps, span.onset - _ONSET_SLACK))
+    last = int(np.searchsorted(steps, span.recovery if span.recovery is not None else steps[-1]))
+    for series in candidates:
+        fitted = square_wave(series, first, min(last, steps.size - 1))
+        if fitted is not None:
+            onset, recovery = fitted
+            return Span(
+                int(steps[onset]),
+                int(steps[recovery]) if recovery is not None else None,
+                tuple(dict.fromkeys((worker, *span.series))),
+            )
+    return span
+
+
 def _refined(span: Span, diagnosis: Diagnosis, prepared: PreparedTrace) -> Span:
     """The span's bounds from the first named worker's own series, when a worker is named
     and its series shows the raised stretch; the detected bounds otherwise. The series of
@@ -193,19 +223,7 @@ def _refined(span: Span, diagnosis: Diagnosis, prepared: PreparedTrace) -> Span:
     ]
     names = series_names(prepared.n_stages, prepared.n_dp)
     candidates.append(step_series(prepared)[:, names.index(worker)])
-    steps = prepared.steps
-    first = int(np.searchsorted(steps, span.onset - _ONSET_SLACK))
-    last = int(np.searchsorted(steps, span.recovery if span.recovery is not None else steps[-1]))
-    for series in candidates:
-        fitted = square_wave(series, first, min(last, steps.size - 1))
-        if fitted is not None:
-            onset, recovery = fitted
-            return Span(
-                int(steps[onset]),
-                int(steps[recovery]) if recovery is not None else None,
-                tuple(dict.fromkeys((worker, *span.series))),
-            )
-    return span
+    return _fitted(span, candidates, worker, prepared)
 
 
 @dataclass(frozen=True)
@@ -245,7 +263,8 @@ def diagnosed_episodes(
     slow communication while the computes slowed with it: the whole machine was slower
     (a slow link leaves the computes alone)."""
     episodes = []
-    for span in episode_spans(changes):
+    for detected in episode_spans(changes):
+        span = _fitted_to_moved_worker(detected, prepared)
         end = span.recovery if span.recovery is not None else np.inf
         inside = (prepared.steps >= span.onset) & (prepared.steps < end)
         if inside.sum() < 2:
