@@ -5,7 +5,7 @@ takes 2 ms more and its backward 4 ms more, waited for as a host waits for its G
 last several to tens of ms and steps about 100 ms, as on a real small model, while four
 ranks on a few shared cores do not fight over them (real CPU compute of that size made every
 op's time depend on what the other ranks did at that moment: a healthy job read S 1.65-1.93,
-all of it that contention). Each job stays under about 15 s of CPU.
+all of it that contention). The four ranks of a 60-step job use 3-5 s of CPU.
 """
 
 from __future__ import annotations
