@@ -702,7 +702,24 @@ def diagnose(
     workers_slow = mw_verified and (
         result.mw.removed_share >= cfg.explains_share or mw_speedup >= cfg.floor_margin
     )
-    structure = workers_slow
+    # A last stage that computes more in the median step (an output head) is structure in
+    # the same way, however noisy the rest of the job: when it exceeds the median stage by a
+    # worker's margin (half of it, the loss work of an ordinary last stage, hides under the
+    # floor) and explains most of the slowdown or evening it out alone would speed the job
+    # up by the floor's margin (its share is small when the job's noise is large).
+    ms_speedup = 1.0 - result.ms.t_removed / result.ms.t_original
+    evidence["ms_speedup"] = ms_speedup
+    last_stage_heavy = (
+        prepared.n_stages > 1
+        and last_stage_heavier
+        and result.ms.removed_share >= cfg.explains_share
+    )
+    last_stage_structure = (
+        prepared.n_stages > 1
+        and stages[-1] >= 1 + cfg.persistent_margin
+        and (result.ms.removed_share >= cfg.explains_share or ms_speedup >= cfg.floor_margin)
+    )
+    structure = workers_slow or last_stage_structure
     if result.slowdown < floor + cfg.floor_margin and not (unbalanced_sequences or structure):
         return Diagnosis(
             "none",
@@ -722,7 +739,7 @@ def diagnose(
             f"({correlation:.2f}): sequence lengths are unbalanced"
         )
         advice.append(advise_balanced_packing(prepared, base_time, compiled))
-    elif comm_excess > compute_excess and comm_excess > 0.01 and not workers_slow:
+    elif comm_excess > compute_excess and comm_excess > 0.01 and not structure:
         groups = slow_comm_groups(prepared, cfg.slow_group_factor)
         evidence["slow_groups"] = groups[:10]
         cause = "slow_communication"
@@ -734,11 +751,7 @@ def diagnose(
         advice.append(advise_healthy_links(prepared, base_time, compiled, cfg.slow_group_factor))
     elif workers_slow:
         cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
-    elif (
-        result.ms.removed_share >= cfg.explains_share
-        and prepared.n_stages > 1
-        and last_stage_heavier
-    ):
+    elif last_stage_heavy or last_stage_structure:
         cause = "last_stage_imbalance"
         summary = f"the last stage explains {result.ms.removed_share:.0%} of the slowdown"
         move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)

@@ -10,9 +10,11 @@ links are *persistent* structure on top of it; only that structure is diagnosed.
 - **Noise floor.** Every op's cost is split into its worker's persistent level for that op
   (the median over the analysed steps) and a fluctuation (cost / level). The noise-only
   job puts the fluctuations on the ideal costs: ideal x fluctuation, no persistent
-  difference between workers or stages left. Replayed, each step gives the slowdown its
-  fluctuations alone cause; the floor is the median over steps, so an episode shorter
-  than half the steps does not raise it.
+  difference between workers or stages left. Replayed, the steps give the slowdown the
+  fluctuations alone cause, as a ratio of mean step times like S itself: a shared
+  machine's load bursts (every op of some steps slower, comm most) raise the floor as
+  they raise S. A straggler shorter than half the run is a fluctuation here too; it is
+  found by its episode, and a persistent one is structure that no floor hides.
 - **Persistent excess.** A worker's own work per step (its computes, optimizer and input
   wait: time nobody else makes it wait) over the median of its peers' (the other DP ranks
   of its stage; all workers when there is one DP rank), median over steps.
@@ -35,9 +37,12 @@ def own_work_mask(prepared: PreparedTrace) -> np.ndarray:
     return np.array([ot.is_compute(t) for t in prepared.node_optype])
 
 
-def own_work(prepared: PreparedTrace) -> np.ndarray:
-    """Own work of every worker in every step, [step, stage, dp] (seconds)."""
+def own_work(prepared: PreparedTrace, optype: str | None = None) -> np.ndarray:
+    """Own work of every worker in every step, [step, stage, dp] (seconds); only that of
+    `optype` when given."""
     mask = own_work_mask(prepared)
+    if optype is not None:
+        mask &= np.array([t == optype for t in prepared.node_optype])
     stage = prepared.model.node_stage()
     out = np.zeros((prepared.n_steps, prepared.n_stages, prepared.n_dp))
     values = prepared.duration[mask].astype(np.float64)  # [node, step, dp]
@@ -55,6 +60,39 @@ def relative_to_peers(work: np.ndarray) -> np.ndarray:
     return work / np.where(peers > 0, peers, np.nan)
 
 
+def series_names(n_stages: int, n_dp: int) -> list[str]:
+    """Names of the series `step_series` returns, in its column order."""
+    return (
+        ["step_time"]
+        + [f"stage/{s}" for s in range(n_stages)]
+        + [f"dp/{d}" for d in range(n_dp)]
+        + [f"worker/{d}.{s}" for s in range(n_stages) for d in range(n_dp)]
+    )
+
+
+def step_series(prepared: PreparedTrace) -> np.ndarray:
+    """[step, series] in `series_names` order: the measured step time, then each step's own
+    work per stage (its slowest DP rank), per DP rank (its whole pipeline) and per worker,
+    each over the step's median of its kind. Relative series move when one worker or stage
+    changes against the others, not when the whole machine slows down (a shared box's
+    load), which only the step time sees."""
+    work = own_work(prepared)  # [step, stage, dp]
+
+    def relative(values: np.ndarray) -> np.ndarray:
+        median = np.median(values, axis=1, keepdims=True)
+        return values / np.where(median > 0, median, np.nan)
+
+    return np.concatenate(
+        [
+            prepared.actual_step_time.astype(np.float64)[:, None],
+            relative(work.max(axis=2)),
+            relative(work.sum(axis=1)),
+            relative(work.reshape(work.shape[0], -1)),
+        ],
+        axis=1,
+    )
+
+
 def persistent_excess(prepared: PreparedTrace) -> np.ndarray:
     """[stage, dp]: median over steps of the worker's own work relative to its peers'."""
     return np.nanmedian(relative_to_peers(own_work(prepared)), axis=0)
@@ -69,7 +107,7 @@ def stage_excess(prepared: PreparedTrace) -> np.ndarray:
 
 
 def noise_floor(prepared: PreparedTrace, ideal: dict[str, float], compiled: CompiledModel) -> float:
-    """The slowdown the job's fluctuations alone cause (median over steps)."""
+    """The slowdown the job's fluctuations alone cause (ratio of mean step times, as S)."""
     level = np.median(prepared.cost, axis=1, keepdims=True).astype(np.float64)
     fluctuation = np.where(level > 0, prepared.cost / np.where(level > 0, level, 1.0), 1.0)
     ideal_cost = np.array([ideal[t] for t in prepared.node_optype], dtype=np.float64)
@@ -78,7 +116,7 @@ def noise_floor(prepared: PreparedTrace, ideal: dict[str, float], compiled: Comp
     )
     analysis = WhatIfAnalysis(noisy, ideal, compiled=compiled)
     t_noise, t_ideal = analysis.run([Variant("measured"), Variant("ideal")])
-    return float(np.median(t_noise / t_ideal))
+    return float(t_noise.mean() / t_ideal.mean())
 
 
 def slow_in(prepared: PreparedTrace, worker: tuple[int, int]) -> dict[str, float]:

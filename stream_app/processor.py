@@ -41,7 +41,7 @@ from lagscope.simulator import optypes as ot
 from lagscope.simulator.bocd import BocdBank, BocdConfig
 from lagscope.simulator.depmodel import DependencyModel
 from lagscope.simulator.engine import CompiledModel, compile_model
-from lagscope.simulator.noise import own_work
+from lagscope.simulator.noise import series_names, step_series
 from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
@@ -560,9 +560,7 @@ class StepProcessor:
 
         for position, (index, closed, _, _) in enumerate(ready):
             result = results[position]
-            changes = self._detect(
-                job, closed.step, result, alone[position], complete=closed.complete
-            )
+            changes = self._detect(job, closed.step, alone[position], complete=closed.complete)
             outputs[index] = StepOutput(
                 closed.job.info.job_id,
                 closed.job.info.attempt,
@@ -635,25 +633,15 @@ class StepProcessor:
         self,
         job: _JobState,
         step: int,
-        result: WhatIfResult,
         prepared: PreparedTrace,
         *,
         complete: bool,
     ) -> tuple[DetectedChange, ...]:
         if not complete:
             return ()
-        values = np.concatenate([[result.t_actual[0]], *_relative_work(prepared)])
+        values = step_series(prepared)[0]
         if job.detector is None:
-            job.series_names = (
-                ["step_time"]
-                + [f"stage/{s}" for s in range(prepared.n_stages)]
-                + [f"dp/{d}" for d in range(prepared.n_dp)]
-                + [
-                    f"worker/{d}.{s}"
-                    for s in range(prepared.n_stages)
-                    for d in range(prepared.n_dp)
-                ]
-            )
+            job.series_names = series_names(prepared.n_stages, prepared.n_dp)
             job.detector = BocdBank(len(job.series_names), self.settings.bocd)
         index = job.detector.steps_seen
         job.fed_steps.append((index, step))
@@ -783,21 +771,6 @@ def _load_retained(
             continue
         retained.append(PreparedTrace(model=job.model, meta=meta, **inputs))
     return retained
-
-
-def _relative_work(prepared: PreparedTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One step's own work (computes, optimizer, input wait: time nobody else makes a
-    worker wait) per stage (its slowest DP rank), per DP rank (its whole pipeline) and per
-    worker, each over the median of its kind in the step. Relative series move when one
-    worker or stage changes against the others, not when the whole machine slows down
-    (a shared box's load), which only the step time sees."""
-    work = own_work(prepared)[0]  # [stage, dp]
-
-    def relative(values: np.ndarray) -> np.ndarray:
-        median = float(np.median(values))
-        return values / median if median > 0 else np.full(values.shape, np.nan)
-
-    return relative(work.max(axis=1)), relative(work.sum(axis=0)), relative(work.ravel())
 
 
 def _own_ideal(prepared: PreparedTrace, optype: str) -> float:

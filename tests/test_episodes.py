@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from lagscope.simulator.diagnose import diagnose
-from lagscope.simulator.episodes import diagnosed_episodes, episode_spans
+from lagscope.simulator.episodes import diagnosed_episodes, episode_spans, square_wave
 from lagscope.simulator.generate import CostModel, JobSpec, SlowWorker, generate_job
 from lagscope.simulator.prepare import concat_steps
 from lagscope.stream_app.processor import StepProcessor
@@ -79,3 +80,19 @@ def test_a_healthy_noisy_job_has_no_episode_and_no_cause(seed):
     _, episodes, diagnosis = streamed((), 60, seed)
     assert episodes == []
     assert diagnosis.cause == "none", diagnosis.summary
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_raised_stretch_is_fitted_to_its_steps_in_a_noisy_series(seed):
+    """The worker's own series, +/-15 % noise and a lone spike, raised 1.35x for 15-29 of 40:
+    the fit finds both ends (within a step); raised to the end, no recovery; flat, nothing."""
+    rng = np.random.default_rng(seed)
+    noise = rng.normal(1.0, 0.15 / 2, 40).clip(0.7, 1.3)
+    noise[5] = 2.5
+    raised = noise * np.where((np.arange(40) >= 15) & (np.arange(40) < 30), 1.35, 1.0)
+    onset, recovery = square_wave(raised, 7, 29)
+    assert abs(onset - 15) <= 1 and abs(recovery - 30) <= 1
+    to_the_end = noise * np.where(np.arange(40) >= 15, 1.35, 1.0)
+    onset, recovery = square_wave(to_the_end, 7, 39)
+    assert abs(onset - 15) <= 1 and recovery is None
+    assert square_wave(noise, 0, 39) is None

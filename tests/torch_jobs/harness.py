@@ -59,6 +59,14 @@ class Knobs:
     late_ms: float = 0.0
     late_start: int = 0
     late_end: int = 1 << 30
+    #: Emulated accelerator: each block's forward also takes this long (ms), its backward
+    #: twice that, spent waiting as a host waits for its GPU. Real CPU compute of tens of
+    #: ms per op would make 4 single-thread ranks fight over a few shared cores, and each
+    #: op's time then depends on what the other ranks do at that moment, which no GPU job
+    #: sees. 0: CPU compute only.
+    block_ms: float = 0.0
+    #: Extra blocks on the last pipeline stage (an output head): a really heavier stage.
+    head_layers: int = 0
     gc_probe: bool = True
     #: Run the job without lagscope at all (the baseline of the overhead bench).
     monitor: bool = True
@@ -238,8 +246,9 @@ class Slowdown:
         time.sleep(max(0.0, (self.factor - 1.0) * elapsed))
 
 
-def straggler_model(knobs: Knobs, rank: int, seed: int) -> Any:
-    """An MLP of `knobs.layers` blocks that can be made slow in forward or backward.
+def straggler_model(knobs: Knobs, rank: int, seed: int, layers: int | None = None) -> Any:
+    """An MLP of `layers` (default `knobs.layers`) blocks that can be made slow in forward
+    or backward, on an emulated accelerator when `knobs.block_ms` is set.
 
     The backward slowdown sleeps between the last and the first block, so it happens before
     the first block's parameter gradients: inside the backward compute, as a slow GPU's
@@ -248,6 +257,8 @@ def straggler_model(knobs: Knobs, rank: int, seed: int) -> Any:
     import torch
 
     straggle = make_straggler_function()
+    n_blocks = knobs.layers if layers is None else layers
+    device_forward_s = n_blocks * knobs.block_ms / 1e3
 
     class StragglerMLP(torch.nn.Module):
         def __init__(self) -> None:
@@ -255,7 +266,7 @@ def straggler_model(knobs: Knobs, rank: int, seed: int) -> Any:
             torch.manual_seed(seed)
             self.blocks = torch.nn.ModuleList(
                 torch.nn.Sequential(torch.nn.Linear(knobs.hidden, knobs.hidden), torch.nn.GELU())
-                for _ in range(knobs.layers)
+                for _ in range(n_blocks)
             )
             self.step = 0
             self.backward_began = 0.0
@@ -263,11 +274,17 @@ def straggler_model(knobs: Knobs, rank: int, seed: int) -> Any:
         def _backward_starts(self) -> None:
             self.backward_began = time.perf_counter()
 
+        def _device_backward(self) -> None:
+            time.sleep(2 * device_forward_s)
+
         def _backward_extra(self) -> None:
-            # Scale the backward of blocks 1..n to all n blocks, then sleep the difference.
-            share = knobs.layers / max(1, knobs.layers - 1)
-            elapsed = (time.perf_counter() - self.backward_began) * share
-            time.sleep(max(0.0, (knobs.slow_factor - 1.0) * elapsed))
+            # Scale the CPU backward of blocks 1..n to all n blocks (the emulated device's
+            # part is whole already), then sleep the difference.
+            share = n_blocks / max(1, n_blocks - 1)
+            elapsed = time.perf_counter() - self.backward_began
+            device = 2 * device_forward_s
+            whole = device + max(0.0, elapsed - device) * share
+            time.sleep(max(0.0, (knobs.slow_factor - 1.0) * whole))
 
         def forward(self, x: Any) -> Any:
             slow_forward = knobs.slow(rank, self.step, "forward")
@@ -277,6 +294,9 @@ def straggler_model(knobs: Knobs, rank: int, seed: int) -> Any:
                 x = block(x)
                 if i == 0 and slow_backward:
                     x = straggle.apply(x, self._backward_extra)
+            if device_forward_s > 0:
+                time.sleep(device_forward_s)
+                x = straggle.apply(x, self._device_backward)
             if slow_backward:
                 x = straggle.apply(x, self._backward_starts)
             if slow_forward:

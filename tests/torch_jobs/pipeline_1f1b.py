@@ -132,7 +132,8 @@ def worker(rank: int, knobs: Knobs) -> None:
     pp_groups = [dist.new_group([d * pp + s for s in range(pp)]) for d in range(dp)]
     dp_groups = [dist.new_group([d * pp + s for d in range(dp)]) for s in range(pp)]
     pp_group, dp_group = pp_groups[dp_rank], dp_groups[stage]
-    model = straggler_model(knobs, rank, seed=knobs.seed + stage)
+    layers = knobs.layers + (knobs.head_layers if stage == pp - 1 else 0)
+    model = straggler_model(knobs, rank, seed=knobs.seed + stage, layers=layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = None
     if stage == 0:
