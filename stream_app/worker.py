@@ -611,6 +611,8 @@ class WorkerCore:
                 "attempt": key[1],
                 "steps": [int(rollup.steps[0]), last],
                 "n_steps": len(rollup.steps),
+                # At most this many complete steps are covered (the memory budget's cap).
+                "window_steps": state.retained_capacity,
                 "slowdown": rollup.slowdown,
                 "waste": rollup.waste,
                 "gpu_seconds_wasted": totals.gpu_seconds_wasted,
