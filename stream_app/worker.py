@@ -89,6 +89,7 @@ from lagscope.producers.events import (
     decode_batch,
     peek_header,
 )
+from lagscope.producers.kafka_login import check_kafka_login
 from lagscope.simulator.diagnose import diagnose
 from lagscope.simulator.prepare import concat_steps
 from lagscope.stream_app.admission import job_conflict, job_problem
@@ -854,6 +855,7 @@ class FaustWorker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        check_kafka_login(config.kafka)  # a rejected login: one line, not a retry loop
         self.sink = ClickHouseSink(config.store.resolved_dsn(), retry=config.store.retry_policy())
         self.sink.ensure_schema(ops_ttl_days=config.store.ops_ttl_days)
         self._producer = self._make_producer()
