@@ -48,7 +48,12 @@ lateness clock is the newest record timestamp delivered, so a backlog of any siz
 worker held back by a store outage) closes complete steps complete; once caught up it is
 wall-clock time, so a silent rank still times out.
 
-Limits: a step closed by the lateness timeout depends on wall-clock time, so a step that
+Limits: snapshots hand a partition over only between workers that share one store (one
+ClickHouse server). Workers with stores of their own (a chDB directory each) cannot read
+each other's snapshots: a partition that moves starts fresh at the committed offset, so
+the batches its open windows held before it are not re-read (seen: one step of 352 lost,
+one stored incomplete, 13 stored twice across the stores, three workers, kill -9 of one).
+A step closed by the lateness timeout depends on wall-clock time, so a step that
 was closed incomplete before a crash may re-close complete after it; the first stored
 version stands. Retained inputs are kept 30 days (table TTL): a job restored after a
 longer silence rolls up without the expired steps. Snapshots and retained inputs are in
