@@ -132,11 +132,19 @@ class KafkaBroker:
         cache_dir: Path = DEFAULT_CACHE,
         version: str = KAFKA_VERSION,
         initial_rebalance_delay_ms: int = 0,
+        scram_users: dict[str, str] | None = None,
     ) -> None:
         """`initial_rebalance_delay_ms`: how long a new consumer group waits for more
         members before its first assignment (Kafka's default is 3000; 0 makes tests with
-        one consumer fast, several workers meant to start together need the wait)."""
+        one consumer fast, several workers meant to start together need the wait).
+
+        `scram_users` (name -> password): also listen on SASL_SSL (`secure_port`), SCRAM-
+        SHA-512 over TLS. The users are created by Kafka's own storage formatter, and the
+        broker's certificate is signed by a CA made for this broker (`ca_file`, what a
+        client trusts), both with openssl, in PEM as the broker reads it."""
         self.data_dir = Path(data_dir).resolve()
+        self.scram_users = dict(scram_users or {})
+        self.secure_port = free_port() if self.scram_users else None
         self.initial_rebalance_delay_ms = initial_rebalance_delay_ms
         self.port = port or free_port()
         self.controller_port = controller_port or free_port()
@@ -148,6 +156,70 @@ class KafkaBroker:
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def secure_bootstrap(self) -> str:
+        """The SASL_SSL listener (only with `scram_users`)."""
+        if self.secure_port is None:
+            raise KafkaLocalError("this broker was started without a SASL_SSL listener")
+        return f"127.0.0.1:{self.secure_port}"
+
+    @property
+    def ca_file(self) -> Path:
+        """The PEM certificate of the CA that signed the broker's certificate."""
+        return self.data_dir / "tls" / "ca.pem"
+
+    def _make_certificates(self) -> Path:
+        """A CA and a broker certificate for 127.0.0.1 signed by it; returns the broker's
+        PEM key store (certificate chain, then its unencrypted PKCS#8 key)."""
+        tls = self.data_dir / "tls"
+        keystore = tls / "broker-keystore.pem"
+        if keystore.exists():
+            return keystore
+        tls.mkdir(parents=True, exist_ok=True)
+        (tls / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        commands = [
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "30",
+             "-subj", "/CN=lagscope-test-ca", "-keyout", "ca-key.pem", "-out", "ca.pem"],
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+             "-keyout", "broker-key.pem", "-out", "broker.csr"],
+            ["openssl", "x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey",
+             "ca-key.pem", "-CAcreateserial", "-days", "30", "-extfile", "san.ext",
+             "-out", "broker.pem"],
+            ["openssl", "pkcs8", "-topk8", "-nocrypt", "-in", "broker-key.pem",
+             "-out", "broker-key.pk8.pem"],
+        ]  # fmt: skip
+        if shutil.which("openssl") is None:
+            raise KafkaLocalError(
+                "a SASL_SSL listener needs 'openssl' on PATH for its certificates"
+            )
+        for command in commands:
+            done = subprocess.run(command, cwd=tls, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise KafkaLocalError(
+                    f"{' '.join(command[:2])} failed making the test certificates in {tls}: "
+                    f"{done.stderr[-1000:]}"
+                )
+        keystore.write_text(
+            (tls / "broker.pem").read_text()
+            + (tls / "ca.pem").read_text()
+            + (tls / "broker-key.pk8.pem").read_text()
+        )
+        return keystore
+
+    def _secure_config(self) -> list[str]:
+        if not self.scram_users:
+            return []
+        keystore = self._make_certificates()
+        return [
+            "sasl.enabled.mechanisms=SCRAM-SHA-512",
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config="
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "ssl.keystore.type=PEM",
+            f"ssl.keystore.location={keystore}",
+            "ssl.truststore.type=PEM",
+            f"ssl.truststore.location={self.ca_file}",
+        ]
 
     @property
     def pid_file(self) -> Path:
@@ -164,6 +236,7 @@ class KafkaBroker:
     def _write_config(self) -> Path:
         logs = self.data_dir / "kraft-logs"
         config = self.data_dir / "server.properties"
+        secure = f",SASL_SSL://127.0.0.1:{self.secure_port}" if self.scram_users else ""
         config.write_text(
             "\n".join(
                 [
@@ -171,11 +244,13 @@ class KafkaBroker:
                     "node.id=1",
                     f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
                     f"listeners=PLAINTEXT://127.0.0.1:{self.port},"
-                    f"CONTROLLER://127.0.0.1:{self.controller_port}",
-                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+                    f"CONTROLLER://127.0.0.1:{self.controller_port}{secure}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}{secure}",
                     "controller.listener.names=CONTROLLER",
                     "inter.broker.listener.name=PLAINTEXT",
-                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+                    + (",SASL_SSL:SASL_SSL" if secure else ""),
+                    *self._secure_config(),
                     f"log.dirs={logs}",
                     "num.partitions=1",
                     "auto.create.topics.enable=true",
@@ -221,7 +296,7 @@ class KafkaBroker:
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
             result = subprocess.run(
                 self._java(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id,
-                           "-c", str(config)),
+                           "-c", str(config), *self._scram_arguments()),
                 capture_output=True,
                 text=True,
                 check=False,
@@ -242,6 +317,14 @@ class KafkaBroker:
         self.pid_file.write_text(str(self.process.pid))
         self._wait_ready(timeout_s)
         return self
+
+    def _scram_arguments(self) -> list[str]:
+        """The formatter's `--add-scram` per user: credentials exist before the broker
+        first starts, with no admin round trip."""
+        arguments = []
+        for name, password in self.scram_users.items():
+            arguments += ["--add-scram", f"SCRAM-SHA-512=[name={name},password={password}]"]
+        return arguments
 
     def _wait_ready(self, timeout_s: float) -> None:
         from confluent_kafka.admin import AdminClient

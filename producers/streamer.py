@@ -40,6 +40,7 @@ from typing import Any
 
 from lagscope.producers.config import LagscopeConfig
 from lagscope.producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
+from lagscope.producers.kafka_login import check_kafka_login
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
@@ -115,6 +116,8 @@ class Streamer:
         self._rewinds_in_a_row = 0
         self._fatal = False
         self._owns_producer = producer is None
+        if producer is None:
+            check_kafka_login(config.kafka)  # a rejected login: one line, not a retry loop
         self._producer = producer or self._make_producer()
         self._load_checkpoint()
 

@@ -101,7 +101,8 @@ class EmbeddedRunner:
         follow: bool = False,
         idle_exit_s: float = 0.0,
         progress: Callable[[RunReport], None] | None = None,
-        read_chunk_bytes: int = 4 << 20,
+        read_chunk_bytes: int = 64 << 10,
+        read_ahead_steps: int = 4,
     ) -> RunReport:
         """Read every rank's log under `log_dir` until it is exhausted (or, with `follow`,
         until nothing new arrived for `idle_exit_s`), then close all open steps.
@@ -109,7 +110,13 @@ class EmbeddedRunner:
         Windows follow the logs' own progress, so a backlog of any size closes complete
         steps complete: a step closes once every rank's log has delivered a later step,
         and the lateness timeout only runs while every log is read to its end (time spent
-        reading a backlog is not time a rank was late)."""
+        reading a backlog is not time a rank was late).
+
+        A backlog is read no faster than its steps close (backpressure): each round reads at
+        most `read_chunk_bytes` of each log, and a log more than `read_ahead_steps` steps
+        ahead of another log of the same job that still has unread data waits a round. So
+        open windows hold a few steps of every rank whatever the backlog's size, and a
+        burst costs time, not memory."""
         started = time.monotonic()
         readers: dict[Path, RankLogReader] = {}
         last_data = time.monotonic()
@@ -119,7 +126,13 @@ class EmbeddedRunner:
                     directory, RankLogReader(directory, torn_grace_s=0.0 if not follow else 5.0)
                 )
             got_any = False
+            unread = {d.name for d, reader in readers.items() if not reader.at_end()}
+            held = self._held_back(unread, read_ahead_steps)
+            if unread and unread <= held:
+                held = set()  # jobs holding each other back: nobody waits
             for directory, reader in readers.items():
+                if directory.name in held:
+                    continue
                 for item in reader.read(read_chunk_bytes):
                     got_any = True
                     self._consume(directory.name, item)
@@ -195,6 +208,18 @@ class EmbeddedRunner:
         if self.store_raw_ops and kept.tp_rank == 0 and kept.cp_rank == 0:
             self._raw_ops.append(_raw_op_rows(kept, batch_id_of(item.payload)))
         self._emit(self.processor.on_batch(kept))
+
+    def _held_back(self, unread: set[str], ahead_steps: int) -> set[str]:
+        """Logs to skip this round: those more than `ahead_steps` past a log of the same job
+        that still has data to read (reading them on would only open windows)."""
+        held: set[str] = set()
+        for by_source in self._progress.values():
+            lagging = [step for source, step in by_source.items() if source in unread]
+            if not lagging:
+                continue
+            horizon = min(lagging) + ahead_steps
+            held.update(source for source, step in by_source.items() if step > horizon)
+        return held
 
     def _close_passed_steps(self, behind: set[str]) -> None:
         """Close the steps every rank's log has moved past: nothing more comes for them.

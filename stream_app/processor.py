@@ -12,8 +12,9 @@ One engine-agnostic class serves both hosts (the faust worker and the embedded r
   compute op type over all steps so far, and for communication the exact median over a
   bounded window of recent steps (each step contributes at most `median_values_per_step`
   values, an evenly strided sample). The job-level roll-up re-analyses the retained steps
-  (the last `rollup_window_steps` complete ones) with ideals computed from exactly those
-  steps, which is `lagscope analyze` on the same steps.
+  (the last `rollup_window_steps` complete ones, fewer when they would exceed
+  `rollup_budget_bytes`) with ideals computed from exactly those steps, which is
+  `lagscope analyze` on the same steps.
 - **Change points.** One vectorized BOCD update per closed step over the job's step time
   and the own work (computes, optimizer, input wait) of every stage, DP rank and worker,
   each relative to the step's median of its kind.
@@ -64,6 +65,11 @@ class ProcessorSettings(BaseModel):
     lateness_s: float = Field(default=30.0, gt=0)
     #: Steps whose inputs are kept for the job-level roll-up (and the comm medians).
     rollup_window_steps: int = Field(default=256, ge=1)
+    #: Bytes the retained steps of one job may hold. A step holds 16 bytes per op and DP
+    #: rank (4.5 MB for a 12,288-GPU job of dp 192 x pp 8 x tp 8), so a big job keeps
+    #: fewer than `rollup_window_steps`: the last `budget // step bytes` (at least one),
+    #: and its roll-up and comm medians cover just those (`retained_capacity`).
+    rollup_budget_bytes: int = Field(default=96 << 20, ge=1)
     #: Cap on the transfer times one step adds to a comm op type's running median. With the
     #: roll-up window that is 262k values per op type, plenty for a median; 4,096 cost a
     #: 1,024-GPU job 3 ms per step keeping the window sorted (1.1 ms at 1,024).
@@ -247,17 +253,74 @@ def _remove_sorted(values: np.ndarray, gone: np.ndarray) -> np.ndarray:
     return np.delete(values, np.searchsorted(values, gone, side="left") + repeat_rank)
 
 
+def _step_bytes(prepared: PreparedTrace) -> int:
+    """Bytes a retained step holds, counting a GC-pause array whether or not this step has
+    one (a later step may), so the window never outgrows the budget."""
+    arrays = (prepared.start, prepared.duration, prepared.cost, prepared.launch_delay)
+    return sum(a.nbytes for a in arrays) + prepared.duration.size * 4
+
+
 class _JobState:
     def __init__(self, info: JobInfo, settings: ProcessorSettings) -> None:
         self.info = info
+        self.settings = settings
         self.model: DependencyModel | None = None
         self.compiled: CompiledModel | None = None
         self.ideal = _RunningIdeal(settings.rollup_window_steps, settings.median_values_per_step)
         self.retained: deque[PreparedTrace] = deque(maxlen=settings.rollup_window_steps)
+        #: Bytes of one retained step; known from the first (a job's steps share a shape).
+        self.step_bytes = 0
         self.detector: BocdBank | None = None
         self.series_names: list[str] = []
         #: (update index, step id) of recent detector updates, to name change steps.
         self.fed_steps: deque[tuple[int, int]] = deque(maxlen=4096)
+
+    def _size_window(self, prepared: PreparedTrace) -> None:
+        """Fit the retained window to the byte budget, from the job's first retained step.
+        The comm medians' window shrinks with it: it must hold exactly the retained
+        steps' values, which is what a restore rebuilds it from."""
+        if self.step_bytes:
+            return
+        self.step_bytes = _step_bytes(prepared)
+        capacity = max(
+            1,
+            min(
+                self.settings.rollup_window_steps,
+                self.settings.rollup_budget_bytes // self.step_bytes,
+            ),
+        )
+        self.retained = deque(self.retained, maxlen=capacity)
+        self.ideal.window_steps = capacity
+        if capacity < self.settings.rollup_window_steps:
+            log.warning(
+                "job %s/%d: a step holds %.1f MB, so its roll-up and comm medians cover the "
+                "last %d complete steps (rollup_budget_bytes %d MB), not %d",
+                self.info.job_id,
+                self.info.attempt,
+                self.step_bytes / 1e6,
+                capacity,
+                self.settings.rollup_budget_bytes >> 20,
+                self.settings.rollup_window_steps,
+            )
+
+    def retain(self, prepared: PreparedTrace) -> None:
+        """Keep a complete step for the roll-up and add it to the running ideals."""
+        self._size_window(prepared)
+        self.ideal.add_step(prepared)
+        self.retained.append(prepared)
+
+    def restore_retained(self, ideal_state: dict[str, Any], retained: list[PreparedTrace]) -> None:
+        if retained:
+            self._size_window(retained[0])
+            # A snapshot taken under a larger budget keeps only what this one allows.
+            retained = retained[-self.retained.maxlen :]
+        self.retained.extend(retained)
+        self.ideal.restore(ideal_state, retained)
+
+    @property
+    def retained_capacity(self) -> int:
+        """How many complete steps the roll-up covers at most (the budget's cap)."""
+        return self.retained.maxlen or 0
 
 
 class StepProcessor:
@@ -532,8 +595,7 @@ class StepProcessor:
         alone = [prepared.select_steps([column]) for _, _, prepared, column in ready]
         for (_, closed, _, _), step in zip(ready, alone, strict=True):
             if closed.complete:
-                job.ideal.add_step(step)
-                job.retained.append(step)
+                job.retain(step)
             ideal = job.ideal.current()
             for optype in set(step.node_optype) - set(ideal):
                 # A first step that is incomplete: its own values are the best estimate.
@@ -731,8 +793,7 @@ class StepProcessor:
                 retained = [PreparedTrace(model=job.model, meta=meta, **r) for r in retained]
             elif retained:
                 retained = _load_retained(job, key, retained, retained_inputs)
-            job.retained.extend(retained)
-            job.ideal.restore(saved["ideal"], retained)
+            job.restore_retained(saved["ideal"], retained)
             if saved["detector"] is not None:
                 job.detector = BocdBank.from_state(saved["detector"])
             job.series_names = list(saved["series_names"])
