@@ -4,6 +4,7 @@ figure: Reds colormap on 1-1.5, each cell annotated to two significant digits.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -12,13 +13,15 @@ VMIN, VMAX = 1.0, 1.5
 
 def draw_worker_heatmap(
     worker_slowdown: np.ndarray,
-    path: str | Path,
+    path: str | Path | BinaryIO,
     *,
+    image_format: str | None = None,
     dp_size: int | None = None,
     pp_size: int | None = None,
     title: str = "worker slowdown S_w",
 ) -> None:
-    """Write a PNG of `worker_slowdown` ([stage, dp]); cells beyond the data stay blank."""
+    """Draw `worker_slowdown` ([stage, dp]) into a file or binary stream, as PNG unless
+    `image_format` (or the path's suffix) says otherwise; cells beyond the data stay blank."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,5 +56,6 @@ def draw_worker_heatmap(
     ax.set_title(title)
     fig.colorbar(image, ax=ax, fraction=0.03)
     fig.tight_layout()
-    fig.savefig(Path(path), dpi=110)
+    target = Path(path) if isinstance(path, str | Path) else path
+    fig.savefig(target, dpi=110, format=image_format)
     plt.close(fig)
