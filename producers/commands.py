@@ -56,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--idle-exit-s",
         type=float,
         metavar="SECONDS",
-        help="exit after this long with nothing shipped, also while Kafka is unreachable "
-        "(backfills, tests; default: run until stopped)",
+        help="exit after this long with nothing to ship; while Kafka is unreachable, after "
+        "this long without the logs growing (backfills, tests; default: run until stopped)",
     )
     stream.add_argument(
         "--delete-shipped",
@@ -171,10 +171,17 @@ def _config(args: argparse.Namespace, streamer: dict[str, Any]) -> LagscopeConfi
 
 
 def run_stream(args: argparse.Namespace) -> int:
+    import signal
+    from pathlib import Path
+
     from lagscope.producers.config import ConfigError
     from lagscope.producers.streamer import Streamer
+    from lagscope.stream_app.cli_conventions import UsageError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.log_dir is not None and not Path(args.log_dir).is_dir():
+        what = "is not a directory" if Path(args.log_dir).exists() else "does not exist"
+        raise UsageError(f"--log-dir {args.log_dir}: {what}")
     try:
         config = _config(
             args,
@@ -191,10 +198,23 @@ def run_stream(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"lagscope stream: error: {exc}", file=sys.stderr)
         return 2
-    streamer.install_signal_handlers()
+    # SIGTERM (an orchestrator stopping the sidecar) is a normal end: exit 0. Ctrl-C ends
+    # it the same clean way (what Kafka confirmed is checkpointed, the rest stays in the
+    # logs) and then says "interrupted" with 130, as every lagscope command does.
+    interrupted: list[bool] = []
+
+    def on_sigint(*_: object) -> None:
+        interrupted.append(True)
+        streamer.stop()
+
+    signal.signal(signal.SIGTERM, lambda *_: streamer.stop())
+    signal.signal(signal.SIGINT, on_sigint)
     streamer.ensure_topics()
     stats = streamer.run()
     print(json.dumps(stats.as_dict()))
+    if interrupted:
+        print("lagscope stream: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

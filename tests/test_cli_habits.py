@@ -246,3 +246,34 @@ def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
     assert err.splitlines()[-1] == "lagscope run: interrupted"
     assert "job st attempt 0: 32 steps closed" in out
     assert "Traceback" not in err
+
+
+def test_stream_without_kafka_says_so_once_and_honours_idle_exit(
+    tmp_path: Path, st_logs: Path
+) -> None:
+    """Port 9 (discard) has no listener: librdkafka fails every connection attempt."""
+    checkpoint = tmp_path / "checkpoint.json"
+    began = time.monotonic()
+    done = lagscope(
+        "stream", "--log-dir", str(st_logs), "--bootstrap-servers", "127.0.0.1:9",
+        "--checkpoint", str(checkpoint), "--idle-exit-s", "2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    took = time.monotonic() - began
+    assert done.returncode == 0, done.stderr
+    # ensure_topics waits 10 s for a broker, then idleness counts through the outage.
+    assert took < 40, took
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2, done.stderr
+    assert "Kafka at 127.0.0.1:9 does not answer" in lines[0]
+    assert "Kafka at 127.0.0.1:9 did not answer for" in lines[1]
+    assert "stay in the logs and are sent on the next run" in lines[1]
+    stats = json.loads(done.stdout)
+    assert stats["kafka_connect_failures"] > 0 and stats["kafka_unreachable_s"] > 2
+    assert json.loads(checkpoint.read_text())["positions"] == {}  # nothing confirmed
+
+
+def test_stream_on_a_missing_log_dir_is_a_usage_error(tmp_path: Path) -> None:
+    done = lagscope("stream", "--log-dir", "nowhere", "--idle-exit-s", "1", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == "lagscope stream: error: --log-dir nowhere: does not exist\n"
