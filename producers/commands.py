@@ -56,8 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--idle-exit-s",
         type=float,
         metavar="SECONDS",
-        help="exit after this long with nothing to ship; while Kafka is unreachable, after "
-        "this long without the logs growing (backfills, tests; default: run until stopped)",
+        help="exit after this long with nothing to ship, or, when Kafka has not answered "
+        "once since the start, after this long in any case: what was not shipped stays in "
+        "the logs (backfills, tests; default: run until stopped)",
     )
     stream.add_argument(
         "--delete-shipped",

@@ -143,6 +143,8 @@ class Streamer:
         self._backoff_s = 0.0
         self._fatal = False
         self._outage: _Outage | None = None
+        #: Whether a broker answered in this run (created topics or confirmed a delivery).
+        self._kafka_answered = False
         self._owns_producer = producer is None
         self._producer = producer or self._make_producer()
         self._load_checkpoint()
@@ -218,6 +220,8 @@ class Streamer:
             except Exception as exc:
                 if "TOPIC_ALREADY_EXISTS" not in str(exc):
                     failed[name] = exc
+        if len(failed) < len(topics):
+            self._kafka_answered = True
         if not failed:
             return
         first = next(iter(failed.values()))
@@ -302,21 +306,16 @@ class Streamer:
             signal.signal(sig, lambda *_: self.stop())
 
     def run(self) -> StreamerStats:
-        idle_since = sampled_at = time.monotonic()
-        log_bytes = self._log_bytes()
+        idle_since = time.monotonic()
         settings = self.settings
         while not self._stop.is_set():
             did_work = self.step()
             now = time.monotonic()
-            # While no broker answers, reading into a queue that cannot drain is no progress;
-            # only the ranks writing more is (the logs keep it). So idle_exit_s ends a
-            # backfill whose Kafka is gone, and not a live job riding out a broker restart.
-            if self._outage is not None:
-                if now - sampled_at >= 1.0:
-                    sampled_at, size = now, self._log_bytes()
-                    if size != log_bytes:
-                        idle_since, log_bytes = now, size
-            elif did_work or self._in_flight_bytes:
+            # A Kafka that has never answered this run (a wrong address, a backfill with no
+            # cluster) would keep an idle streamer forever: queueing what cannot drain is no
+            # progress, and the logs keep it. An outage after Kafka answered is ridden out.
+            never_answered = self._outage is not None and not self._kafka_answered
+            if (did_work or self._in_flight_bytes) and not never_answered:
                 idle_since = now
             if settings.idle_exit_s is not None and now - idle_since >= settings.idle_exit_s:
                 break
@@ -346,17 +345,6 @@ class Streamer:
                 )
             self._producer.purge()
             self._producer.poll(0)
-
-    def _log_bytes(self) -> int:
-        """Bytes in all rank logs now (a few stat calls per rank)."""
-        total = 0
-        for directory in list_rank_dirs(self.log_dir):
-            for name in list_log_files(directory):
-                try:
-                    total += (directory / name).stat().st_size
-                except FileNotFoundError:  # deleted as shipped meanwhile
-                    continue
-        return total
 
     def _begin_outage(self, reason: str, since: float | None = None) -> None:
         """The one line that says no broker answers (librdkafka retries with back-off)."""
@@ -521,6 +509,7 @@ class Streamer:
         def on_delivery(err: Any, _msg: Any) -> None:
             if err is None:
                 pending.delivered = True
+                self._kafka_answered = True
                 if self._outage is not None:
                     self._end_outage(at_exit=False)
                 if job_key is not None:
