@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from lagscope.dashboards.colour_scale import ColourScale, colour_scale
+from lagscope.dashboards.stragglers import ranked_workers, verified_workers
 from lagscope.simulator.diagnose import Diagnosis
 from lagscope.simulator.summary import verdict
 from lagscope.simulator.whatif import WhatIfResult
@@ -50,9 +51,19 @@ def _reds(value: float, scale: ColourScale) -> str:
     return f"rgb({r},{g},{b})"
 
 
-def heatmap_svg(worker_slowdown: np.ndarray) -> str:
+def heatmap_svg(worker_slowdown: np.ndarray, verified: list[tuple[int, int]] = ()) -> str:
+    """Cells of `verified` workers ((dp, stage)) get a solid outline, S_w crossings of
+    them (same DP replica or stage, not verified) a dashed one."""
     n_stages, n_dp = worker_slowdown.shape
     scale = colour_scale(worker_slowdown)
+    kinds = {
+        (w.dp, w.stage): w.kind
+        for w in ranked_workers(worker_slowdown, list(verified), top=worker_slowdown.size)
+    }
+    outline = {
+        "verified": ' stroke="#000" stroke-width="3"',
+        "crossing": ' stroke="#000" stroke-width="1.5" stroke-dasharray="3 2"',
+    }
     cell = max(14, min(48, 900 // max(n_dp, 1)))
     left, top = 60, 20
     width, height = left + n_dp * cell + 10, top + n_stages * cell + 40
@@ -68,11 +79,14 @@ def heatmap_svg(worker_slowdown: np.ndarray) -> str:
         for dp in range(n_dp):
             value = float(worker_slowdown[stage, dp])
             x, y = left + dp * cell, top + stage * cell
-            label = f"dp {dp}, pp {stage}: S_w = {value:.4f}"
+            kind = kinds.get((dp, stage), "unverified")
+            label = f"dp {dp}, pp {stage}: S_w = {value:.4f}" + (
+                "" if kind == "unverified" else f" ({kind})"
+            )
             parts.append(
                 f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" '
-                f'fill="{_reds(value, scale)}" data-value="{value:.6f}"><title>{label}</title>'
-                "</rect>"
+                f'fill="{_reds(value, scale)}" data-value="{value:.6f}" data-kind="{kind}"'
+                f"{outline.get(kind, '')}><title>{label}</title></rect>"
             )
             if cell >= 28:
                 color = "#fff" if scale.position(value) > 0.6 else "#222"
@@ -205,6 +219,7 @@ def _diagnosis_html(d: Diagnosis, heading: str) -> str:
 
 def render_report(data: ReportData) -> str:
     r = data.result
+    verified = verified_workers(data.diagnosis.evidence if data.diagnosis else None)
     steps = data.step_ids if data.step_ids is not None else [int(s) for s in r.steps]
     slowdowns = (
         data.step_slowdown
@@ -301,7 +316,10 @@ td.onset {{ color: #d62728; }} td.recovery {{ color: #2ca02c; }}
 <div class="tiles">{tile_html}</div>
 <p class="verdict">{html.escape(verdict(r))}</p>
 {diagnosis_html}
-<h2>Worker heatmap (S_w = min(S_dp, S_stage))</h2>{heatmap_svg(r.worker_slowdown)}
+<h2>Worker heatmap (S_w = min(S_dp, S_stage))</h2>
+<p class="sub">Solid outline: a worker the diagnosis verified slow on its own; dashed: an S_w
+crossing of it (its DP replica or stage), not slow itself.</p>
+{heatmap_svg(r.worker_slowdown, verified)}
 <h2>Slowdown per step</h2><p>Dashed lines: change points (red onset, green recovery).</p>
 {line_svg(steps, slowdowns, data.changes)}
 <h2>Change points</h2>{changes_html}

@@ -38,3 +38,15 @@ def test_the_per_step_chart_breaks_where_steps_were_not_sampled() -> None:
     svg = line_svg(steps, values, [])
     runs = re.findall(r'<polyline class="step-run" points="([^"]+)"', svg)
     assert [len(run.split()) for run in runs] == [3, 6, 10]
+
+
+def test_heatmap_outlines_verified_workers_and_marks_their_crossings() -> None:
+    """A straggler at (dp 1, pp 1) and a heavier stage 2: (dp 1, pp 2) scores highest
+    without being slow itself."""
+    worker_slowdown = np.array([[1.0, 1.0, 1.0], [1.0, 1.3, 1.0], [1.1, 1.4, 1.1]])
+    svg = heatmap_svg(worker_slowdown, [(1, 1)])
+    cells = re.findall(r'data-kind="(\w+)"[^>]*><title>dp (\d), pp (\d)', svg)
+    kinds = {(int(dp), int(pp)): kind for kind, dp, pp in cells}
+    assert kinds[1, 1] == "verified" and kinds[1, 2] == "crossing"
+    assert kinds[0, 1] == "crossing"  # the verified worker's stage
+    assert kinds[0, 0] == "unverified" and kinds[2, 2] == "unverified"

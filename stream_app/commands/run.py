@@ -353,15 +353,11 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
             f"    MFU actual {np.mean(job.mfu_actual):.1%} vs straggler-free "
             f"{np.mean(job.mfu_ideal):.1%}"
         )
-    top = sorted(
-        (
-            (float(r.worker_slowdown[s, d]), d, s)
-            for s in range(r.worker_slowdown.shape[0])
-            for d in range(r.worker_slowdown.shape[1])
-        ),
-        reverse=True,
-    )[:3]
-    say("    top stragglers " + ", ".join(f"(dp {d}, pp {s}) S_w={v:.3f}" for v, d, s in top))
+    from lagscope.dashboards.stragglers import ranked_workers, verified_workers
+
+    evidence = job.diagnosis.evidence if job.diagnosis is not None else None
+    top = ranked_workers(r.worker_slowdown, verified_workers(evidence))
+    say("    top stragglers " + ", ".join(w.describe() for w in top))
     step_changes = [c for c in job.changes if c.series == "step_time"] or job.changes[:6]
     for c in step_changes:
         say(
