@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from lagscope.stream_app.cli_conventions import examples
+
 GENERATED_DIR = Path(__file__).resolve().parent / "generated"
 GRAFANA_URL_ENV = "GRAFANA_URL"
 GRAFANA_TOKEN_ENV = "GRAFANA_TOKEN"
@@ -17,12 +19,30 @@ CLICKHOUSE_PASSWORD_ENV = "CLICKHOUSE_GRAFANA_PASSWORD"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "dashboards", help="build the Grafana dashboards' JSON or push them to a Grafana"
+        "dashboards",
+        help="build the Grafana dashboards' JSON or push them to a Grafana",
+        description="Grafana dashboards and alert rules as code.",
+        epilog=examples(
+            "lagscope dashboards build",
+            "lagscope dashboards build --check   # in CI: the committed JSON is current",
+            "GRAFANA_TOKEN=... lagscope dashboards push --url http://grafana:3000",
+        ),
     )
     actions = parser.add_subparsers(dest="dashboards_command", required=True, metavar="ACTION")
 
-    build = actions.add_parser("build", help="write the dashboards' JSON (one file each)")
-    build.add_argument("--out", type=Path, default=GENERATED_DIR, help="output directory")
+    build = actions.add_parser(
+        "build",
+        help="write the dashboards' JSON (one file each)",
+        description="Writes one JSON file per dashboard and the alert rules' provisioning file.",
+        epilog=examples(
+            "lagscope dashboards build",
+            "lagscope dashboards build --out /etc/grafana/dashboards",
+            "lagscope dashboards build --check",
+        ),
+    )
+    build.add_argument(
+        "--out", type=Path, default=GENERATED_DIR, metavar="DIR", help="output directory"
+    )
     build.add_argument(
         "--alerts-out",
         type=Path,
@@ -42,6 +62,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="create or update the ClickHouse data source and the dashboards in Grafana",
         description="Idempotent: fixed uids, data source upserted by uid, dashboards "
         "overwritten. Exits 2 when Grafana refuses (401/403/404/5xx) or cannot be reached.",
+        epilog=examples(
+            "GRAFANA_TOKEN=... lagscope dashboards push --url http://grafana:3000",
+            "lagscope dashboards push --url http://admin:admin@localhost:3000 "
+            "--clickhouse-host localhost",
+        ),
     )
     push.add_argument("--url", help=f"Grafana base URL (default ${GRAFANA_URL_ENV})")
     push.add_argument(
@@ -50,14 +75,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push.add_argument(
         "--clickhouse-host", default="clickhouse", help="ClickHouse host as Grafana reaches it"
     )
-    push.add_argument("--clickhouse-database", default="lagscope")
+    push.add_argument("--clickhouse-database", default="lagscope", help="the database of the store")
     push.add_argument(
         "--clickhouse-user", default="grafana", help="the read-only user for dashboards"
     )
     push.add_argument(
         "--clickhouse-password", help=f"its password (default ${CLICKHOUSE_PASSWORD_ENV})"
     )
-    push.add_argument("--timeout-s", type=float, default=10.0)
+    push.add_argument(
+        "--timeout-s",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up on a Grafana request after this long",
+    )
     push.set_defaults(handler=push_command, extra="dashboards")
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from lagscope.dashboards.colour_scale import ColourScale, colour_scale
+from lagscope.dashboards.stragglers import ranked_workers, verified_workers
 from lagscope.simulator.diagnose import Diagnosis
 from lagscope.simulator.summary import verdict
 from lagscope.simulator.whatif import WhatIfResult
-
-HEAT_MIN, HEAT_MAX = 1.0, 1.5
 
 
 @dataclass
@@ -38,11 +38,11 @@ class ReportData:
     episodes: list[tuple[int, int | None, Diagnosis]] = field(default_factory=list)
 
 
-def _reds(value: float) -> str:
-    """Colour of a heatmap cell: white at 1.0 to dark red at 1.5 and above."""
+def _reds(value: float, scale: ColourScale) -> str:
+    """Colour of a heatmap cell: near white at the scale's low end to dark red at its high."""
     if not math.isfinite(value):
         return "#eeeeee"
-    t = min(max((value - HEAT_MIN) / (HEAT_MAX - HEAT_MIN), 0.0), 1.0)
+    t = scale.position(value)
     stops = [(255, 245, 240), (252, 146, 114), (222, 45, 38), (103, 0, 13)]
     pos = t * (len(stops) - 1)
     i = min(int(pos), len(stops) - 2)
@@ -51,8 +51,19 @@ def _reds(value: float) -> str:
     return f"rgb({r},{g},{b})"
 
 
-def heatmap_svg(worker_slowdown: np.ndarray) -> str:
+def heatmap_svg(worker_slowdown: np.ndarray, verified: list[tuple[int, int]] = ()) -> str:
+    """Cells of `verified` workers ((dp, stage)) get a solid outline, S_w crossings of
+    them (same DP replica or stage, not verified) a dashed one."""
     n_stages, n_dp = worker_slowdown.shape
+    scale = colour_scale(worker_slowdown)
+    kinds = {
+        (w.dp, w.stage): w.kind
+        for w in ranked_workers(worker_slowdown, list(verified), top=worker_slowdown.size)
+    }
+    outline = {
+        "verified": ' stroke="#000" stroke-width="3"',
+        "crossing": ' stroke="#000" stroke-width="1.5" stroke-dasharray="3 2"',
+    }
     cell = max(14, min(48, 900 // max(n_dp, 1)))
     left, top = 60, 20
     width, height = left + n_dp * cell + 10, top + n_stages * cell + 40
@@ -68,17 +79,21 @@ def heatmap_svg(worker_slowdown: np.ndarray) -> str:
         for dp in range(n_dp):
             value = float(worker_slowdown[stage, dp])
             x, y = left + dp * cell, top + stage * cell
-            label = f"dp {dp}, pp {stage}: S_w = {value:.3f}"
+            kind = kinds.get((dp, stage), "unverified")
+            label = f"dp {dp}, pp {stage}: S_w = {value:.4f}" + (
+                "" if kind == "unverified" else f" ({kind})"
+            )
             parts.append(
                 f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" '
-                f'fill="{_reds(value)}"><title>{label}</title></rect>'
+                f'fill="{_reds(value, scale)}" data-value="{value:.6f}" data-kind="{kind}"'
+                f"{outline.get(kind, '')}><title>{label}</title></rect>"
             )
             if cell >= 28:
-                color = "#fff" if value > 1.3 else "#222"
+                color = "#fff" if scale.position(value) > 0.6 else "#222"
                 parts.append(
                     f'<text x="{x + cell / 2}" y="{y + cell / 2 + 4}" '
                     f'text-anchor="middle" font-size="10" fill="{color}">'
-                    f"{value:.2g}</text>"
+                    f"{scale.label(value)}</text>"
                 )
     step = max(1, n_dp // 16)
     for dp in range(0, n_dp, step):
@@ -88,7 +103,7 @@ def heatmap_svg(worker_slowdown: np.ndarray) -> str:
         )
     parts.append(
         f'<text x="{left + n_dp * cell / 2}" y="{height - 6}" '
-        f'text-anchor="middle">DP rank</text></svg>'
+        f'text-anchor="middle">DP rank; {html.escape(scale.describe())}</text></svg>'
     )
     return "".join(parts)
 
@@ -127,16 +142,47 @@ def line_svg(steps: list[int], values: list[float], changes: list[dict[str, Any]
             f'stroke="{color}" stroke-width="2" stroke-dasharray="4 3">'
             f"<title>{label}</title></line>"
         )
-    points = " ".join(
-        f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True) if math.isfinite(y)
-    )
-    parts.append(f'<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>')
+    for run in sampled_runs(xs, ys):
+        points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
+        parts.append(
+            f'<polyline class="step-run" points="{points}" fill="none" stroke="#1f77b4" '
+            'stroke-width="1.5"/>'
+        )
     parts.append(
         f'<text x="{left}" y="{height - 8}" font-size="11">step {int(x0)}</text>'
         f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">'
         f"step {int(x1)}</text></svg>"
     )
     return "".join(parts)
+
+
+def sampled_runs(xs: np.ndarray, ys: np.ndarray) -> list[list[tuple[float, float]]]:
+    """The points of a per-step series cut where steps were not sampled: a step without a
+    value, or a jump in step ids wider than the series' usual spacing. A line drawn across
+    such a gap would show values nobody measured.
+
+    >>> [[x for x, _ in run] for run in sampled_runs(
+    ...     np.array([1, 2, 3, 10, 11, 12]), np.array([1.0, 1.1, np.nan, 1.2, 1.0, 1.1]))]
+    [[1.0, 2.0], [10.0, 11.0, 12.0]]
+    """
+    order = np.argsort(xs, kind="stable")
+    xs, ys = np.asarray(xs, dtype=float)[order], np.asarray(ys, dtype=float)[order]
+    spacing = float(np.median(np.diff(xs))) if xs.size > 1 else 1.0
+    runs: list[list[tuple[float, float]]] = []
+    current: list[tuple[float, float]] = []
+    previous_x: float | None = None
+    for x, y in zip(xs.tolist(), ys.tolist(), strict=True):
+        gap = previous_x is not None and x - previous_x > 1.5 * spacing
+        if not math.isfinite(y) or gap:
+            if current:
+                runs.append(current)
+            current = []
+        if math.isfinite(y):
+            current.append((x, y))
+        previous_x = x
+    if current:
+        runs.append(current)
+    return runs
 
 
 def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
@@ -173,6 +219,7 @@ def _diagnosis_html(d: Diagnosis, heading: str) -> str:
 
 def render_report(data: ReportData) -> str:
     r = data.result
+    verified = verified_workers(data.diagnosis.evidence if data.diagnosis else None)
     steps = data.step_ids if data.step_ids is not None else [int(s) for s in r.steps]
     slowdowns = (
         data.step_slowdown
@@ -269,7 +316,10 @@ td.onset {{ color: #d62728; }} td.recovery {{ color: #2ca02c; }}
 <div class="tiles">{tile_html}</div>
 <p class="verdict">{html.escape(verdict(r))}</p>
 {diagnosis_html}
-<h2>Worker heatmap (S_w = min(S_dp, S_stage))</h2>{heatmap_svg(r.worker_slowdown)}
+<h2>Worker heatmap (S_w = min(S_dp, S_stage))</h2>
+<p class="sub">Solid outline: a worker the diagnosis verified slow on its own; dashed: an S_w
+crossing of it (its DP replica or stage), not slow itself.</p>
+{heatmap_svg(r.worker_slowdown, verified)}
 <h2>Slowdown per step</h2><p>Dashed lines: change points (red onset, green recovery).</p>
 {line_svg(steps, slowdowns, data.changes)}
 <h2>Change points</h2>{changes_html}

@@ -122,11 +122,16 @@ def load_meta(path: str | Path) -> JobMeta:
     """Read and validate a job metadata yaml file."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        # A binary file (a parquet trace given as --meta): its bytes say nothing useful.
+        raise TraceError(f"{path}: not a yaml text file (not UTF-8 text)") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
-        raise TraceError(f"{path}: not valid yaml ({exc})") from None
+        raise TraceError(f"{path}: not valid yaml ({' '.join(str(exc).split())})") from None
     if not isinstance(raw, dict):
         raise TraceError(f"{path}: expected a mapping of job metadata, got {type(raw).__name__}")
     try:

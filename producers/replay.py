@@ -15,12 +15,11 @@ tests).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol
 
 import numpy as np
 
@@ -101,30 +100,10 @@ def iter_step_batches(
             yield offset_ns, step + cycle * step_stride, batches
 
 
-class _Progress:
-    def __init__(self, total: int, stream: TextIO | None) -> None:
-        self.total = total
-        self.stream = stream
-        self.begin = time.monotonic()
-        self.last = 0.0
+class ProgressSink(Protocol):
+    """Where replay reports progress (`lagscope.stream_app.progress.Progress` fits)."""
 
-    def update(self, done: int, ops: int, final: bool = False) -> None:
-        if self.stream is None:
-            return
-        now = time.monotonic()
-        if not final and now - self.last < 0.2:
-            return
-        self.last = now
-        elapsed = max(now - self.begin, 1e-9)
-        width = 30
-        filled = int(width * done / max(self.total, 1))
-        self.stream.write(
-            f"\rreplay [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} steps, "
-            f"{ops} ops, {ops / elapsed:,.0f} ops/s"
-        )
-        if final:
-            self.stream.write("\n")
-        self.stream.flush()
+    def update(self, done: int, *, total: int | None = None, note: str = "") -> None: ...
 
 
 def replay(
@@ -138,7 +117,7 @@ def replay(
     speed: float = 0.0,
     repeat: int = 1,
     start_wall_ns: int | None = None,
-    progress: TextIO | None = sys.stderr,
+    progress: ProgressSink | None = None,
     max_file_bytes: int | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> ReplayStats:
@@ -201,7 +180,15 @@ def replay(
                     producer.poll(0.1)
 
     total_steps = int(np.unique(trace.step).size) * repeat
-    bar = _Progress(total_steps, progress)
+    begin_progress = time.monotonic()
+
+    def report_progress() -> None:
+        if progress is not None:
+            rate = stats.ops / max(time.monotonic() - begin_progress, 1e-9)
+            progress.update(
+                stats.steps, total=total_steps, note=f"{stats.ops:,} ops, {rate:,.0f} ops/s"
+            )
+
     try:
         for end_offset_ns, _step, batches in iter_step_batches(
             trace, meta, job_id=job_id, attempt=attempt, start_wall_ns=begin_wall, repeat=repeat
@@ -218,7 +205,7 @@ def replay(
                 stats.batches += 1
                 stats.ops += batch.n_ops
             stats.steps += 1
-            bar.update(stats.steps, stats.ops)
+            report_progress()
     finally:
         for writer in writers.values():
             writer.close()
@@ -227,5 +214,5 @@ def replay(
             if remaining:
                 raise RuntimeError(f"{remaining} batches were not delivered to Kafka in 60 s")
     stats.seconds = time.monotonic() - begin
-    bar.update(stats.steps, stats.ops, final=True)
+    report_progress()
     return stats

@@ -53,6 +53,26 @@ from lagscope.producers.log import (
 )
 
 log = logging.getLogger("lagscope.streamer")
+#: librdkafka's own log lines (one per failed connection attempt, every back-off period).
+#: Every error among them also reaches `error_cb`, which reports an outage once; they are
+#: kept for debugging, below the level a command shows.
+_client_log = logging.getLogger("lagscope.streamer.librdkafka")
+_client_log.setLevel(logging.CRITICAL)
+
+#: Client errors that mean "no broker answers": an outage, reported once, not per attempt.
+_UNREACHABLE_ERRORS = frozenset({"_TRANSPORT", "_ALL_BROKERS_DOWN", "_RESOLVE"})
+#: Delivery reports of messages `close()` purged from the queue.
+_OWN_PURGE = frozenset({"_PURGE_QUEUE", "_PURGE_INFLIGHT"})
+
+
+def _means_unreachable(exc: BaseException) -> bool:
+    """An admin request that failed because no broker answered in time."""
+    if isinstance(exc, TimeoutError):
+        return True
+    error = exc.args[0] if exc.args else None
+    name = error.name() if hasattr(error, "name") else ""
+    return name in _UNREACHABLE_ERRORS or name == "_TIMED_OUT"
+
 
 CHECKPOINT_VERSION = 1
 SCHEMA_HEADER = "lagscope-schema"
@@ -70,9 +90,20 @@ class StreamerStats:
     delivery_failures: int = 0
     rewinds: int = 0
     bytes: int = 0
+    #: Seconds no Kafka broker answered, and the failed connection attempts meanwhile.
+    kafka_unreachable_s: float = 0.0
+    kafka_connect_failures: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
+
+
+@dataclass
+class _Outage:
+    """No broker answers since `since` (monotonic); librdkafka keeps retrying with back-off."""
+
+    since: float
+    first_error: str
 
 
 @dataclass
@@ -115,6 +146,9 @@ class Streamer:
         #: with the lifetime count, so one outage long ago does not slow every later rewind.
         self._rewinds_in_a_row = 0
         self._fatal = False
+        self._outage: _Outage | None = None
+        #: Whether a broker answered in this run (created topics or confirmed a delivery).
+        self._kafka_answered = False
         self._owns_producer = producer is None
         if producer is None:
             check_kafka_login(config.kafka)  # a rejected login: one line, not a retry loop
@@ -139,12 +173,17 @@ class Streamer:
                 "batch.size": 1 << 20,
                 "reconnect.backoff.max.ms": 2000,
                 "error_cb": self._on_client_error,
+                "logger": _client_log,
             }
         )
         config.update(self.config.kafka.client_options)
         return Producer(config)
 
     def _on_client_error(self, err: Any) -> None:
+        if err.name() in _UNREACHABLE_ERRORS:
+            self.stats.kafka_connect_failures += 1
+            self._begin_outage(err.str())
+            return
         if err.fatal():
             # The idempotent producer cannot continue (e.g. fenced): rewind every rank and
             # start a new producer; already-sent batches are re-sent with their ids.
@@ -161,7 +200,9 @@ class Streamer:
         from confluent_kafka.admin import AdminClient, NewTopic
 
         kafka = self.config.kafka
-        admin = AdminClient(kafka.client_config())
+        admin = AdminClient(
+            {**kafka.client_config(), "error_cb": self._on_client_error, "logger": _client_log}
+        )
         topics = [
             NewTopic(kafka.topic_ops, num_partitions=-1, replication_factor=-1),
             NewTopic(kafka.topic_deadletter, num_partitions=-1, replication_factor=-1),
@@ -172,17 +213,29 @@ class Streamer:
                 config={"cleanup.policy": "compact"},
             ),
         ]
+        failed: dict[str, BaseException] = {}
+        asked = time.monotonic()
         try:
             futures = admin.create_topics(topics, request_timeout=timeout_s)
         except KafkaException as exc:
-            log.warning("could not create topics: %s", exc)
-            return
+            failed = {topic.topic: exc for topic in topics}
+            futures = {}
         for name, future in futures.items():
             try:
                 future.result(timeout=timeout_s)
             except Exception as exc:
                 if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                    log.warning("could not create topic %s: %s", name, exc)
+                    failed[name] = exc
+        if len(failed) < len(topics):
+            self._kafka_answered = True
+        if not failed:
+            return
+        first = next(iter(failed.values()))
+        if all(_means_unreachable(exc) for exc in failed.values()):
+            reason = str(first) or f"no answer in {timeout_s:g} s"
+            self._begin_outage(f"could not create topics: {reason}", since=asked)
+        else:
+            log.warning("could not create topic(s) %s: %s", ", ".join(failed), first)
 
     def _load_checkpoint(self) -> None:
         try:
@@ -264,9 +317,13 @@ class Streamer:
         while not self._stop.is_set():
             did_work = self.step()
             now = time.monotonic()
-            if did_work or self._in_flight_bytes:
+            # A Kafka that has never answered this run (a wrong address, a backfill with no
+            # cluster) would keep an idle streamer forever: queueing what cannot drain is no
+            # progress, and the logs keep it. An outage after Kafka answered is ridden out.
+            never_answered = self._outage is not None and not self._kafka_answered
+            if (did_work or self._in_flight_bytes) and not never_answered:
                 idle_since = now
-            elif settings.idle_exit_s is not None and now - idle_since >= settings.idle_exit_s:
+            if settings.idle_exit_s is not None and now - idle_since >= settings.idle_exit_s:
                 break
             if not did_work:
                 self._producer.poll(settings.poll_interval_s)
@@ -274,21 +331,62 @@ class Streamer:
         return self.stats
 
     def close(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
+        # No broker answers: waiting for confirmations that cannot come only delays the exit.
+        deadline = time.monotonic() + (0.0 if self._outage is not None else timeout_s)
         while self._in_flight_bytes and time.monotonic() < deadline:
             self._producer.poll(0.1)
             self._advance()
         self._advance()
         self.write_checkpoint()
+        outage_at_exit = self._outage is not None
+        if outage_at_exit:
+            self._end_outage(at_exit=True)
         if self._in_flight_bytes and self._owns_producer:
             # Unconfirmed messages are dropped from memory, not from the log: the checkpoint
             # stays before them and the next run re-sends them.
-            log.warning(
-                "%d bytes unconfirmed at shutdown; they are re-sent on the next run",
-                self._in_flight_bytes,
-            )
+            if not outage_at_exit:  # the outage's summary line said so already
+                log.warning(
+                    "%d bytes unconfirmed at shutdown; they are re-sent on the next run",
+                    self._in_flight_bytes,
+                )
             self._producer.purge()
             self._producer.poll(0)
+
+    def _begin_outage(self, reason: str, since: float | None = None) -> None:
+        """The one line that says no broker answers (librdkafka retries with back-off)."""
+        if self._outage is not None:
+            return
+        self._outage = _Outage(time.monotonic() if since is None else since, reason)
+        log.warning(
+            "Kafka at %s does not answer (%s); retrying with back-off, the logs keep "
+            "everything until it does",
+            self.config.kafka.bootstrap_servers,
+            reason,
+        )
+
+    def _end_outage(self, *, at_exit: bool) -> None:
+        """The one summary line of an outage: when a broker answers again, or at exit."""
+        assert self._outage is not None
+        seconds = time.monotonic() - self._outage.since
+        self.stats.kafka_unreachable_s += seconds
+        if at_exit:
+            log.warning(
+                "Kafka at %s did not answer for %.0f s (%d failed connection attempts, "
+                "first: %s); %d unconfirmed bytes stay in the logs and are sent on the next run",
+                self.config.kafka.bootstrap_servers,
+                seconds,
+                self.stats.kafka_connect_failures,
+                self._outage.first_error,
+                self._in_flight_bytes,
+            )
+        else:
+            log.warning(
+                "Kafka at %s answers again after %.0f s (%d failed connection attempts)",
+                self.config.kafka.bootstrap_servers,
+                seconds,
+                self.stats.kafka_connect_failures,
+            )
+        self._outage = None
 
     def step(self) -> bool:
         """Read what is readable, produce it, serve delivery reports; True if it did work."""
@@ -418,15 +516,22 @@ class Streamer:
         def on_delivery(err: Any, _msg: Any) -> None:
             if err is None:
                 pending.delivered = True
+                self._kafka_answered = True
+                if self._outage is not None:
+                    self._end_outage(at_exit=False)
                 if job_key is not None:
                     self._jobs_sent.add(job_key)
+            elif err.name() in _OWN_PURGE:
+                # Our own purge at shutdown: the checkpoint stays before it, nothing is lost.
+                pending.failed = True
             else:
                 pending.failed = True
                 state.rewind = True
                 if err.fatal():
                     self._fatal = True
                 self.stats.delivery_failures += 1
-                log.warning("delivery to %s failed (%s); will re-send from the log", topic, err)
+                if self._outage is None:  # during an outage, its summary line counts for all
+                    log.warning("delivery to %s failed (%s); will re-send from the log", topic, err)
 
         while True:
             try:

@@ -5,6 +5,9 @@ Registering a command imports nothing heavy: each handler imports what it needs 
 runs, so `lagscope --help` costs little more than the interpreter's own start. A handler
 whose optional dependencies are not installed ends with one line naming the extra to
 install (`pip install 'lagscope[store]'`), never a traceback.
+
+Exit codes (0 done, 1 bad input data, 2 bad command line or settings, 130 interrupted,
+141 reader gone) and the shared option habits live in `stream_app/cli_conventions.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 
 from lagscope import __version__
 from lagscope.simulator.errors import TraceError
+from lagscope.stream_app.cli_conventions import HelpFormatter, UsageError
 
 #: The module that registers each sub-command, in the order `lagscope --help` lists them.
 #: A command line that names one command imports only that command's module.
@@ -38,6 +42,7 @@ COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMAND_MODULE.values()))
 EXTRA_OF_MODULE: dict[str, str] = {
     "pyarrow": "analyze",
     "matplotlib": "analyze",
+    "tqdm": "analyze",
     "chdb": "store",
     "clickhouse_connect": "store",
     "confluent_kafka": "sidecar",
@@ -54,6 +59,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
 
@@ -127,7 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # These errors name the file, setting or store at fault in one line (a store is
         # named by its DSN without the password: `ParsedDsn.shown`).
         print(f"lagscope {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_DATA if isinstance(exc, TraceError) else EXIT_USAGE
+
+
+#: A well-formed command line whose input data cannot be used (see cli_conventions).
+EXIT_BAD_DATA = 1
+#: A wrong command line or wrong settings; argparse's own code for usage errors.
+EXIT_USAGE = 2
 
 
 #: Errors that mean the user's input or settings are wrong, by module and class name: the
@@ -141,7 +153,7 @@ _USER_ERRORS = (
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The user-error classes that can have been raised: those of the modules imported so far
     (an error class whose module was never imported cannot have been raised)."""
-    found: list[type[BaseException]] = [TraceError]
+    found: list[type[BaseException]] = [TraceError, UsageError]
     for module_name, class_name in _USER_ERRORS:
         module = sys.modules.get(module_name)
         if module is not None:

@@ -148,10 +148,16 @@ class EmbeddedRunner:
             if not follow or time.monotonic() - last_data >= idle_exit_s:
                 break
             time.sleep(0.2)
+        self.close_open_steps()
+        self.report.seconds = time.monotonic() - started
+        return self.report
+
+    def close_open_steps(self) -> RunReport:
+        """Analyse and write every step still open (the end of the input, or a user's
+        Ctrl-C while following the logs): what was read is never dropped."""
         self._emit(self.processor.flush())
         self._write(force=True)
         self.finish()
-        self.report.seconds = time.monotonic() - started
         return self.report
 
     def _consume(self, source: str, item: object) -> None:

@@ -85,7 +85,7 @@ def test_threshold_option_is_the_verification_threshold(tmp_path) -> None:
 def test_bad_rows_name_line_and_column(tmp_path, capsys, content: str, message: str) -> None:
     source = tmp_path / "bad.csv"
     source.write_text(content, encoding="utf-8")
-    assert main(["changepoints", "--input", str(source)]) == 2
+    assert main(["changepoints", "--input", str(source)]) == 1  # bad input data
     error = capsys.readouterr().err
     assert "lagscope changepoints: error:" in error
     assert message in error
@@ -93,5 +93,5 @@ def test_bad_rows_name_line_and_column(tmp_path, capsys, content: str, message: 
 
 
 def test_missing_file_is_a_clear_error(tmp_path, capsys) -> None:
-    assert main(["changepoints", "--input", str(tmp_path / "nope.csv")]) == 2
+    assert main(["changepoints", "--input", str(tmp_path / "nope.csv")]) == 1  # bad input data
     assert "cannot read" in capsys.readouterr().err

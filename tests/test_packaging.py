@@ -158,7 +158,7 @@ def test_timer_records_ops_into_a_log_in_the_light_install(light_env: Path, tmp_
     [
         (["analyze", "--trace", "t.parquet", "--meta", "m.yaml"], "analyze"),
         (["query", "SELECT 1"], "store"),
-        (["worker", "--exit-when-idle-s", "1"], "stream"),
+        (["worker", "--idle-exit-s", "1"], "stream"),
         (["stream", "--log-dir", "."], "sidecar"),
         (["dashboards", "build", "--out", "."], "dashboards"),
     ],

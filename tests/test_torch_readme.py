@@ -1,5 +1,5 @@
 """The README's "Monitor your training job" example runs as written: torchrun with two
-ranks, then `lagscope run --logs` on what they wrote."""
+ranks, then `lagscope run --log-dir` on what they wrote."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def test_readme_example_runs(tmp_path: Path) -> None:
     )  # fmt: skip
     assert train.returncode == 0, train.stderr[-3000:]
     assert "torchrun --standalone --nproc-per-node 2 train.py" in section
-    assert "lagscope run --logs lagscope-logs" in section
+    assert "lagscope run --log-dir lagscope-logs" in section
     run = subprocess.run(
-        [str(bin_dir / "lagscope"), "run", "--logs", "lagscope-logs"],
+        [str(bin_dir / "lagscope"), "run", "--log-dir", "lagscope-logs"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lagscope.simulator.defaults import DEFAULT_DECOMPOSE_THRESHOLD
-from lagscope.simulator.errors import TraceError
+from lagscope.stream_app.cli_conventions import (
+    STDOUT,
+    UsageError,
+    check_one_stdout,
+    examples,
+    write_output,
+)
 
 if TYPE_CHECKING:
     import numpy as np
+
+
+#: Image formats the heatmap can be written in, by file suffix (matplotlib's Agg writers).
+HEATMAP_SUFFIXES = (".png", ".svg", ".pdf")
+#: The output options; each takes a path or `-` for stdout.
+OUTPUT_OPTIONS = ("json", "heatmap", "timeline", "report")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +34,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="what-if analysis of a recorded trace",
         description="How fast would the steps have been without stragglers, and who is to "
         "blame? Reads a reference-format trace (parquet), or the per-rank traces "
-        "torch.profiler wrote, and the job's metadata (yaml).",
+        "torch.profiler wrote, and the job's metadata (yaml).\n\n"
+        "Every output option takes a path, or '-' for stdout (the summary then goes to "
+        "stderr).",
+        epilog=examples(
+            "lagscope analyze --trace trace-ST.parquet --meta meta-ST.yaml",
+            "lagscope analyze --trace trace.parquet --meta meta.yaml --json - | jq .slowdown",
+            "lagscope analyze --trace trace.parquet --meta meta.yaml --report report.html "
+            "--heatmap heatmap.png --timeline timeline.json",
+            "lagscope analyze --profiler-trace traces/ --meta meta.yaml --steps 16-39",
+        ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="trace parquet file")
@@ -34,12 +56,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a directory holding them",
     )
     parser.add_argument("--meta", required=True, type=Path, help="job metadata yaml file")
-    parser.add_argument("--json", type=Path, help="write the full result as JSON here")
-    parser.add_argument("--heatmap", type=Path, help="write the DPxPP worker heatmap PNG here")
+    parser.add_argument("--json", metavar="PATH", help="write the full result as JSON here")
     parser.add_argument(
-        "--timeline", type=Path, help="write a Perfetto/Chrome trace (actual vs ideal) here"
+        "--heatmap",
+        metavar="PATH",
+        help=f"write the DPxPP worker heatmap here ({', '.join(HEATMAP_SUFFIXES)}; '-' writes PNG)",
     )
-    parser.add_argument("--report", type=Path, help="write the self-contained HTML report here")
+    parser.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="write a Perfetto/Chrome trace (actual vs ideal) here",
+    )
+    parser.add_argument(
+        "--report", metavar="PATH", help="write the self-contained HTML report here"
+    )
     parser.add_argument(
         "--steps",
         help="analyse only these steps, e.g. '16-39,404,410' (inputs are still derived from "
@@ -54,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--decompose-threshold",
         type=float,
         default=DEFAULT_DECOMPOSE_THRESHOLD,
-        help="report attributions only when the slowdown reaches this (default %(default)s)",
+        help="report attributions only when the slowdown reaches this",
     )
     parser.add_argument(
         "--always-decompose", action="store_true", help="report attributions at any slowdown"
@@ -62,10 +92,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run, extra="analyze")
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Usage errors found before any work: two outputs on stdout, a heatmap path whose
+    format cannot be drawn."""
+    check_one_stdout(args, *OUTPUT_OPTIONS)
+    if args.heatmap and args.heatmap != STDOUT:
+        suffix = Path(args.heatmap).suffix.lower()
+        if suffix not in HEATMAP_SUFFIXES:
+            raise UsageError(
+                f"--heatmap {args.heatmap}: cannot draw a {suffix or 'suffix-less'} file; "
+                f"use one of {', '.join(HEATMAP_SUFFIXES)}, or '-' for PNG on stdout"
+            )
+
+
 def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
     """Mask of `available` steps named by '16-39,404': ranges keep the steps inside them
     (step ids need not be contiguous); a single id or a range that matches nothing is an
-    error.
+    error of the command line (exit 2).
 
     >>> import numpy as np
     >>> select_steps("16-18,404", np.array([15, 16, 17, 19, 404])).tolist()
@@ -73,7 +116,7 @@ def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
     >>> select_steps("7", np.array([15, 16]))
     Traceback (most recent call last):
     ...
-    lagscope.simulator.errors.TraceError: --steps: no step of the trace in '7'
+    lagscope.stream_app.cli_conventions.UsageError: --steps: no step of the trace in '7'
     """
     import numpy as np
 
@@ -86,13 +129,13 @@ def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
             lo_id = int(lo)
             hi_id = int(hi) if sep else lo_id
         except ValueError:
-            raise TraceError(f"--steps: {part!r} is not a step id or a range like 16-39") from None
+            raise UsageError(f"--steps: {part!r} is not a step id or a range like 16-39") from None
         hit = (available >= lo_id) & (available <= hi_id)
         if not hit.any():
-            raise TraceError(f"--steps: no step of the trace in {part!r}")
+            raise UsageError(f"--steps: no step of the trace in {part!r}")
         keep |= hit
     if not keep.any():
-        raise TraceError("--steps: no step ids given")
+        raise UsageError("--steps: no step ids given")
     return keep
 
 
@@ -105,13 +148,19 @@ def run(args: argparse.Namespace) -> int:
     from lagscope.simulator.summary import result_to_dict, summary_lines
     from lagscope.simulator.whatif import analyze
 
+    check_outputs(args)
+    # When a result goes to stdout, the human summary goes to stderr, out of its way.
+    say = functools.partial(
+        print,
+        file=sys.stderr if STDOUT in (getattr(args, o) for o in OUTPUT_OPTIONS) else sys.stdout,
+    )
     meta = load_meta(args.meta)
     if args.profiler_trace:
         from lagscope.producers.profiler_trace import load_profiler_traces
 
         trace, read = load_profiler_traces(args.profiler_trace, meta)
         source = " ".join(map(str, args.profiler_trace))
-        print(f"lagscope analyze: read {read.summary()}")
+        say(f"lagscope analyze: read {read.summary()}")
     else:
         trace = load_trace(args.trace)
         source = str(args.trace)
@@ -121,21 +170,21 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
     result = analyze(prepared, decompose_threshold=args.decompose_threshold)
-    print(
+    say(
         f"lagscope analyze: {source} ({meta.trial_name}, dp {meta.dp_size} x pp "
         f"{meta.pp_size} x tp {meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size})"
     )
     for line in summary_lines(result):
-        print("  " + line)
+        say("  " + line)
     largest, stage, dp = clocks.largest()
-    print(
+    say(
         f"  clock offsets       largest {largest * 1e3:+.3f} ms (dp {dp}, pp {stage}), "
         f"from {clocks.n_transfers} transfers"
     )
     diagnosis = diagnose(result, prepared)
-    print(f"  diagnosis           {diagnosis.cause}: {diagnosis.summary}")
+    say(f"  diagnosis           {diagnosis.cause}: {diagnosis.summary}")
     for advice in diagnosis.advice:
-        print(
+        say(
             f"  advice              {advice.action} (predicted speed-up "
             f"{advice.predicted_speedup:.3f}x): {advice.detail}"
         )
@@ -143,36 +192,40 @@ def run(args: argparse.Namespace) -> int:
         document = result_to_dict(result, always_decompose=args.always_decompose)
         document["diagnosis"] = diagnosis.as_dict()
         document["clock_offsets"] = clocks.as_dict()
-        _write(args.json, json.dumps(document, indent=2))
+        where = write_output(args.json, json.dumps(document, indent=2), option="--json")
+        say(f"  result written to {where}")
     if args.heatmap:
+        import io
+
         from lagscope.dashboards.heatmap import draw_worker_heatmap
 
-        args.heatmap.parent.mkdir(parents=True, exist_ok=True)
+        image = io.BytesIO()
+        suffix = Path(args.heatmap).suffix.lower() if args.heatmap != STDOUT else ".png"
         draw_worker_heatmap(
             result.worker_slowdown,
-            args.heatmap,
+            image,
+            image_format=suffix.lstrip("."),
             dp_size=meta.dp_size,
             pp_size=meta.pp_size,
             title=f"{meta.trial_name}: worker slowdown S_w",
         )
-        print(f"  heatmap written to {args.heatmap}")
+        where = write_output(args.heatmap, image.getvalue(), option="--heatmap")
+        say(f"  heatmap written to {where}")
     if args.report:
         from lagscope.dashboards.report import ReportData, render_report
 
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(
-            render_report(
-                ReportData(
-                    title=f"lagscope: {meta.trial_name}",
-                    subtitle=f"{source} — dp {meta.dp_size} x pp {meta.pp_size} x tp "
-                    f"{meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size}",
-                    result=result,
-                    diagnosis=diagnosis,
-                    timeline_file=str(args.timeline) if args.timeline else None,
-                )
+        html = render_report(
+            ReportData(
+                title=f"lagscope: {meta.trial_name}",
+                subtitle=f"{source} — dp {meta.dp_size} x pp {meta.pp_size} x tp "
+                f"{meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size}",
+                result=result,
+                diagnosis=diagnosis,
+                timeline_file=args.timeline if args.timeline not in (None, STDOUT) else None,
             )
         )
-        print(f"  report written to {args.report}")
+        where = write_output(args.report, html, option="--report")
+        say(f"  report written to {where}")
     if args.timeline:
         from lagscope.simulator.timeline import trace_events
         from lagscope.simulator.whatif import WhatIfAnalysis
@@ -181,13 +234,7 @@ def run(args: argparse.Namespace) -> int:
         events = trace_events(
             prepared, ideal.start[:, 0], ideal.end[:, 0], clock_offsets_s=clocks.offset_s
         )
-        _write(args.timeline, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-        print(f"  timeline written to {args.timeline} (open it in https://ui.perfetto.dev)")
+        document = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+        where = write_output(args.timeline, document, option="--timeline")
+        say(f"  timeline written to {where} (open it in https://ui.perfetto.dev)")
     return 0
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    if path.suffix == ".json" and path.name.startswith("analysis"):
-        print(f"  result written to {path}", file=sys.stdout)

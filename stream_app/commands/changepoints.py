@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from lagscope.simulator import defaults
 from lagscope.simulator.errors import TraceError
+from lagscope.stream_app.cli_conventions import STDOUT, UsageError, examples, write_output
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,32 +37,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="find slowdown onsets and recoveries in iteration-time series (BOCD)",
         description="Bayesian online change-point detection with Falcon-style verification "
         "on series given as CSV rows series,index,value.",
+        epilog=examples(
+            "lagscope changepoints --input step_times.csv",
+            "lagscope changepoints --input step_times.csv --json - | jq '.[].index'",
+            "lagscope changepoints --input step_times.csv --min-change 0.05 --warmup 30",
+        ),
     )
     parser.add_argument("--input", required=True, help="CSV file with columns series,index,value")
-    parser.add_argument("--json", dest="json_path", help="write the change points here as JSON")
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        metavar="PATH",
+        help="write the change points here as JSON ('-': stdout, the table then goes to stderr)",
+    )
     parser.add_argument(
         "--min-change",
         type=float,
         default=defaults.BOCD_MIN_RELATIVE_CHANGE,
-        help="verification threshold: relative change of the regime means (default %(default)s)",
+        help="verification threshold: relative change of the regime means",
     )
     parser.add_argument(
         "--hazard",
         type=float,
         default=defaults.BOCD_HAZARD,
-        help="prior probability of a new regime at each observation (default %(default).4g)",
+        help="prior probability of a new regime at each observation",
     )
     parser.add_argument(
         "--max-run-length",
         type=int,
         default=defaults.BOCD_MAX_RUN_LENGTH,
-        help="run lengths kept per series (default %(default)s)",
+        help="run lengths kept per series",
     )
     parser.add_argument(
         "--warmup",
         type=int,
         default=defaults.BOCD_WARMUP,
-        help="observations per series that set its scale before detection (default %(default)s)",
+        help="observations per series that set its scale before detection",
     )
     parser.set_defaults(handler=run)
 
@@ -210,13 +221,11 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup,
         )
     except ValueError as exc:
-        raise TraceError(f"invalid detector settings: {exc}") from exc
+        raise UsageError(f"invalid detector settings: {exc}") from None
     table = read_series_csv(Path(args.input))
     changes = detect(table, config)
-    print(format_table(changes))
+    print(format_table(changes), file=sys.stderr if args.json_path == STDOUT else sys.stdout)
     if args.json_path:
-        output = Path(args.json_path)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(changes, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {len(changes)} change point(s) to {output}", file=sys.stderr)
+        where = write_output(args.json_path, json.dumps(changes, indent=2), option="--json")
+        print(f"wrote {len(changes)} change point(s) to {where}", file=sys.stderr)
     return 0

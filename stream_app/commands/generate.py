@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lagscope.simulator.errors import TraceError, describe_validation_error
+from lagscope.stream_app.cli_conventions import UsageError, examples
 
 if TYPE_CHECKING:
     from lagscope.simulator.generate import Injection
@@ -37,13 +38,13 @@ def parse_injection(text: str) -> Injection:
     for item in filter(None, (p.strip() for p in params.split(","))):
         name, sep, value = item.partition("=")
         if not sep:
-            raise TraceError(f"--inject {text!r}: expected name=value, got {item!r}")
+            raise UsageError(f"--inject {text!r}: expected name=value, got {item!r}")
         fields[name.strip()] = yaml.safe_load(value)
     try:
         return _injection_adapter().validate_python(fields)
     except ValidationError as exc:
         problems = describe_validation_error(exc, "kind")
-        raise TraceError(f"--inject {text!r}: {problems}") from None
+        raise UsageError(f"--inject {text!r}: {problems}") from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,22 +52,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate a synthetic job trace with injected stragglers and ground truth",
         description="Simulates a Megatron-style 1F1B (or interleaved) job and writes "
-        "trace.parquet, meta.yaml and truth.json into --out.",
+        "trace.parquet, meta.yaml and truth.json into --out. Flags override --spec; "
+        "what neither sets keeps JobSpec's default.",
+        epilog=examples(
+            "lagscope generate --out jobs/clean --dp 4 --pp 4 --steps 40",
+            "lagscope generate --out jobs/slow --inject "
+            "slow_worker:dp=1,stage=2,factor=1.5,start_step=10,end_step=30",
+            "lagscope generate --out jobs/from-spec --spec spec.yaml --seed 3",
+        ),
     )
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--spec", type=Path, help="a JobSpec as yaml/json (flags override)")
-    for name, kind in (
-        ("dp", int),
-        ("pp", int),
-        ("vpp", int),
-        ("tp", int),
-        ("microbatches", int),
-        ("steps", int),
-        ("seed", int),
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--spec", type=Path, metavar="PATH", help="a JobSpec as yaml/json (flags override)"
+    )
+    for name, meaning in (
+        ("dp", "data-parallel replicas"),
+        ("pp", "pipeline stages"),
+        ("vpp", "virtual stages (model chunks) per pipeline rank; >1 is interleaved 1F1B"),
+        ("tp", "tensor-parallel ranks per stage (one worker stands for them)"),
+        ("microbatches", "micro-batches per step"),
+        ("steps", "training steps"),
+        ("seed", "random seed"),
     ):
-        parser.add_argument(f"--{name}", type=kind)
+        parser.add_argument(f"--{name}", type=int, help=meaning)
     parser.add_argument("--noise-cv", type=float, help="coefficient of variation of costs")
-    parser.add_argument("--overlapped-dp", action="store_true", default=None)
+    parser.add_argument(
+        "--overlapped-dp",
+        action="store_true",
+        default=None,
+        help="overlap the data-parallel gradient reduction with the last backward passes",
+    )
     parser.add_argument(
         "--inject",
         action="append",

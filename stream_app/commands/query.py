@@ -1,7 +1,12 @@
 """`lagscope query "SELECT ..."`: ad-hoc SQL against the store (thin adapter).
 
 The store is `--dsn`, else the environment's LAGSCOPE_CLICKHOUSE_DSN, else the embedded
-chDB store in ./lagscope-data/chdb (`chdb://./lagscope-data/chdb`).
+chDB store in ./lagscope-data/chdb (`chdb://./lagscope-data/chdb`), as for every command.
+
+Rows are streamed from the store to stdout block by block: a result of any size is never
+held in memory whole. CSV and JSON keep every float's full precision (the shortest text
+that reads back to the same double); the table, for eyes, shows six significant digits and
+sizes its columns on the first block of rows.
 
 Exactly one statement runs (chDB would run a `;`-separated second one), and it runs with
 ClickHouse's `readonly = 2` (reads, and settings changes, only) unless `--write` is given.
@@ -12,13 +17,21 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import itertools
 import json
 import math
-import os
 import sys
+from collections.abc import Iterable
 from typing import Any
 
-from lagscope.stream_app.store_location import DEFAULT_DSN, DSN_ENV
+from lagscope.stream_app.cli_conventions import examples
+from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
+
+#: chDB's answer to a streamed statement that is not a query (DROP, INSERT, ...).
+STREAMING_UNSUPPORTED = "Streaming query is not supported"
+
+#: Rows the table format sizes its columns on (and the rows buffered at most).
+TABLE_BLOCK_ROWS = 1000
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,15 +41,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run one SQL statement against the lagscope ClickHouse store and print "
         "the result. Tables: steps, attribution, worker_slowdown, changepoints, diagnoses, "
         "jobs, ops, dead_letters, steps_1m (read derived tables with FINAL).",
+        epilog=examples(
+            'lagscope query "SELECT step, slowdown FROM steps FINAL ORDER BY step"',
+            'lagscope query --format csv "SELECT * FROM ops" > ops.csv',
+            'lagscope query --dsn chdb://out/demo/chdb --format json "SELECT * FROM jobs FINAL"',
+        ),
     )
     parser.add_argument("sql", help='the statement, e.g. "SELECT * FROM steps FINAL LIMIT 5"')
+    parser.add_argument("--dsn", help=DSN_HELP)
     parser.add_argument(
-        "--dsn",
-        help=f"chdb:///dir or http(s)://user:pass@host:8123/db (default: ${DSN_ENV}, "
-        f"else {DEFAULT_DSN})",
-    )
-    parser.add_argument(
-        "--format", choices=("table", "csv", "json"), default="table", help="output format"
+        "--format",
+        choices=("table", "csv", "json"),
+        default="table",
+        help="output format (csv and json keep full float precision)",
     )
     parser.add_argument(
         "--write",
@@ -47,9 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
     from lagscope.stream_app.sink import ClickHouseSink, StoreError
 
-    dsn = args.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN
     count = statement_count(args.sql)
     if count != 1:
         print(
@@ -59,21 +77,49 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        with ClickHouseSink(dsn, create=False) as store:
-            columns, rows = store.query(args.sql, settings=None if args.write else {"readonly": 2})
+        with ClickHouseSink(resolve_dsn(args.dsn), create=False) as store:
+            settings = None if args.write else {"readonly": 2}
+            try:
+                with store.client.query_rows_stream(args.sql, settings=settings) as rows:
+                    columns = list(rows.source.column_names)
+                    WRITERS[args.format](columns, rows)
+                    return 0
+            except (ClickHouseError, OSError) as exc:
+                if STREAMING_UNSUPPORTED not in str(exc):
+                    first_line = (str(exc).strip().splitlines() or [repr(exc)])[0]
+                    raise StoreError(f"{store.dsn.shown}: query failed: {first_line}") from None
+            # chDB streams SELECTs only; DDL and writes return no rows worth streaming.
+            columns, result = store.query(args.sql, settings=settings)
+            WRITERS[args.format](columns, result)
     except StoreError as exc:
         print(f"lagscope query: error: {exc}", file=sys.stderr)
         return 2
-    if args.format == "json":
-        records = [dict(zip(columns, map(_plain, row), strict=True)) for row in rows]
-        print(json.dumps(records, indent=2))
-    elif args.format == "csv":
-        writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(columns)
-        writer.writerows([_text(v) for v in row] for row in rows)
-    else:
-        print_table(columns, rows)
     return 0
+
+
+def write_json(columns: list[str], rows: Iterable[tuple[Any, ...]]) -> None:
+    """A JSON array of one object per row, written as the rows arrive."""
+    out = sys.stdout
+    separator = "[\n  "
+    for row in rows:
+        out.write(separator + json.dumps(dict(zip(columns, map(_plain, row), strict=True))))
+        separator = ",\n  "
+    out.write("[]\n" if separator.startswith("[") else "\n]\n")
+
+
+def write_csv(columns: list[str], rows: Iterable[tuple[Any, ...]]) -> None:
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow([_exact_text(v) for v in row])
+
+
+def write_table(columns: list[str], rows: Iterable[tuple[Any, ...]]) -> None:
+    """Aligned columns, sized on the first block of rows (later wider values push their
+    line out rather than hold the whole result back)."""
+    iterator = iter(rows)
+    first = list(itertools.islice(iterator, TABLE_BLOCK_ROWS))
+    print_table(columns, first, more=iterator)
 
 
 def statement_count(sql: str) -> int:
@@ -119,7 +165,12 @@ def statement_count(sql: str) -> int:
     return count + has_code
 
 
-def print_table(columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+def print_table(
+    columns: list[str],
+    rows: list[tuple[Any, ...]],
+    more: Iterable[tuple[Any, ...]] = (),
+) -> None:
+    """`rows` size the columns; `more` rows follow in the same layout."""
     cells = [[_text(v) for v in row] for row in rows]
     widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     numeric = [
@@ -137,7 +188,11 @@ def print_table(columns: list[str], rows: list[tuple[Any, ...]]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in cells:
         print(line(row))
-    print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    count = len(rows)
+    for row in more:
+        print(line([_text(v) for v in row]))
+        count += 1
+    print(f"({count} row{'s' if count != 1 else ''})")
 
 
 def _plain(value: Any) -> Any:
@@ -155,6 +210,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _exact_text(value: Any) -> str:
+    """CSV text of a value: floats as their shortest exact repr, the rest as in the table."""
+    if isinstance(value, float):
+        return repr(value)
+    return _text(value)
+
+
 def _text(value: Any) -> str:
     if value is None:
         return "NULL"
@@ -165,3 +227,6 @@ def _text(value: Any) -> str:
     if isinstance(value, list | tuple | dict):
         return json.dumps(_plain(value))
     return str(value)
+
+
+WRITERS = {"json": write_json, "csv": write_csv, "table": write_table}

@@ -6,12 +6,22 @@ timer API into per-rank logs, analysed by the embedded pipeline, summarised and 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lagscope.stream_app.store_location import DSN_ENV
+from lagscope.stream_app.cli_conventions import (
+    STDOUT,
+    UsageError,
+    add_old_name,
+    check_one_stdout,
+    examples,
+    write_output,
+)
+from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
 
 if TYPE_CHECKING:
     from lagscope.dashboards.report import ReportData
@@ -19,6 +29,7 @@ if TYPE_CHECKING:
     from lagscope.simulator.generate import JobSpec
     from lagscope.simulator.trace import Trace
     from lagscope.stream_app.embedded import JobReport, RunReport
+    from lagscope.stream_app.progress import Progress
 
 # The pipeline, numpy and the store are imported by the handlers when they run, so that
 # registering these commands (and `lagscope --help`) stays cheap.
@@ -30,73 +41,117 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser(
         "run",
         help="analyse per-rank logs in one process (no Kafka) into the store",
-        description="Tails every rank's log under --logs, analyses each step as it closes and "
-        "writes the results to ClickHouse (embedded chDB by default).",
+        description="Reads every rank's log under --log-dir, analyses each step as it closes "
+        "and writes the results to ClickHouse (embedded chDB by default). With --follow it "
+        "keeps tailing until the logs are idle; Ctrl-C stops it after closing the open "
+        "steps and printing the summary (exit 130).",
+        epilog=examples(
+            "lagscope run --log-dir /local/lagscope",
+            "lagscope run --log-dir logs --follow --idle-exit-s 120 --report report.html",
+            "lagscope run --log-dir logs --dsn http://user:pw@clickhouse:8123/lagscope",
+            'lagscope query "SELECT step, slowdown FROM steps FINAL ORDER BY step"   # after',
+        ),
     )
-    run.add_argument("--logs", type=Path, required=True, help="log directory of the ranks")
-    run.add_argument("--dsn", help=f"store DSN (default ${DSN_ENV} or chdb://<logs>/../chdb)")
-    run.add_argument("--follow", action="store_true", help="keep tailing until idle")
-    run.add_argument("--idle-exit-s", type=float, default=30.0)
+    # A required option with an old name: argparse counts either name as given only
+    # through a required group of the two.
+    log_dir_names = run.add_mutually_exclusive_group(required=True)
+    log_dir = log_dir_names.add_argument(
+        "--log-dir",
+        type=Path,
+        metavar="DIR",
+        help="directory of the ranks' rank-NNNNNN/ log directories",
+    )
+    add_old_name(log_dir_names, "--logs", log_dir)
+    run.add_argument("--dsn", help=DSN_HELP)
+    run.add_argument(
+        "--follow", action="store_true", help="keep tailing the logs until they are idle"
+    )
+    run.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with --follow: exit after this long without new records",
+    )
     run.add_argument(
         "--lateness-s",
         type=float,
         default=30.0,
+        metavar="SECONDS",
         help="close a step this long after its first batch even if ranks miss",
     )
-    run.add_argument("--report", type=Path, help="write the HTML report here")
-    run.set_defaults(handler=run_logs_command, extra="store")
+    run.add_argument("--report", metavar="PATH", help="write the HTML report here ('-': stdout)")
+    run.set_defaults(handler=run_logs_command, extra="demo")
 
     demo = subparsers.add_parser(
-        "demo", help="the whole pipeline on a generated job with stragglers (under a minute)"
+        "demo",
+        help="the whole pipeline on a generated job with stragglers (under a minute)",
+        description="Generates a 128-GPU job with an injected slow worker, records it "
+        "through the real timer API into per-rank logs, analyses it with the embedded "
+        "pipeline into a chDB store of its own inside --out (which it empties first), and "
+        "writes the HTML report.",
+        epilog=examples("lagscope demo", "lagscope demo --out /tmp/demo --steps 60 --seed 3"),
     )
-    demo.add_argument("--out", type=Path, default=Path("out/demo"))
-    demo.add_argument("--steps", type=int, default=120)
-    demo.add_argument("--seed", type=int, default=7)
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/demo"),
+        metavar="DIR",
+        help="where the logs, store and report go (emptied first)",
+    )
+    demo.add_argument("--steps", type=int, default=120, help="training steps to generate")
+    demo.add_argument("--seed", type=int, default=7, help="random seed of the generated job")
     demo.set_defaults(handler=demo_command, extra="demo")
 
 
-def _progress(total_ops: int | None):
-    last = [0.0]
+def _progress(total_ops: int | None) -> tuple[Progress, Callable[[RunReport], None]]:
+    """A progress display of the embedded pipeline, and the callback that feeds it."""
+    from lagscope.stream_app.progress import Progress
+
+    display = Progress("pipeline", unit="op", total=total_ops)
 
     def show(report: RunReport) -> None:
-        now = time.monotonic()
-        if now - last[0] < 0.25:
-            return
-        last[0] = now
         steps = sum(j.steps for j in report.jobs.values())
-        if total_ops:
-            done = min(report.ops / total_ops, 1.0)
-            bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-            sys.stderr.write(f"\r  pipeline [{bar}] {steps} steps, {report.ops:,} ops")
-        else:
-            sys.stderr.write(f"\r  pipeline: {steps} steps, {report.ops:,} ops")
-        sys.stderr.flush()
+        display.update(report.ops, note=f"{steps:,} steps")
 
-    return show
+    return display, show
 
 
 def run_logs_command(args: argparse.Namespace) -> int:
-    import os
-
     from lagscope.dashboards.report import render_report
     from lagscope.stream_app.embedded import EmbeddedRunner
     from lagscope.stream_app.processor import ProcessorSettings
     from lagscope.stream_app.sink import ClickHouseSink
 
-    dsn = args.dsn or os.environ.get(DSN_ENV) or f"chdb://{args.logs.resolve().parent}/chdb"
-    sink = ClickHouseSink(dsn)
+    # Before the store opens: a mistyped directory must not leave an empty store behind.
+    if not args.log_dir.is_dir():
+        what = "is not a directory" if args.log_dir.exists() else "does not exist"
+        raise UsageError(f"--log-dir {args.log_dir}: {what}")
+    check_one_stdout(args, "report")
+    sink = ClickHouseSink(resolve_dsn(args.dsn))
     sink.ensure_schema()
     runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s))
-    report = runner.run_logs(
-        args.logs, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=_progress(None)
-    )
-    sys.stderr.write("\n")
+    display, show = _progress(None)
+    interrupted = False
+    try:
+        report = runner.run_logs(
+            args.log_dir, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=show
+        )
+    except KeyboardInterrupt:
+        # Ctrl-C is how a user stops `--follow`: what was read is analysed and kept.
+        interrupted = True
+        report = runner.close_open_steps()
+    display.close()
+    say = print if args.report != STDOUT else functools.partial(print, file=sys.stderr)
     for job in report.jobs.values():
-        print_job_summary(job)
+        print_job_summary(job, say=say)
         if args.report and job.rollup is not None:
-            args.report.write_text(render_report(report_data(job)))
-            print(f"  report written to {args.report}")
-    print(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
+            where = write_output(args.report, render_report(report_data(job)), option="--report")
+            say(f"  report written to {where}")
+    say(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
+    if interrupted:
+        print("lagscope run: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -219,8 +274,9 @@ def demo_command(args: argparse.Namespace) -> int:
     sink = ClickHouseSink(dsn)
     sink.ensure_schema()
     runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0))
-    report = runner.run_logs(out / "logs", progress=_progress(n_ops))
-    sys.stderr.write("\n")
+    display, show = _progress(n_ops)
+    report = runner.run_logs(out / "logs", progress=show)
+    display.close()
     print(f"  2. embedded pipeline: {report.ops:,} ops in {report.seconds:.1f} s into {dsn}")
     job_report = report.jobs["demo-llm", 0]
     print_job_summary(job_report)
@@ -275,52 +331,48 @@ def report_data(job: JobReport) -> ReportData:
     )
 
 
-def print_job_summary(job: JobReport) -> None:
+def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
     import numpy as np
 
     info = job.info
-    print(
+    say(
         f"  job {info.job_id} attempt {info.attempt}: {job.steps} steps closed"
         + (f", {len(job.incomplete_steps)} incomplete" if job.incomplete_steps else "")
     )
     if job.rollup is None:
-        print("    nothing could be analysed")
+        say("    nothing could be analysed")
         return
     r = job.rollup
-    print(
+    say(
         f"    slowdown S {r.slowdown:.3f} (waste {r.waste:.1%}); "
         f"GPU-hours wasted {job.gpu_seconds_wasted / 3600:,.2f} of "
         f"{job.gpu_seconds / 3600:,.2f}"
     )
     if job.mfu_actual:
-        print(
+        say(
             f"    MFU actual {np.mean(job.mfu_actual):.1%} vs straggler-free "
             f"{np.mean(job.mfu_ideal):.1%}"
         )
-    top = sorted(
-        (
-            (float(r.worker_slowdown[s, d]), d, s)
-            for s in range(r.worker_slowdown.shape[0])
-            for d in range(r.worker_slowdown.shape[1])
-        ),
-        reverse=True,
-    )[:3]
-    print("    top stragglers " + ", ".join(f"(dp {d}, pp {s}) S_w={v:.3f}" for v, d, s in top))
+    from lagscope.dashboards.stragglers import ranked_workers, verified_workers
+
+    evidence = job.diagnosis.evidence if job.diagnosis is not None else None
+    top = ranked_workers(r.worker_slowdown, verified_workers(evidence))
+    say("    top stragglers " + ", ".join(w.describe() for w in top))
     step_changes = [c for c in job.changes if c.series == "step_time"] or job.changes[:6]
     for c in step_changes:
-        print(
+        say(
             f"    change point: {c.kind} at step {c.step} on {c.series} "
             f"({c.before_mean:.3f} -> {c.after_mean:.3f})"
         )
     worker_changes = {(c.series, c.kind, c.step) for c in job.changes if c.series != "step_time"}
     if worker_changes:
         shown = ", ".join(f"{s} {k}@{st}" for s, k, st in sorted(worker_changes)[:6])
-        print(f"    per-series changes: {shown}")
+        say(f"    per-series changes: {shown}")
     if job.diagnosis is not None:
         d = job.diagnosis
-        print(f"    diagnosis: {d.cause}: {d.summary}")
+        say(f"    diagnosis: {d.cause}: {d.summary}")
         for a in d.advice:
-            print(
+            say(
                 f"    advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x): "
                 f"{a.detail}"
             )
@@ -328,14 +380,14 @@ def print_job_summary(job: JobReport) -> None:
         for episode in job.episodes:
             end = f"to step {episode.recovery}" if episode.recovery is not None else "ongoing"
             ed = episode.diagnosis
-            print(f"    episode from step {episode.onset} {end}: {ed.cause}: {ed.summary}")
+            say(f"    episode from step {episode.onset} {end}: {ed.cause}: {ed.summary}")
             for a in ed.advice:
-                print(
+                say(
                     f"      advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x)"
                     f": {a.detail}"
                 )
         if esc:
-            print(
+            say(
                 f"    escalation: {esc['action']} (loss so far {esc['accumulated_loss_s']:,.0f}"
                 f" s of job time)"
             )

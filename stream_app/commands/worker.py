@@ -3,7 +3,8 @@
 Configuration is `stream_app.worker.WorkerConfig`: defaults < `--config` file (or
 $LAGSCOPE_CONFIG) < `LAGSCOPE_<SECTION>__<FIELD>` environment (e.g.
 `LAGSCOPE_WORKER__GROUP_ID`, `LAGSCOPE_STORE__DSN`, `LAGSCOPE_PROCESSOR__LATENESS_S`) <
-flags.
+flags. The store, when none of them names one, is the shared default of
+`stream_app/store_location.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import logging
 import sys
 from pathlib import Path
 
+from lagscope.stream_app.cli_conventions import add_old_name, examples
+from lagscope.stream_app.store_location import DSN_HELP
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -20,24 +24,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="analyse rank-step batches from Kafka into the store (faust worker)",
         description="Consumes lagscope.ops (partitioned by job id: run more workers for more "
         "jobs), analyses every step as it closes, writes the results to ClickHouse and "
-        "publishes them to lagscope.results. Crash-safe: see stream_app/worker.py.",
+        "publishes them to lagscope.results. Crash-safe: see stream_app/worker.py.\n\n"
+        "Settings: defaults < --config file (or $LAGSCOPE_CONFIG) < "
+        "LAGSCOPE_<SECTION>__<FIELD> environment < flags.",
+        epilog=examples(
+            "lagscope worker --bootstrap-servers kafka:9092",
+            "lagscope worker --bootstrap-servers kafka:9092 --dsn http://user:pw@ch:8123/lagscope",
+            "lagscope worker --config worker.yaml --idle-exit-s 60   # a backfill that ends",
+        ),
     )
-    parser.add_argument("--config", type=Path, help="yaml/json config file")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (host:port,...)")
-    parser.add_argument("--dsn", help="store DSN: chdb:///dir or http(s)://host:8123/db")
-    parser.add_argument("--group", help="consumer group / faust app id")
+    parser.add_argument("--config", type=Path, metavar="PATH", help="yaml/json config file")
+    bootstrap = parser.add_argument(
+        "--bootstrap-servers",
+        metavar="HOST:PORT,...",
+        help="Kafka bootstrap servers (default 127.0.0.1:9092)",
+    )
+    add_old_name(parser, "--bootstrap", bootstrap)
+    parser.add_argument("--dsn", help=DSN_HELP)
+    parser.add_argument("--group", help="consumer group / faust app id (default lagscope-worker)")
     parser.add_argument(
         "--lateness-s",
         type=float,
+        metavar="SECONDS",
         help="close a step this long after its first batch even if ranks are missing",
     )
-    parser.add_argument(
-        "--exit-when-idle-s",
+    idle = parser.add_argument(
+        "--idle-exit-s",
         type=float,
-        help="exit after this long without messages (backfills, tests)",
+        metavar="SECONDS",
+        help="exit after this long without messages (backfills, tests; default: run until stopped)",
     )
-    parser.add_argument("--data-dir", type=Path, help="faust's data directory")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    add_old_name(parser, "--exit-when-idle-s", idle)
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="faust's data directory (default lagscope-data/worker)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning"),
+        help="how much the worker logs",
+    )
     parser.set_defaults(handler=run, extra="stream")
 
 
@@ -54,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
             WorkerConfig,
             file=args.config,
             overrides={
-                "kafka": {"bootstrap_servers": args.bootstrap},
+                "kafka": {"bootstrap_servers": args.bootstrap_servers},
                 "store": {"dsn": args.dsn},
                 "processor": {"lateness_s": args.lateness_s},
                 "worker": {
                     "group_id": args.group,
-                    "exit_when_idle_s": args.exit_when_idle_s,
+                    "exit_when_idle_s": args.idle_exit_s,
                     "data_dir": args.data_dir,
                 },
             },

@@ -1,0 +1,74 @@
+"""Which workers a picture or a summary names as stragglers, and how sure it is.
+
+The worker score S_w = min(S_dp, S_stage) lights up the crossings of a slow DP replica
+and a slow stage: with a straggler at (dp 5, pp 2) and a heavier stage 3, (dp 5, pp 3)
+can score highest without being slow itself. The diagnosis re-simulates the top
+candidates one by one (`verified_slow_workers` in simulator/diagnose.py) and lists those
+slow on their own in its evidence; every output names those first, marks the crossings as
+such, and leaves the rest unverified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Kind = Literal["verified", "crossing", "unverified"]
+
+
+@dataclass(frozen=True)
+class RankedWorker:
+    dp: int
+    stage: int
+    worker_slowdown: float
+    kind: Kind
+
+    def describe(self) -> str:
+        text = f"(dp {self.dp}, pp {self.stage}) S_w={self.worker_slowdown:.3f}"
+        if self.kind == "verified":
+            return text + " verified"
+        if self.kind == "crossing":
+            return text + " S_w crossing (its DP replica or stage holds a verified straggler)"
+        return text
+
+
+def verified_workers(evidence: dict[str, Any] | None) -> list[tuple[int, int]]:
+    """(dp, stage) of the workers the diagnosis verified, best first."""
+    found = (evidence or {}).get("verified_workers") or []
+    return [(int(w["dp"]), int(w["stage"])) for w in found]
+
+
+def ranked_workers(
+    worker_slowdown: np.ndarray, verified: list[tuple[int, int]], top: int = 3
+) -> list[RankedWorker]:
+    """The verified workers first (in the diagnosis' order), then the highest S_w cells,
+    each marked verified, crossing or unverified; `top` in all.
+
+    >>> s_w = np.array([[1.0, 1.0], [1.0, 1.3], [1.0, 1.4]])  # [stage, dp]
+    >>> [w.describe() for w in ranked_workers(s_w, [(1, 1)], top=2)]
+    ['(dp 1, pp 1) S_w=1.300 verified', '(dp 1, pp 2) S_w=1.400 S_w crossing (its DP replica or stage holds a verified straggler)']
+    """  # noqa: E501
+    ranked = [
+        RankedWorker(dp, stage, float(worker_slowdown[stage, dp]), "verified")
+        for dp, stage in verified
+    ]
+    order = np.argsort(-worker_slowdown, axis=None, kind="stable")
+    n_dp = worker_slowdown.shape[1]
+    for index in order.tolist():
+        if len(ranked) >= top:
+            break
+        stage, dp = divmod(int(index), n_dp)
+        if (dp, stage) in verified:
+            continue
+        crossing = any(v_dp == dp or v_stage == stage for v_dp, v_stage in verified)
+        ranked.append(
+            RankedWorker(
+                dp,
+                stage,
+                float(worker_slowdown[stage, dp]),
+                "crossing" if crossing else "unverified",
+            )
+        )
+    return ranked[:top]

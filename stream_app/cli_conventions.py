@@ -1,0 +1,142 @@
+"""What every `lagscope` command shares on its command line: the help layout, renamed
+options, output paths where `-` means stdout, and the error that means "the command line
+is wrong".
+
+Exit codes, the same for every command:
+
+- 0: done.
+- 1: the command line is fine but what it points at is not: an input file that is missing,
+  unreadable or malformed (a parquet file given as `--meta`, a trace with a missing
+  column), data the analysis cannot use (`TraceError`).
+- 2: the command line itself is wrong: an unknown option or a bad value (argparse), an
+  output path the command cannot write in that form (`--heatmap out.txt`), two outputs
+  sent to stdout, a log directory that does not exist (`UsageError`), and settings that
+  are wrong wherever they came from (config file, environment, DSN: `ConfigError`,
+  `StoreError`).
+- 130: interrupted (Ctrl-C); 141: the reader of stdout went away (`| head`).
+
+Light on purpose: imported while the parser is built, so `lagscope --help` stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+#: The path that means "write to stdout" for every output option.
+STDOUT = "-"
+#: The first line of every command's examples in `--help`.
+EXAMPLES_HEADING = "examples:"
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit 2); the message names the option and the problem."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions wrap paragraph by paragraph, examples keep their lines; every option
+    with a real default shows it (argparse's own ArgumentDefaultsHelpFormatter also prints
+    "default: None" and "default: False", which tell a reader nothing)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for paragraph in text.split("\n\n"):
+            if paragraph.startswith(EXAMPLES_HEADING):
+                paragraphs.append(textwrap.indent(paragraph, indent))
+            else:
+                paragraphs.append(
+                    textwrap.fill(
+                        " ".join(paragraph.split()),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                    )
+                )
+        return "\n\n".join(paragraphs)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "%(default)" in text
+            or action.default in (None, False, argparse.SUPPRESS)
+            or action.default == []
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def examples(*lines: str) -> str:
+    """An epilog of example command lines, one per line."""
+    return EXAMPLES_HEADING + "\n" + "\n".join(f"  {line}" for line in lines)
+
+
+class _DeprecatedName(argparse.Action):
+    """An old option name, still accepted for one release: stores into the new option's
+    destination and says once, on stderr, which name to use."""
+
+    def __init__(self, option_strings, dest, *, new_name: str, **kwargs) -> None:
+        self.new_name = new_name
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(
+            f"{parser.prog}: {option_string} is deprecated and will be removed in the next "
+            f"release; use {self.new_name}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_old_name(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    old_name: str,
+    new_action: argparse.Action,
+) -> None:
+    """Accept `old_name` as a hidden alias of the option `new_action` (same destination,
+    same type, not shown in --help)."""
+    kwargs = {"type": new_action.type} if new_action.type is not None else {}
+    parser.add_argument(
+        old_name,
+        dest=new_action.dest,
+        action=_DeprecatedName,
+        new_name=new_action.option_strings[0],
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )
+
+
+def check_one_stdout(args: argparse.Namespace, *options: str) -> list[str]:
+    """The output options (argparse destinations) of `args` given as `-`; two of them would
+    interleave on stdout, which is a usage error."""
+    given = [name for name in options if getattr(args, name, None) == STDOUT]
+    if len(given) > 1:
+        names = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{names}: only one output can go to stdout ('-')")
+    return given
+
+
+def write_output(path: str | Path, content: str | bytes, *, option: str) -> str:
+    """Write `content` to `path`, or to stdout when `path` is `-`; returns where it went.
+    A path that cannot be written is one line naming the option, the path and why."""
+    if str(path) == STDOUT:
+        if isinstance(content, bytes):
+            sys.stdout.flush()
+            sys.stdout.buffer.write(content)
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(content if content.endswith("\n") else content + "\n")
+            sys.stdout.flush()
+        return "stdout"
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        else:
+            target.write_text(content, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{option} {target}: cannot write ({exc.strerror or exc})") from None
+    return str(target)
