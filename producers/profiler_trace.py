@@ -129,10 +129,10 @@ def load_profiler_traces(
         rank = _rank_of(path, document, meta)
         if rank in per_rank:
             raise TraceError(f"{path}: rank {rank} also comes from {per_rank[rank][0]}")
-        tp_rank, cp_rank, _, _ = _coordinates(rank, meta)
+        tp_rank, cp_rank, _, stage = _coordinates(rank, meta)
         if tp_rank or cp_rank:
             continue
-        per_rank[rank] = (path, _rank_ops(path, document, stats))
+        per_rank[rank] = (path, _rank_ops(path, document, stats, _fixed_direction(stage, meta)))
     if not per_rank:
         raise TraceError("no trace of a tensor- and context-parallel rank 0 was given")
     expected = meta.dp_size * meta.pp_size
@@ -210,8 +210,30 @@ class _Op:
     end_us: float
 
 
+def _fixed_direction(stage: int, meta: JobMeta) -> dict[str, str]:
+    """The direction of p2p ops that the stage alone decides: the first stage only receives
+    gradients and sends activations, the last only receives activations and sends
+    gradients. Middle stages (and virtual pipelines, whose chunks wrap around) are left to
+    the compute order.
+
+    >>> meta = JobMeta(dp_size=1, pp_size=3, tp_size=1, world_size=3)
+    >>> _fixed_direction(0, meta), _fixed_direction(2, meta), _fixed_direction(1, meta)
+    ({'recv': 'backward', 'send': 'forward'}, {'recv': 'forward', 'send': 'backward'}, {})
+    """
+    if meta.pp_size < 2 or meta.vpp_size > 1:
+        return {}
+    if stage == 0:
+        return {"recv": "backward", "send": "forward"}
+    if stage == meta.pp_size - 1:
+        return {"recv": "forward", "send": "backward"}
+    return {}
+
+
 def _rank_ops(
-    path: Path, document: dict[str, Any], stats: ProfilerReadStats
+    path: Path,
+    document: dict[str, Any],
+    stats: ProfilerReadStats,
+    fixed_direction: dict[str, str],
 ) -> dict[int, list[_Op]]:
     """Every step's lagscope ops of one rank."""
     spans = [e for e in document["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
@@ -236,7 +258,7 @@ def _rank_ops(
         hi = lo + float(marker.get("dur", 0.0))
         step_comm = [c for c in comm if lo <= c.start_us < hi]
         step_compute = [c for c in compute if lo <= c.start_us < hi]
-        steps[step] = _step_ops(path, step, step_comm, step_compute, stats)
+        steps[step] = _step_ops(path, step, step_comm, step_compute, stats, fixed_direction)
     return steps
 
 
@@ -324,8 +346,13 @@ def _step_ops(
     comm: list[_Span],
     compute: list[_Span],
     stats: ProfilerReadStats,
+    fixed_direction: dict[str, str],
 ) -> list[_Op]:
-    """One rank's ops of one step: compute runs, p2p with a direction, collectives."""
+    """One rank's ops of one step: compute runs, p2p with a direction, collectives.
+
+    Where the stage decides a p2p op's direction it is taken from there: the compute order
+    is a guess that a loaded host can get wrong (a receive posted late, after the compute
+    it was meant for had started)."""
     p2p = [c for c in comm if c.name in _P2P]
     ops: list[_Op] = []
     if any(c.name in ot.KNOWN_OPTYPES for c in compute):
@@ -340,6 +367,9 @@ def _step_ops(
     run_ends = np.array([hi for _, _, hi in directed])
     for c in p2p:
         side = _P2P[c.name]
+        if side in fixed_direction:
+            ops.append(_Op(f"{fixed_direction[side]}-{side}", c.start_us, c.end_us))
+            continue
         if side == "recv":
             # A receive feeds the first compute that starts after it was posted.
             later = np.flatnonzero(run_starts >= c.start_us)
