@@ -170,6 +170,9 @@ def test_broker_stop_and_restart_mid_stream_delivers_everything(
     tmp_path: Path, own_broker: KafkaBroker, kafka_topics: dict[str, str]
 ) -> None:
     log_dir = tmp_path / "logs"
+    # The sidecar starts beside the job: the log directory (its shared volume) exists, the
+    # ranks' logs come later.
+    log_dir.mkdir()
     trace = load_trace(REFERENCE_TRACES / "trace-AR.parquet")
     meta = load_meta(REFERENCE_TRACES / "meta-AR.yaml")
     env = {**os.environ, "LAGSCOPE_STREAMER__DELIVERY_TIMEOUT_MS": "2500"}

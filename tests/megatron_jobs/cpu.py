@@ -1,6 +1,7 @@
 """Test-only work-arounds that let megatron-core 0.19's real schedule run on CPU.
 
-Never part of the shipped adapter (see /work/shared/docs/MEGATRON.md for the blockers):
+Never part of the shipped adapter. Of the CUDA-only allocations megatron-core 0.19 makes,
+the adapter's CPU test job needs two worked around:
 
 - the schedules allocate one tensor with a hard-coded `device="cuda"` (the token count):
   `cuda_tensors_on_cpu()` maps that device argument to the CPU for the schedule call;
