@@ -23,6 +23,7 @@ steps it can.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,7 +31,13 @@ from typing import Protocol
 import numpy as np
 
 from lagscope.simulator.diagnose import Diagnosis, diagnose
-from lagscope.simulator.noise import own_work, relative_to_peers, series_names, step_series
+from lagscope.simulator.noise import (
+    own_work,
+    own_work_mask,
+    relative_to_peers,
+    series_names,
+    step_series,
+)
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, analyze
 
@@ -177,6 +184,86 @@ def _partial_recovery(x: np.ndarray, onset: int, noise: float) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class Stretch:
+    """A single worker's own work of one op type raised against its peers' for a while."""
+
+    span: Span
+    dp: int
+    stage: int
+    optype: str
+    #: The worker's work over the median of its peers', inside the stretch and outside it.
+    ratio_inside: float
+    ratio_outside: float
+    #: Extra seconds per step inside the stretch over the worker's own level outside it,
+    #: and the job's median step time, to tell a costly stretch from a negligible op.
+    extra_s: float
+    step_s: float
+
+
+def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[Stretch]:
+    """Raised stretches of single workers, found over the finished run: every worker's own
+    work of each op type fitted with `square_wave` on its own seconds, kept when the worker
+    also rose against its peers (the median of the others' same work) by `min_rise`, in
+    onset order.
+
+    The change-point detector sees a worker's work relative to its peers step by step, and
+    on a job whose ops jitter by tens of percent (CPU ranks sharing cores) a worker that
+    computes its forwards 2x slower for 15 steps can stay under its bar: a third of its own
+    work moved, inside a noisy ratio. Its forward series alone doubled. Fitting the
+    worker's own series, not a ratio, also keeps the mirror image out: with two DP ranks the
+    healthy peer's ratio falls while the straggler's rises, but its own seconds stay flat.
+    """
+    optypes = sorted(
+        {t for t, own in zip(prepared.node_optype, own_work_mask(prepared), strict=True) if own}
+    )
+    steps, n = prepared.steps, prepared.n_steps
+    step_s = float(np.median(prepared.actual_step_time))
+    found: list[Stretch] = []
+    for optype in optypes:
+        work = own_work(prepared, optype)  # [step, stage, dp]
+        for stage in range(prepared.n_stages):
+            for dp in range(prepared.n_dp):
+                fitted = square_wave(work[:, stage, dp], 0, n - 1, min_rise)
+                if fitted is None:
+                    continue
+                onset, recovery = fitted
+                inside = np.zeros(n, dtype=bool)
+                inside[onset : recovery if recovery is not None else n] = True
+                # Against the others alone: with two DP ranks a median that includes the
+                # worker itself halves its rise.
+                others = (
+                    np.delete(work[:, stage, :], dp, axis=1)
+                    if prepared.n_dp > 1
+                    else np.delete(work[:, :, 0], stage, axis=1)
+                )
+                if others.shape[1] == 0:
+                    continue
+                peers = np.median(others, axis=1)
+                ratio = work[:, stage, dp] / np.where(peers > 0, peers, np.nan)
+                ratio_in, ratio_out = np.nanmedian(ratio[inside]), np.nanmedian(ratio[~inside])
+                if not ratio_in >= (1 + min_rise) * ratio_out:
+                    continue
+                own = work[:, stage, dp]
+                found.append(
+                    Stretch(
+                        Span(
+                            int(steps[onset]),
+                            int(steps[recovery]) if recovery is not None else None,
+                            (f"worker/{dp}.{stage}",),
+                        ),
+                        dp,
+                        stage,
+                        optype,
+                        float(ratio_in),
+                        float(ratio_out),
+                        float(np.median(own[inside]) - np.median(own[~inside])),
+                        step_s,
+                    )
+                )
+    return sorted(found, key=lambda s: s.span.onset)
+
+
 def _fitted_to_moved_worker(span: Span, prepared: PreparedTrace) -> Span:
     """The span's bounds from the own-work series of the first worker whose series opened
     it, so that its diagnosis reads the worker's slow steps, not a stretch diluted by the
@@ -261,20 +348,120 @@ def diagnosed_episodes(
     episode whose steps show no cause beyond the job's noise (a shared machine's load
     moving the step time) is dropped: a healthy job has no episode. So is one that reads as
     slow communication while the computes slowed with it: the whole machine was slower
-    (a slow link leaves the computes alone)."""
-    episodes = []
-    for detected in episode_spans(changes):
-        span = _fitted_to_moved_worker(detected, prepared)
+    (a slow link leaves the computes alone).
+
+    Then the stretches a single worker's own work of one op type was raised against its
+    peers' (`worker_stretches`) that no episode covers yet, when they last and cost the
+    worker a share of a step (a healthy job's jitter on shared cores makes stretches of a
+    few steps, no longer). The diagnosis of the stretch's own steps names the worker when
+    its what-if confirms it; where the job's noise hides the cost, the worker is named on
+    its own series' evidence, and the summary says so."""
+
+    def diagnosed(span: Span) -> tuple[Span, Diagnosis] | None:
         end = span.recovery if span.recovery is not None else np.inf
         inside = (prepared.steps >= span.onset) & (prepared.steps < end)
         if inside.sum() < 2:
-            continue
+            return None
         part = prepared.select_steps(inside)
         result = analyze(part, ideal=ideal, decompose_threshold=decompose_threshold)
         diagnosis = diagnose(result, part)
         if diagnosis.cause == "slow_communication" and _machine_slowed(prepared, inside):
-            continue
-        if diagnosis.cause not in ("none", "unattributed"):
+            return None
+        if diagnosis.cause in ("none", "unattributed"):
+            return None
+        return span, diagnosis
+
+    episodes: list[Episode] = []
+    for detected in episode_spans(changes):
+        found = diagnosed(_fitted_to_moved_worker(detected, prepared))
+        if found is not None:
+            span, diagnosis = found
             fitted = _refined(span, diagnosis, prepared)
             episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
-    return episodes
+    for stretch in worker_stretches(prepared, min_rise=_STRETCH_MIN_RISE):
+        span = stretch.span
+        least = _STRETCH_MIN_STEPS * (1 if span.recovery is not None else 1.5)
+        # An episode that names a worker stands; one that names none (a stage, the
+        # communication) over the stretch's steps read the straggler's effect without
+        # finding it, and gives way.
+        overlapping = [e for e in episodes if _overlaps(span, e)]
+        if any(e.diagnosis.cause == "slow_workers" for e in overlapping):
+            continue
+        if _steps_of(span, prepared) < least:
+            continue
+        if stretch.extra_s < _STRETCH_MIN_COST * stretch.step_s:
+            continue
+        end = span.recovery if span.recovery is not None else np.inf
+        inside = (prepared.steps >= span.onset) & (prepared.steps < end)
+        part = prepared.select_steps(inside)
+        result = analyze(part, ideal=ideal, decompose_threshold=decompose_threshold)
+        diagnosis = diagnose(result, part)
+        named = diagnosis.evidence.get("named_workers") or []
+        if not (
+            diagnosis.cause == "slow_workers"
+            and named
+            and (named[0]["dp"], named[0]["stage"]) == (stretch.dp, stretch.stage)
+        ):
+            diagnosis = _stretch_diagnosis(stretch, diagnosis)
+        fitted = _refined(span, diagnosis, prepared)
+        episodes = [e for e in episodes if e not in overlapping]
+        episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
+    return sorted(episodes, key=lambda e: e.onset)
+
+
+#: A worker's own work of one op type raised this much against its peers' is a stretch
+#: worth diagnosing (the straggler cases that matter double an op; jitter on shared cores
+#: moves a worker's share by tens of percent for a while).
+_STRETCH_MIN_RISE = 0.5
+
+
+#: Fewest steps such a stretch lasts: the change-point detector's shortest regime. A rank
+#: starved of a shared core for a few steps is the machine, not a straggler. One still
+#: raised at the end of the run is compared with the steps before it only: half again.
+_STRETCH_MIN_STEPS = 8
+
+
+def _steps_of(span: Span, prepared: PreparedTrace) -> int:
+    end = span.recovery if span.recovery is not None else np.inf
+    return int(((prepared.steps >= span.onset) & (prepared.steps < end)).sum())
+
+
+#: ... and costs the worker at least this share of a median step: a sub-millisecond op
+#: that tripled is no straggler.
+_STRETCH_MIN_COST = 0.02
+
+
+def _stretch_diagnosis(stretch: Stretch, of_its_steps: Diagnosis) -> Diagnosis:
+    """A straggler named on its own series' evidence where the what-if of its steps cannot
+    tell its cost from the job's noise: how much slower than its peers, in what, and for
+    how long, with the what-if's evidence kept beside it."""
+    span = stretch.span
+    until = f"to {span.recovery - 1}" if span.recovery is not None else "on (not recovered)"
+    summary = (
+        f"worker(s) (dp {stretch.dp}, pp {stretch.stage}) slow in {stretch.optype}: "
+        f"{stretch.ratio_inside:.1f}x its peers' from step {span.onset} {until} "
+        f"({stretch.ratio_outside:.1f}x outside), {stretch.extra_s * 1e3:.1f} ms more per "
+        f"step; its cost to the job is within the job's noise"
+    )
+    evidence = {
+        **of_its_steps.evidence,
+        "named_workers": [{"dp": stretch.dp, "stage": stretch.stage}],
+        "verified_workers": [
+            {"dp": stretch.dp, "stage": stretch.stage, "slow_in": {stretch.optype: stretch.extra_s}}
+        ],
+        "stretch": {
+            "optype": stretch.optype,
+            "ratio_inside": stretch.ratio_inside,
+            "ratio_outside": stretch.ratio_outside,
+            "extra_s_per_step": stretch.extra_s,
+        },
+    }
+    return dataclasses.replace(
+        of_its_steps, cause="slow_workers", summary=summary, evidence=evidence, advice=()
+    )
+
+
+def _overlaps(span: Span, episode: Episode) -> bool:
+    span_end = span.recovery if span.recovery is not None else np.inf
+    episode_end = episode.recovery if episode.recovery is not None else np.inf
+    return span.onset < episode_end and episode.onset < span_end
