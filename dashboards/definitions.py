@@ -247,6 +247,7 @@ def job_overview() -> BuiltDashboard:
     in_range = f"{ONE_ATTEMPT} AND $__timeFilter(ts)"
 
     latest_s = "Slowdown S (latest step)"
+    data_age = "Data age"
     mfu_now = "MFU in range: actual vs straggler-free"
     wasted_total = "GPU-hours wasted in range"
     mfu_series = "MFU: actual vs straggler-free"
@@ -334,7 +335,43 @@ def job_overview() -> BuiltDashboard:
             )
             .decimals(3)
             .thresholds(_slowdown_thresholds())
-            .span(6)
+            .span(5)
+            .height(5)
+        )
+        .with_panel(
+            stat.Panel()
+            .title(data_age)
+            .description(
+                "Seconds since the start of the job attempt's latest stored step: a job that "
+                "stopped, or a pipeline (sidecar, Kafka, worker) that stopped delivering, "
+                "shows stale here. Green under a minute, red over five."
+            )
+            .with_target(
+                q.query(
+                    data_age,
+                    f"""
+                    SELECT dateDiff('second', maxOrNull(ts), now()) AS age_s
+                    FROM steps
+                    WHERE {ONE_ATTEMPT}
+                    """,
+                    Expect({"age_s": "number"}),
+                    time_series=False,
+                )
+            )
+            .unit("s")
+            .decimals(0)
+            .thresholds(
+                dash.ThresholdsConfig()
+                .mode(model.ThresholdsMode.ABSOLUTE)
+                .steps(
+                    [
+                        model.Threshold(value=None, color="green"),
+                        model.Threshold(value=60, color="orange"),
+                        model.Threshold(value=300, color="red"),
+                    ]
+                )
+            )
+            .span(3)
             .height(5)
         )
         .with_panel(
@@ -358,7 +395,7 @@ def job_overview() -> BuiltDashboard:
             )
             .unit("percentunit")
             .decimals(1)
-            .span(6)
+            .span(5)
             .height(5)
         )
         .with_panel(
@@ -380,7 +417,7 @@ def job_overview() -> BuiltDashboard:
                 )
             )
             .decimals(2)
-            .span(6)
+            .span(5)
             .height(5)
         )
         .with_panel(

@@ -66,6 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="delete log files once Kafka confirmed everything in them",
     )
+    stream.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (address: "
+        "streamer.metrics_addr; default: no endpoint)",
+    )
     stream.set_defaults(handler=run_stream, extra="sidecar")
 
     replay = subparsers.add_parser(
@@ -193,11 +200,17 @@ def run_stream(args: argparse.Namespace) -> int:
                 "torn_grace_s": args.torn_grace_s,
                 "idle_exit_s": args.idle_exit_s,
                 "delete_shipped": args.delete_shipped,
+                "metrics_port": args.metrics_port,
             },
         )
         streamer = Streamer(config)
     except (ConfigError, ValueError) as exc:
         print(f"lagscope stream: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        streamer.serve_metrics()
+    except OSError as exc:
+        print(f"lagscope stream: error: metrics endpoint: {exc}", file=sys.stderr)
         return 2
     # SIGTERM (an orchestrator stopping the sidecar) is a normal end: exit 0. Ctrl-C ends
     # it the same clean way (what Kafka confirmed is checkpointed, the rest stays in the

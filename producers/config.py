@@ -96,6 +96,10 @@ class StreamerSettings(BaseModel):
     #: Delete a rank's log files once everything in them is confirmed by Kafka (and the
     #: checkpoint says so). Off by default: the logs are also the local record of the run.
     delete_shipped: bool = False
+    #: Serve Prometheus metrics on this port (0 = any free port, logged); None = off.
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    #: Address the metrics endpoint listens on.
+    metrics_addr: str = "0.0.0.0"
 
     def resolved_checkpoint_path(self) -> Path:
         if self.checkpoint_path is not None:

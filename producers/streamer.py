@@ -22,6 +22,9 @@ retry after a back-off. The log on disk is the buffer: reading pauses while
 `max_in_flight_bytes` are unconfirmed, so memory stays bounded however long Kafka is away.
 Grouping into rank-step batches happens in the rank's timer (which knows where a step
 ends), so a batch's content - and id - does not depend on when the streamer read it.
+
+With `streamer.metrics_port` (`--metrics-port`) it serves its counts as Prometheus
+metrics (producers.metrics; names in deploy/README.md).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from lagscope.producers.log import (
     list_log_files,
     list_rank_dirs,
 )
+from lagscope.producers.metrics import MetricsServer
 
 log = logging.getLogger("lagscope.streamer")
 #: librdkafka's own log lines (one per failed connection attempt, every back-off period).
@@ -149,6 +153,10 @@ class Streamer:
         self._outage: _Outage | None = None
         #: Whether a broker answered in this run (created topics or confirmed a delivery).
         self._kafka_answered = False
+        #: Wall-clock time of the last confirmed delivery (the metrics endpoint's).
+        self._last_delivery_s: float | None = None
+        #: The Prometheus endpoint (`serve_metrics`), when `streamer.metrics_port` is set.
+        self.metrics: MetricsServer | None = None
         self._owns_producer = producer is None
         if producer is None:
             check_kafka_login(config.kafka)  # a rejected login: one line, not a retry loop
@@ -311,7 +319,73 @@ class Streamer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
 
+    def serve_metrics(self) -> MetricsServer | None:
+        """Start the Prometheus endpoint when `streamer.metrics_port` is set (once; `run()`
+        calls it too). It stays up after `run()` returns, so a last scrape sees the final
+        counts, until `close_metrics()` or the end of the process. OSError: port taken."""
+        if self.metrics is None and self.settings.metrics_port is not None:
+            from lagscope.producers import metrics
+
+            self.metrics = metrics.serve(
+                self._metric_families,
+                self.settings.metrics_port,
+                self.settings.metrics_addr,
+                what="streamer",
+            )
+        return self.metrics
+
+    def close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    def _metric_families(self) -> list[Any]:
+        """The metric families of a scrape (called from the endpoint's thread: it only
+        reads counters, which the streaming thread keeps in plain Python)."""
+        from lagscope.producers.metrics import counter, gauge
+
+        stats = self.stats
+        outage = self._outage
+        unreachable_s = stats.kafka_unreachable_s
+        if outage is not None:
+            unreachable_s += time.monotonic() - outage.since
+        return [
+            counter("lagscope_streamer_ops_total",
+                    "Ops produced to Kafka, in rank-step batches (re-sends after a rewind "
+                    "count again).", stats.ops),
+            counter("lagscope_streamer_batches_total",
+                    "Rank-step batch records produced to the ops topic.", stats.batches),
+            counter("lagscope_streamer_jobs_total",
+                    "Job metadata records produced to the jobs topic.", stats.jobs),
+            counter("lagscope_streamer_bytes_total",
+                    "Bytes of record values produced to Kafka.", stats.bytes),
+            counter("lagscope_streamer_dead_letters_total",
+                    "Log records sent to the dead-letter topic (torn, garbage, undecodable).",
+                    stats.dead_letters),
+            counter("lagscope_streamer_delivery_failures_total",
+                    "Messages Kafka did not confirm (re-sent from the log).",
+                    stats.delivery_failures),
+            counter("lagscope_streamer_rewinds_total",
+                    "Rewinds of ranks to their confirmed position after failed deliveries.",
+                    stats.rewinds),
+            counter("lagscope_streamer_kafka_connect_failures_total",
+                    "Failed connection attempts to Kafka brokers.",
+                    stats.kafka_connect_failures),
+            counter("lagscope_streamer_kafka_unreachable_seconds_total",
+                    "Seconds no Kafka broker answered.", unreachable_s),
+            gauge("lagscope_streamer_kafka_up",
+                  "1 while Kafka answers, 0 during an outage.", 0 if outage else 1),
+            gauge("lagscope_streamer_in_flight_bytes",
+                  "Bytes produced and not yet confirmed by Kafka.", self._in_flight_bytes),
+            gauge("lagscope_streamer_ranks",
+                  "Rank log directories followed.", len(self._ranks)),
+            gauge("lagscope_streamer_last_delivery_timestamp_seconds",
+                  "Unix time of the last delivery Kafka confirmed (0: none yet).",
+                  self._last_delivery_s or 0.0),
+        ]  # fmt: skip
+
     def run(self) -> StreamerStats:
+        self.serve_metrics()
         idle_since = time.monotonic()
         settings = self.settings
         while not self._stop.is_set():
@@ -517,6 +591,7 @@ class Streamer:
             if err is None:
                 pending.delivered = True
                 self._kafka_answered = True
+                self._last_delivery_s = time.time()
                 if self._outage is not None:
                     self._end_outage(at_exit=False)
                 if job_key is not None:

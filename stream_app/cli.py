@@ -46,6 +46,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "chdb": "store",
     "clickhouse_connect": "store",
     "confluent_kafka": "sidecar",
+    "prometheus_client": "sidecar",
     "faust": "stream",
     "aiokafka": "stream",
     "grafana_foundation_sdk": "dashboards",

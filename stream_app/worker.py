@@ -95,6 +95,7 @@ from lagscope.producers.events import (
     peek_header,
 )
 from lagscope.producers.kafka_login import check_kafka_login
+from lagscope.producers.metrics import MetricsServer, SecondsHistogram
 from lagscope.simulator.diagnose import diagnose
 from lagscope.simulator.prepare import concat_steps
 from lagscope.stream_app.admission import job_conflict, job_problem
@@ -112,6 +113,12 @@ from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, enc
 from lagscope.stream_app.store_location import DEFAULT_DSN, DSN_ENV
 
 log = logging.getLogger("lagscope.worker")
+
+#: Kinds of dead letters (the `reason` label of `lagscope_worker_dead_letters_total`):
+#: a message that is no batch, a batch the admission or the windows set aside, a batch a
+#: windowing bug dropped, a job record that is invalid or conflicts with a known one.
+_DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata")
+_WINDOWING_FAILED = "windowing failed"
 
 #: 3: the safe state format (no pickle), retained steps as ids (inputs in worker_retained).
 SNAPSHOT_VERSION = 3
@@ -176,6 +183,10 @@ class WorkerSettings(BaseModel):
     session_timeout_s: float = Field(default=30.0, ge=6)
     #: faust's data directory (it keeps little: no tables are used).
     data_dir: Path = Path("lagscope-data/worker")
+    #: Serve Prometheus metrics on this port (0 = any free port, logged); None = off.
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    #: Address the metrics endpoint listens on.
+    metrics_addr: str = "0.0.0.0"
 
 
 class WorkerConfig(LagscopeConfig):
@@ -297,6 +308,14 @@ class WorkerCore:
         #: Wall-clock time of the first message consumed and of the last steps write.
         self.first_message_at: float | None = None
         self.last_write_at: float | None = None
+        # For the metrics endpoint (read by its thread at scrape time):
+        #: Dead letters by kind (a bounded label set: see `_DEAD_LETTER_KINDS`).
+        self.dead_letters_by_kind: dict[str, int] = dict.fromkeys(_DEAD_LETTER_KINDS, 0)
+        #: Steps stored (written once each), by completeness.
+        self.steps_stored: dict[bool, int] = {True: 0, False: 0}
+        #: Analysis time per closed step: each processor pass's seconds over the steps it
+        #: closed (a step re-closed after a crash is observed again).
+        self.step_seconds = SecondsHistogram()
 
     # -- input ------------------------------------------------------------------------
     def on_job_record(self, value: bytes | None, timestamp_s: float, where: str) -> None:
@@ -304,7 +323,7 @@ class WorkerCore:
             info = JobInfo.model_validate_json(value or b"")
         except ValueError as exc:
             log.warning("dead letter %s: invalid job metadata: %s", where, exc)
-            self.counters["dead_letters"] += 1
+            self._count_dead("job_metadata")
             # No partition owns a jobs record: stored with the next write.
             self._unowned_dead.append(
                 ("", where, f"invalid job metadata: {exc}", value or b"", timestamp_s)
@@ -321,7 +340,7 @@ class WorkerCore:
             self.job_infos[key] = (info, timestamp_s)
         if problem:
             log.warning("dead letter %s: %s", where, problem)
-            self.counters["dead_letters"] += 1
+            self._count_dead("job_metadata")
             self._unowned_dead.append((info.job_id, where, problem, value or b"", timestamp_s))
         elif self.machines.add(info):
             self.sink.write(rank_identity_batch(info))
@@ -354,6 +373,7 @@ class WorkerCore:
             part = self.partition(number)
             # The windows these batches open start no later than the run's first record.
             part.event_clock.observe(span[number][0])
+            started = time.perf_counter()
             try:
                 outputs = part.processor.on_batches(part_batches)
             except Exception as exc:
@@ -362,9 +382,9 @@ class WorkerCore:
                 log.exception("windowing %d batch(es) of %s[%d] failed", len(part_batches),
                               self.topic, number)  # fmt: skip
                 for batch in part_batches:
-                    part.processor.rejected.append((batch, f"windowing failed: {exc!r}"))
+                    part.processor.rejected.append((batch, f"{_WINDOWING_FAILED}: {exc!r}"))
                 outputs = []
-            self._closed(part, outputs)
+            self._closed(part, outputs, time.perf_counter() - started)
         for number, (_, last) in span.items():
             self.partition(number).event_clock.observe(last)
         self.write_due()
@@ -390,16 +410,16 @@ class WorkerCore:
         try:
             batch = decode_batch(message.value or b"", where=where)
         except SchemaError as exc:
-            self._dead_letter(part, message, where, str(exc))
+            self._dead_letter(part, message, where, str(exc), "undecodable")
             return None
         except Exception as exc:  # a decoder bug must not stop the partition either
-            self._dead_letter(part, message, where, f"undecodable: {exc!r}")
+            self._dead_letter(part, message, where, f"undecodable: {exc!r}", "undecodable")
             return None
         self._ensure_job(part, batch)
         self.counters["ops"] += batch.n_ops
         kept, problem = part.processor.admit(batch)
         if problem:
-            self._dead_letter(part, message, where, problem)
+            self._dead_letter(part, message, where, problem, "rejected")
         return kept
 
     def _ensure_job(self, part: _Partition, batch: RankStepBatch) -> None:
@@ -410,22 +430,31 @@ class WorkerCore:
         if known is not None:
             part.processor.on_job(known[0])
 
-    def _dead_letter(self, part: _Partition, message: OpsMessage, where: str, reason: str) -> None:
-        log.warning("dead letter %s: %s", where, reason)
+    def _count_dead(self, kind: str) -> None:
         self.counters["dead_letters"] += 1
+        self.dead_letters_by_kind[kind] += 1
+
+    def _dead_letter(
+        self, part: _Partition, message: OpsMessage, where: str, reason: str, kind: str
+    ) -> None:
+        log.warning("dead letter %s: %s", where, reason)
+        self._count_dead(kind)
         job = (message.key or b"").decode("utf-8", "replace")
         part.dead.append((job, where, reason, message.value or b"", message.timestamp_s))
 
-    def _closed(self, part: _Partition, outputs: list[StepOutput]) -> None:
+    def _closed(self, part: _Partition, outputs: list[StepOutput], seconds: float) -> None:
+        """Take the steps a processor pass of `seconds` closed, and what it set aside."""
         for batch, reason in part.processor.take_rejected():
             where = f"{batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}"
             log.warning("dead letter %s: %s", where, reason)
-            self.counters["dead_letters"] += 1
+            self._count_dead("windowing" if reason.startswith(_WINDOWING_FAILED) else "rejected")
             # The batch's own time, so a replay writes the same row (ReplacingMergeTree key).
             at = float(batch.start_ns.min()) / 1e9 if batch.n_ops else 0.0
             part.dead.append((batch.job_id, where, reason, batch.encode(), at))
         now = self.clock()
+        per_step = seconds / len(outputs) if outputs else 0.0
         for out in outputs:
+            self.step_seconds.observe(per_step)
             key = (out.job_id, out.attempt)
             totals = part.totals.setdefault(key, _JobTotals())
             totals.last_step = max(totals.last_step, out.step)
@@ -440,7 +469,9 @@ class WorkerCore:
     def tick(self) -> None:
         """Close late windows; write and roll up what is due."""
         for part in list(self.partitions.values()):
-            self._closed(part, part.processor.tick())
+            started = time.perf_counter()
+            outputs = part.processor.tick()
+            self._closed(part, outputs, time.perf_counter() - started)
             self._rollups(part, force=False)
         self.write_due()
 
@@ -479,7 +510,9 @@ class WorkerCore:
         """Roll up every job and snapshot every partition (idle exit)."""
         committed = {}
         for number, part in list(self.partitions.items()):
-            self._closed(part, part.processor.tick())
+            started = time.perf_counter()
+            outputs = part.processor.tick()
+            self._closed(part, outputs, time.perf_counter() - started)
             self._rollups(part, force=True)
             committed[number] = self.checkpoint(number)
         return committed
@@ -558,6 +591,8 @@ class WorkerCore:
         for job_outputs in by_job.values():
             self.sink.write(rows_from_outputs(job_outputs))
             self.counters["steps_written"] += len(job_outputs)
+            for out in job_outputs:
+                self.steps_stored[out.complete] += 1
             self.last_write_at = time.time()
         if len(fresh) < len(outputs):
             log.info(
@@ -886,7 +921,94 @@ class FaustWorker:
         self._last_message = time.monotonic()
         self._passes_in_flight = 0
         self._assigned = False
+        #: Consumer lag of each assigned ops partition: records in Kafka past the last one
+        #: the worker processed (Kafka's high watermark minus the core's next offset).
+        self._lag: dict[int, int] = {}
+        #: The Prometheus endpoint (`serve_metrics`), when `worker.metrics_port` is set.
+        self.metrics: MetricsServer | None = None
         self.app = self._build_app()
+
+    # -- metrics ----------------------------------------------------------------------------
+    def serve_metrics(self) -> MetricsServer | None:
+        """Start the Prometheus endpoint when `worker.metrics_port` is set (once; `run()`
+        calls it too). OSError: the port is taken."""
+        settings = self.config.worker
+        if self.metrics is None and settings.metrics_port is not None:
+            from lagscope.producers import metrics
+
+            self.metrics = metrics.serve(
+                self._metric_families, settings.metrics_port, settings.metrics_addr,
+                what="worker",
+            )  # fmt: skip
+        return self.metrics
+
+    def _metric_families(self) -> list[Any]:
+        """The metric families of a scrape (the endpoint's thread): copies of counters the
+        core and the event loop keep in plain Python."""
+        from lagscope.producers.metrics import (
+            counter,
+            gauge,
+            histogram,
+            labelled_counter,
+            labelled_gauge,
+        )
+
+        core = self.core
+        counters = dict(core.counters)
+        topic = self.config.kafka.topic_ops
+        lag = {(topic, str(number)): value for number, value in dict(self._lag).items()}
+        stored = dict(core.steps_stored)
+        return [
+            counter("lagscope_worker_records_total",
+                    "Records of the ops topic processed (re-deliveries below a snapshot not "
+                    "counted).", counters["messages"]),
+            counter("lagscope_worker_replayed_records_total",
+                    "Re-delivered records skipped because a snapshot already covers them.",
+                    counters["replayed_skipped"]),
+            counter("lagscope_worker_ops_total", "Ops in the processed batches.",
+                    counters["ops"]),
+            labelled_counter("lagscope_worker_steps_total",
+                             "Closed steps stored, each once (complete: every rank reported).",
+                             ["complete"],
+                             {("true",): stored[True], ("false",): stored[False]}),
+            counter("lagscope_worker_steps_already_stored_total",
+                    "Re-closed steps (after a crash or rebalance) found already stored.",
+                    counters["steps_already_stored"]),
+            labelled_counter("lagscope_worker_dead_letters_total",
+                             "Records set aside in the store's dead_letters table, by kind.",
+                             ["reason"],
+                             {(kind,): n for kind, n in dict(core.dead_letters_by_kind).items()}),
+            counter("lagscope_worker_snapshots_total", "Processor snapshots written.",
+                    counters["snapshots"]),
+            counter("lagscope_worker_rollups_total", "Job roll-ups diagnosed.",
+                    counters["rollups"]),
+            counter("lagscope_worker_failed_writes_total",
+                    "Store writes that failed after their retries.", counters["failed_writes"]),
+            gauge("lagscope_worker_store_failing",
+                  "1 while the store refuses writes (the worker then takes no messages).",
+                  1 if core.store_failing else 0),
+            labelled_gauge("lagscope_worker_consumer_lag_records",
+                           "Records in Kafka past the last one processed, per assigned "
+                           "partition.", ["topic", "partition"], lag),
+            histogram("lagscope_worker_step_processing_seconds",
+                      "Analysis time per closed step (a processor pass over the steps it "
+                      "closed).", core.step_seconds),
+            gauge("lagscope_worker_last_step_timestamp_seconds",
+                  "Unix time of the last write of closed steps to the store (0: none yet).",
+                  core.last_write_at or 0.0),
+        ]  # fmt: skip
+
+    def _update_lag(self) -> None:
+        """Consumer lag of every assigned ops partition the core has state for."""
+        consumer = self.app.consumer
+        for tp in consumer.assignment():
+            if tp.topic != self.core.topic:
+                continue
+            highwater = consumer.highwater(tp)
+            part = self.core.partitions.get(tp.partition)
+            if highwater is None or part is None:
+                continue
+            self._lag[tp.partition] = max(0, highwater - part.next_offset)
 
     # -- kafka clients --------------------------------------------------------------------
     def _make_producer(self) -> Any:
@@ -1063,6 +1185,8 @@ class FaustWorker:
             message = run.message
             highwater = consumer.highwater(message.tp)
             behind = highwater is not None and message.offset + 1 < highwater
+            if highwater is not None:
+                self._lag[message.partition] = max(0, highwater - message.offset - 1)
             await self._core(self.core.set_behind, message.partition, behind)
 
     async def _wait_for_store(self) -> None:
@@ -1088,6 +1212,7 @@ class FaustWorker:
 
     async def _periodic(self) -> None:
         await self._core(self.core.tick)
+        self._update_lag()
         await self._checkpoint_due()
         idle_exit = self.config.worker.exit_when_idle_s
         if (
@@ -1149,10 +1274,12 @@ class FaustWorker:
             except Exception:
                 log.exception("checkpoint of revoked partition %d failed", number)
             await self._core(self.core.drop_partition, number)
+            self._lag.pop(number, None)
 
     def run(self) -> None:
         from faust.worker import Worker
 
+        self.serve_metrics()
         Worker(
             self.app, loglevel=logging.getLogger().level or logging.INFO
         ).execute_from_commandline()

@@ -62,6 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="faust's data directory (default lagscope-data/worker)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (address: "
+        "worker.metrics_addr; default: no endpoint)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning"),
@@ -90,12 +97,18 @@ def run(args: argparse.Namespace) -> int:
                     "group_id": args.group,
                     "exit_when_idle_s": args.idle_exit_s,
                     "data_dir": args.data_dir,
+                    "metrics_port": args.metrics_port,
                 },
             },
         )
         worker = FaustWorker(config)
     except (ConfigError, StoreError) as exc:
         print(f"lagscope worker: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        worker.serve_metrics()
+    except OSError as exc:
+        print(f"lagscope worker: error: metrics endpoint: {exc}", file=sys.stderr)
         return 2
     worker.run()
     return 0
