@@ -396,7 +396,8 @@ def diagnosed_episodes(
         part = prepared.select_steps(inside)
         result = analyze(part, ideal=ideal, decompose_threshold=decompose_threshold)
         diagnosis = diagnose(result, part)
-        named = diagnosis.evidence.get("named_workers") or []
+        evidence = diagnosis.evidence
+        named = evidence.get("named_workers") or evidence.get("verified_workers") or []
         if not (
             diagnosis.cause == "slow_workers"
             and named
