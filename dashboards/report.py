@@ -13,7 +13,14 @@ import numpy as np
 from lagscope.dashboards.colour_scale import ColourScale, colour_scale
 from lagscope.dashboards.stragglers import ranked_workers, verified_workers
 from lagscope.simulator.diagnose import Diagnosis
-from lagscope.simulator.summary import verdict
+from lagscope.simulator.verdict import (
+    ABOVE_S,
+    MEANINGS,
+    escalation_text,
+    percent,
+    raw_note,
+    verdict_of,
+)
 from lagscope.simulator.whatif import WhatIfResult
 
 
@@ -205,16 +212,44 @@ def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
     return "".join(parts)
 
 
-def _diagnosis_html(d: Diagnosis, heading: str) -> str:
+def verdict_html(d: Diagnosis | None, scope: str = "run") -> str:
+    """The verdict box of the run or of an episode (`scope`): the same verdict
+    (`simulator/verdict.py`) the summary and the JSON carry, its action and the
+    escalation's step."""
+    if d is None:
+        return f'<p class="verdict" data-scope="{scope}" data-cause="">not diagnosed</p>'
+    story = verdict_of(d)
+    escalation = (
+        f"<br>Escalation: <span class='escalation'>{html.escape(escalation_text(d.escalation))}"
+        "</span>"
+        if d.escalation
+        else ""
+    )
+    return (
+        f'<p class="verdict" data-scope="{scope}" data-cause="{html.escape(story.cause)}">'
+        f"<b>{html.escape(story.cause)}</b>: <span class='headline'>"
+        f"{html.escape(story.headline)}</span><br>Action: "
+        f"<span class='action'>{html.escape(story.action_line())}</span>{escalation}</p>"
+    )
+
+
+def _diagnosis_html(d: Diagnosis, heading: str, episode: bool = False) -> str:
+    """The advice behind one analysis' verdict; an episode's own verdict first (the run's
+    stands at the top of the report)."""
     advice = "".join(
         f"<li><b>{html.escape(a.action)}</b> — predicted speed-up "
         f"{a.predicted_speedup:.3f}×: {html.escape(a.detail)}</li>"
         for a in d.advice
     )
-    return (
-        f"<h3>{html.escape(heading)}</h3><p class='cause'><b>{html.escape(d.cause)}</b>: "
-        f"{html.escape(d.summary)}</p><ul>{advice}</ul>"
-    )
+    story = verdict_html(d, "episode") if episode else ""
+    return f"<h3>{html.escape(heading)}</h3>{story}<ul>{advice}</ul>"
+
+
+def _share_tile(name: str, value: float) -> tuple[str, str, str]:
+    """A share tile: the share clamped to 0-100 %, the raw number's note, the meaning."""
+    clamped = percent(min(max(value, 0.0), 1.0))
+    note = raw_note(value, name).strip().removeprefix("(").removesuffix(")")
+    return clamped, (note + ". " if note else "") + f"{name}: {MEANINGS[name]}"
 
 
 def render_report(data: ReportData) -> str:
@@ -226,7 +261,10 @@ def render_report(data: ReportData) -> str:
         if data.step_slowdown is not None
         else [float(v) for v in r.step_slowdown]
     )
-    tiles = [("slowdown S", f"{r.slowdown:.3f}"), ("waste", f"{r.waste:.1%}")]
+    tiles: list[tuple[str, str] | tuple[str, str, str]] = [
+        ("slowdown S", f"{r.slowdown:.3f}", f"S: {MEANINGS['S']}"),
+        ("waste", percent(r.waste, 1)),
+    ]
     if data.gpu_hours_wasted is not None:
         tiles.append(
             (
@@ -239,8 +277,8 @@ def render_report(data: ReportData) -> str:
         tiles.append(
             ("MFU actual / straggler-free", f"{data.mfu_actual:.1%} / {data.mfu_ideal:.1%}")
         )
-    tiles.append(("M_W (top workers)", f"{r.mw.removed_share:.0%}"))
-    tiles.append(("M_S (last stage)", f"{r.ms.removed_share:.0%}"))
+    tiles.append(("M_W (top workers)", *_share_tile("M_W", r.mw.removed_share)))
+    tiles.append(("M_S (last stage)", *_share_tile("M_S", r.ms.removed_share)))
     tiles.append(
         (
             "steps",
@@ -250,33 +288,19 @@ def render_report(data: ReportData) -> str:
     )
     tile_html = "".join(
         f'<div class="tile"><div class="k">{html.escape(k)}</div>'
-        f'<div class="v">{html.escape(v)}</div></div>'
-        for k, v in tiles
+        f'<div class="v">{html.escape(v)}</div>'
+        + (f'<div class="m">{html.escape(m[0])}</div>' if m else "")
+        + "</div>"
+        for k, v, *m in tiles
     )
     diagnosis_html = ""
     if data.diagnosis is not None:
-        d = data.diagnosis
-        esc = d.escalation
-        ladder = (
-            (
-                f"<p>Escalation (ski rental): accumulated loss "
-                f"{esc.get('accumulated_loss_s', 0):,.0f} s of job time → "
-                f"<b>{html.escape(str(esc.get('action')))}</b>"
-                + (
-                    f"; next: {html.escape(str(esc['next_action']))} at "
-                    f"{esc['next_action_at_loss_s']:,.0f} s"
-                    if esc.get("next_action")
-                    else ""
-                )
-                + "</p>"
-            )
-            if esc
-            else ""
+        diagnosis_html = "<h2>Diagnosis</h2>" + _diagnosis_html(
+            data.diagnosis, "whole run (verdict above): advice"
         )
-        diagnosis_html = "<h2>Diagnosis</h2>" + _diagnosis_html(d, "whole run") + ladder
         for onset, recovery, episode in data.episodes:
             span = f"steps {onset}–{recovery}" if recovery is not None else f"since step {onset}"
-            diagnosis_html += _diagnosis_html(episode, f"slow episode, {span}")
+            diagnosis_html += _diagnosis_html(episode, f"slow episode, {span}", episode=True)
     changes_rows = "".join(
         f"<tr><td>{c['step']}</td><td class='{c['kind']}'>{c['kind']}</td>"
         f"<td>{html.escape(str(c['series']))}</td><td>{c.get('before_mean', float('nan')):.4g}"
@@ -298,6 +322,17 @@ def render_report(data: ReportData) -> str:
             f"one with the ideal step.</p>"
         )
     top = 8
+    above_s = [
+        f"{prefix}{ranked[0][0]}"
+        for att, prefix in ((r.by_optype, ""), (r.by_stage, "pp "), (r.by_dp_rank, "dp "))
+        if (ranked := att.ranked()) and ranked[0][1] > r.slowdown + 5e-4
+    ]
+    above_s_html = (
+        f"<p class='sub'>{html.escape(', '.join(above_s))}: {html.escape(ABOVE_S)} "
+        f"(S = {r.slowdown:.3f}).</p>"
+        if above_s
+        else ""
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(data.title)}</title>
 <style>
@@ -306,6 +341,7 @@ h1 {{ margin-bottom: 0; }} .sub {{ color: #666; margin-top: 4px; }}
 .tiles {{ display: flex; flex-wrap: wrap; gap: 12px; margin: 16px 0; }}
 .tile {{ border: 1px solid #ddd; border-radius: 6px; padding: 10px 14px; min-width: 140px; }}
 .tile .k {{ color: #666; font-size: 12px; }} .tile .v {{ font-size: 22px; font-weight: 600; }}
+.tile .m {{ color: #666; font-size: 11px; max-width: 220px; }}
 .verdict {{ background: #fff4e5; border-left: 4px solid #e6550d; padding: 8px 12px; }}
 svg.chart text {{ font-family: system-ui, sans-serif; font-size: 11px; }}
 table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding: 3px 8px; }}
@@ -314,16 +350,17 @@ td.onset {{ color: #d62728; }} td.recovery {{ color: #2ca02c; }}
 </style></head><body>
 <h1>{html.escape(data.title)}</h1><p class="sub">{html.escape(data.subtitle)}</p>
 <div class="tiles">{tile_html}</div>
-<p class="verdict">{html.escape(verdict(r))}</p>
+{verdict_html(data.diagnosis)}
 {diagnosis_html}
 <h2>Worker heatmap (S_w = min(S_dp, S_stage))</h2>
+<p class="sub">S_w: {html.escape(MEANINGS["S_w"])}.</p>
 <p class="sub">Solid outline: a worker the diagnosis verified slow on its own; dashed: an S_w
 crossing of it (its DP replica or stage), not slow itself.</p>
 {heatmap_svg(r.worker_slowdown, verified)}
 <h2>Slowdown per step</h2><p>Dashed lines: change points (red onset, green recovery).</p>
 {line_svg(steps, slowdowns, data.changes)}
 <h2>Change points</h2>{changes_html}
-<h2>Attribution (S with only this group straggling)</h2>
+<h2>Attribution (S with only this group straggling)</h2>{above_s_html}
 <div class="row"><div><h3>by op type</h3>{bars_svg(r.by_optype.ranked()[:top], "by-optype")}</div>
 <div><h3>by stage</h3>{bars_svg(r.by_stage.ranked()[:top], "by-stage")}</div>
 <div><h3>by DP rank (top {top})</h3>{bars_svg(r.by_dp_rank.ranked()[:top], "by-dp")}</div></div>

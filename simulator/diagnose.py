@@ -31,6 +31,8 @@ from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel, compile_model
 from lagscope.simulator.noise import noise_floor, persistent_excess, slow_in, stage_excess
 from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.verdict import of_the_slowdown
+from lagscope.simulator.verdict import share as clamped_share
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
 COMPUTE_LABELS = (ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE)
@@ -409,6 +411,7 @@ def _slow_workers(
     else:
         named, explained = mw_verified, result.mw.removed_share
         t_removed = result.mw.t_removed
+    evidence["named_workers"] = [{"dp": d, "stage": s} for d, s in named]
     workers = ", ".join(f"(dp {d}, pp {s})" for d, s in named)
     where = slow_in(prepared, named[0])
     slow_part = f" (slow in {next(iter(where))})" if where else ""
@@ -427,7 +430,7 @@ def _slow_workers(
     )
     return (
         "slow_workers",
-        f"worker(s) {workers} explain {explained:.0%} of the slowdown{slow_part}",
+        f"worker(s) {workers} explain {of_the_slowdown(explained)}{slow_part}",
     )
 
 
@@ -593,25 +596,47 @@ def advise_balanced_packing(
     )
 
 
-def escalation(wasted_gpu_s: float, n_gpus: int, settings: DiagnosisSettings) -> dict[str, Any]:
-    """Falcon's ski-rental rule: take the next action once the loss accumulated since the
-    onset reaches that action's cost (all in seconds of the whole job's time)."""
+def escalation_ladder(cause: str | None, settings: DiagnosisSettings) -> list[tuple[str, float]]:
+    """The actions of `cause`'s escalation ladder with their costs (seconds of the whole
+    job's time), cheapest first. Slow workers (and an unknown cause) climb Falcon's ladder;
+    the other causes' fixes are the diagnosis' own advice, so that the ladder never starts
+    with a step that does not address the cause: a new layer split, a new packing of the
+    sequences or a new GC setting takes a checkpoint restart, and the slow links cost a
+    re-arrangement of the topology. Without a cause (none, unattributed) there is nothing
+    to climb."""
+    fixes: dict[str, list[tuple[str, float]]] = {
+        "slow_workers": [
+            ("re-split micro-batches", settings.resplit_cost_s),
+            ("re-arrange topology", settings.rearrange_cost_s),
+            ("checkpoint and restart without the straggler", settings.restart_cost_s),
+        ],
+        "slow_communication": [("repair or avoid the slow links", settings.rearrange_cost_s)],
+        "last_stage_imbalance": [("move layers off the last stage", settings.restart_cost_s)],
+        "sequence_imbalance": [("balance sequence lengths", settings.restart_cost_s)],
+        "gc_pauses": [("planned garbage collection", settings.restart_cost_s)],
+    }
+    return [("ignore", 0.0), *fixes.get(cause or "slow_workers", [])]
+
+
+def escalation(
+    wasted_gpu_s: float, n_gpus: int, settings: DiagnosisSettings, cause: str | None = None
+) -> dict[str, Any]:
+    """Falcon's ski-rental rule: take the next action of `cause`'s ladder
+    (`escalation_ladder`) once the loss accumulated since the onset reaches that action's
+    cost (all in seconds of the whole job's time)."""
     # Waste comes out negative when a step ran faster than its ideal (noise, or a step
     # shorter than the running estimate): no loss accumulated, nothing to escalate.
     loss_s = max(wasted_gpu_s / max(n_gpus, 1), 0.0) if np.isfinite(wasted_gpu_s) else 0.0
-    ladder = [
-        ("ignore", 0.0),
-        ("re-split micro-batches", settings.resplit_cost_s),
-        ("re-arrange topology", settings.rearrange_cost_s),
-        ("checkpoint and restart without the straggler", settings.restart_cost_s),
-    ]
+    ladder = escalation_ladder(cause, settings)
     current = [name for name, cost in ladder if loss_s >= cost][-1]
     upcoming = next(((name, cost) for name, cost in ladder if cost > loss_s), None)
     return {
+        "cause": cause,
         "accumulated_loss_s": loss_s,
         "action": current,
         "next_action": upcoming[0] if upcoming else None,
         "next_action_at_loss_s": upcoming[1] if upcoming else None,
+        "ladder": [{"action": name, "at_loss_s": cost} for name, cost in ladder],
     }
 
 
@@ -658,7 +683,10 @@ def diagnose(
         if wasted_gpu_s is not None
         else float((result.t_nodelay - result.t_ideal).clip(min=0).sum() * n_gpus)
     )
-    ladder = escalation(wasted, n_gpus, cfg)
+
+    def ladder(cause: str) -> dict[str, Any]:
+        """The escalation ladder of the cause named (never another cause's)."""
+        return escalation(wasted, n_gpus, cfg, cause)
 
     floor = noise_floor(prepared, result.ideal_cost, compiled)
     evidence["noise_floor"] = floor
@@ -669,7 +697,7 @@ def diagnose(
             f"is S {floor:.2f})",
             evidence,
             (),
-            ladder,
+            ladder("none"),
         )
     # GC pauses and unbalanced sequence lengths are fluctuations, which the noise floor
     # counts as noise: they are named on evidence of their own (the recorded pauses, the
@@ -678,14 +706,14 @@ def diagnose(
     if _gc_explains(result, prepared, compiled, evidence, cfg):
         cause = "gc_pauses"
         summary = (
-            f"recorded GC pauses explain {evidence['gc_explained']:.0%} of the slowdown and "
-            f"{evidence['gc_coincidence']:.0%} of the slow computes' excess: Python garbage "
-            f"collection"
+            f"recorded GC pauses explain {of_the_slowdown(evidence['gc_explained'])} and "
+            f"{clamped_share(evidence['gc_coincidence'])} of the slow computes' excess: "
+            f"Python garbage collection"
         )
         planned = advise_planned_gc(prepared, base_time, compiled, cfg.planned_gc_interval_steps)
         if planned:
             advice.append(planned)
-        return Diagnosis(cause, summary, evidence, tuple(advice), ladder)
+        return Diagnosis(cause, summary, evidence, tuple(advice), ladder(cause))
     unbalanced_sequences = correlation >= cfg.correlation_threshold
     persistent = persistent_excess(prepared)
     stages = stage_excess(prepared)
@@ -727,7 +755,7 @@ def diagnose(
             f"(its op-to-op fluctuations alone give S {floor:.2f})",
             evidence,
             (),
-            ladder,
+            ladder("none"),
         )
 
     if mw_verified and result.mw.removed_share >= cfg.explains_share:
@@ -753,7 +781,10 @@ def diagnose(
         cause, summary = _slow_workers(result, prepared, compiled, base_time, evidence, advice, cfg)
     elif last_stage_heavy or last_stage_structure:
         cause = "last_stage_imbalance"
-        summary = f"the last stage explains {result.ms.removed_share:.0%} of the slowdown"
+        summary = (
+            f"the last stage (pp {prepared.n_stages - 1}) explains "
+            f"{of_the_slowdown(result.ms.removed_share, 'M_S')}"
+        )
         move = advise_move_layers(prepared, base_time, compiled, layers_per_stage)
         if move:
             advice.append(move)
@@ -767,4 +798,4 @@ def diagnose(
             if top
             else "slowdown spread over many workers"
         )
-    return Diagnosis(cause, summary, evidence, tuple(advice), ladder)
+    return Diagnosis(cause, summary, evidence, tuple(advice), ladder(cause))

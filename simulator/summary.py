@@ -1,17 +1,26 @@
-"""Plain-data views of a what-if result: the JSON document, a one-line verdict and the
-summary table. Pure functions (no I/O): the CLI, the stream app and the report share them.
+"""Plain-data views of a what-if result: the JSON document and the summary table, which
+ends with the verdict of `simulator/verdict.py`. Pure functions (no I/O): the CLI, the
+stream app and the report share them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lagscope.simulator.verdict import (
+    ABOVE_S,
+    MEANINGS,
+    escalation_text,
+    percent,
+    share,
+    verdict_of,
+)
 from lagscope.simulator.whatif import Attribution, Explained, WhatIfResult
 
-#: A group explaining at least this share of the slowdown is named as the cause.
-EXPLAINS_SHARE = 0.5
+if TYPE_CHECKING:
+    from lagscope.simulator.diagnose import Diagnosis
 
 
 def _attribution_dict(att: Attribution | None, gated: bool) -> dict[str, float] | None:
@@ -85,59 +94,81 @@ def result_to_dict(result: WhatIfResult, *, always_decompose: bool = False) -> d
     }
 
 
-def _workers_phrase(workers: tuple[tuple[int, int], ...]) -> str:
-    listed = ", ".join(f"(dp {dp}, pp {stage})" for dp, stage in workers[:4])
-    more = f" and {len(workers) - 4} more" if len(workers) > 4 else ""
-    noun = "one worker" if len(workers) == 1 else f"{len(workers)} workers"
-    return f"{noun} {listed}{more}"
+def _with_meaning(line: str, symbol: str) -> str:
+    return f"{line}   - {symbol}: {MEANINGS[symbol]}"
 
 
-def verdict(result: WhatIfResult) -> str:
-    """One line an on-call engineer can act on."""
-    s = result.slowdown
-    if not result.decomposed:
-        return (
-            f"no significant straggling: S = {s:.3f} is below the "
-            f"{result.decompose_threshold:.2f} threshold"
-        )
-    mw, ms = result.mw.removed_share, result.ms.removed_share
-    n_stages = result.worker_slowdown.shape[0]
-    if mw >= EXPLAINS_SHARE:
-        verb = "explains" if len(result.mw.workers) == 1 else "explain"
-        return f"{_workers_phrase(result.mw.workers)} {verb} {mw:.0%} of the slowdown"
-    if ms >= EXPLAINS_SHARE and n_stages > 1:
-        return (
-            f"the last pipeline stage (pp {n_stages - 1}) explains {ms:.0%} of the slowdown: "
-            f"stage imbalance, consider moving layers off it"
-        )
-    top_name, top_value = result.by_optype.ranked()[0]
-    return (
-        f"slowdown is spread over many workers (top-3% workers explain {mw:.0%}); "
-        f"{top_name} contributes most (S = {top_value:.3f} with only it straggling)"
-    )
+def _attribution_line(
+    title: str, att: Attribution, slowdown: float, top: int, prefix: str = ""
+) -> str:
+    """A family's top groups by S_X; a group above S itself says why beside it."""
+    ranked = att.ranked()[:top]
+    line = f"{title:<20}" + "   ".join(f"{n} {v:.3f}" for n, v in ranked)
+    if ranked and ranked[0][1] > slowdown + 5e-4:
+        line += f"   ({prefix}{ranked[0][0]} is {ABOVE_S})"
+    return line
 
 
-def summary_lines(result: WhatIfResult, *, top: int = 5) -> list[str]:
-    """The human summary `lagscope analyze` prints."""
+def verdict_lines(diagnosis: Diagnosis) -> list[str]:
+    """The verdict (`simulator/verdict.py`), its action, the advice and the escalation, in
+    the summary's columns: the one story every output of an analysis tells."""
+    story = verdict_of(diagnosis)
+    lines = [
+        f"verdict             {story.line()}",
+        f"action              {story.action_line()}",
+    ]
+    lines += [
+        f"advice              {a.action} (predicted speed-up {a.predicted_speedup:.3f}x): "
+        f"{a.detail}"
+        for a in diagnosis.advice
+    ]
+    if diagnosis.escalation:
+        lines.append(f"escalation          {escalation_text(diagnosis.escalation)}")
+    return lines
+
+
+def summary_lines(
+    result: WhatIfResult, diagnosis: Diagnosis | None = None, *, top: int = 5
+) -> list[str]:
+    """The human summary `lagscope analyze` prints: the numbers, each symbol with one
+    sentence of meaning, shares written as shares, then the verdict of `diagnosis` (the
+    numbers alone name no cause: the diagnosis checks them against the job's noise)."""
+    worst_workers = np.argsort(-result.worker_slowdown, axis=None, kind="stable")[:3]
+    n_dp = result.worker_slowdown.shape[1]
     lines = [
         f"steps analysed      {result.steps.size}"
         + (f"  ({len(result.dropped_steps)} dropped)" if result.dropped_steps else ""),
         f"mean step time      actual {result.t_actual.mean():.3f} s   "
         f"simulated {result.t_nodelay.mean():.3f} s   ideal {result.t_ideal.mean():.3f} s",
-        f"slowdown S          {result.slowdown:.4f}   (waste {result.waste:.1%} of GPU time)",
+        _with_meaning(
+            f"slowdown S          {result.slowdown:.4f}   (waste {percent(result.waste, 1)} "
+            f"of GPU time)",
+            "S",
+        ),
         f"launch slowdown     {result.launch_slowdown:.4f}",
-        f"M_W (top workers)   {result.mw.removed_share:.1%}   "
-        + ", ".join(f"(dp {dp}, pp {st})" for dp, st in result.mw.workers[:6]),
-        f"M_S (last stage)    {result.ms.removed_share:.1%}",
+        _with_meaning(
+            "M_W (top workers)   "
+            + ", ".join(f"(dp {dp}, pp {st})" for dp, st in result.mw.workers[:6])
+            + f": {share(result.mw.removed_share, 'M_W', 1)}",
+            "M_W",
+        ),
+        _with_meaning(f"M_S (last stage)    {share(result.ms.removed_share, 'M_S', 1)}", "M_S"),
+        _with_meaning(
+            "worker score S_w    "
+            + "   ".join(
+                f"(dp {i % n_dp}, pp {i // n_dp}) {result.worker_slowdown.flat[i]:.3f}"
+                for i in worst_workers.tolist()
+            ),
+            "S_w",
+        ),
     ]
     if result.decomposed:
-        for title, att in (
-            ("by op type", result.by_optype),
-            ("by stage", result.by_stage),
-            ("by DP rank", result.by_dp_rank),
+        for title, att, prefix in (
+            ("by op type", result.by_optype, ""),
+            ("by stage", result.by_stage, "pp "),
+            ("by DP rank", result.by_dp_rank, "dp "),
         ):
-            ranked = att.ranked()[:top]
-            lines.append(f"{title:<20}" + "   ".join(f"{n} {v:.3f}" for n, v in ranked))
+            lines.append(_attribution_line(title, att, result.slowdown, top, prefix))
     worst = np.argsort(-result.step_slowdown)[:3]
     lines.append(
         "slowest steps       "
@@ -145,5 +176,6 @@ def summary_lines(result: WhatIfResult, *, top: int = 5) -> list[str]:
     )
     for dropped in result.dropped_steps:
         lines.append(f"dropped step {dropped.step}: {dropped.reason}")
-    lines.append(f"verdict             {verdict(result)}")
+    if diagnosis is not None:
+        lines += verdict_lines(diagnosis)
     return lines

@@ -42,7 +42,7 @@ def test_analyze_writes_json_heatmap_and_timeline(reference_dir, tmp_path, capsy
     assert code == 0
     printed = capsys.readouterr().out
     assert "slowdown S          1.1787" in printed
-    assert "verdict" in printed and "last pipeline stage (pp 3)" in printed
+    assert "verdict             last_stage_imbalance: the last stage (pp 3)" in printed
 
     doc = json.loads(out.read_text())
     for key in (
@@ -55,6 +55,7 @@ def test_analyze_writes_json_heatmap_and_timeline(reference_dir, tmp_path, capsy
         "mw",
         "ms",
         "steps",
+        "verdict",
     ):
         assert key in doc
     assert doc["by_stage"]["3"] == pytest.approx(1.2323, rel=1e-3)

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from lagscope.simulator.diagnose import diagnose
     from lagscope.simulator.prepare import prepare
     from lagscope.simulator.summary import result_to_dict, summary_lines
+    from lagscope.simulator.verdict import verdict_of
     from lagscope.simulator.whatif import analyze
 
     check_outputs(args)
@@ -170,26 +171,22 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
     result = analyze(prepared, decompose_threshold=args.decompose_threshold)
+    # The diagnosis decides the verdict that the summary, the JSON and the report all show.
+    diagnosis = diagnose(result, prepared)
     say(
         f"lagscope analyze: {source} ({meta.trial_name}, dp {meta.dp_size} x pp "
         f"{meta.pp_size} x tp {meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size})"
     )
-    for line in summary_lines(result):
-        say("  " + line)
     largest, stage, dp = clocks.largest()
     say(
         f"  clock offsets       largest {largest * 1e3:+.3f} ms (dp {dp}, pp {stage}), "
         f"from {clocks.n_transfers} transfers"
     )
-    diagnosis = diagnose(result, prepared)
-    say(f"  diagnosis           {diagnosis.cause}: {diagnosis.summary}")
-    for advice in diagnosis.advice:
-        say(
-            f"  advice              {advice.action} (predicted speed-up "
-            f"{advice.predicted_speedup:.3f}x): {advice.detail}"
-        )
+    for line in summary_lines(result, diagnosis):
+        say("  " + line)
     if args.json:
         document = result_to_dict(result, always_decompose=args.always_decompose)
+        document["verdict"] = verdict_of(diagnosis).as_dict()
         document["diagnosis"] = diagnosis.as_dict()
         document["clock_offsets"] = clocks.as_dict()
         where = write_output(args.json, json.dumps(document, indent=2), option="--json")

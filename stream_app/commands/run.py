@@ -343,10 +343,12 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
         say("    nothing could be analysed")
         return
     r = job.rollup
+    from lagscope.simulator.verdict import MEANINGS
+
     say(
         f"    slowdown S {r.slowdown:.3f} (waste {r.waste:.1%}); "
         f"GPU-hours wasted {job.gpu_seconds_wasted / 3600:,.2f} of "
-        f"{job.gpu_seconds / 3600:,.2f}"
+        f"{job.gpu_seconds / 3600:,.2f} - S: {MEANINGS['S']}"
     )
     if job.mfu_actual:
         say(
@@ -357,7 +359,7 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
 
     evidence = job.diagnosis.evidence if job.diagnosis is not None else None
     top = ranked_workers(r.worker_slowdown, verified_workers(evidence))
-    say("    top stragglers " + ", ".join(w.describe() for w in top))
+    say("    top stragglers " + ", ".join(w.describe() for w in top) + f" - S_w: {MEANINGS['S_w']}")
     step_changes = [c for c in job.changes if c.series == "step_time"] or job.changes[:6]
     for c in step_changes:
         say(
@@ -369,25 +371,27 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
         shown = ", ".join(f"{s} {k}@{st}" for s, k, st in sorted(worker_changes)[:6])
         say(f"    per-series changes: {shown}")
     if job.diagnosis is not None:
+        from lagscope.simulator.verdict import escalation_text, verdict_of
+
+        # One verdict per analysis (the run, each episode), as `lagscope analyze` prints it.
         d = job.diagnosis
-        say(f"    diagnosis: {d.cause}: {d.summary}")
+        story = verdict_of(d)
+        say(f"    verdict: {story.line()}")
+        say(f"    action: {story.action_line()}")
         for a in d.advice:
             say(
                 f"    advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x): "
                 f"{a.detail}"
             )
-        esc = d.escalation
+        if d.escalation:
+            say(f"    escalation: {escalation_text(d.escalation)}")
         for episode in job.episodes:
             end = f"to step {episode.recovery}" if episode.recovery is not None else "ongoing"
             ed = episode.diagnosis
-            say(f"    episode from step {episode.onset} {end}: {ed.cause}: {ed.summary}")
+            say(f"    episode from step {episode.onset} {end}: {verdict_of(ed).line()}")
+            say(f"      action: {verdict_of(ed).action_line()}")
             for a in ed.advice:
                 say(
                     f"      advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x)"
                     f": {a.detail}"
                 )
-        if esc:
-            say(
-                f"    escalation: {esc['action']} (loss so far {esc['accumulated_loss_s']:,.0f}"
-                f" s of job time)"
-            )
