@@ -147,3 +147,32 @@ def _ancestors(deps: tuple[tuple[int, ...], ...], node: int) -> set[int]:
             seen.add(current)
             todo.extend(deps[current])
     return seen
+
+
+#: The same jobs with their real CPU compute only (no emulated device): every op jitters by
+#: tens of percent as four ranks share two cores, steps of ~25-60 ms.
+REAL_COMPUTE = {"hidden": 512, "batch": 64}
+
+
+@pytest.mark.parametrize(
+    ("target", "knobs", "worker"),
+    [
+        (pipeline_1f1b.worker, {**REAL_COMPUTE, "slow_rank": 1}, (0, 1)),
+        (ddp.worker, {**DDP, "slow_rank": 1}, (1, 0)),
+    ],
+    ids=["pipeline", "ddp"],
+)
+def test_a_forward_straggler_on_real_compute_is_named(
+    tmp_path: Path, target: object, knobs: dict, worker: tuple[int, int]
+) -> None:
+    """A 2x slower forward adds a few ms to steps whose ops jitter by more: the worker's own
+    forward series names it, from where it began to where it ended."""
+    _, job = _job(tmp_path, target, **{**knobs, "block_ms": 0.0}, **WINDOW, slow_phase="forward")
+    episode = _the_window_episode(job, worker)
+    assert "slow in forward-compute" in episode.diagnosis.summary
+
+
+def test_a_healthy_job_on_real_compute_has_no_episode(tmp_path: Path) -> None:
+    _, job = _job(tmp_path, pipeline_1f1b.worker, **REAL_COMPUTE, steps=64)
+    assert job.episodes == [], [(e.onset, e.recovery, e.diagnosis.summary) for e in job.episodes]
+    assert job.diagnosis.cause == "none", job.diagnosis.summary
