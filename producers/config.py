@@ -1,4 +1,4 @@
-"""Configuration: one pydantic model for the project, loaded from file, environment and flags.
+"""Configuration: one settings model for the project, loaded through pydantic-settings.
 
 `LagscopeConfig` holds one section per component. Components that come later (the stream
 app, the sink) add their sections by subclassing it::
@@ -8,25 +8,53 @@ app, the sink) add their sections by subclassing it::
 
     config = load_config(AppConfig, file=path, overrides={...})
 
-Precedence, lowest first: defaults, the config file (yaml or json; `LAGSCOPE_CONFIG` names
-it when no path is passed), environment variables `LAGSCOPE_<SECTION>__<FIELD>` (e.g.
-`LAGSCOPE_KAFKA__BOOTSTRAP_SERVERS`, `LAGSCOPE_STREAMER__LOG_DIR`), then explicit overrides
-(command-line flags). Kafka security settings (SSL, SASL) are passed through to
-librdkafka, as is anything in `kafka.client_options`.
+Sources, highest precedence first (`LagscopeConfig.settings_customise_sources`):
+
+1. command-line flags (`overrides`; a flag left unset, None, overrides nothing);
+2. environment variables `LAGSCOPE_<SECTION>__<FIELD>` (e.g.
+   `LAGSCOPE_KAFKA__BOOTSTRAP_SERVERS`, `LAGSCOPE_STREAMER__LOG_DIR`); dicts such as
+   `kafka.client_options` are written as JSON;
+3. a secrets directory, one file per setting named like the variable without its prefix
+   (`kafka__sasl_password`), as Kubernetes and Docker mount secrets: `$LAGSCOPE_SECRETS_DIR`,
+   else `/run/secrets/lagscope` when it exists;
+4. the config file, yaml or json (`--config`, else `$LAGSCOPE_CONFIG`);
+5. the defaults below.
+
+A misspelt setting is an error in every source, named by its source and field, never by its
+value: an unknown key in the file, an unknown field under a section
+(`LAGSCOPE_KAFKA__SASL_PASWORD`), and an unknown section (`LAGSCOPE_KAFAK__SASL_PASSWORD`,
+which pydantic-settings alone would ignore). Variables without `__` (`LAGSCOPE_CONFIG`,
+`LAGSCOPE_CLICKHOUSE_DSN`) are not settings. Kafka security settings (SSL, SASL) are passed
+through to librdkafka, as is anything in `kafka.client_options`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 ENV_PREFIX = "LAGSCOPE_"
+#: Separates a section from its field in variable and secret-file names.
+NESTED_DELIMITER = "__"
+#: Read when it exists and `$LAGSCOPE_SECRETS_DIR` does not name another directory.
+DEFAULT_SECRETS_DIR = Path("/run/secrets/lagscope")
+CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
+SECRETS_DIR_ENV = f"{ENV_PREFIX}SECRETS_DIR"
 
 
 class ConfigError(ValueError):
@@ -109,48 +137,196 @@ class StreamerSettings(BaseModel):
         return self.log_dir / ".streamer-checkpoint.json"
 
 
-class LagscopeConfig(BaseModel):
+# -- where the values come from -------------------------------------------------------------
+@dataclass
+class _Request:
+    """The inputs of one load: which file, environment and secrets directory to read.
+
+    `load_config` sets one for the duration of a load; a plain `LagscopeConfig(...)` reads
+    the process's environment (and the file and directory it names)."""
+
+    env: Mapping[str, str]
+    file: Path | None = None
+    secrets_dir: Path | None = None
+    #: Filled while the model is built: the sources in precedence order.
+    sources: list[PydanticBaseSettingsSource] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        env: Mapping[str, str],
+        file: str | os.PathLike[str] | None = None,
+        secrets_dir: str | os.PathLike[str] | None = None,
+    ) -> _Request:
+        file = file or env.get(CONFIG_ENV) or None
+        named_dir = secrets_dir or env.get(SECRETS_DIR_ENV) or None
+        if named_dir is not None:
+            directory: Path | None = Path(named_dir)
+            if not directory.is_dir():
+                raise ConfigError(f"secrets directory {directory}: no such directory")
+        else:
+            directory = DEFAULT_SECRETS_DIR if DEFAULT_SECRETS_DIR.is_dir() else None
+        return cls(env=env, file=Path(file) if file else None, secrets_dir=directory)
+
+
+_REQUEST: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
+    "lagscope_config_request", default=None
+)
+
+
+def _has_path(data: Any, path: tuple[str | int, ...]) -> bool:
+    for part in path:
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+class _VariablesSource(EnvSettingsSource):
+    """`LAGSCOPE_<SECTION>__<FIELD>` variables from a given mapping (the environment, or the
+    files of a secrets directory), with pydantic-settings' nesting and JSON decoding."""
+
+    def __init__(self, settings_cls: type[BaseSettings], variables: Mapping[str, str]) -> None:
+        # Names are matched case-insensitively, like the environment on every platform.
+        self._variables = {name.lower(): value for name, value in variables.items()}
+        self._check_sections(settings_cls)
+        super().__init__(settings_cls)
+        self.data: dict[str, Any] = {}
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # `null` (JSON's) unsets a value, as it did when every value was decoded as JSON.
+        return {k: (None if v == "null" else v) for k, v in self._variables.items()}
+
+    def _check_sections(self, settings_cls: type[BaseSettings]) -> None:
+        """An unknown section is an error (pydantic-settings alone would skip the variable):
+        a misspelt `LAGSCOPE_KAFAK__SASL_PASSWORD` must not leave the login without it."""
+        prefix = ENV_PREFIX.lower()
+        for name in self._variables:
+            if not name.startswith(prefix) or NESTED_DELIMITER not in name:
+                continue
+            section = name[len(prefix) :].split(NESTED_DELIMITER)[0]
+            if section not in settings_cls.model_fields:
+                known = ", ".join(settings_cls.model_fields)
+                raise ConfigError(
+                    f"{self.describe_name(name)}: no such section {section!r} (sections: {known})"
+                )
+
+    def describe_name(self, name: str) -> str:
+        return f"${name.upper()}"
+
+    def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
+        # Remembered so that a value that is not JSON can be named by its variable.
+        self._decoding = field_name
+        return super().decode_complex_value(field_name, field, value)
+
+    def __call__(self) -> dict[str, Any]:
+        self._decoding: str | None = None
+        try:
+            self.data = super().__call__()
+        except Exception as exc:  # pydantic-settings' SettingsError: a value is not JSON
+            section = str(exc).partition('field "')[2].partition('"')[0]
+            names = [ENV_PREFIX + section] if section else []
+            if section and self._decoding not in (None, section):
+                names.insert(0, f"{names[0]}{NESTED_DELIMITER}{self._decoding}")
+            where = next(
+                (self.describe_name(n.lower()) for n in names if n.lower() in self._variables),
+                self.describe_name(f"{ENV_PREFIX}{section or '...'}{NESTED_DELIMITER}..."),
+            )
+            raise ConfigError(
+                f"{where}: not valid JSON (a dict or list value is written as JSON; "
+                "the text is not shown)"
+            ) from None
+        return self.data
+
+    def describe(self, path: tuple[str | int, ...]) -> str | None:
+        """The variable that set `path` (or a part of it), if this source set it."""
+        for length in range(len(path), 0, -1):
+            name = ENV_PREFIX + NESTED_DELIMITER.join(map(str, path[:length]))
+            if name.lower() in self._variables:
+                return self.describe_name(name.lower())
+        return None
+
+
+class _SecretsDirSource(_VariablesSource):
+    """One file per setting, named like its variable without the prefix: the way Kubernetes
+    and Docker mount secrets (dot-files, such as Kubernetes' `..data`, are not settings)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], directory: Path) -> None:
+        self.directory = directory
+        variables: dict[str, str] = {}
+        for entry in sorted(directory.iterdir()):
+            if entry.name.startswith(".") or not entry.is_file():
+                continue
+            try:
+                variables[ENV_PREFIX + entry.name] = entry.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+                raise ConfigError(f"secret file {entry}: cannot be read ({reason})") from None
+        super().__init__(settings_cls, variables)
+
+    def describe_name(self, name: str) -> str:
+        return f"secret file {self.directory / name[len(ENV_PREFIX) :]}"
+
+
+class _FileSource(YamlConfigSettingsSource):
+    """The config file: yaml, or json by its suffix; a parse error names the line, not the
+    text (which may hold a password)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        self.path = path
+        super().__init__(settings_cls, yaml_file=path)
+
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        return _from_file(Path(file_path))
+
+    def describe(self, path: tuple[str | int, ...]) -> str | None:
+        return str(self.path) if _has_path(self.yaml_data, path) else None
+
+
+class LagscopeConfig(BaseSettings):
     """The project's configuration; components extend it with their own sections."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=NESTED_DELIMITER,
+        case_sensitive=False,
+    )
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     streamer: StreamerSettings = Field(default_factory=StreamerSettings)
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags > environment > secrets directory > config file (> defaults)."""
+        request = _REQUEST.get() or _Request.of(os.environ)
+        sources: list[PydanticBaseSettingsSource] = [
+            init_settings,
+            _VariablesSource(settings_cls, request.env),
+        ]
+        if request.secrets_dir is not None:
+            sources.append(_SecretsDirSource(settings_cls, request.secrets_dir))
+        if request.file is not None:
+            sources.append(_FileSource(settings_cls, request.file))
+        request.sources = sources
+        return tuple(sources)
 
-ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
-
-def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
-            continue
-        path = name[len(ENV_PREFIX) :].lower().split("__")
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        # JSON for structured values (client_options, numbers, booleans), else the string.
-        try:
-            node[path[-1]] = json.loads(value)
-        except ValueError:
-            node[path[-1]] = value
-    return out
+ConfigT = TypeVar("ConfigT", bound=LagscopeConfig)
 
 
 def _from_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     try:
@@ -185,26 +361,46 @@ def load_config(
     file: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    secrets_dir: str | os.PathLike[str] | None = None,
 ) -> ConfigT:
-    """Defaults < file < `LAGSCOPE_<SECTION>__<FIELD>` environment < overrides."""
+    """Flags (`overrides`) > `LAGSCOPE_<SECTION>__<FIELD>` environment > secrets directory >
+    file > defaults. Any problem is one `ConfigError` line naming the source and the field."""
     env = os.environ if env is None else env
-    sources: list[tuple[str, dict[str, Any]]] = []
-    file = file or env.get(f"{ENV_PREFIX}CONFIG")
-    if file:
-        sources.append((str(file), _from_file(Path(file))))
-    sources.append(("environment", _from_env(env)))
-    sources.append(("flags", _drop_none(dict(overrides or {}))))
-    merged: dict[str, Any] = {}
-    for _, data in sources:
-        merged = _deep_merge(merged, data)
+    request = _Request.of(env, file, secrets_dir)
+    flags = _drop_none(dict(overrides or {}))
+    token = _REQUEST.set(request)
     try:
-        return model.model_validate(merged)
+        return model(**flags)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        origin = ", ".join(name for name, data in sources if data)
-        raise ConfigError(
-            f"invalid configuration (from {origin or 'defaults'}): {problems}"
-        ) from None
+        problems = "; ".join(_explain(error, request.sources, flags) for error in exc.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from None
+    finally:
+        _REQUEST.reset(token)
+
+
+def _explain(
+    error: Any, sources: list[PydanticBaseSettingsSource], flags: Mapping[str, Any]
+) -> str:
+    """`field (from source): problem`, without the value (it may be a password)."""
+    loc = tuple(error["loc"])
+    problem = "no such setting" if error["type"] == "extra_forbidden" else error["msg"]
+    return f"{'.'.join(map(str, loc))} (from {_origin(loc, sources, flags)}): {problem}"
+
+
+def _origin(
+    loc: tuple[str | int, ...], sources: list[PydanticBaseSettingsSource], flags: Mapping[str, Any]
+) -> str:
+    """The highest-precedence source that set `loc` (or the nearest enclosing setting)."""
+    for length in range(len(loc), 0, -1):
+        path = loc[:length]
+        for source in sources:
+            if isinstance(source, _VariablesSource | _FileSource):
+                found = source.describe(path)
+                if found is not None:
+                    return found
+            elif _has_path(flags, path):
+                return "the command line"
+    return "defaults"
 
 
 def _drop_none(data: dict[str, Any]) -> dict[str, Any]:
