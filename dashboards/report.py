@@ -1,12 +1,23 @@
 """The self-contained HTML report: one file, no network at view time, for people without
-Grafana. Charts are inline SVG drawn here (no JavaScript library to fetch)."""
+Grafana. Charts are inline SVG (no JavaScript library to fetch).
+
+The markup lives in jinja2 templates (`dashboards/templates/`) rendered with autoescape on:
+every value, a job id or a trial name included, is escaped by the template engine. The
+charts are template macros too; this module computes their geometry only, so nothing is
+passed to a template as raw markup.
+
+A report is either live (rewritten by the embedded host while it runs: the page refreshes
+itself) or final; every page says when it and its data were last updated.
+"""
 
 from __future__ import annotations
 
-import html
+import functools
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +33,9 @@ from lagscope.simulator.verdict import (
     verdict_of,
 )
 from lagscope.simulator.whatif import WhatIfResult
+
+if TYPE_CHECKING:
+    import jinja2
 
 
 @dataclass
@@ -43,6 +57,39 @@ class ReportData:
     timeline_file: str | None = None
     #: Slow episodes (onset step, recovery step or None, their own diagnosis).
     episodes: list[tuple[int, int | None, Diagnosis]] = field(default_factory=list)
+    #: Each episode's worker scores S_w ([stage, dp]) over its own steps, in the order of
+    #: `episodes` (None where there are none): drawn beside the whole run's heatmap.
+    episode_worker_slowdown: list[np.ndarray | None] = field(default_factory=list)
+    #: A live page (the embedded host rewrites it while it runs) refreshes itself every
+    #: this many seconds; None: the final page, which does not.
+    refresh_s: float | None = None
+    #: When the page is rendered (epoch seconds; now when None).
+    rendered_at: float | None = None
+    #: The data's last update: the last closed step the report covers, when the host closed
+    #: it and when it ran (its first op's start), in epoch seconds. The last step of
+    #: `result` when None.
+    last_step: int | None = None
+    last_step_closed_at: float | None = None
+    last_step_started_at: float | None = None
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("lagscope.dashboards", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def _charts() -> Any:
+    """The chart macros of charts.html.j2, callable from Python."""
+    return _environment().get_template("charts.html.j2").module
 
 
 def _reds(value: float, scale: ColourScale) -> str:
@@ -58,71 +105,94 @@ def _reds(value: float, scale: ColourScale) -> str:
     return f"rgb({r},{g},{b})"
 
 
-def heatmap_svg(worker_slowdown: np.ndarray, verified: list[tuple[int, int]] = ()) -> str:
-    """Cells of `verified` workers ((dp, stage)) get a solid outline, S_w crossings of
-    them (same DP replica or stage, not verified) a dashed one."""
+def heatmap_view(
+    worker_slowdown: np.ndarray,
+    verified: list[tuple[int, int]] = (),
+    *,
+    chart_id: str = "heatmap",
+    max_width: int = 900,
+) -> dict[str, Any]:
+    """The geometry of a worker heatmap (the `heatmap` macro draws it). Cells of
+    `verified` workers ((dp, stage)) get a solid outline, S_w crossings of them (same DP
+    replica or stage, not verified) a dashed one."""
     n_stages, n_dp = worker_slowdown.shape
     scale = colour_scale(worker_slowdown)
     kinds = {
         (w.dp, w.stage): w.kind
         for w in ranked_workers(worker_slowdown, list(verified), top=worker_slowdown.size)
     }
-    outline = {
-        "verified": ' stroke="#000" stroke-width="3"',
-        "crossing": ' stroke="#000" stroke-width="1.5" stroke-dasharray="3 2"',
-    }
-    cell = max(14, min(48, 900 // max(n_dp, 1)))
+    cell = max(14, min(48, max_width // max(n_dp, 1)))
     left, top = 60, 20
     width, height = left + n_dp * cell + 10, top + n_stages * cell + 40
-    parts = [
-        f'<svg class="chart" id="heatmap" width="{width}" height="{height}" '
-        f'role="img" aria-label="worker heatmap">'
-    ]
+    rows = []
     for stage in range(n_stages):
-        parts.append(
-            f'<text x="{left - 8}" y="{top + stage * cell + cell / 2 + 4}" '
-            f'text-anchor="end">pp {stage}</text>'
-        )
+        cells = []
         for dp in range(n_dp):
             value = float(worker_slowdown[stage, dp])
             x, y = left + dp * cell, top + stage * cell
             kind = kinds.get((dp, stage), "unverified")
-            label = f"dp {dp}, pp {stage}: S_w = {value:.4f}" + (
-                "" if kind == "unverified" else f" ({kind})"
+            cells.append(
+                {
+                    "x": x,
+                    "y": y,
+                    "fill": _reds(value, scale),
+                    "value": f"{value:.6f}",
+                    "kind": kind,
+                    "label": f"dp {dp}, pp {stage}: S_w = {value:.4f}"
+                    + ("" if kind == "unverified" else f" ({kind})"),
+                    "text": scale.label(value) if cell >= 28 else None,
+                    "text_x": x + cell / 2,
+                    "text_y": y + cell / 2 + 4,
+                    "text_fill": "#fff" if scale.position(value) > 0.6 else "#222",
+                }
             )
-            parts.append(
-                f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" '
-                f'fill="{_reds(value, scale)}" data-value="{value:.6f}" data-kind="{kind}"'
-                f"{outline.get(kind, '')}><title>{label}</title></rect>"
-            )
-            if cell >= 28:
-                color = "#fff" if scale.position(value) > 0.6 else "#222"
-                parts.append(
-                    f'<text x="{x + cell / 2}" y="{y + cell / 2 + 4}" '
-                    f'text-anchor="middle" font-size="10" fill="{color}">'
-                    f"{scale.label(value)}</text>"
-                )
-    step = max(1, n_dp // 16)
-    for dp in range(0, n_dp, step):
-        parts.append(
-            f'<text x="{left + dp * cell + cell / 2}" y="{top + n_stages * cell + 14}" '
-            f'text-anchor="middle" font-size="10">{dp}</text>'
+        rows.append(
+            {"stage": stage, "x": left - 8, "y": top + stage * cell + cell / 2 + 4, "cells": cells}
         )
-    parts.append(
-        f'<text x="{left + n_dp * cell / 2}" y="{height - 6}" '
-        f'text-anchor="middle">DP rank; {html.escape(scale.describe())}</text></svg>'
-    )
-    return "".join(parts)
+    step = max(1, n_dp // 16)
+    return {
+        "id": chart_id,
+        "aria": "worker heatmap",
+        "width": width,
+        "height": height,
+        "size": cell - 1,
+        "rows": rows,
+        "ticks": [
+            {"dp": dp, "x": left + dp * cell + cell / 2, "y": top + n_stages * cell + 14}
+            for dp in range(0, n_dp, step)
+        ],
+        "caption": scale.describe(),
+        "caption_x": left + n_dp * cell / 2,
+        "caption_y": height - 6,
+    }
 
 
-def line_svg(steps: list[int], values: list[float], changes: list[dict[str, Any]]) -> str:
+def heatmap_svg(
+    worker_slowdown: np.ndarray,
+    verified: list[tuple[int, int]] = (),
+    *,
+    chart_id: str = "heatmap",
+    max_width: int = 900,
+) -> str:
+    """The worker heatmap as inline SVG (see `heatmap_view`)."""
+    view = heatmap_view(worker_slowdown, verified, chart_id=chart_id, max_width=max_width)
+    return str(_charts().heatmap(view))
+
+
+def line_view(steps: list[int], values: list[float], changes: list[dict[str, Any]]) -> dict:
+    """The geometry of the per-step slowdown chart, change points as dashed lines."""
     width, height, left, top, bottom = 900, 260, 50, 15, 35
-    parts = [
-        f'<svg class="chart" id="steps" width="{width}" height="{height}" role="img" '
-        f'aria-label="slowdown per step">'
-    ]
+    view: dict[str, Any] = {
+        "width": width,
+        "height": height,
+        "left": left,
+        "right": width - 10,
+        "top": top,
+        "bottom": height - bottom,
+        "has_steps": bool(steps),
+    }
     if not steps:
-        return parts[0] + "<text x='20' y='40'>no steps</text></svg>"
+        return view
     xs = np.asarray(steps, dtype=float)
     ys = np.asarray(values, dtype=float)
     x0, x1 = float(xs.min()), float(max(xs.max(), xs.min() + 1))
@@ -134,33 +204,27 @@ def line_svg(steps: list[int], values: list[float], changes: list[dict[str, Any]
     def py(y: float) -> float:
         return top + (y1 - y) / (y1 - y0) * (height - top - bottom)
 
-    for tick in np.linspace(y0, y1, 5):
-        parts.append(
-            f'<line x1="{left}" x2="{width - 10}" y1="{py(tick):.1f}" '
-            f'y2="{py(tick):.1f}" stroke="#ddd"/><text x="{left - 6}" '
-            f'y="{py(tick) + 4:.1f}" text-anchor="end" font-size="10">{tick:.2f}</text>'
-        )
-    for change in changes:
-        x = px(float(change["step"]))
-        color = "#d62728" if change["kind"] == "onset" else "#2ca02c"
-        label = html.escape(f"{change['kind']} at step {change['step']} ({change['series']})")
-        parts.append(
-            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{height - bottom}" '
-            f'stroke="{color}" stroke-width="2" stroke-dasharray="4 3">'
-            f"<title>{label}</title></line>"
-        )
-    for run in sampled_runs(xs, ys):
-        points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
-        parts.append(
-            f'<polyline class="step-run" points="{points}" fill="none" stroke="#1f77b4" '
-            'stroke-width="1.5"/>'
-        )
-    parts.append(
-        f'<text x="{left}" y="{height - 8}" font-size="11">step {int(x0)}</text>'
-        f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">'
-        f"step {int(x1)}</text></svg>"
-    )
-    return "".join(parts)
+    view["ticks"] = [
+        {"y": f"{py(tick):.1f}", "label_y": f"{py(tick) + 4:.1f}", "label": f"{tick:.2f}"}
+        for tick in np.linspace(y0, y1, 5)
+    ]
+    view["changes"] = [
+        {
+            "x": f"{px(float(change['step'])):.1f}",
+            "colour": "#d62728" if change["kind"] == "onset" else "#2ca02c",
+            "label": f"{change['kind']} at step {change['step']} ({change['series']})",
+        }
+        for change in changes
+    ]
+    view["runs"] = [
+        " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run) for run in sampled_runs(xs, ys)
+    ]
+    view["first"], view["last"] = int(x0), int(x1)
+    return view
+
+
+def line_svg(steps: list[int], values: list[float], changes: list[dict[str, Any]]) -> str:
+    return str(_charts().line(line_view(steps, values, changes)))
 
 
 def sampled_runs(xs: np.ndarray, ys: np.ndarray) -> list[list[tuple[float, float]]]:
@@ -192,64 +256,108 @@ def sampled_runs(xs: np.ndarray, ys: np.ndarray) -> list[list[tuple[float, float
     return runs
 
 
-def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
+def bars_view(items: list[tuple[str, float]], chart_id: str) -> dict[str, Any]:
+    """The geometry of an attribution bar chart (S with only this group straggling)."""
     width, row, left = 520, 22, 190
-    height = 10 + row * max(len(items), 1)
     top = max((v for _, v in items), default=1.0)
     scale_max = max(top, 1.05)
-    parts = [f'<svg class="chart" id="{chart_id}" width="{width}" height="{height}" role="img">']
+    bars = []
     for i, (name, value) in enumerate(items):
-        y = 5 + i * row
-        bar = (max(value, 1.0) - 1.0) / (scale_max - 1.0) * (width - left - 60)
-        parts.append(
-            f'<text x="{left - 6}" y="{y + 14}" text-anchor="end" font-size="12">'
-            f'{html.escape(name)}</text><rect x="{left}" y="{y + 3}" '
-            f'width="{max(bar, 1):.1f}" height="{row - 6}" fill="#e6550d"/>'
-            f'<text x="{left + max(bar, 1) + 4:.1f}" y="{y + 14}" font-size="11">'
-            f"{value:.3f}</text>"
+        bar = max((max(value, 1.0) - 1.0) / (scale_max - 1.0) * (width - left - 60), 1)
+        bars.append(
+            {
+                "name": name,
+                "y": 5 + i * row,
+                "width": f"{bar:.1f}",
+                "value_x": f"{left + bar + 4:.1f}",
+                "value": f"{value:.3f}",
+            }
         )
-    parts.append("</svg>")
-    return "".join(parts)
+    return {
+        "id": chart_id,
+        "width": width,
+        "height": 10 + row * max(len(items), 1),
+        "row": row,
+        "left": left,
+        "bars": bars,
+    }
+
+
+def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
+    return str(_charts().bars(bars_view(items, chart_id)))
+
+
+def verdict_view(d: Diagnosis | None) -> dict[str, str] | None:
+    """The verdict of the run or of an episode: the same verdict (`simulator/verdict.py`)
+    the summary and the JSON carry, its action and the escalation's step."""
+    if d is None:
+        return None
+    story = verdict_of(d)
+    return {
+        "cause": story.cause,
+        "headline": story.headline,
+        "action": story.action_line(),
+        "escalation": escalation_text(d.escalation) if d.escalation else "",
+    }
 
 
 def verdict_html(d: Diagnosis | None, scope: str = "run") -> str:
-    """The verdict box of the run or of an episode (`scope`): the same verdict
-    (`simulator/verdict.py`) the summary and the JSON carry, its action and the
-    escalation's step."""
-    if d is None:
-        return f'<p class="verdict" data-scope="{scope}" data-cause="">not diagnosed</p>'
-    story = verdict_of(d)
-    escalation = (
-        f"<br>Escalation: <span class='escalation'>{html.escape(escalation_text(d.escalation))}"
-        "</span>"
-        if d.escalation
-        else ""
-    )
-    return (
-        f'<p class="verdict" data-scope="{scope}" data-cause="{html.escape(story.cause)}">'
-        f"<b>{html.escape(story.cause)}</b>: <span class='headline'>"
-        f"{html.escape(story.headline)}</span><br>Action: "
-        f"<span class='action'>{html.escape(story.action_line())}</span>{escalation}</p>"
-    )
+    """The verdict box of the run or of an episode (`scope`)."""
+    macros = _environment().get_template("verdict.html.j2").module
+    return str(macros.verdict(verdict_view(d), scope))
 
 
-def _diagnosis_html(d: Diagnosis, heading: str, episode: bool = False) -> str:
+def _diagnosis_view(d: Diagnosis, heading: str, episode: bool = False) -> dict[str, Any]:
     """The advice behind one analysis' verdict; an episode's own verdict first (the run's
     stands at the top of the report)."""
-    advice = "".join(
-        f"<li><b>{html.escape(a.action)}</b> — predicted speed-up "
-        f"{a.predicted_speedup:.3f}×: {html.escape(a.detail)}</li>"
-        for a in d.advice
-    )
-    story = verdict_html(d, "episode") if episode else ""
-    return f"<h3>{html.escape(heading)}</h3>{story}<ul>{advice}</ul>"
+    return {
+        "heading": heading,
+        "verdict": verdict_view(d) if episode else None,
+        "advice": [
+            {"action": a.action, "speedup": f"{a.predicted_speedup:.3f}", "detail": a.detail}
+            for a in d.advice
+        ],
+    }
 
 
-def _share_tile(name: str, value: float) -> tuple[str, str, str]:
-    """A share tile: the share clamped to 0-100 %, the raw number's note, the meaning."""
+def _share_tile(name: str, value: float) -> tuple[str, str]:
+    """A share tile: the share clamped to 0-100 %, the raw number's note and the meaning."""
     clamped = percent(min(max(value, 0.0), 1.0))
     note = raw_note(value, name).strip().removeprefix("(").removesuffix(")")
     return clamped, (note + ". " if note else "") + f"{name}: {MEANINGS[name]}"
+
+
+def _utc(seconds: float) -> tuple[str, str]:
+    """A time as people read it (UTC, to the second) and as ISO 8601 (to the millisecond)."""
+    moment = datetime.fromtimestamp(seconds, UTC)
+    return (
+        moment.strftime("%Y-%m-%d %H:%M:%S UTC"),
+        moment.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+    )
+
+
+def _updated_view(data: ReportData, steps: list[int]) -> dict[str, Any]:
+    """Whether the page is live (and how often it refreshes) and when it and its data were
+    last updated."""
+    rendered, rendered_iso = _utc(data.rendered_at if data.rendered_at is not None else time.time())
+    last_step = data.last_step if data.last_step is not None else (max(steps) if steps else None)
+    closed, closed_iso = _utc(data.last_step_closed_at) if data.last_step_closed_at else ("", "")
+    started = _utc(data.last_step_started_at)[0] if data.last_step_started_at else ""
+    refresh = max(1, math.ceil(data.refresh_s)) if data.refresh_s else None
+    return {
+        "state": "live" if refresh else "final",
+        "refresh_s": refresh,
+        "rendered": rendered,
+        "rendered_iso": rendered_iso,
+        "last_step": last_step,
+        "closed": closed,
+        "closed_iso": closed_iso,
+        "started": started,
+    }
+
+
+def _span(onset: int, recovery: int | None) -> str:
+    return f"steps {onset}–{recovery}" if recovery is not None else f"since step {onset}"
 
 
 def render_report(data: ReportData) -> str:
@@ -261,109 +369,102 @@ def render_report(data: ReportData) -> str:
         if data.step_slowdown is not None
         else [float(v) for v in r.step_slowdown]
     )
-    tiles: list[tuple[str, str] | tuple[str, str, str]] = [
-        ("slowdown S", f"{r.slowdown:.3f}", f"S: {MEANINGS['S']}"),
-        ("waste", percent(r.waste, 1)),
+    tiles: list[dict[str, str]] = [
+        {"key": "slowdown S", "value": f"{r.slowdown:.3f}", "meaning": f"S: {MEANINGS['S']}"},
+        {"key": "waste", "value": percent(r.waste, 1)},
     ]
     if data.gpu_hours_wasted is not None:
         tiles.append(
-            (
-                "GPU-hours wasted",
-                f"{data.gpu_hours_wasted:,.1f}"
+            {
+                "key": "GPU-hours wasted",
+                "value": f"{data.gpu_hours_wasted:,.1f}"
                 + (f" of {data.gpu_hours:,.1f}" if data.gpu_hours else ""),
-            )
+            }
         )
     if data.mfu_actual is not None and data.mfu_ideal is not None:
         tiles.append(
-            ("MFU actual / straggler-free", f"{data.mfu_actual:.1%} / {data.mfu_ideal:.1%}")
+            {
+                "key": "MFU actual / straggler-free",
+                "value": f"{data.mfu_actual:.1%} / {data.mfu_ideal:.1%}",
+            }
         )
-    tiles.append(("M_W (top workers)", *_share_tile("M_W", r.mw.removed_share)))
-    tiles.append(("M_S (last stage)", *_share_tile("M_S", r.ms.removed_share)))
+    for key, name, value in (
+        ("M_W (top workers)", "M_W", r.mw.removed_share),
+        ("M_S (last stage)", "M_S", r.ms.removed_share),
+    ):
+        shown, meaning = _share_tile(name, value)
+        tiles.append({"key": key, "value": shown, "meaning": meaning})
     tiles.append(
-        (
-            "steps",
-            f"{len(steps)}"
+        {
+            "key": "steps",
+            "value": f"{len(steps)}"
             + (f" ({data.incomplete_steps} incomplete)" if data.incomplete_steps else ""),
-        )
+        }
     )
-    tile_html = "".join(
-        f'<div class="tile"><div class="k">{html.escape(k)}</div>'
-        f'<div class="v">{html.escape(v)}</div>'
-        + (f'<div class="m">{html.escape(m[0])}</div>' if m else "")
-        + "</div>"
-        for k, v, *m in tiles
-    )
-    diagnosis_html = ""
+    for tile in tiles:
+        tile.setdefault("meaning", "")
+    diagnoses = []
     if data.diagnosis is not None:
-        diagnosis_html = "<h2>Diagnosis</h2>" + _diagnosis_html(
-            data.diagnosis, "whole run (verdict above): advice"
-        )
+        diagnoses.append(_diagnosis_view(data.diagnosis, "whole run (verdict above): advice"))
         for onset, recovery, episode in data.episodes:
-            span = f"steps {onset}–{recovery}" if recovery is not None else f"since step {onset}"
-            diagnosis_html += _diagnosis_html(episode, f"slow episode, {span}", episode=True)
-    changes_rows = "".join(
-        f"<tr><td>{c['step']}</td><td class='{c['kind']}'>{c['kind']}</td>"
-        f"<td>{html.escape(str(c['series']))}</td><td>{c.get('before_mean', float('nan')):.4g}"
-        f"</td><td>{c.get('after_mean', float('nan')):.4g}</td></tr>"
-        for c in data.changes
-    )
-    changes_html = (
-        f"<table><tr><th>step</th><th>kind</th><th>series</th><th>before</th>"
-        f"<th>after</th></tr>{changes_rows}</table>"
-        if data.changes
-        else "<p>No verified change point.</p>"
-    )
-    timeline_html = ""
-    if data.timeline_file:
-        timeline_html = (
-            f"<h2>Timeline</h2><p>Open <code>{html.escape(data.timeline_file)}"
-            f"</code> in <a href='https://ui.perfetto.dev'>ui.perfetto.dev</a> "
-            f"(Open trace file): one process per DP rank with the measured ops, and "
-            f"one with the ideal step.</p>"
+            diagnoses.append(
+                _diagnosis_view(episode, f"slow episode, {_span(onset, recovery)}", episode=True)
+            )
+    episode_heatmaps = []
+    for i, ((onset, recovery, episode), worker_slowdown) in enumerate(
+        zip(data.episodes, data.episode_worker_slowdown, strict=False), start=1
+    ):
+        if worker_slowdown is None:
+            continue
+        view = heatmap_view(
+            worker_slowdown,
+            verified_workers(episode.evidence),
+            chart_id=f"heatmap-episode-{i}",
+            max_width=440,
         )
+        view["heading"] = f"slow episode, {_span(onset, recovery)}"
+        view["onset"] = onset
+        episode_heatmaps.append(view)
+    run_heatmap = heatmap_view(
+        r.worker_slowdown, verified, max_width=440 if episode_heatmaps else 900
+    )
+    run_heatmap["heading"] = f"whole run, {_span(steps[0], steps[-1])}" if steps else "whole run"
     top = 8
     above_s = [
         f"{prefix}{ranked[0][0]}"
         for att, prefix in ((r.by_optype, ""), (r.by_stage, "pp "), (r.by_dp_rank, "dp "))
         if (ranked := att.ranked()) and ranked[0][1] > r.slowdown + 5e-4
     ]
-    above_s_html = (
-        f"<p class='sub'>{html.escape(', '.join(above_s))}: {html.escape(ABOVE_S)} "
-        f"(S = {r.slowdown:.3f}).</p>"
-        if above_s
-        else ""
-    )
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(data.title)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1000px; }}
-h1 {{ margin-bottom: 0; }} .sub {{ color: #666; margin-top: 4px; }}
-.tiles {{ display: flex; flex-wrap: wrap; gap: 12px; margin: 16px 0; }}
-.tile {{ border: 1px solid #ddd; border-radius: 6px; padding: 10px 14px; min-width: 140px; }}
-.tile .k {{ color: #666; font-size: 12px; }} .tile .v {{ font-size: 22px; font-weight: 600; }}
-.tile .m {{ color: #666; font-size: 11px; max-width: 220px; }}
-.verdict {{ background: #fff4e5; border-left: 4px solid #e6550d; padding: 8px 12px; }}
-svg.chart text {{ font-family: system-ui, sans-serif; font-size: 11px; }}
-table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding: 3px 8px; }}
-td.onset {{ color: #d62728; }} td.recovery {{ color: #2ca02c; }}
-.row {{ display: flex; flex-wrap: wrap; gap: 24px; }}
-</style></head><body>
-<h1>{html.escape(data.title)}</h1><p class="sub">{html.escape(data.subtitle)}</p>
-<div class="tiles">{tile_html}</div>
-{verdict_html(data.diagnosis)}
-{diagnosis_html}
-<h2>Worker heatmap (S_w = min(S_dp, S_stage))</h2>
-<p class="sub">S_w: {html.escape(MEANINGS["S_w"])}.</p>
-<p class="sub">Solid outline: a worker the diagnosis verified slow on its own; dashed: an S_w
-crossing of it (its DP replica or stage), not slow itself.</p>
-{heatmap_svg(r.worker_slowdown, verified)}
-<h2>Slowdown per step</h2><p>Dashed lines: change points (red onset, green recovery).</p>
-{line_svg(steps, slowdowns, data.changes)}
-<h2>Change points</h2>{changes_html}
-<h2>Attribution (S with only this group straggling)</h2>{above_s_html}
-<div class="row"><div><h3>by op type</h3>{bars_svg(r.by_optype.ranked()[:top], "by-optype")}</div>
-<div><h3>by stage</h3>{bars_svg(r.by_stage.ranked()[:top], "by-stage")}</div>
-<div><h3>by DP rank (top {top})</h3>{bars_svg(r.by_dp_rank.ranked()[:top], "by-dp")}</div></div>
-{timeline_html}
-</body></html>
-"""
+    context = {
+        "title": data.title,
+        "subtitle": data.subtitle,
+        "updated": _updated_view(data, steps),
+        "tiles": tiles,
+        "verdict": verdict_view(data.diagnosis),
+        "diagnoses": diagnoses,
+        "meanings": MEANINGS,
+        "run_heatmap": run_heatmap,
+        "episode_heatmaps": episode_heatmaps,
+        "step_chart": line_view(steps, slowdowns, data.changes),
+        "changes": [
+            {
+                "step": c["step"],
+                "kind": c["kind"],
+                "series": str(c["series"]),
+                "before": f"{c.get('before_mean', float('nan')):.4g}",
+                "after": f"{c.get('after_mean', float('nan')):.4g}",
+            }
+            for c in data.changes
+        ],
+        "above_s": ", ".join(above_s),
+        "above_s_reason": ABOVE_S,
+        "slowdown": f"{r.slowdown:.3f}",
+        "top": top,
+        "bars": {
+            "optype": bars_view(r.by_optype.ranked()[:top], "by-optype"),
+            "stage": bars_view(r.by_stage.ranked()[:top], "by-stage"),
+            "dp": bars_view(r.by_dp_rank.ranked()[:top], "by-dp"),
+        },
+        "timeline_file": data.timeline_file,
+    }
+    return _environment().get_template("report.html.j2").render(context)

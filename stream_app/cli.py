@@ -43,10 +43,13 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "pyarrow": "analyze",
     "matplotlib": "analyze",
     "tqdm": "analyze",
+    "jinja2": "analyze",
     "chdb": "store",
     "clickhouse_connect": "store",
     "confluent_kafka": "sidecar",
     "prometheus_client": "sidecar",
+    # the settings layering of stream, replay and worker (each command names its own extra)
+    "pydantic_settings": "sidecar",
     "faust": "stream",
     "aiokafka": "stream",
     "grafana_foundation_sdk": "dashboards",

@@ -5,15 +5,24 @@ sidecar uses), hands job metadata and rank-step batches to the step processor, a
 closed steps to the store in batches. Torn, garbage or undecodable records go to the
 `dead_letters` table with their reason; the rest flows on. At the end (or on demand) the
 job-level roll-up is analysed, diagnosed, and the diagnosis stored.
+
+With a `LiveReport` the host keeps each job's HTML report current while it runs, for a
+user without Grafana: rewritten (atomically) from the steps closed so far at most every
+few seconds, the page refreshing itself, and a final one at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,8 +30,8 @@ from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, batch
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, DeadLetter, RankLogReader, list_rank_dirs
 from lagscope.simulator.diagnose import Diagnosis, diagnose
 from lagscope.simulator.episodes import Episode, diagnosed_episodes
-from lagscope.simulator.prepare import concat_steps
-from lagscope.simulator.whatif import WhatIfResult
+from lagscope.simulator.prepare import PreparedTrace, concat_steps
+from lagscope.simulator.whatif import WhatIfResult, analyze
 from lagscope.stream_app.identity import (
     MachineBook,
     name_episode_machines,
@@ -37,6 +46,9 @@ from lagscope.stream_app.processor import (
 )
 from lagscope.stream_app.rows import diagnosis_rows, job_rows, rows_from_outputs
 from lagscope.stream_app.sink import ClickHouseSink, SinkBatch
+
+if TYPE_CHECKING:
+    from lagscope.dashboards.report import ReportData
 
 
 @dataclass
@@ -56,6 +68,14 @@ class JobReport:
     step_ids: list[int] = field(default_factory=list)
     step_slowdown: list[float] = field(default_factory=list)
     episodes: list[Episode] = field(default_factory=list)
+    #: Each episode's worker scores S_w ([stage, dp]) over its own steps (the report draws
+    #: them beside the whole run's), in the order of `episodes`.
+    episode_worker_slowdown: list[np.ndarray | None] = field(default_factory=list)
+    #: The last closed step: its id, when it ran (its first op's start, ns since the epoch)
+    #: and when this host closed it (epoch seconds).
+    last_step: int | None = None
+    last_step_start_ns: int | None = None
+    last_step_closed_at: float | None = None
 
 
 @dataclass
@@ -64,6 +84,24 @@ class RunReport:
     dead_letters: int = 0
     ops: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class LiveReport:
+    """Where the embedded host keeps each job's HTML report current while it runs, and how
+    often: at most every `every_s` seconds while steps close (and never more often than
+    keeps rendering under a fifth of the host's time: an interval of at least four
+    renders), the page refreshing itself every `every_s` seconds; a final page, which does
+    not refresh, at the end. The first job reported writes `path`; any other job of the
+    same logs a file beside it named after the job (`report-<job>-<attempt>.html`)."""
+
+    path: Path
+    every_s: float = 10.0
+
+
+#: Rendering takes at most this share of the host's time: the interval between two live
+#: reports is at least (1 / share - 1) renders long.
+_REPORT_TIME_SHARE = 0.2
 
 
 class EmbeddedRunner:
@@ -77,8 +115,15 @@ class EmbeddedRunner:
         write_every_steps: int = 32,
         store_raw_ops: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        live_report: LiveReport | None = None,
     ) -> None:
         self.sink = sink
+        self.live_report = live_report
+        #: Per job, the file its report is written to (with `live_report`).
+        self.report_paths: dict[tuple[str, int], Path] = {}
+        #: Per job, the closed steps its last live report covered; when the next may be due.
+        self._reported_steps: dict[tuple[str, int], int] = {}
+        self._next_report = 0.0
         #: The machine of every worker, from every rank's job record.
         self.machines = MachineBook()
         self._lateness_clock = _CaughtUpClock(clock)
@@ -140,6 +185,7 @@ class EmbeddedRunner:
             self._lateness_clock.paused(bool(behind))
             self._close_passed_steps(behind)
             self._emit(self.processor.tick())
+            self._update_live_reports()
             if progress is not None:
                 progress(self.report)
             if got_any:
@@ -254,6 +300,9 @@ class EmbeddedRunner:
             if job is None:
                 job = self.report.jobs[out.job_id, out.attempt] = JobReport(out.info)
             job.steps += 1
+            if job.last_step is None or out.step >= job.last_step:
+                job.last_step, job.last_step_start_ns = out.step, out.start_ns
+            job.last_step_closed_at = time.time()
             if not out.complete:
                 job.incomplete_steps.append((out.step, out.missing))
             job.changes.extend(out.changes)
@@ -311,34 +360,166 @@ class EmbeddedRunner:
             self._raw_ops = []
         self._writes += 1
 
+    def analyse_job(self, job_id: str, attempt: int = 0) -> bool:
+        """Roll up, diagnose and find the episodes of one job from the steps the processor
+        retains so far (the live report's and `finish`'s one analysis); False when no step
+        of it could be analysed yet."""
+        job = self.report.jobs[job_id, attempt]
+        rollup = self.processor.rollup(job_id, attempt)
+        if rollup is None:
+            return False
+        job.rollup = rollup
+        state = self.processor.jobs[job_id, attempt]
+        prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
+        machines = self.machines.machines(job_id, attempt)
+        job.diagnosis = name_machines(
+            diagnose(rollup, prepared, wasted_gpu_s=job.gpu_seconds_wasted), machines
+        )
+        job.episodes = name_episode_machines(
+            diagnosed_episodes(
+                job.changes,
+                prepared,
+                rollup.ideal_cost,
+                decompose_threshold=self.processor.settings.decompose_threshold,
+            ),
+            machines,
+        )
+        job.episode_worker_slowdown = [
+            _episode_worker_slowdown(prepared, e, rollup.ideal_cost) for e in job.episodes
+        ]
+        return True
+
     def finish(self) -> None:
-        """Roll up, diagnose and store the diagnosis of every job seen."""
+        """Roll up, diagnose and store the diagnosis of every job seen; with a live report,
+        write each job's final page."""
         for (job_id, attempt), job in self.report.jobs.items():
-            rollup = self.processor.rollup(job_id, attempt)
-            if rollup is None:
+            if not self.analyse_job(job_id, attempt):
                 continue
-            job.rollup = rollup
-            state = self.processor.jobs[job_id, attempt]
-            prepared = concat_steps(sorted(state.retained, key=lambda p: int(p.steps[0])))
-            job.diagnosis = name_machines(
-                diagnose(rollup, prepared, wasted_gpu_s=job.gpu_seconds_wasted),
-                self.machines.machines(job_id, attempt),
-            )
-            job.episodes = name_episode_machines(
-                diagnosed_episodes(
-                    job.changes,
-                    prepared,
-                    rollup.ideal_cost,
-                    decompose_threshold=self.processor.settings.decompose_threshold,
-                ),
-                self.machines.machines(job_id, attempt),
-            )
-            last = int(rollup.steps[-1])
+            assert job.rollup is not None and job.diagnosis is not None
+            last = int(job.rollup.steps[-1])
             batch = SinkBatch(f"diagnosis/{job_id}/{attempt}/{last}")
             batch.add(
                 "diagnoses", diagnosis_rows(job_id, attempt, last, time.time_ns(), job.diagnosis)
             )
             self.sink.write(batch)
+            if self.live_report is not None:
+                self._write_report(job_id, attempt, final=True)
+
+    # -- the live report ----------------------------------------------------------------
+    def _update_live_reports(self) -> None:
+        """Rewrite the report of every job with newly closed steps, when one is due."""
+        live = self.live_report
+        if live is None or time.monotonic() < self._next_report:
+            return
+        fresh = [
+            key
+            for key, job in self.report.jobs.items()
+            if job.steps != self._reported_steps.get(key)
+        ]
+        if not fresh:
+            return
+        began = time.monotonic()
+        for job_id, attempt in fresh:
+            self._reported_steps[job_id, attempt] = self.report.jobs[job_id, attempt].steps
+            if self.analyse_job(job_id, attempt):
+                try:
+                    self._write_report(job_id, attempt, final=False)
+                except OSError as exc:  # the next one may succeed; the final one must
+                    print(f"lagscope: live report not written: {exc}", file=sys.stderr)
+        took = time.monotonic() - began
+        self._next_report = time.monotonic() + max(
+            live.every_s, took * (1 / _REPORT_TIME_SHARE - 1)
+        )
+
+    def report_path(self, job_id: str, attempt: int = 0) -> Path:
+        """The file of a job's report: the live report's path for the first job, a file
+        named after the job beside it for any other."""
+        assert self.live_report is not None
+        path = self.report_paths.get((job_id, attempt))
+        if path is None:
+            base = self.live_report.path
+            if self.report_paths:
+                name = re.sub(r"[^A-Za-z0-9_.-]+", "_", job_id)[:80]
+                base = base.with_name(f"{base.stem}-{name}-{attempt}{base.suffix}")
+            path = self.report_paths[job_id, attempt] = base
+        return path
+
+    def _write_report(self, job_id: str, attempt: int, *, final: bool) -> Path:
+        """Render a job's report and replace its file atomically: a reader sees the old
+        page or the new one, never a part."""
+        from lagscope.dashboards.report import render_report
+
+        assert self.live_report is not None
+        job = self.report.jobs[job_id, attempt]
+        page = render_report(
+            report_data(job, refresh_s=None if final else self.live_report.every_s)
+        )
+        path = self.report_path(job_id, attempt)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+        )
+        try:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+                file.write(page)
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        return path
+
+
+def report_data(job: JobReport, *, refresh_s: float | None = None) -> ReportData:
+    """What the HTML report shows of one job (`refresh_s`: a live page)."""
+    from lagscope.dashboards.report import ReportData
+
+    assert job.rollup is not None
+    info = job.info
+    return ReportData(
+        title=f"lagscope: {info.job_id} (attempt {info.attempt})",
+        subtitle=f"{info.world_size} GPUs: dp {info.dp_size} x pp {info.pp_size} x tp "
+        f"{info.tp_size} x cp {info.dsp_size}, vpp {info.vpp_size}",
+        result=job.rollup,
+        diagnosis=job.diagnosis,
+        step_ids=job.step_ids,
+        step_slowdown=job.step_slowdown,
+        changes=[
+            {
+                "step": c.step,
+                "kind": c.kind,
+                "series": c.series,
+                "before_mean": c.before_mean,
+                "after_mean": c.after_mean,
+            }
+            for c in job.changes
+        ],
+        gpu_hours=job.gpu_seconds / 3600,
+        gpu_hours_wasted=job.gpu_seconds_wasted / 3600,
+        mfu_actual=float(np.mean(job.mfu_actual)) if job.mfu_actual else None,
+        mfu_ideal=float(np.mean(job.mfu_ideal)) if job.mfu_ideal else None,
+        incomplete_steps=len(job.incomplete_steps),
+        episodes=[(e.onset, e.recovery, e.diagnosis) for e in job.episodes],
+        episode_worker_slowdown=list(job.episode_worker_slowdown),
+        refresh_s=refresh_s,
+        last_step=job.last_step,
+        last_step_closed_at=job.last_step_closed_at,
+        last_step_started_at=job.last_step_start_ns / 1e9 if job.last_step_start_ns else None,
+    )
+
+
+def _episode_worker_slowdown(
+    prepared: PreparedTrace, episode: Episode, ideal: dict[str, float]
+) -> np.ndarray | None:
+    """S_w of every worker over an episode's own steps, with the whole run's ideal (as the
+    episode was diagnosed); None when it has no retained step."""
+    end = episode.recovery if episode.recovery is not None else np.inf
+    inside = (prepared.steps >= episode.onset) & (prepared.steps < end)
+    if not inside.any():
+        return None
+    # S_w needs the attributions only: no explanation passes, no launch decomposition.
+    part = prepared.select_steps(inside)
+    return analyze(part, ideal=ideal, decompose_threshold=np.inf, explain=False).worker_slowdown
 
 
 class _CaughtUpClock:

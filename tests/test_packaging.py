@@ -89,6 +89,7 @@ def test_wheel_has_one_top_level_import_name(wheel: Path) -> None:
         "generated/fleet/fleet.json",
         "provisioning/alerting/lagscope-alerts.yaml",
         "provisioning/datasources/lagscope-clickhouse.yaml",
+        "templates/report.html.j2",
     ):
         assert f"lagscope/dashboards/{data_file}" in names
 

@@ -24,7 +24,6 @@ from lagscope.stream_app.cli_conventions import (
 from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
 
 if TYPE_CHECKING:
-    from lagscope.dashboards.report import ReportData
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import JobSpec
     from lagscope.simulator.trace import Trace
@@ -48,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=examples(
             "lagscope run --log-dir /local/lagscope",
             "lagscope run --log-dir logs --follow --idle-exit-s 120 --report report.html",
+            "lagscope run --log-dir logs --follow --report report.html --report-every-s 5",
             "lagscope run --log-dir logs --dsn http://user:pw@clickhouse:8123/lagscope",
             'lagscope query "SELECT step, slowdown FROM steps FINAL ORDER BY step"   # after',
         ),
@@ -80,7 +80,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="close a step this long after its first batch even if ranks miss",
     )
-    run.add_argument("--report", metavar="PATH", help="write the HTML report here ('-': stdout)")
+    run.add_argument(
+        "--report",
+        metavar="PATH",
+        help="write the HTML report here ('-': stdout, at the end only); a file is kept "
+        "current while the run goes on (a page that refreshes itself) and made final at the "
+        "end",
+    )
+    run.add_argument(
+        "--report-every-s",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --report PATH: rewrite the live report at most this often while steps "
+        "close, and have the page refresh itself as often",
+    )
     run.set_defaults(handler=run_logs_command, extra="demo")
 
     demo = subparsers.add_parser(
@@ -89,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generates a 128-GPU job with an injected slow worker, records it "
         "through the real timer API into per-rank logs, analyses it with the embedded "
         "pipeline into a chDB store of its own inside --out (which it empties first), and "
-        "writes the HTML report.",
+        "writes the HTML report (kept current while it runs: open it and watch).",
         epilog=examples("lagscope demo", "lagscope demo --out /tmp/demo --steps 60 --seed 3"),
     )
     demo.add_argument(
@@ -119,7 +133,7 @@ def _progress(total_ops: int | None) -> tuple[Progress, Callable[[RunReport], No
 
 def run_logs_command(args: argparse.Namespace) -> int:
     from lagscope.dashboards.report import render_report
-    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, report_data
     from lagscope.stream_app.processor import ProcessorSettings
     from lagscope.stream_app.sink import ClickHouseSink
 
@@ -128,9 +142,20 @@ def run_logs_command(args: argparse.Namespace) -> int:
         what = "is not a directory" if args.log_dir.exists() else "does not exist"
         raise UsageError(f"--log-dir {args.log_dir}: {what}")
     check_one_stdout(args, "report")
+    if args.report_every_s <= 0:
+        raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
+    live = None
+    if args.report and args.report != STDOUT:
+        live = LiveReport(Path(args.report), every_s=args.report_every_s)
+        try:
+            live.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"--report {live.path}: cannot write ({exc.strerror or exc})"
+            ) from None
     sink = ClickHouseSink(resolve_dsn(args.dsn))
     sink.ensure_schema()
-    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s))
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s), live_report=live)
     display, show = _progress(None)
     interrupted = False
     try:
@@ -143,9 +168,13 @@ def run_logs_command(args: argparse.Namespace) -> int:
         report = runner.close_open_steps()
     display.close()
     say = print if args.report != STDOUT else functools.partial(print, file=sys.stderr)
-    for job in report.jobs.values():
+    for key, job in report.jobs.items():
         print_job_summary(job, say=say)
-        if args.report and job.rollup is not None:
+        if job.rollup is None:
+            continue
+        if live is not None:
+            say(f"  report written to {runner.report_path(*key)}")
+        elif args.report:
             where = write_output(args.report, render_report(report_data(job)), option="--report")
             say(f"  report written to {where}")
     say(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
@@ -236,10 +265,9 @@ def demo_spec(steps: int, seed: int) -> JobSpec:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from lagscope.dashboards.report import render_report
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import generate_job
-    from lagscope.stream_app.embedded import EmbeddedRunner
+    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
     from lagscope.stream_app.processor import ProcessorSettings
     from lagscope.stream_app.sink import ClickHouseSink
 
@@ -273,7 +301,11 @@ def demo_command(args: argparse.Namespace) -> int:
     dsn = f"chdb://{out.resolve()}/chdb"
     sink = ClickHouseSink(dsn)
     sink.ensure_schema()
-    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0))
+    report_path = out / "report.html"
+    # The report is kept current while the pipeline runs: open it and watch.
+    runner = EmbeddedRunner(
+        sink, ProcessorSettings(lateness_s=5.0), live_report=LiveReport(report_path)
+    )
     display, show = _progress(n_ops)
     report = runner.run_logs(out / "logs", progress=show)
     display.close()
@@ -286,49 +318,13 @@ def demo_command(args: argparse.Namespace) -> int:
         f"(dp 5, pp 2) from step {1000 + int(spec.steps * 0.4)} to "
         f"{1000 + int(spec.steps * 0.7)}"
     )
-    report_path = out / "report.html"
-    report_path.write_text(render_report(report_data(job_report)))
-    print(f"  report: {report_path}")
+    print(f"  report: {runner.report_path('demo-llm', 0)}")
     print(
         f"  try:    .venv/bin/lagscope query --dsn {dsn} "
         f'"SELECT step, slowdown, mfu_actual FROM steps FINAL ORDER BY slowdown DESC LIMIT 5"'
     )
     print(f"  done in {time.monotonic() - began:.1f} s")
     return 0
-
-
-def report_data(job: JobReport) -> ReportData:
-    import numpy as np
-
-    from lagscope.dashboards.report import ReportData
-
-    assert job.rollup is not None
-    info = job.info
-    return ReportData(
-        title=f"lagscope: {info.job_id} (attempt {info.attempt})",
-        subtitle=f"{info.world_size} GPUs: dp {info.dp_size} x pp {info.pp_size} x tp "
-        f"{info.tp_size} x cp {info.dsp_size}, vpp {info.vpp_size}",
-        result=job.rollup,
-        diagnosis=job.diagnosis,
-        step_ids=job.step_ids,
-        step_slowdown=job.step_slowdown,
-        changes=[
-            {
-                "step": c.step,
-                "kind": c.kind,
-                "series": c.series,
-                "before_mean": c.before_mean,
-                "after_mean": c.after_mean,
-            }
-            for c in job.changes
-        ],
-        gpu_hours=job.gpu_seconds / 3600,
-        gpu_hours_wasted=job.gpu_seconds_wasted / 3600,
-        mfu_actual=float(np.mean(job.mfu_actual)) if job.mfu_actual else None,
-        mfu_ideal=float(np.mean(job.mfu_ideal)) if job.mfu_ideal else None,
-        incomplete_steps=len(job.incomplete_steps),
-        episodes=[(e.onset, e.recovery, e.diagnosis) for e in job.episodes],
-    )
 
 
 def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
