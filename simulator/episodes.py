@@ -387,7 +387,7 @@ def diagnosed_episodes(
         overlapping = [e for e in episodes if _overlaps(span, e)]
         if any(e.diagnosis.cause == "slow_workers" for e in overlapping):
             continue
-        if _steps_of(span, prepared) < least:
+        if _steps_of(span, prepared) < least or _steps_before(span, prepared) < _MIN_BEFORE:
             continue
         if stretch.extra_s < _STRETCH_MIN_COST * stretch.step_s:
             continue
@@ -404,9 +404,10 @@ def diagnosed_episodes(
             and (named[0]["dp"], named[0]["stage"]) == (stretch.dp, stretch.stage)
         ):
             diagnosis = _stretch_diagnosis(stretch, diagnosis)
-        fitted = _refined(span, diagnosis, prepared)
+        # The stretch was fitted on the worker's own series of the op it is slow in: the
+        # bounds the summary states are the episode's.
         episodes = [e for e in episodes if e not in overlapping]
-        episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
+        episodes.append(Episode(span.onset, span.recovery, diagnosis, span.series))
     return sorted(episodes, key=lambda e: e.onset)
 
 
@@ -420,6 +421,16 @@ _STRETCH_MIN_RISE = 0.5
 #: starved of a shared core for a few steps is the machine, not a straggler. One still
 #: raised at the end of the run is compared with the steps before it only: half again.
 _STRETCH_MIN_STEPS = 8
+
+
+#: Fewest steps analysed before a stretch: one that starts with the run has no level to
+#: rise from (a job's first steps are its warm-up: loaders filling, caches, allocators),
+#: and a worker slow from the start is persistent structure, the whole run's diagnosis.
+_MIN_BEFORE = 4
+
+
+def _steps_before(span: Span, prepared: PreparedTrace) -> int:
+    return int((prepared.steps < span.onset).sum())
 
 
 def _steps_of(span: Span, prepared: PreparedTrace) -> int:
