@@ -112,10 +112,7 @@ def labelled_counter(
 ) -> Any:
     from prometheus_client.core import CounterMetricFamily
 
-    family = CounterMetricFamily(name, documentation, labels=list(labels))
-    for label_values, value in values.items():
-        family.add_metric(list(label_values), value)
-    return family
+    return _labelled(CounterMetricFamily, name, documentation, labels, values)
 
 
 def gauge(name: str, documentation: str, value: float) -> Any:
@@ -129,7 +126,17 @@ def labelled_gauge(
 ) -> Any:
     from prometheus_client.core import GaugeMetricFamily
 
-    family = GaugeMetricFamily(name, documentation, labels=list(labels))
+    return _labelled(GaugeMetricFamily, name, documentation, labels, values)
+
+
+def _labelled(
+    family_type: Any,
+    name: str,
+    documentation: str,
+    labels: Sequence[str],
+    values: Mapping[tuple[str, ...], float],
+) -> Any:
+    family = family_type(name, documentation, labels=list(labels))
     for label_values, value in values.items():
         family.add_metric(list(label_values), value)
     return family
