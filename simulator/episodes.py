@@ -378,7 +378,13 @@ def diagnosed_episodes(
             span, diagnosis = found
             fitted = _refined(span, diagnosis, prepared)
             episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
-    for stretch in worker_stretches(prepared, min_rise=_STRETCH_MIN_RISE):
+    # The costliest stretch first: where stretches overlap (a straggler's peers wait on
+    # it and jitter), the one that cost the most seconds is the one to name.
+    stretches = sorted(
+        worker_stretches(prepared, min_rise=_STRETCH_MIN_RISE),
+        key=lambda s: -s.extra_s * _steps_of(s.span, prepared),
+    )
+    for stretch in stretches:
         span = stretch.span
         least = _STRETCH_MIN_STEPS * (1 if span.recovery is not None else 1.5)
         # An episode that names a worker stands; one that names none (a stage, the
@@ -417,10 +423,11 @@ def diagnosed_episodes(
 _STRETCH_MIN_RISE = 0.5
 
 
-#: Fewest steps such a stretch lasts: the change-point detector's shortest regime. A rank
-#: starved of a shared core for a few steps is the machine, not a straggler. One still
-#: raised at the end of the run is compared with the steps before it only: half again.
-_STRETCH_MIN_STEPS = 8
+#: Fewest steps such a stretch lasts: a little over the change-point detector's shortest
+#: regime (8). A rank starved of a shared core for a few steps is the machine, not a
+#: straggler (on a loaded 2-core box such stretches reached 8 steps). One still raised at
+#: the end of the run is compared with the steps before it only: half again.
+_STRETCH_MIN_STEPS = 10
 
 
 #: Fewest steps analysed before a stretch: one that starts with the run has no level to
@@ -439,8 +446,9 @@ def _steps_of(span: Span, prepared: PreparedTrace) -> int:
 
 
 #: ... and costs the worker at least this share of a median step: a sub-millisecond op
-#: that tripled is no straggler.
-_STRETCH_MIN_COST = 0.02
+#: that tripled is no straggler, and a rank of a loaded box losing its core now and then
+#: costs a few percent.
+_STRETCH_MIN_COST = 0.05
 
 
 def _stretch_diagnosis(stretch: Stretch, of_its_steps: Diagnosis) -> Diagnosis:

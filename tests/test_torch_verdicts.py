@@ -158,7 +158,7 @@ REAL_COMPUTE = {"hidden": 512, "batch": 64}
     ("target", "knobs", "worker"),
     [
         (pipeline_1f1b.worker, {**REAL_COMPUTE, "slow_rank": 1}, (0, 1)),
-        (ddp.worker, {**DDP, "slow_rank": 1}, (1, 0)),
+        (ddp.worker, {**DDP, **REAL_COMPUTE, "slow_rank": 1}, (1, 0)),
     ],
     ids=["pipeline", "ddp"],
 )
