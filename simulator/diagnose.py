@@ -60,6 +60,10 @@ class DiagnosisSettings(BaseModel):
     #: Straggling is named only when S exceeds the job's own noise floor by this much (the
     #: reference's 3 % gate, measured from the floor instead of from 1).
     floor_margin: float = Field(default=0.03, ge=0)
+    #: ... and by this share of the floor's own excess over 1, when that is more: the floor
+    #: is estimated from the same jittering steps it describes, and its error grows with
+    #: the jitter (a floor of 1.5 moved by several hundredths between halves of one run).
+    floor_margin_of_excess: float = Field(default=0.2, ge=0)
     #: A worker is verified slow when its own work exceeds its peers' by this share in
     #: the median step; the last stage is heavier when its own work exceeds the median
     #: stage's by half of it.
@@ -748,7 +752,8 @@ def diagnose(
         and (result.ms.removed_share >= cfg.explains_share or ms_speedup >= cfg.floor_margin)
     )
     structure = workers_slow or last_stage_structure
-    if result.slowdown < floor + cfg.floor_margin and not (unbalanced_sequences or structure):
+    margin = max(cfg.floor_margin, cfg.floor_margin_of_excess * (floor - 1.0))
+    if result.slowdown < floor + margin and not (unbalanced_sequences or structure):
         return Diagnosis(
             "none",
             f"no straggling beyond noise: S {result.slowdown:.2f} is this job's floor "

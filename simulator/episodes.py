@@ -304,9 +304,15 @@ def _refined(span: Span, diagnosis: Diagnosis, prepared: PreparedTrace) -> Span:
         return span
     dp, stage = named[0]["dp"], named[0]["stage"]
     worker = f"worker/{dp}.{stage}"
+    # The worker's own seconds of that op first (as `worker_stretches` fits them: a ratio to
+    # the peers' median carries their jitter too), then the ratio.
     candidates = [
-        relative_to_peers(own_work(prepared, optype))[:, stage, dp]
+        series
         for optype in list(named[0].get("slow_in") or {})[:1]
+        for series in (
+            own_work(prepared, optype)[:, stage, dp],
+            relative_to_peers(own_work(prepared, optype))[:, stage, dp],
+        )
     ]
     names = series_names(prepared.n_stages, prepared.n_dp)
     candidates.append(step_series(prepared)[:, names.index(worker)])
