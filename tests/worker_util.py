@@ -2,7 +2,9 @@
 
 A worker subprocess keeps its own chDB directory (chDB opens one directory per process,
 and the test process already holds the session's), so its store is read back through
-`lagscope query` in another subprocess once the worker is gone.
+`lagscope query` in another subprocess once the worker is gone. Workers that share one store
+(scale-out) use a `StoreServer` instead: tests.chdb_http_server, ClickHouse's HTTP interface
+over one chDB directory in a process of its own (`start_worker(..., dsn=server.dsn(db))`).
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ def start_worker(
     env: dict[str, str] | None = None,
     log_name: str = "worker.log",
     module: str = "lagscope.stream_app.cli",
+    dsn: str | None = None,
 ) -> WorkerProcess:
     """`lagscope worker` with its own chDB directory and faust data dir under `work_dir`
-    (`module`: another entry point taking the same arguments, e.g. tests.faulty_store)."""
+    (`module`: another entry point taking the same arguments, e.g. tests.faulty_store;
+    `dsn`: a store of its own choosing instead, e.g. a shared `StoreServer`'s)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     full_env = {
         **os.environ,
@@ -101,7 +105,7 @@ def start_worker(
         "--bootstrap",
         bootstrap,
         "--dsn",
-        f"chdb://{work_dir / 'chdb'}",
+        dsn or f"chdb://{work_dir / 'chdb'}",
         "--group",
         group,
         "--data-dir",
@@ -147,3 +151,52 @@ def query_store(work_dir: Path, sql: str) -> list[dict[str, Any]]:
     if done.returncode != 0:
         raise AssertionError(f"query failed: {done.stderr}")
     return json.loads(done.stdout)
+
+
+@dataclass
+class StoreServer:
+    """tests.chdb_http_server in a subprocess: one store (a chDB directory) that several
+    worker processes share through ClickHouse's HTTP interface."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def dsn(self, database: str) -> str:
+        return f"{self.url}/{database}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_store_server(data_dir: Path, *, timeout_s: float = 60.0) -> StoreServer:
+    """Start the shared store on 127.0.0.1 and a free port; returns once it answers."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir.parent / f"{data_dir.name}-server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.chdb_http_server", "--port", "0",
+             "--data-dir", str(data_dir)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    prefix = "chdb-http-server listening on "
+    while True:
+        text = log_path.read_text(errors="replace")
+        line = next((x for x in text.splitlines() if x.startswith(prefix)), None)
+        if line is not None:
+            return StoreServer(process, line.removeprefix(prefix).strip(), log_path)
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise AssertionError(f"the store server did not start:\n{text[-3000:]}")
+        time.sleep(0.05)
