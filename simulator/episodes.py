@@ -24,7 +24,7 @@ steps it can.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -294,7 +294,9 @@ def _fitted(span: Span, candidates: list[np.ndarray], worker: str, prepared: Pre
     return span
 
 
-def _refined(span: Span, diagnosis: Diagnosis, prepared: PreparedTrace) -> Span:
+def _refined(
+    span: Span, diagnosis: Diagnosis, prepared: PreparedTrace, stretches: Sequence[Stretch] = ()
+) -> Span:
     """The span's bounds from the first named worker's own series, when a worker is named
     and its series shows the raised stretch; the detected bounds otherwise. The series of
     the op type it is slow in comes first: a 2x slower forward is a 2x rise there, but only
@@ -304,16 +306,22 @@ def _refined(span: Span, diagnosis: Diagnosis, prepared: PreparedTrace) -> Span:
         return span
     dp, stage = named[0]["dp"], named[0]["stage"]
     worker = f"worker/{dp}.{stage}"
-    # The worker's own seconds of that op first (as `worker_stretches` fits them: a ratio to
-    # the peers' median carries their jitter too), then the ratio.
-    candidates = [
-        series
-        for optype in list(named[0].get("slow_in") or {})[:1]
-        for series in (
-            own_work(prepared, optype)[:, stage, dp],
-            relative_to_peers(own_work(prepared, optype))[:, stage, dp],
-        )
-    ]
+    slow_in = list(named[0].get("slow_in") or {})[:1]
+    # A stretch of the worker's own seconds of that op that rose against its peers' (as
+    # `worker_stretches` finds them) bounds it best: a ratio to the peers' median carries
+    # their jitter too.
+    for stretch in stretches:
+        if (
+            (stretch.dp, stretch.stage) == (dp, stage)
+            and stretch.optype in slow_in
+            and _overlaps(stretch.span, span)
+        ):
+            return Span(
+                stretch.span.onset,
+                stretch.span.recovery,
+                tuple(dict.fromkeys((worker, *span.series))),
+            )
+    candidates = [relative_to_peers(own_work(prepared, optype))[:, stage, dp] for optype in slow_in]
     names = series_names(prepared.n_stages, prepared.n_dp)
     candidates.append(step_series(prepared)[:, names.index(worker)])
     return _fitted(span, candidates, worker, prepared)
@@ -377,20 +385,17 @@ def diagnosed_episodes(
             return None
         return span, diagnosis
 
+    stretches = worker_stretches(prepared, min_rise=_STRETCH_MIN_RISE)
     episodes: list[Episode] = []
     for detected in episode_spans(changes):
         found = diagnosed(_fitted_to_moved_worker(detected, prepared))
         if found is not None:
             span, diagnosis = found
-            fitted = _refined(span, diagnosis, prepared)
+            fitted = _refined(span, diagnosis, prepared, stretches)
             episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
     # The costliest stretch first: where stretches overlap (a straggler's peers wait on
     # it and jitter), the one that cost the most seconds is the one to name.
-    stretches = sorted(
-        worker_stretches(prepared, min_rise=_STRETCH_MIN_RISE),
-        key=lambda s: -s.extra_s * _steps_of(s.span, prepared),
-    )
-    for stretch in stretches:
+    for stretch in sorted(stretches, key=lambda s: -s.extra_s * _steps_of(s.span, prepared)):
         span = stretch.span
         least = _STRETCH_MIN_STEPS * (1 if span.recovery is not None else 1.5)
         # An episode that names a worker stands; one that names none (a stage, the
@@ -487,7 +492,7 @@ def _stretch_diagnosis(stretch: Stretch, of_its_steps: Diagnosis) -> Diagnosis:
     )
 
 
-def _overlaps(span: Span, episode: Episode) -> bool:
+def _overlaps(span: Span, episode: Span | Episode) -> bool:
     span_end = span.recovery if span.recovery is not None else np.inf
     episode_end = episode.recovery if episode.recovery is not None else np.inf
     return span.onset < episode_end and episode.onset < span_end
