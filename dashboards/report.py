@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lagscope.dashboards.colour_scale import ColourScale, colour_scale
-from lagscope.dashboards.stragglers import ranked_workers, verified_workers
+from lagscope.dashboards.stragglers import ranked_workers, verified_in_run, verified_workers
 from lagscope.simulator.diagnose import Diagnosis
 from lagscope.simulator.verdict import (
     ABOVE_S,
@@ -362,7 +362,10 @@ def _span(onset: int, recovery: int | None) -> str:
 
 def render_report(data: ReportData) -> str:
     r = data.result
-    verified = verified_workers(data.diagnosis.evidence if data.diagnosis else None)
+    verified = verified_in_run(
+        data.diagnosis.evidence if data.diagnosis else None,
+        [diagnosis.evidence for _, _, diagnosis in data.episodes],
+    )
     steps = data.step_ids if data.step_ids is not None else [int(s) for s in r.steps]
     slowdowns = (
         data.step_slowdown

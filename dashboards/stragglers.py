@@ -40,6 +40,22 @@ def verified_workers(evidence: dict[str, Any] | None) -> list[tuple[int, int]]:
     return [(int(w["dp"]), int(w["stage"])) for w in found]
 
 
+def verified_in_run(
+    evidence: dict[str, Any] | None, episode_evidence: list[dict[str, Any]]
+) -> list[tuple[int, int]]:
+    """The workers verified over the whole run, then those verified in its episodes: a
+    straggler that came and went is verified on its episode's steps, and the whole run's
+    scores still light up its crossings.
+
+    >>> verified_in_run({}, [{"verified_workers": [{"dp": 5, "stage": 2}]}])
+    [(5, 2)]
+    """
+    found = verified_workers(evidence)
+    for episode in episode_evidence:
+        found += [w for w in verified_workers(episode) if w not in found]
+    return found
+
+
 def ranked_workers(
     worker_slowdown: np.ndarray, verified: list[tuple[int, int]], top: int = 3
 ) -> list[RankedWorker]:

@@ -202,3 +202,17 @@ def test_the_demo_tells_one_story(demo: tuple[str, str]):
     assert episodes and printed_episodes == [f"{b['cause']}: {b['headline']}" for b in episodes]
     assert_shares_are_shares(printed, "demo summary")
     assert_shares_are_shares(_text(report), "demo report")
+
+
+def test_the_demo_names_the_straggler_first_with_its_machine(demo: tuple[str, str]):
+    """The injected worker (dp 5, pp 2) leads the top stragglers, verified, with the S_w
+    crossing of its DP replica and the heavy last stage marked as such; its episode names
+    the node and GPU it runs on (the demo places 128 ranks on 16 nodes of 8 GPUs)."""
+    printed, report = demo
+    top = re.search(r"    top stragglers (.*)\n", printed)
+    assert top and re.match(r"\(dp 5, pp 2\) S_w=[\d.]+ verified, ", top.group(1)), printed
+    crossing = re.search(r"\(dp 5, pp 3\) S_w=[\d.]+( S_w crossing)?", top.group(1))
+    assert crossing is None or crossing.group(1), top.group(1)
+    episode = re.search(r"    episode from step \d+ [^:]+: (.*)\n", printed)
+    assert episode and re.search(r"\(dp 5, pp 2\) on demo-llm-node-\d\d GPU \d", episode.group(1))
+    assert re.search(r"\(dp 5, pp 2\) on demo-llm-node-\d\d GPU \d", _text(report))

@@ -184,11 +184,23 @@ def run_logs_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_logs_with_timers(trace: Trace, info: JobInfo, log_dir: Path, start_wall_ns: int) -> int:
+def write_logs_with_timers(
+    trace: Trace,
+    info: JobInfo,
+    log_dir: Path,
+    start_wall_ns: int,
+    *,
+    gpus_per_node: int | None = None,
+) -> int:
     """Record every op of `trace` through one host-mode `OpTimer` per rank, as a training
-    job instrumented with lagscope would, laying steps back to back from `start_wall_ns`."""
+    job instrumented with lagscope would, laying steps back to back from `start_wall_ns`.
+
+    `gpus_per_node`: place the ranks on a cluster of such nodes (rank r on GPU r % n of
+    node `<job>-node-<r // n>`) in each rank's job record, as the integrations record the
+    machine a rank runs on, so a generated job's advice names machines too."""
     import numpy as np
 
+    from lagscope.producers.events import RankIdentity
     from lagscope.producers.timer import OpTimer
 
     end = trace.start_ts.astype(np.float64) + trace.duration
@@ -210,16 +222,25 @@ def write_logs_with_timers(trace: Trace, info: JobInfo, log_dir: Path, start_wal
     cuts = np.flatnonzero(np.any(np.diff(worker, axis=0) != 0, axis=1)) + 1
     for rows in np.split(order, cuts):
         first = rows[0]
+        rank, dp, pp = int(trace.rank[first]), int(trace.dp_rank[first]), int(trace.stage[first])
+        rank_info = info
+        if gpus_per_node:
+            node = f"{info.job_id}-node-{rank // gpus_per_node:02d}"
+            identity = RankIdentity(
+                rank=rank, local_rank=rank % gpus_per_node, dp_rank=dp, pp_rank=pp,
+                host=node, node=node, gpu=rank % gpus_per_node,
+            )  # fmt: skip
+            rank_info = info.model_copy(update={"rank_identity": identity})
         timer = OpTimer(
             job_id=info.job_id,
             attempt=info.attempt,
-            rank=int(trace.rank[first]),
-            dp_rank=int(trace.dp_rank[first]),
-            pp_rank=int(trace.stage[first]),
+            rank=rank,
+            dp_rank=dp,
+            pp_rank=pp,
             log_dir=log_dir,
             mode="host",
             gc_probe=False,
-            job_info=info,
+            job_info=rank_info,
         )
         current = None
         for row in rows.tolist():
@@ -291,8 +312,9 @@ def demo_command(args: argparse.Namespace) -> int:
     )
     info = JobInfo.from_meta(meta, job_id="demo-llm", attempt=0)
     total_time = float(job.truth.t_injected.sum())
+    # 16 nodes of 8 GPUs: the summary and the report name the straggler's machine.
     n_ops = write_logs_with_timers(
-        job.trace, info, out / "logs", time.time_ns() - int(total_time * 1e9)
+        job.trace, info, out / "logs", time.time_ns() - int(total_time * 1e9), gpus_per_node=8
     )
     print(
         f"  1. generated the job and recorded {n_ops:,} ops through OpTimer (host mode) into "
@@ -351,10 +373,11 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
             f"    MFU actual {np.mean(job.mfu_actual):.1%} vs straggler-free "
             f"{np.mean(job.mfu_ideal):.1%}"
         )
-    from lagscope.dashboards.stragglers import ranked_workers, verified_workers
+    from lagscope.dashboards.stragglers import ranked_workers, verified_in_run
 
     evidence = job.diagnosis.evidence if job.diagnosis is not None else None
-    top = ranked_workers(r.worker_slowdown, verified_workers(evidence))
+    verified = verified_in_run(evidence, [e.diagnosis.evidence for e in job.episodes])
+    top = ranked_workers(r.worker_slowdown, verified)
     say("    top stragglers " + ", ".join(w.describe() for w in top) + f" - S_w: {MEANINGS['S_w']}")
     step_changes = [c for c in job.changes if c.series == "step_time"] or job.changes[:6]
     for c in step_changes:
