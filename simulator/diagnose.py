@@ -49,7 +49,8 @@ class DiagnosisSettings(BaseModel):
     correlation_threshold: float = Field(default=0.85, gt=0, le=1)
     #: A forward compute this many times its stage's median is a pause outlier.
     gc_outlier_factor: float = Field(default=1.5, gt=1)
-    #: A comm group whose median transfer exceeds this x its op type's median is suspect.
+    #: A comm group whose median transfer exceeds this x that of the groups moving the same
+    #: data (same op type and place in the step) is suspect.
     slow_group_factor: float = Field(default=1.1, gt=1)
     #: Costs (seconds of the whole job's time) of the escalating actions (ski rental).
     resplit_cost_s: float = Field(default=60.0, ge=0)
@@ -182,16 +183,21 @@ def gc_pause_coincidence(prepared: PreparedTrace, factor: float) -> float:
 
 
 def slow_comm_groups(prepared: PreparedTrace, factor: float) -> list[dict[str, Any]]:
-    """Comm groups whose median transfer exceeds `factor` x their op type's median."""
+    """Comm groups whose median transfer exceeds `factor` x the median of the transfers
+    that move the same data: the same op type at the same place in the step (its `seq`:
+    the same gradient bucket, the same micro-batch's activations), on every stage and DP
+    rank. Gradient buckets of one op type differ in size by design; the largest is no slow
+    link for being slower than the smallest."""
     suspects = []
-    optypes = prepared.node_optype
-    medians: dict[str, float] = {}
+    nodes_of = prepared.model.nodes
+    medians: dict[tuple[str, int], float] = {}
     for group in prepared.model.groups:
-        optype = optypes[group.members[0]]
-        if optype not in medians:
-            nodes = [i for i, t in enumerate(optypes) if t == optype]
-            medians[optype] = float(np.median(prepared.cost[nodes]))
-        base = medians[optype]
+        first = nodes_of[group.members[0]]
+        key = (first.optype, first.seq)
+        if key not in medians:
+            same = [i for i, n in enumerate(nodes_of) if (n.optype, n.seq) == key]
+            medians[key] = float(np.median(prepared.cost[same]))
+        base = medians[key]
         per_dp = np.median(prepared.cost[list(group.members)], axis=(0, 1))
         candidates = [int(dp) for dp in np.flatnonzero(per_dp > factor * base)] if base > 0 else []
         if group.dp_synchronized and candidates:
@@ -775,11 +781,24 @@ def diagnose(
     elif comm_excess > compute_excess and comm_excess > 0.01 and not structure:
         groups = slow_comm_groups(prepared, cfg.slow_group_factor)
         evidence["slow_groups"] = groups[:10]
+        if not groups and result.slowdown < floor + 2 * margin:
+            # Communication's share of a slowdown near the floor, and no link slower than
+            # the ones moving the same data: the ideal of an op type is one median over
+            # transfers of different sizes (gradient buckets), not a slow link.
+            return Diagnosis(
+                "none",
+                f"no straggling beyond noise: S {result.slowdown:.2f} is near this job's "
+                f"floor (its op-to-op fluctuations alone give S {floor:.2f}); no link is "
+                f"slower than the others moving the same data",
+                evidence,
+                (),
+                ladder("none"),
+            )
         cause = "slow_communication"
         summary = (
             f"communication dominates the slowdown ({evidence['top_optype'][0]}); "
-            f"{len(groups)} group(s) transfer over {cfg.slow_group_factor}x their "
-            f"op type's median"
+            f"{len(groups)} group(s) transfer over {cfg.slow_group_factor}x the median of "
+            f"those moving the same data"
         )
         advice.append(advise_healthy_links(prepared, base_time, compiled, cfg.slow_group_factor))
     elif workers_slow:
