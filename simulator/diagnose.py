@@ -781,15 +781,15 @@ def diagnose(
     elif comm_excess > compute_excess and comm_excess > 0.01 and not structure:
         groups = slow_comm_groups(prepared, cfg.slow_group_factor)
         evidence["slow_groups"] = groups[:10]
-        if not groups and result.slowdown < floor + 2 * margin:
-            # Communication's share of a slowdown near the floor, and no link slower than
-            # the ones moving the same data: the ideal of an op type is one median over
-            # transfers of different sizes (gradient buckets), not a slow link.
+        if not groups:
+            # Communication carries the slowdown, yet no link is slower than the others
+            # moving the same data: what is left is the what-if's one ideal per op type over
+            # transfers of different sizes (gradient buckets), nothing to repair.
             return Diagnosis(
                 "none",
-                f"no straggling beyond noise: S {result.slowdown:.2f} is near this job's "
-                f"floor (its op-to-op fluctuations alone give S {floor:.2f}); no link is "
-                f"slower than the others moving the same data",
+                f"no straggling beyond noise: S {result.slowdown:.2f} against this job's "
+                f"floor of {floor:.2f} (its op-to-op fluctuations alone), the rest in "
+                f"communication with no link slower than the others moving the same data",
                 evidence,
                 (),
                 ladder("none"),
