@@ -186,18 +186,23 @@ def _attempt_variable(*, multi: bool) -> dash.QueryVariable:
     return variable.multi(True).include_all(True) if multi else variable
 
 
-def _slowdown_thresholds() -> dash.ThresholdsConfig:
+def _traffic_light(orange: float, red: float) -> dash.ThresholdsConfig:
+    """Green below `orange`, orange from it, red from `red`."""
     return (
         dash.ThresholdsConfig()
         .mode(model.ThresholdsMode.ABSOLUTE)
         .steps(
             [
                 model.Threshold(value=None, color="green"),
-                model.Threshold(value=1.05, color="orange"),
-                model.Threshold(value=1.2, color="red"),
+                model.Threshold(value=orange, color="orange"),
+                model.Threshold(value=red, color="red"),
             ]
         )
     )
+
+
+def _slowdown_thresholds() -> dash.ThresholdsConfig:
+    return _traffic_light(1.05, 1.2)
 
 
 def _worker_matrix(title: str, description: str, where: str, q: _Collector) -> table.Panel:
@@ -360,17 +365,7 @@ def job_overview() -> BuiltDashboard:
             )
             .unit("s")
             .decimals(0)
-            .thresholds(
-                dash.ThresholdsConfig()
-                .mode(model.ThresholdsMode.ABSOLUTE)
-                .steps(
-                    [
-                        model.Threshold(value=None, color="green"),
-                        model.Threshold(value=60, color="orange"),
-                        model.Threshold(value=300, color="red"),
-                    ]
-                )
-            )
+            .thresholds(_traffic_light(60, 300))
             .span(3)
             .height(5)
         )
