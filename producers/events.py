@@ -35,15 +35,16 @@ vocabulary the timer accepts by default.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_type_hints
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from lagscope.simulator.optypes import KNOWN_OPTYPES
 from lagscope.simulator.trace import JobMeta
@@ -128,21 +129,29 @@ class RankIdentity(BaseModel):
     pci_bus_id: str | None = None
 
 
-class JobInfo(JobMeta):
+class _JobRecord(BaseModel):
     """Job metadata published once per attempt (topic `lagscope.jobs`, compacted).
 
-    Extends the analysis' `JobMeta` (parallel sizes, world size, MFU inputs) with the
-    identity of the run; `dsp_size` is the context-parallel size (`cp_size`). A record a
-    rank writes into its own log also carries that rank's `rank_identity`.
+    The analysis' `JobMeta` (parallel sizes, world size, MFU inputs; its fields are
+    JobInfo's too, checked by JobMeta's own rules) plus the identity of the run;
+    `dsp_size` is the context-parallel size (`cp_size`). A record a rank writes into its
+    own log also carries that rank's `rank_identity`.
     """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     job_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
     rank_identity: RankIdentity | None = None
 
+    @model_validator(mode="after")
+    def _a_valid_layout(self) -> _JobRecord:
+        self.to_meta()
+        return self
+
     @property
     def cp_size(self) -> int:
-        return self.dsp_size
+        return self.dsp_size  # type: ignore[attr-defined]
 
     @property
     def key(self) -> str:
@@ -159,10 +168,26 @@ class JobInfo(JobMeta):
 
     @classmethod
     def from_meta(cls, meta: JobMeta, *, job_id: str, attempt: int = 0) -> JobInfo:
-        return cls(**meta.model_dump(), job_id=job_id, attempt=attempt)
+        return cls(**meta.as_dict(), job_id=job_id, attempt=attempt)
 
     def to_meta(self) -> JobMeta:
-        return JobMeta(**self.model_dump(exclude={"job_id", "attempt", "rank_identity"}))
+        return JobMeta(**{name: getattr(self, name) for name in _META_FIELDS})
+
+
+def _meta_field(name: str, annotation: Any) -> tuple[Any, Any]:
+    default = next(f.default for f in dataclasses.fields(JobMeta) if f.name == name)
+    return annotation, (... if default is dataclasses.MISSING else default)
+
+
+_META_FIELDS = tuple(f.name for f in dataclasses.fields(JobMeta))
+#: The wire record: JobMeta's fields (one definition) on the record's own.
+JobInfo = create_model(
+    "JobInfo",
+    __base__=_JobRecord,
+    __module__=__name__,
+    **{name: _meta_field(name, hint) for name, hint in get_type_hints(JobMeta).items()},
+)
+JobInfo.__doc__ = _JobRecord.__doc__
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,15 +7,14 @@ This is the thin I/O edge of the analysis: it turns files into `simulator.trace.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
-import yaml
-from pydantic import ValidationError
 
-from lagscope.simulator.errors import TraceError, describe_validation_error
+from lagscope.simulator.errors import TraceError
+from lagscope.simulator.fields import FieldErrors
 from lagscope.simulator.trace import JobMeta, Trace
 
 #: Physical types used when writing, matching the reference files.
@@ -37,10 +36,7 @@ def load_trace(path: str | Path) -> Trace:
     """Read a reference-format parquet trace."""
     path = Path(path)
     try:
-        # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose import
-        # pulls in pandas (a fifth of a second of a command's start).
-        with pq.ParquetFile(path) as parquet:
-            table = parquet.read()
+        table = _read_parquet(path)
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
     except (pa.ArrowInvalid, OSError) as exc:
@@ -64,6 +60,27 @@ def load_trace(path: str | Path) -> Trace:
             )
         columns[name] = _values(column)
     return Trace.from_columns(columns, source=str(path))
+
+
+def _read_parquet(path: Path) -> pa.Table:
+    """The whole file as one table, through parquet's file reader alone: not read_table,
+    which goes through pyarrow.dataset (whose import pulls in pandas, a fifth of a second
+    of a command's start), nor pyarrow.parquet, which imports pyarrow.fs for remote
+    filesystems (and with it ssl and the S3 bindings: a tenth of `analyze` on a small
+    trace) where a local file needs none of them."""
+    try:
+        from pyarrow._parquet import ParquetReader
+    except ImportError:  # the reader moved: the public module reads the same file
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(path) as parquet:
+            return parquet.read()
+    reader = ParquetReader()
+    reader.open(str(path))
+    try:
+        return reader.read_all()
+    finally:
+        reader.close()
 
 
 #: numpy dtypes of the arrow types whose values are one plain buffer.
@@ -98,6 +115,8 @@ def _values(column: pa.Array) -> np.ndarray:
 
 def write_trace(trace: Trace, path: str | Path) -> None:
     """Write a trace in the reference format (the generator and tests use it)."""
+    import pyarrow.parquet as pq
+
     arrays = {name: pa.array(getattr(trace, name), type=t) for name, t in _WRITE_TYPES.items()}
     arrays["optype"] = pa.DictionaryArray.from_arrays(
         pa.array(trace.optype, type=pa.int8()), pa.array(list(trace.optype_names))
@@ -122,7 +141,7 @@ def load_meta(path: str | Path) -> JobMeta:
     """Read and validate a job metadata yaml file."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
     except UnicodeDecodeError:
@@ -130,17 +149,59 @@ def load_meta(path: str | Path) -> JobMeta:
         raise TraceError(f"{path}: not a yaml text file (not UTF-8 text)") from None
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except yaml.YAMLError as exc:
-        raise TraceError(f"{path}: not valid yaml ({' '.join(str(exc).split())})") from None
+    raw = flat_yaml_mapping(text)
+    if raw is None:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise TraceError(f"{path}: not valid yaml ({' '.join(str(exc).split())})") from None
     if not isinstance(raw, dict):
         raise TraceError(f"{path}: expected a mapping of job metadata, got {type(raw).__name__}")
     try:
-        return JobMeta.model_validate(raw)
-    except ValidationError as exc:
-        problems = describe_validation_error(exc, "meta")
-        raise TraceError(f"{path}: invalid job metadata: {problems}") from None
+        return JobMeta.from_mapping(raw)
+    except FieldErrors as exc:
+        raise TraceError(f"{path}: invalid job metadata: {exc}") from None
 
 
 def write_meta(meta: JobMeta, path: str | Path) -> None:
-    data = meta.model_dump(exclude_none=True)
+    import yaml
+
+    data = meta.as_dict(exclude_none=True)
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+#: One `key: value` line of a flat mapping whose value is a decimal integer without a
+#: leading zero, or a plain word: the whole of a reference meta file.
+_FLAT_LINE = re.compile(
+    r"([A-Za-z_][A-Za-z0-9_]*):[ ]+(?:(0|-?[1-9][0-9]*)|([A-Za-z][A-Za-z0-9_-]*))[ ]*"
+)
+#: Plain words YAML 1.1 (pyyaml) reads as booleans or null, not as strings.
+_YAML_WORDS = frozenset(
+    f(w)
+    for w in ("yes", "no", "true", "false", "on", "off", "null")
+    for f in (str.lower, str.capitalize, str.upper)
+)
+
+
+def flat_yaml_mapping(text: str) -> dict[str, object] | None:
+    """The mapping of a yaml text that is nothing but `key: integer` and `key: word` lines
+    (a job's meta file), exactly as yaml reads it; None for anything else (comments,
+    quotes, floats, nesting, repeated keys), which is left to yaml itself. Importing the
+    yaml package costs more than a small trace's whole analysis.
+
+    >>> flat_yaml_mapping("trial_name: ST\\ndp_size: 2\\n")
+    {'trial_name': 'ST', 'dp_size': 2}
+    >>> flat_yaml_mapping("dp_size: 010") is None  # octal in YAML 1.1: yaml decides
+    True
+    """
+    found: dict[str, object] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        match = _FLAT_LINE.fullmatch(line)
+        if match is None or match[1] in found or match[3] in _YAML_WORDS:
+            return None
+        found[match[1]] = int(match[2]) if match[2] is not None else match[3]
+    return found or None

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.fields import Bound, FieldErrors, check_fields
 from lagscope.simulator.noise import noise_floor, persistent_excess, slow_in, stage_excess
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.verdict import of_the_slowdown
@@ -38,37 +38,59 @@ from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 COMPUTE_LABELS = (ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE)
 
 
-class DiagnosisSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class DiagnosisSettings:
+    """Thresholds and action costs of the diagnosis, checked on construction."""
 
     #: Below this slowdown nothing is wrong enough to name a cause.
-    slowdown_threshold: float = Field(default=1.03, gt=0)
+    slowdown_threshold: float = 1.03
     #: M_W / M_S from which workers / the last stage are the cause.
-    explains_share: float = Field(default=0.5, gt=0, le=2)
+    explains_share: float = 0.5
     #: Forward/backward correlation from which sequence-length imbalance is named.
-    correlation_threshold: float = Field(default=0.85, gt=0, le=1)
+    correlation_threshold: float = 0.85
     #: A forward compute this many times its stage's median is a pause outlier.
-    gc_outlier_factor: float = Field(default=1.5, gt=1)
+    gc_outlier_factor: float = 1.5
     #: A comm group whose median transfer exceeds this x that of the groups moving the same
     #: data (same op type and place in the step) is suspect.
-    slow_group_factor: float = Field(default=1.1, gt=1)
+    slow_group_factor: float = 1.1
     #: Costs (seconds of the whole job's time) of the escalating actions (ski rental).
-    resplit_cost_s: float = Field(default=60.0, ge=0)
-    rearrange_cost_s: float = Field(default=600.0, ge=0)
-    restart_cost_s: float = Field(default=1800.0, ge=0)
+    resplit_cost_s: float = 60.0
+    rearrange_cost_s: float = 600.0
+    restart_cost_s: float = 1800.0
     #: Steps between planned garbage collections when GC pauses are the cause.
-    planned_gc_interval_steps: int = Field(default=200, ge=1)
+    planned_gc_interval_steps: int = 200
     #: Straggling is named only when S exceeds the job's own noise floor by this much (the
     #: reference's 3 % gate, measured from the floor instead of from 1).
-    floor_margin: float = Field(default=0.03, ge=0)
+    floor_margin: float = 0.03
     #: ... and by this share of the floor's own excess over 1, when that is more: the floor
     #: is estimated from the same jittering steps it describes, and its error grows with
     #: the jitter (a floor of 1.5 moved by several hundredths between halves of one run).
-    floor_margin_of_excess: float = Field(default=0.2, ge=0)
+    floor_margin_of_excess: float = 0.2
     #: A worker is verified slow when its own work exceeds its peers' by this share in
     #: the median step; the last stage is heavier when its own work exceeds the median
     #: stage's by half of it.
-    persistent_margin: float = Field(default=0.08, ge=0)
+    persistent_margin: float = 0.08
+
+    def __post_init__(self) -> None:
+        problems = check_fields(self, _SETTINGS_BOUNDS)
+        if problems:
+            raise FieldErrors(problems)
+
+
+_SETTINGS_BOUNDS = {
+    "slowdown_threshold": Bound(gt=0),
+    "explains_share": Bound(gt=0, le=2),
+    "correlation_threshold": Bound(gt=0, le=1),
+    "gc_outlier_factor": Bound(gt=1),
+    "slow_group_factor": Bound(gt=1),
+    "resplit_cost_s": Bound(ge=0),
+    "rearrange_cost_s": Bound(ge=0),
+    "restart_cost_s": Bound(ge=0),
+    "planned_gc_interval_steps": Bound(integer=True, ge=1),
+    "floor_margin": Bound(ge=0),
+    "floor_margin_of_excess": Bound(ge=0),
+    "persistent_margin": Bound(ge=0),
+}
 
 
 @dataclass(frozen=True)

@@ -10,42 +10,86 @@ analysis relies on and names the offending rows when something is wrong.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from lagscope.simulator.errors import TraceError
+from lagscope.simulator.fields import Bound, FieldErrors, check_fields, from_mapping
 from lagscope.simulator.optypes import KNOWN_OPTYPES
 
 
-class JobMeta(BaseModel):
-    """Parallel layout of a training job (the reference's meta yaml, plus MFU inputs)."""
+@dataclass(frozen=True, kw_only=True)
+class JobMeta:
+    """Parallel layout of a training job (the reference's meta yaml, plus MFU inputs).
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Checked on construction; every problem is named at once:
+
+    >>> JobMeta(dp_size=2, pp_size=2, world_size=4).tp_size
+    1
+    >>> JobMeta(dp_size=0, pp_size=2, world_size=5)
+    Traceback (most recent call last):
+    ...
+    lagscope.simulator.fields.FieldErrors: dp_size: must be greater than 0 (got 0)
+    >>> JobMeta(dp_size=2, pp_size=2, world_size=5)
+    Traceback (most recent call last):
+    ...
+    lagscope.simulator.fields.FieldErrors: world_size: is 5 but dp_size*pp_size*... = 4
+    """
 
     trial_name: str = "job"
-    run_id: int = Field(default=0, ge=0)
-    dp_size: PositiveInt
-    pp_size: PositiveInt
-    tp_size: PositiveInt = 1
-    dsp_size: PositiveInt = 1
-    vpp_size: PositiveInt = 1
-    world_size: PositiveInt
+    run_id: int = 0
+    dp_size: int
+    pp_size: int
+    tp_size: int = 1
+    dsp_size: int = 1
+    vpp_size: int = 1
+    world_size: int
     #: Model FLOPs of one training step (all GPUs together); enables MFU figures.
-    model_flops_per_step: float | None = Field(default=None, gt=0)
+    model_flops_per_step: float | None = None
     #: Peak dense FLOP/s of one GPU (e.g. 989e12 for an H100 SXM in bf16).
-    gpu_peak_flops: float | None = Field(default=None, gt=0)
+    gpu_peak_flops: float | None = None
 
-    @model_validator(mode="after")
-    def _world_is_product_of_sizes(self) -> JobMeta:
-        product = self.dp_size * self.pp_size * self.tp_size * self.dsp_size
-        if self.world_size != product:
-            raise ValueError(
-                f"world_size={self.world_size} but dp_size*pp_size*tp_size*dsp_size = "
-                f"{self.dp_size}*{self.pp_size}*{self.tp_size}*{self.dsp_size} = {product}"
-            )
-        return self
+    def __post_init__(self) -> None:
+        problems = check_fields(self, _JOB_META_BOUNDS)
+        if not isinstance(self.trial_name, str):
+            problems.insert(0, ("trial_name", f"must be a string (got {self.trial_name!r})"))
+        if not problems:
+            product = self.dp_size * self.pp_size * self.tp_size * self.dsp_size
+            if self.world_size != product:
+                problems.append((
+                    "world_size",
+                    f"is {self.world_size} but dp_size*pp_size*tp_size*dsp_size = "
+                    f"{self.dp_size}*{self.pp_size}*{self.tp_size}*{self.dsp_size} = {product}",
+                ))  # fmt: skip
+        if problems:
+            raise FieldErrors(problems)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> JobMeta:
+        """From a parsed file or record: unknown and missing fields are errors too."""
+        return from_mapping(cls, raw, _JOB_META_BOUNDS)
+
+    def as_dict(self, *, exclude_none: bool = False) -> dict[str, Any]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if not (exclude_none and getattr(self, f.name) is None)
+        }
+
+
+_JOB_META_BOUNDS = {
+    "run_id": Bound(integer=True, ge=0),
+    "dp_size": Bound(integer=True, gt=0),
+    "pp_size": Bound(integer=True, gt=0),
+    "tp_size": Bound(integer=True, gt=0),
+    "dsp_size": Bound(integer=True, gt=0),
+    "vpp_size": Bound(integer=True, gt=0),
+    "world_size": Bound(integer=True, gt=0),
+    "model_flops_per_step": Bound(gt=0, optional=True),
+    "gpu_peak_flops": Bound(gt=0, optional=True),
+}
 
 
 #: Columns every trace must have, with the numpy dtype the analysis holds them in.

@@ -123,7 +123,7 @@ def job_rows(
         "model_flops_per_step": [meta.model_flops_per_step],
         "gpu_peak_flops": [meta.gpu_peak_flops],
         "started": [started],
-        "meta": [meta.model_dump_json()],
+        "meta": [json.dumps(meta.as_dict())],
         "version": [version],
     }
 

@@ -5,6 +5,7 @@ pipeline, as `lagscope demo` does."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -37,8 +38,8 @@ def fill_demo_store(
 
     job = generate_job(demo_spec(steps, seed=7))
     flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
-    meta = job.meta.model_copy(
-        update={"model_flops_per_step": flops, "gpu_peak_flops": H100_BF16_PEAK_FLOPS}
+    meta = dataclasses.replace(
+        job.meta, model_flops_per_step=flops, gpu_peak_flops=H100_BF16_PEAK_FLOPS
     )
     info = JobInfo.from_meta(meta, job_id=DEMO_JOB, attempt=0)
     trace = job.trace

@@ -100,7 +100,7 @@ def test_inconsistent_meta(reference_dir, tmp_path, capsys):
         (reference_dir / "meta-ST.yaml").read_text().replace("world_size: 8", "world_size: 16")
     )
     err = cli_error(reference_dir / "trace-ST.parquet", meta, capsys)
-    assert str(meta) in err and "world_size=16" in err
+    assert str(meta) in err and "world_size: is 16" in err
 
     meta.write_text("trial_name: ST\ndp_size: 1\npp_size: 4\nworld_size: 4\n")
     err = cli_error(reference_dir / "trace-ST.parquet", meta, capsys)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -79,7 +81,7 @@ def test_st_analysis_round_trips_through_chdb(st_result, chdb_dsn: str) -> None:
 def test_mfu_from_model_flops_and_gpu_peak(st_result) -> None:
 
     _, meta = load_reference("ST")
-    meta = meta.model_copy(update={"model_flops_per_step": 1e15, "gpu_peak_flops": 1e14})
+    meta = dataclasses.replace(meta, model_flops_per_step=1e15, gpu_peak_flops=1e14)
     _, result = st_result
     batch = rows_from_result("ST", 0, result, np.full(result.steps.size, T0), meta)
     steps = batch.tables["steps"]

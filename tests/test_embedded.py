@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -22,7 +23,7 @@ def demo_run(chdb_dir, tmp_path_factory):
     spec = demo_spec(steps=60, seed=3)
     job = generate_job(spec)
     info = JobInfo.from_meta(
-        job.meta.model_copy(update={"model_flops_per_step": 1e17, "gpu_peak_flops": 989e12}),
+        dataclasses.replace(job.meta, model_flops_per_step=1e17, gpu_peak_flops=989e12),
         job_id="emb",
         attempt=0,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -107,7 +109,7 @@ def test_duplicated_dp_replicas_keep_job_level_answers(reference_dir):
     doubled = rebuild(
         doubled, dp_rank=doubled.dp_rank + copy * meta.dp_size, rank=doubled.rank + copy * 1000
     )
-    meta2 = meta.model_copy(update={"dp_size": 4, "world_size": 16})
+    meta2 = dataclasses.replace(meta, dp_size=4, world_size=16)
     result = analyze(prepare(doubled, meta2))
     assert result.slowdown == pytest.approx(base.slowdown, rel=1e-9)
     assert result.ms.removed_share == pytest.approx(base.ms.removed_share, rel=1e-9)

@@ -6,6 +6,7 @@ timer API into per-rank logs, analysed by the embedded pipeline, summarised and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -307,8 +308,8 @@ def demo_command(args: argparse.Namespace) -> int:
     job = generate_job(spec)
     # Model FLOPs chosen so the straggler-free job runs at 45 % MFU on H100s.
     flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
-    meta = job.meta.model_copy(
-        update={"model_flops_per_step": flops, "gpu_peak_flops": H100_BF16_PEAK_FLOPS}
+    meta = dataclasses.replace(
+        job.meta, model_flops_per_step=flops, gpu_peak_flops=H100_BF16_PEAK_FLOPS
     )
     info = JobInfo.from_meta(meta, job_id="demo-llm", attempt=0)
     total_time = float(job.truth.t_injected.sum())
