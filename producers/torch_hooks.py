@@ -4,13 +4,17 @@
   forward hooks, see `ModuleHooks`). The n-th training forward of a module in a step is
   micro-batch n; the module's index among the modules given is its chunk (virtual
   pipeline stage).
-- Backward per micro-batch: it starts when the gradient of the forward's output arrives (a
-  tensor hook registered on the output by the forward hook, which also carries the
-  micro-batch over) and ends when every parameter of the module has its gradient: in the
-  first backward through `torch.autograd.graph.register_multi_grad_hook`, which also learns
-  whose gradient comes last, then through one hook on that parameter. With DDP
-  that end is when the last gradient bucket became ready: the wait for the buckets' all-
-  reduces after it is not compute, it is the comm ops' own time (see the comm hook).
+- Backward per micro-batch: it starts when the job calls `torch.autograd.backward` (what
+  `loss.backward()` and the pipeline schedules call) and ends when every parameter of the
+  module has its gradient: in the first backward through
+  `torch.autograd.graph.register_multi_grad_hook`, which also learns whose gradient comes
+  last, then through one hook on that parameter. A rank's backwards run in the order of its
+  forwards, so the n-th backward call of a step is the n-th forward's micro-batch. With
+  several model chunks on a rank (an interleaved schedule) a call does not say whose
+  backward it is, and a tensor hook registered on each forward's output (about 2 us a
+  forward) catches the start instead. With DDP the end is when the last gradient bucket
+  became ready: the wait for the buckets' all-reduces after it is not compute, it is the
+  comm ops' own time (see the comm hook).
 - DDP gradient buckets: a comm hook (`register_comm_hook`) that runs the default all-
   reduce (or the job's own hook) and records one `separate-grads-all-reduce` op per bucket,
   from the bucket becoming ready to its future completing. The buckets overlap backward,
@@ -23,6 +27,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -78,6 +83,11 @@ class ModuleHooks:
         self.module = module
         self.chunk = chunk
         self._backward: Any = None
+        #: Whether backward starts come from `BackwardCalls` (one chunk on the rank), else
+        #: from a tensor hook on each forward's output.
+        self.by_call = False
+        #: (micro-batch, step) of the forwards whose backward has not started, in order.
+        self.awaiting: collections.deque[tuple[int, int]] = collections.deque()
         self._forward_count = 0
         self._counted_step = -1
         timer = monitor.timer
@@ -147,7 +157,10 @@ class ModuleHooks:
                 monitor.end(opened)
             tensor = first_grad_tensor(output)
             if tensor is not None:
-                tensor.register_hook(lambda grad: self._backward_start(microbatch, step))
+                if self.by_call:
+                    self.awaiting.append((microbatch, step))
+                else:
+                    tensor.register_hook(lambda grad: self._backward_start(microbatch, step))
             return output
 
         timed_forward.__wrapped__ = forward  # type: ignore[attr-defined]
@@ -162,6 +175,12 @@ class ModuleHooks:
         self.close_backward()
         self._backward = monitor.begin(self._backward_code, microbatch, self.chunk)
 
+    def backward_called(self) -> None:
+        """The job called a backward: the oldest forward still waiting for its backward
+        starts it (nothing when none waits: a backward through other modules)."""
+        if self.awaiting:
+            self._backward_start(*self.awaiting.popleft())
+
     def _arrival(self, index: int) -> Any:
         def arrived(grad: Any) -> None:
             self._arrivals.append(index)
@@ -169,11 +188,20 @@ class ModuleHooks:
         return arrived
 
     def _first_backward_end(self, grads: Any) -> None:
-        self.close_backward()
+        self._ended()
         if self._arrivals:
             self._learned = True
 
     def _last_gradient(self, grad: Any) -> None:
+        self._ended()
+
+    def _ended(self) -> None:
+        if self._backward is None and self.by_call and self.awaiting:
+            # A backward ran that the wrapped `torch.autograd.backward` did not see (called
+            # through a reference taken before the monitor started, or the engine
+            # directly): from the next forward on, a tensor hook starts each backward.
+            self.by_call = False
+            self.awaiting.clear()
         self.close_backward()
 
     def _hook_the_last_parameter(self) -> None:
@@ -191,6 +219,34 @@ class ModuleHooks:
         if opened is not None:
             self._backward = None
             self.monitor.end(opened)
+
+
+class BackwardCalls:
+    """`torch.autograd.backward` wrapped so that each call starts the backward of the
+    oldest forward waiting for one: one Python call per backward instead of a tensor hook
+    registered per forward. `Tensor.backward` and the pipeline schedules call it through
+    the module attribute, so they are caught too."""
+
+    def __init__(self, monitor: Monitor, hooks: ModuleHooks) -> None:
+        import torch.autograd
+
+        self._autograd = torch.autograd
+        self._original = original = torch.autograd.backward
+        started = hooks.backward_called
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if monitor.active:
+                started()
+            return original(*args, **kwargs)
+
+        backward.__wrapped__ = original  # type: ignore[attr-defined]
+        self._wrapper = backward
+        hooks.by_call = True
+        torch.autograd.backward = backward
+
+    def remove(self) -> None:
+        if self._autograd.backward is self._wrapper:
+            self._autograd.backward = self._original
 
 
 class OptimizerHooks:

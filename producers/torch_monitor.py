@@ -63,6 +63,7 @@ class Monitor:
         self.unrecorded_calls = 0
         self.module_hooks: list[torch_hooks.ModuleHooks] = []
         self.optimizer_hooks: list[torch_hooks.OptimizerHooks] = []
+        self.backward_calls: torch_hooks.BackwardCalls | None = None
         self.loaders: list[Any] = []
         #: What to iterate for the recorded input waits: the data loader itself when it
         #: could be changed in place, else a wrapping iterator.
@@ -212,6 +213,8 @@ class Monitor:
         torch_comm.uninstall(self)
         for hooks in self.module_hooks:
             hooks.remove()
+        if self.backward_calls is not None:
+            self.backward_calls.remove()
         for hooks in self.optimizer_hooks:
             hooks.remove()
         for loader in self.loaders:
@@ -231,6 +234,8 @@ class Monitor:
     def attach_modules(self, modules: Sequence[Any]) -> None:
         for chunk, module in enumerate(modules):
             self.module_hooks.append(torch_hooks.ModuleHooks(self, module, chunk))
+        if len(self.module_hooks) == 1 and self.backward_calls is None:
+            self.backward_calls = torch_hooks.BackwardCalls(self, self.module_hooks[0])
 
     def attach_nccl(self, groups: Sequence[Any]) -> None:
         """Time the collectives of these (data-parallel) groups on the device where their

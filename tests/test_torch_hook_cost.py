@@ -50,3 +50,56 @@ def test_after_the_first_backward_one_hook_ends_each_backward(tmp_path: Path) ->
         (step, m) for step in range(4) for m in range(2)
     ]
     assert all(op["duration_ns"] > 0 for op in backward)
+
+
+def test_one_chunk_backward_starts_from_the_backward_call_not_a_hook_per_forward(
+    tmp_path: Path,
+) -> None:
+    """With one chunk on the rank, no tensor hook is registered per forward (~2 us each):
+    the wrapped `torch.autograd.backward` starts each backward, in forward order. A job
+    whose backward bypasses the wrapper (a reference taken before the monitor started)
+    loses that one backward op and is caught by tensor hooks from the next forward on.
+    Closing the monitor gives torch its own function back."""
+    import torch.distributed as dist
+
+    import lagscope.torch
+
+    original_backward = torch.autograd.backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        monitor = lagscope.torch.monitor(
+            modules=[model], optimizer=optimizer, job_id="calls", log_dir=tmp_path / "logs",
+            gc_probe=False, mode="host",
+        )  # fmt: skip
+        assert torch.autograd.backward is not original_backward
+        x = torch.ones(4, 8)
+        outputs = []
+        for step in range(4):
+            forwards = [model(x) for _ in range(2)]  # two forwards, then their backwards
+            outputs += forwards
+            for loss in [out.sum() for out in forwards]:
+                if step == 2:
+                    original_backward(loss)  # not seen by the wrapper
+                else:
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        (hooks,) = monitor.module_hooks
+        by_call_after = hooks.by_call
+        monitor.close()
+    finally:
+        dist.destroy_process_group()
+    assert torch.autograd.backward is original_backward
+    # Steps 0 and 1 registered no hook on their forwards' outputs.
+    assert [out._backward_hooks for out in outputs[:4]] == [None] * 4
+    assert all(out._backward_hooks for out in outputs[6:])
+    assert by_call_after is False
+    backward = sorted(
+        (op["step"], op["microbatch"])
+        for op in recorded_ops(tmp_path / "logs")
+        if op["optype"] == "backward-compute"
+    )
+    assert backward == [(0, 0), (0, 1), (1, 0), (1, 1), (3, 0), (3, 1)], backward
