@@ -128,6 +128,7 @@ class ModuleHooks:
         monitor = self.monitor
         module = self.module
         grad_enabled = torch.is_grad_enabled
+        tensor_type = torch.Tensor
         perf_ns = _perf_ns
         code = self._forward_code
         host = monitor.timer.on_host_clock
@@ -139,6 +140,7 @@ class ModuleHooks:
             step = monitor.step_id
             if self._counted_step != step:
                 self._counted_step, self._forward_count = step, 0
+                self.awaiting.clear()  # forwards of an earlier step that had no backward
             if monitor.pending_works:
                 monitor.poll_works()
             if self._backward is not None:
@@ -155,7 +157,10 @@ class ModuleHooks:
                 opened = monitor.begin(code, microbatch, self.chunk)
                 output = forward(*args, **kwargs)
                 monitor.end(opened)
-            tensor = first_grad_tensor(output)
+            if type(output) is tensor_type:  # the usual output: no search through it
+                tensor = output if output.requires_grad else None
+            else:
+                tensor = first_grad_tensor(output)
             if tensor is not None:
                 if self.by_call:
                     self.awaiting.append((microbatch, step))
@@ -179,7 +184,15 @@ class ModuleHooks:
         """The job called a backward: the oldest forward still waiting for its backward
         starts it (nothing when none waits: a backward through other modules)."""
         if self.awaiting:
-            self._backward_start(*self.awaiting.popleft())
+            microbatch, step = self.awaiting.popleft()
+            monitor = self.monitor
+            if step != monitor.step_id:
+                return
+            if monitor.pending_works:
+                monitor.poll_works()
+            if self._backward is not None:
+                self.close_backward()
+            self._backward = monitor.begin(self._backward_code, microbatch, self.chunk)
 
     def _arrival(self, index: int) -> Any:
         def arrived(grad: Any) -> None:
@@ -193,7 +206,12 @@ class ModuleHooks:
             self._learned = True
 
     def _last_gradient(self, grad: Any) -> None:
-        self._ended()
+        opened = self._backward
+        if opened is None:
+            self._ended()
+        else:  # the usual case, once per backward: no more calls than needed
+            self._backward = None
+            self.monitor.end(opened)
 
     def _ended(self) -> None:
         if self._backward is None and self.by_call and self.awaiting:
