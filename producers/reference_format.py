@@ -177,7 +177,7 @@ def write_meta(meta: JobMeta, path: str | Path) -> None:
 _FLAT_LINE = re.compile(
     r"([A-Za-z_][A-Za-z0-9_]*):[ ]+(?:(0|-?[1-9][0-9]*)|([A-Za-z][A-Za-z0-9_-]*))[ ]*"
 )
-#: Plain words YAML 1.1 (pyyaml) reads as booleans or null, not as strings.
+#: Plain words YAML 1.1 (pyyaml) reads as booleans or null, not as strings (keys too).
 _YAML_WORDS = frozenset(
     f(w)
     for w in ("yes", "no", "true", "false", "on", "off", "null")
@@ -201,7 +201,7 @@ def flat_yaml_mapping(text: str) -> dict[str, object] | None:
         if not line.strip():
             continue
         match = _FLAT_LINE.fullmatch(line)
-        if match is None or match[1] in found or match[3] in _YAML_WORDS:
+        if match is None or match[1] in found or {match[1], match[3]} & _YAML_WORDS:
             return None
         found[match[1]] = int(match[2]) if match[2] is not None else match[3]
     return found or None

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import yaml
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lagscope.producers.reference_format import flat_yaml_mapping, load_meta
@@ -43,14 +43,18 @@ def test_analyze_imports_no_validation_framework_no_yaml_no_remote_filesystems(
     assert (tmp_path / "st.json").stat().st_size > 0
 
 
-_KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True)
+_SPECIAL = ["010", "0x1f", "1e5", "1.5", "~", "null", "Yes", "off", "TRUE", "on", "NO", "Null"]
+_KEYS = st.one_of(
+    st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True), st.sampled_from(_SPECIAL)
+)
 _VALUES = st.one_of(
     st.integers(-(10**12), 10**12).map(str),
-    st.sampled_from(["010", "0x1f", "1e5", "1.5", "~", "null", "Yes", "off", "TRUE", "on"]),
+    st.sampled_from(_SPECIAL),
     st.from_regex(r"[A-Za-z][A-Za-z0-9_.:#-]{0,6}", fullmatch=True),
 )
 
 
+@settings(max_examples=500)
 @given(st.lists(st.tuples(_KEYS, _VALUES), min_size=1, max_size=6))
 def test_the_flat_meta_reader_reads_what_yaml_reads_or_leaves_it_to_yaml(
     lines: list[tuple[str, str]],

@@ -144,6 +144,7 @@ def worker(rank: int, knobs: Knobs) -> None:
     runner = Stage(knobs, rank, model, endless(loader) if loader is not None else None)
     params = list(model.parameters())
     step_seconds = []
+    cpu_began = time.process_time()
     for step in range(knobs.steps):
         began = time.perf_counter()
         runner.one_f_one_b(step)
@@ -151,11 +152,15 @@ def worker(rank: int, knobs: Knobs) -> None:
         optimizer.step()
         optimizer.zero_grad()
         step_seconds.append(time.perf_counter() - began)
+    # The process's CPU seconds over the steps: the job's threads and the monitor's (its
+    # sealer thread encodes and writes the closed steps meanwhile).
+    cpu_seconds = time.process_time() - cpu_began
     monitor.close()
     # The job's own step times, for the overhead bench (with and without lagscope).
     times = Path(knobs.log_dir).parent / "step-seconds"
     times.mkdir(exist_ok=True)
     (times / f"rank-{rank}.json").write_text(json.dumps(step_seconds))
+    (times / f"rank-{rank}.cpu.json").write_text(json.dumps(cpu_seconds / knobs.steps))
 
 
 if __name__ == "__main__":
