@@ -174,18 +174,17 @@ class _JobRecord(BaseModel):
         return JobMeta(**{name: getattr(self, name) for name in _META_FIELDS})
 
 
-def _meta_field(name: str, annotation: Any) -> tuple[Any, Any]:
-    default = next(f.default for f in dataclasses.fields(JobMeta) if f.name == name)
-    return annotation, (... if default is dataclasses.MISSING else default)
-
-
 _META_FIELDS = tuple(f.name for f in dataclasses.fields(JobMeta))
+_META_TYPES = get_type_hints(JobMeta)
 #: The wire record: JobMeta's fields (one definition) on the record's own.
 JobInfo = create_model(
     "JobInfo",
     __base__=_JobRecord,
     __module__=__name__,
-    **{name: _meta_field(name, hint) for name, hint in get_type_hints(JobMeta).items()},
+    **{
+        f.name: (_META_TYPES[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(JobMeta)
+    },
 )
 JobInfo.__doc__ = _JobRecord.__doc__
 

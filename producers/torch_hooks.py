@@ -184,15 +184,7 @@ class ModuleHooks:
         """The job called a backward: the oldest forward still waiting for its backward
         starts it (nothing when none waits: a backward through other modules)."""
         if self.awaiting:
-            microbatch, step = self.awaiting.popleft()
-            monitor = self.monitor
-            if step != monitor.step_id:
-                return
-            if monitor.pending_works:
-                monitor.poll_works()
-            if self._backward is not None:
-                self.close_backward()
-            self._backward = monitor.begin(self._backward_code, microbatch, self.chunk)
+            self._backward_start(*self.awaiting.popleft())
 
     def _arrival(self, index: int) -> Any:
         def arrived(grad: Any) -> None:
@@ -206,21 +198,21 @@ class ModuleHooks:
             self._learned = True
 
     def _last_gradient(self, grad: Any) -> None:
-        opened = self._backward
-        if opened is None:
-            self._ended()
-        else:  # the usual case, once per backward: no more calls than needed
-            self._backward = None
-            self.monitor.end(opened)
+        self._ended()
 
     def _ended(self) -> None:
-        if self._backward is None and self.by_call and self.awaiting:
+        """The backward's end: the first backward's multi-grad hook, then the last
+        parameter's gradient hook."""
+        opened = self._backward
+        if opened is not None:
+            self._backward = None
+            self.monitor.end(opened)
+        elif self.by_call and self.awaiting:
             # A backward ran that the wrapped `torch.autograd.backward` did not see (called
             # through a reference taken before the monitor started, or the engine
             # directly): from the next forward on, a tensor hook starts each backward.
             self.by_call = False
             self.awaiting.clear()
-        self.close_backward()
 
     def _hook_the_last_parameter(self) -> None:
         """Swap the learning hooks for one on the parameter whose gradient came last; done
