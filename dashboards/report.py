@@ -287,12 +287,12 @@ def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
     return str(_charts().bars(bars_view(items, chart_id)))
 
 
-def verdict_view(d: Diagnosis | None) -> dict[str, str] | None:
+def verdict_view(d: Diagnosis | None, recovered_at: int | None = None) -> dict[str, str] | None:
     """The verdict of the run or of an episode: the same verdict (`simulator/verdict.py`)
     the summary and the JSON carry, its action and the escalation's step."""
     if d is None:
         return None
-    story = verdict_of(d)
+    story = verdict_of(d, recovered_at)
     return {
         "cause": story.cause,
         "headline": story.headline,
@@ -307,12 +307,14 @@ def verdict_html(d: Diagnosis | None, scope: str = "run") -> str:
     return str(macros.verdict(verdict_view(d), scope))
 
 
-def _diagnosis_view(d: Diagnosis, heading: str, episode: bool = False) -> dict[str, Any]:
+def _diagnosis_view(
+    d: Diagnosis, heading: str, episode: bool = False, recovered_at: int | None = None
+) -> dict[str, Any]:
     """The advice behind one analysis' verdict; an episode's own verdict first (the run's
     stands at the top of the report)."""
     return {
         "heading": heading,
-        "verdict": verdict_view(d) if episode else None,
+        "verdict": verdict_view(d, recovered_at) if episode else None,
         "advice": [
             {"action": a.action, "speedup": f"{a.predicted_speedup:.3f}", "detail": a.detail}
             for a in d.advice
@@ -411,7 +413,9 @@ def render_report(data: ReportData) -> str:
         diagnoses.append(_diagnosis_view(data.diagnosis, "whole run (verdict above): advice"))
         for onset, recovery, episode in data.episodes:
             diagnoses.append(
-                _diagnosis_view(episode, f"slow episode, {_span(onset, recovery)}", episode=True)
+                _diagnosis_view(
+                    episode, f"slow episode, {_span(onset, recovery)}", True, recovered_at=recovery
+                )
             )
     episode_heatmaps = []
     for i, ((onset, recovery, episode), worker_slowdown) in enumerate(

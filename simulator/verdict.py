@@ -109,6 +109,9 @@ class Verdict:
     predicted_speedup: float | None = None
     #: The step of the escalation ladder the loss so far has reached.
     now: str = "ignore"
+    #: For a slow episode that is over: the step it recovered at (its action is for when
+    #: it comes back, not for now).
+    recovered_at: int | None = None
 
     def line(self) -> str:
         """The verdict in one line: "cause: headline".
@@ -127,12 +130,16 @@ class Verdict:
         'balance sequence lengths (predicted speed-up 1.064x)'
         >>> Verdict("x", "y", action="re-split micro-batches", now="re-arrange topology").action_line()
         're-split micro-batches first; the loss so far has escalated to: re-arrange topology'
+        >>> Verdict("x", "y", action="remove the straggler", recovered_at=30).action_line()
+        'none now (recovered at step 30); if it comes back: remove the straggler'
         """  # noqa: E501
         text = self.action
         if self.predicted_speedup is not None:
             text += f" (predicted speed-up {self.predicted_speedup:.3f}x)"
         if self.now not in ("ignore", self.action):
             text += f" first; the loss so far has escalated to: {self.now}"
+        if self.recovered_at is not None and self.action != "ignore":
+            text = f"none now (recovered at step {self.recovered_at}); if it comes back: {text}"
         return text
 
     def as_dict(self) -> dict[str, Any]:
@@ -144,6 +151,7 @@ class Verdict:
             "action": self.action,
             "predicted_speedup": self.predicted_speedup,
             "now": self.now,
+            "recovered_at": self.recovered_at,
         }
 
 
@@ -151,10 +159,11 @@ def _workers(found: Any) -> tuple[tuple[int, int], ...]:
     return tuple((int(w["dp"]), int(w["stage"])) for w in found or ())
 
 
-def verdict_of(diagnosis: Diagnosis) -> Verdict:
+def verdict_of(diagnosis: Diagnosis, recovered_at: int | None = None) -> Verdict:
     """THE verdict of an analysis, from its diagnosis: its cause and summary, the workers
     or stage it names, and the escalation ladder's first fix as the action (the ladder is
-    built for the same cause, so the two cannot disagree)."""
+    built for the same cause, so the two cannot disagree). `recovered_at`: the step a slow
+    episode ended at, when it has."""
     evidence = diagnosis.evidence or {}
     workers: tuple[tuple[int, int], ...] = ()
     stage: int | None = None
@@ -182,6 +191,7 @@ def verdict_of(diagnosis: Diagnosis) -> Verdict:
         action=action,
         predicted_speedup=speedup,
         now=str((diagnosis.escalation or {}).get("action", "ignore")),
+        recovered_at=recovered_at,
     )
 
 

@@ -200,6 +200,13 @@ def test_the_demo_tells_one_story(demo: tuple[str, str]):
     # Each episode's verdict too, in order (the demo has its slow worker's episode).
     printed_episodes = re.findall(r"    episode from step \d+ [^:]+: (.*)\n", printed)
     assert episodes and printed_episodes == [f"{b['cause']}: {b['headline']}" for b in episodes]
+    # An episode that is over is acted on only if it comes back, in both.
+    actions = re.findall(
+        r"    episode from step \d+ to step (\d+): .*\n      action: (.*)\n", printed
+    )
+    for recovered, action in actions:
+        assert action.startswith(f"none now (recovered at step {recovered}); if it comes back: ")
+        assert any(b["action"] == action for b in episodes), (action, episodes)
     assert_shares_are_shares(printed, "demo summary")
     assert_shares_are_shares(_text(report), "demo report")
 

@@ -408,8 +408,9 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
         for episode in job.episodes:
             end = f"to step {episode.recovery}" if episode.recovery is not None else "ongoing"
             ed = episode.diagnosis
-            say(f"    episode from step {episode.onset} {end}: {verdict_of(ed).line()}")
-            say(f"      action: {verdict_of(ed).action_line()}")
+            told = verdict_of(ed, recovered_at=episode.recovery)
+            say(f"    episode from step {episode.onset} {end}: {told.line()}")
+            say(f"      action: {told.action_line()}")
             for a in ed.advice:
                 say(
                     f"      advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x)"
