@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from lagscope.simulator.depmodel import DependencyModel
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.trace import Trace
 
@@ -158,59 +159,98 @@ def correct_trace(trace: Trace, offsets: ClockOffsets) -> Trace:
 # -- evidence --------------------------------------------------------------------------
 
 
-def _edges(prepared: PreparedTrace) -> list[ClockEdge]:
-    """One edge per worker pair that shares transfers, oriented u < v."""
-    model = prepared.model
-    n_dp = prepared.n_dp
-    stage = model.node_stage()
-    start = prepared.start.astype(np.float64)
-    end = start + prepared.duration.astype(np.float64)
-    evidence: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-
-    def link(a: int, da: int, b: int, db: int) -> None:
-        u, v = int(stage[a]) * n_dp + da, int(stage[b]) * n_dp + db
-        if u == v:
-            return
-        diff = end[b, :, db] - end[a, :, da]
-        lower = start[b, :, db] - end[a, :, da]
-        upper = end[b, :, db] - start[a, :, da]
-        if u > v:
-            u, v, diff, lower, upper = v, u, -diff, -upper, -lower
-        evidence.setdefault((u, v), []).append((diff, lower, upper))
-
+def _links(model: DependencyModel, n_dp: int) -> tuple[np.ndarray, ...]:
+    """Every pair of ends that completes together: (node a, dp a, node b, dp b) arrays."""
+    firsts, first_dps, others, other_dps = [], [], [], []
+    all_dp = np.arange(n_dp)
     for group in model.groups:
         members = [m for m in group.members if m not in model.noop_nodes]
-        if group.dp_synchronized:
+        if group.dp_synchronized and members:
             # One instance spans every DP rank: link each member end to the first one's.
-            ends = [(m, d) for m in members for d in range(n_dp)]
-            for m, d in ends[1:]:
-                link(ends[0][0], ends[0][1], m, d)
-        elif len(members) > 1:
-            for d in range(n_dp):
-                for m in members[1:]:
-                    link(members[0], d, m, d)
+            node, dp = np.repeat(members, n_dp)[1:], np.tile(all_dp, len(members))[1:]
+            first_dp = np.zeros(node.size, np.int64)
+        elif not group.dp_synchronized and len(members) > 1:
+            node, dp = np.tile(members[1:], n_dp), np.repeat(all_dp, len(members) - 1)
+            first_dp = dp
+        else:
+            continue
+        firsts.append(np.full(node.size, members[0]))
+        first_dps.append(first_dp)
+        others.append(node)
+        other_dps.append(dp)
+    if not firsts:
+        return (np.zeros(0, np.int64),) * 4
+    return tuple(
+        np.concatenate(parts).astype(np.int64) for parts in (firsts, first_dps, others, other_dps)
+    )
+
+
+def _medians(values: np.ndarray, group: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Median of every group of `values` (group ids ascending from 0, `first` the offset of
+    each group once sorted by it), as np.median computes it: NaN where a group has one."""
+    by_value = np.argsort(values)
+    # A stable sort by group keeps each group's values in order; small ids sort in linear time.
+    ids = group[by_value].astype(np.int16 if first.size < 2**15 else np.int64)
+    ordered = values[by_value[np.argsort(ids, kind="stable")]]
+    count = np.diff(np.append(first, values.size))
+    median = (ordered[first + (count - 1) // 2] + ordered[first + count // 2]) / 2
+    # NaN sorts last, so a group holds one exactly when its last value is NaN.
+    return np.where(np.isnan(ordered[first + count - 1]), np.nan, median)
+
+
+def _edges(prepared: PreparedTrace) -> list[ClockEdge]:
+    """One edge per worker pair that shares transfers, oriented u < v."""
+    n_dp, n_steps = prepared.n_dp, prepared.n_steps
+    n_workers = prepared.n_stages * n_dp
+    stage = prepared.model.node_stage()
+    start = prepared.start.astype(np.float64)
+    end = start + prepared.duration.astype(np.float64)
+    a, dp_a, b, dp_b = _links(prepared.model, n_dp)
+    u, v = stage[a] * n_dp + dp_a, stage[b] * n_dp + dp_b
+    keep = u != v
+    a, dp_a, b, dp_b, u, v = (x[keep] for x in (a, dp_a, b, dp_b, u, v))
+    if not a.size or not n_steps:
+        return []
+    diff = end[b, :, dp_b] - end[a, :, dp_a]  # [link, step]
+    lower = start[b, :, dp_b] - end[a, :, dp_a]
+    upper = end[b, :, dp_b] - start[a, :, dp_a]
+    flip = (u > v)[:, None]
+    diff, lower, upper = (
+        np.where(flip, -diff, diff),
+        np.where(flip, -upper, lower),
+        np.where(flip, -lower, upper),
+    )
+    pairs, edge_of_link, links = np.unique(
+        np.minimum(u, v) * n_workers + np.maximum(u, v), return_inverse=True, return_counts=True
+    )
+    n_transfers = links * n_steps
+    first = np.append(0, np.cumsum(n_transfers)[:-1])
+    edge_of_value = np.repeat(edge_of_link, n_steps)
+    median = _medians(diff.ravel(), edge_of_value, first)
+    deviation = _medians(np.abs(diff.ravel() - median[edge_of_value]), edge_of_value, first)
+    lowest = np.full(pairs.size, -np.inf)
+    np.maximum.at(lowest, edge_of_link, lower.max(axis=1))
+    highest = np.full(pairs.size, np.inf)
+    np.minimum.at(highest, edge_of_link, upper.min(axis=1))
 
     edges = []
-    for (u, v), parts in sorted(evidence.items()):
-        diff = np.concatenate([p[0] for p in parts])
-        lower = float(np.concatenate([p[1] for p in parts]).max())
-        upper = float(np.concatenate([p[2] for p in parts]).min())
-        if lower > upper:
+    for i, pair in enumerate(pairs.tolist()):
+        low, high = float(lowest[i]), float(highest[i])
+        if low > high:
             # Drifting clocks or ends that do not complete together: the median still
             # measures the typical difference, the bounds no longer hold as hard limits.
-            lower, upper = -np.inf, np.inf
-        median = float(np.median(diff))
-        spread = max(1.4826 * float(np.median(np.abs(diff - median))), MIN_EDGE_SPREAD_S)
+            low, high = -np.inf, np.inf
+        spread = max(1.4826 * float(deviation[i]), MIN_EDGE_SPREAD_S)
         edges.append(
             ClockEdge(
-                u=u,
-                v=v,
-                estimate_s=min(max(median, lower), upper),
+                u=pair // n_workers,
+                v=pair % n_workers,
+                estimate_s=min(max(float(median[i]), low), high),
                 # Standard error of a median: 1.25 x that of a mean.
-                standard_error_s=1.2533 * spread / np.sqrt(diff.size),
-                lower_s=lower,
-                upper_s=upper,
-                n_transfers=int(diff.size),
+                standard_error_s=1.2533 * spread / np.sqrt(int(n_transfers[i])),
+                lower_s=low,
+                upper_s=high,
+                n_transfers=int(n_transfers[i]),
             )
         )
     return edges
