@@ -13,11 +13,15 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.trace import TraceError
+
+if TYPE_CHECKING:
+    from lagscope.simulator.engine import CompiledModel
 
 #: Tolerance (s) when deciding whether a p2p op lies outside the compute span (no-op).
 P2P_NOOP_TOLERANCE_S = 5e-5
@@ -88,6 +92,15 @@ class DependencyModel:
     @cached_property
     def _node_optypes(self) -> list[str]:
         return [n.optype for n in self.nodes]
+
+    @cached_property
+    def compiled(self) -> CompiledModel:
+        """The model laid out for the engine, once: the analysis and the diagnosis of one
+        trace, and every step of a streamed job, simulate the same model."""
+        # Imported here: the engine is built on this module.
+        from lagscope.simulator.engine import compile_model
+
+        return compile_model(self)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from lagscope.simulator import optypes as ot
-from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
 from lagscope.simulator.noise import noise_floor, persistent_excess, slow_in, stage_excess
 from lagscope.simulator.prepare import PreparedTrace
@@ -685,7 +685,7 @@ def diagnose(
 ) -> Diagnosis:
     """Name the likely root cause of `result`'s slowdown, with evidence and advice."""
     cfg = settings or DiagnosisSettings()
-    compiled = compile_model(prepared.model)
+    compiled = prepared.model.compiled
     base_time = float(result.t_nodelay.mean())
     correlation = forward_backward_correlation(prepared)
     fwd_outliers, bwd_outliers = forward_outlier_shares(prepared, cfg.gc_outlier_factor)

@@ -20,7 +20,7 @@ import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.defaults import DEFAULT_DECOMPOSE_THRESHOLD
-from lagscope.simulator.engine import CompiledModel, Timeline, compile_model, simulate
+from lagscope.simulator.engine import CompiledModel, Timeline, simulate
 from lagscope.simulator.prepare import DroppedStep, PreparedTrace
 
 #: Share of workers that M_W blames: the top 3 %.
@@ -184,7 +184,7 @@ class WhatIfAnalysis:
         """`ideal` holds for every step; `step_ideals` (one per step) replaces it when each
         step has its own ideal costs (a stream's running estimates)."""
         self.prepared = prepared
-        self.compiled = compiled or compile_model(prepared.model)
+        self.compiled = compiled or prepared.model.compiled
         if step_ideals is not None:
             if ideal is not None:
                 raise ValueError("give either ideal or step_ideals, not both")

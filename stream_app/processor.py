@@ -41,7 +41,7 @@ from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.bocd import BocdBank, BocdConfig
 from lagscope.simulator.depmodel import DependencyModel
-from lagscope.simulator.engine import CompiledModel, compile_model
+from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.noise import series_names, step_series
 from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
 from lagscope.simulator.trace import Trace, TraceError
@@ -580,7 +580,7 @@ class StepProcessor:
                 outputs[index] = self._failed(first, str(exc))
                 continue
             job.model = prepared.model
-            job.compiled = compile_model(job.model)
+            job.compiled = job.model.compiled
             ready.append((index, first, prepared, 0))
         prepared_each = self._prepare_each(job, [c for _, c in todo])
         for (index, closed), done in zip(todo, prepared_each, strict=True):
