@@ -3,6 +3,8 @@ output that survives `| head`."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -47,3 +49,24 @@ def test_output_piped_to_a_reader_that_leaves_early_prints_no_traceback() -> Non
         code = process.wait(timeout=60)
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
     assert code == 141
+
+
+def test_a_one_shot_command_ends_without_teardown_and_loses_no_output(tmp_path) -> None:
+    """`analyze` ends its process without the interpreter's teardown: what it printed to a
+    pipe (block-buffered) and every file it wrote are complete, as when main() returns."""
+    trace, meta = REFERENCE_TRACES / "trace-SE.parquet", REFERENCE_TRACES / "meta-SE.yaml"
+    args = ["analyze", "--trace", str(trace), "--meta", str(meta)]
+    piped, in_process = tmp_path / "piped.json", tmp_path / "in-process.json"
+    timeline = tmp_path / "timeline.json"
+    # Buffered as a user's shell has it (CI and containers often set PYTHONUNBUFFERED).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run(
+        [*LAGSCOPE, *args, "--json", str(piped), "--timeline", str(timeline)],
+        capture_output=True, text=True, timeout=120, check=True, env=env,
+    )  # fmt: skip
+    assert json.loads(timeline.read_text())["traceEvents"]
+    assert main([*args, "--json", str(in_process)]) == 0
+    assert json.loads(piped.read_text()) == json.loads(in_process.read_text())
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("lagscope analyze:") and len(lines) > 10, done.stdout
+    assert lines[-1] == f"  timeline written to {timeline} (open it in https://ui.perfetto.dev)"

@@ -89,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--always-decompose", action="store_true", help="report attributions at any slowdown"
     )
-    parser.set_defaults(handler=run, extra="analyze")
+    parser.set_defaults(handler=run, extra="analyze", one_shot=True)
 
 
 def check_outputs(args: argparse.Namespace) -> None:

@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.BOCD_WARMUP,
         help="observations per series that set its scale before detection",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, one_shot=True)
 
 
 @dataclass(frozen=True)
