@@ -204,7 +204,8 @@ class Stretch:
 def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[Stretch]:
     """Raised stretches of single workers, found over the finished run: every worker's own
     work of each op type fitted with `square_wave` on its own seconds, kept when the worker
-    also rose against its peers (the median of the others' same work) by `min_rise`, in
+    was slower in its quick steps too, against its own quick steps outside the stretch and
+    against its peers' (the median of the others' same work) inside it, by `min_rise`; in
     onset order.
 
     The change-point detector sees a worker's work relative to its peers step by step, and
@@ -213,6 +214,12 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
     work moved, inside a noisy ratio. Its forward series alone doubled. Fitting the
     worker's own series, not a ratio, also keeps the mirror image out: with two DP ranks the
     healthy peer's ratio falls while the straggler's rises, but its own seconds stay flat.
+
+    Sharing cores also makes stretches of its own: a rank preempted in half of its forwards
+    for a dozen steps doubles its median forward time there. Such noise only ever adds time,
+    so the rank's quickest forwards still take what they always took, where a straggler's
+    take longer every time: its quick steps (`_QUICK_QUANTILE`) decide, and they bound the
+    stretch as well (`_steady_bounds`).
     """
     optypes = sorted(
         {t for t, own in zip(prepared.node_optype, own_work_mask(prepared), strict=True) if own}
@@ -224,12 +231,10 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
         work = own_work(prepared, optype)  # [step, stage, dp]
         for stage in range(prepared.n_stages):
             for dp in range(prepared.n_dp):
-                fitted = square_wave(work[:, stage, dp], 0, n - 1, min_rise)
+                own = work[:, stage, dp]
+                fitted = square_wave(_floor(own), 0, n - 1, min_rise)
                 if fitted is None:
                     continue
-                onset, recovery = fitted
-                inside = np.zeros(n, dtype=bool)
-                inside[onset : recovery if recovery is not None else n] = True
                 # Against the others alone: with two DP ranks a median that includes the
                 # worker itself halves its rise.
                 others = (
@@ -239,12 +244,21 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
                 )
                 if others.shape[1] == 0:
                     continue
-                peers = np.median(others, axis=1)
-                ratio = work[:, stage, dp] / np.where(peers > 0, peers, np.nan)
-                ratio_in, ratio_out = np.nanmedian(ratio[inside]), np.nanmedian(ratio[~inside])
-                if not ratio_in >= (1 + min_rise) * ratio_out:
+                bounds = _steady_bounds(own, others, *fitted, min_rise)
+                if bounds is None:
                     continue
-                own = work[:, stage, dp]
+                onset, recovery = bounds
+                inside = np.zeros(n, dtype=bool)
+                inside[onset : recovery if recovery is not None else n] = True
+                peers = np.median(others, axis=1)
+                ratio = own / np.where(peers > 0, peers, np.nan)
+                ratio_in, ratio_out = np.nanmedian(ratio[inside]), np.nanmedian(ratio[~inside])
+                # Its typical step is slower than its peers' there, and by more than it
+                # usually is, if by less than its quick steps (their own lost cores blur a
+                # median ratio): a stretch in which every rank is slow, this one a little
+                # more steadily, is the machine's.
+                if not ratio_in >= (1 + min_rise / 2) * max(ratio_out, 1.0):
+                    continue
                 found.append(
                     Stretch(
                         Span(
@@ -262,6 +276,76 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
                     )
                 )
     return sorted(found, key=lambda s: s.span.onset)
+
+
+#: The quantile of an op's times that stands for its quick steps: contention only adds time,
+#: so on a loaded machine a rank's true speed shows in its quickest steps, not its median
+#: (on 2 shared cores a rank may lose its core in most of its steps for a while).
+_QUICK_QUANTILE = 0.1
+#: What one step below the raised level costs a stretch, in steps at the raised level: a
+#: straggler's ops are slow every step, while a rank that loses its core now and then is
+#: quick again every few steps.
+_QUICK_STEP_PENALTY = 5.0
+
+
+def _floor(values: np.ndarray) -> np.ndarray:
+    """Each step's time or its neighbours', whichever is least: a step that lost its core
+    is flanked by quick ones and drops out, a straggler's stretch stays (a step shorter)."""
+    padded = np.concatenate([values[:1], values, values[-1:]])
+    return np.minimum(np.minimum(padded[:-2], padded[1:-1]), padded[2:])
+
+
+def _steady_bounds(
+    own: np.ndarray, others: np.ndarray, onset: int, recovery: int | None, min_rise: float
+) -> tuple[int, int | None] | None:
+    """The stretch of `own` (one worker's seconds per step) near the fitted (onset,
+    recovery) in which it is slow every step; None unless its quick steps there are
+    `min_rise` slower than outside and than its peers' (`others`, [step, peer]) there.
+
+    A step counts as slow above the geometric mean of the quick levels inside and outside
+    the fitted stretch. The bounds are the run of steps, within the detector's slack of the
+    fitted ones, that holds the most slow steps net of `_QUICK_STEP_PENALTY` per quick one.
+    """
+    n = own.size
+    end = recovery if recovery is not None else n
+    if not _quick_steps_raised(own, others, onset, end, min_rise):
+        return None
+    inside = np.zeros(n, dtype=bool)
+    inside[onset:end] = True
+    quick_in = np.quantile(own[inside], _QUICK_QUANTILE)
+    quick_out = np.quantile(own[~inside], _QUICK_QUANTILE)
+    score = np.where(own >= np.sqrt(quick_in * quick_out), 1.0, -_QUICK_STEP_PENALTY)
+    first, last = max(0, onset - _ONSET_SLACK), min(n, end + _ONSET_SLACK)
+    # The best-scoring run [a, b) within [first, last): a maximum subarray, the earliest
+    # and shortest of equal ones.
+    best, best_a, best_b = 0.0, onset, end
+    total, a = 0.0, first
+    for i in range(first, last):
+        if total <= 0:
+            total, a = 0.0, i
+        total += score[i]
+        if total > best:
+            best, best_a, best_b = total, a, i + 1
+    if best <= 0 or not _quick_steps_raised(own, others, best_a, best_b, min_rise):
+        return None
+    return best_a, (best_b if best_b < n else None)
+
+
+def _quick_steps_raised(
+    own: np.ndarray, others: np.ndarray, start: int, end: int, min_rise: float
+) -> bool:
+    """Whether the worker's quick steps in [start, end) are `min_rise` slower than its quick
+    steps outside and than each peer's quick steps in [start, end)."""
+    inside = np.zeros(own.size, dtype=bool)
+    inside[start:end] = True
+    if inside.all() or not inside.any():
+        return False
+    quick_in = float(np.quantile(own[inside], _QUICK_QUANTILE))
+    quick_out = float(np.quantile(own[~inside], _QUICK_QUANTILE))
+    # Each peer's own quick level: a median across peers per step smooths their quick
+    # steps away.
+    quick_peers = float(np.median(np.quantile(others[inside], _QUICK_QUANTILE, axis=0)))
+    return quick_out > 0 and quick_in >= (1 + min_rise) * max(quick_out, quick_peers)
 
 
 def _fitted_to_moved_worker(span: Span, prepared: PreparedTrace) -> Span:

@@ -3,15 +3,22 @@ are named by the diagnosis of their own steps, and a healthy job has none."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from lagscope.simulator.diagnose import diagnose
-from lagscope.simulator.episodes import diagnosed_episodes, episode_spans, square_wave
+from lagscope.simulator.episodes import (
+    _STRETCH_MIN_STEPS,
+    diagnosed_episodes,
+    episode_spans,
+    square_wave,
+    worker_stretches,
+)
 from lagscope.simulator.generate import CostModel, JobSpec, SlowWorker, generate_job
-from lagscope.simulator.prepare import concat_steps
+from lagscope.simulator.prepare import concat_steps, prepare
 from lagscope.stream_app.processor import StepProcessor
 from tests.test_processor import stream_of
 
@@ -96,3 +103,41 @@ def test_a_raised_stretch_is_fitted_to_its_steps_in_a_noisy_series(seed):
     onset, recovery = square_wave(to_the_end, 7, 39)
     assert abs(onset - 15) <= 1 and recovery is None
     assert square_wave(noise, 0, 39) is None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_rank_that_loses_its_core_now_and_then_is_no_stretch_and_a_straggler_is(seed):
+    """Ranks sharing cores: every forward loses its core in a quarter of the steps (1.5-4x
+    as long, never shorter), and dp 1 in half of steps 20-33, which doubles its median
+    there while its quick forwards stay as quick: no stretch. A straggler whose forwards
+    all take 2x for steps 15-29 under the same noise is one, bounded within 3 steps (a
+    step that lost its core next to the stretch is as slow as the straggler's)."""
+    job = generate_job(JobSpec(dp=4, pp=1, microbatches=1, steps=60, cost=NOISY, seed=seed))
+    prepared = prepare(job.trace, job.meta)
+    rng = np.random.default_rng(seed)
+    forward = [i for i, t in enumerate(prepared.node_optype) if t == "forward-compute"]
+    shape = (len(forward), prepared.n_steps, prepared.n_dp)
+    steps = np.arange(prepared.n_steps)[None, :, None]
+    share = np.where((steps >= 20) & (steps < 34) & (np.arange(4) == 1), 1 / 2, 1 / 4)
+    lost_core = rng.random(shape) < share
+    noisy = prepared.duration.copy()
+    noisy[forward] *= np.where(lost_core, rng.uniform(1.5, 4.0, shape), 1.0).astype(noisy.dtype)
+    contended = dataclasses.replace(prepared, duration=noisy)
+    assert long_forward_stretches(contended) == []
+
+    straggling = noisy.copy()
+    slow = (steps >= 15) & (steps < 30) & (np.arange(4) == 2)
+    straggling[forward] *= np.where(slow, 2.0, 1.0).astype(noisy.dtype)
+    forwards = long_forward_stretches(dataclasses.replace(prepared, duration=straggling))
+    assert [(s.dp, s.stage) for s in forwards] == [(2, 0)], forwards
+    assert abs(forwards[0].span.onset - 15) <= 3 and abs(forwards[0].span.recovery - 30) <= 3
+
+
+def long_forward_stretches(prepared):
+    """Forward stretches long enough to be diagnosed (shorter ones are chance)."""
+    return [
+        s
+        for s in worker_stretches(prepared, 0.5)
+        if s.optype == "forward-compute"
+        and (s.span.recovery or prepared.n_steps) - s.span.onset >= _STRETCH_MIN_STEPS
+    ]
