@@ -232,9 +232,6 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
         for stage in range(prepared.n_stages):
             for dp in range(prepared.n_dp):
                 own = work[:, stage, dp]
-                fitted = square_wave(_floor(own), 0, n - 1, min_rise)
-                if fitted is None:
-                    continue
                 # Against the others alone: with two DP ranks a median that includes the
                 # worker itself halves its rise.
                 others = (
@@ -244,7 +241,21 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
                 )
                 if others.shape[1] == 0:
                     continue
-                bounds = _steady_bounds(own, others, *fitted, min_rise)
+                # Fitted on its own times, and where lost cores blur those, on each step's
+                # least time with its neighbours'.
+                fits = (
+                    square_wave(own, 0, n - 1, min_rise),
+                    square_wave(_floor(own), 0, n - 1, min_rise),
+                )
+                bounds = next(
+                    (
+                        steady
+                        for fitted in fits
+                        if fitted is not None
+                        and (steady := _steady_bounds(own, others, *fitted, min_rise)) is not None
+                    ),
+                    None,
+                )
                 if bounds is None:
                     continue
                 onset, recovery = bounds
@@ -286,6 +297,9 @@ _QUICK_QUANTILE = 0.1
 #: straggler's ops are slow every step, while a rank that loses its core now and then is
 #: quick again every few steps.
 _QUICK_STEP_PENALTY = 5.0
+#: How far (steps) the run may reach past the fitted stretch: a fit on least times lies a
+#: step inside it, and further out a step that lost its core is as slow as a straggler's.
+_RUN_SLACK = 2
 
 
 def _floor(values: np.ndarray) -> np.ndarray:
@@ -303,8 +317,8 @@ def _steady_bounds(
     `min_rise` slower than outside and than its peers' (`others`, [step, peer]) there.
 
     A step counts as slow above the geometric mean of the quick levels inside and outside
-    the fitted stretch. The bounds are the run of steps, within the detector's slack of the
-    fitted ones, that holds the most slow steps net of `_QUICK_STEP_PENALTY` per quick one.
+    the fitted stretch. The bounds are the run of steps, within `_RUN_SLACK` of the fitted
+    ones, that holds the most slow steps net of `_QUICK_STEP_PENALTY` per quick one.
     """
     n = own.size
     end = recovery if recovery is not None else n
@@ -315,7 +329,7 @@ def _steady_bounds(
     quick_in = np.quantile(own[inside], _QUICK_QUANTILE)
     quick_out = np.quantile(own[~inside], _QUICK_QUANTILE)
     score = np.where(own >= np.sqrt(quick_in * quick_out), 1.0, -_QUICK_STEP_PENALTY)
-    first, last = max(0, onset - _ONSET_SLACK), min(n, end + _ONSET_SLACK)
+    first, last = max(0, onset - _RUN_SLACK), min(n, end + _RUN_SLACK)
     # The best-scoring run [a, b) within [first, last): a maximum subarray, the earliest
     # and shortest of equal ones.
     best, best_a, best_b = 0.0, onset, end
