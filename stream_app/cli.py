@@ -108,28 +108,32 @@ def missing_extra_message(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command line; returns its exit code."""
-    return _run(sys.argv[1:] if argv is None else list(argv))[0]
+def main(argv: Sequence[str] | None = None, *, exit_without_teardown: bool = False) -> int:
+    """Run one command line; returns its exit code.
+
+    With `exit_without_teardown` (the console script), a command that declares it leaves
+    nothing behind (`set_defaults(one_shot=True)`: every output written and closed, no
+    thread, child or connection left) ends the process itself, without the interpreter's
+    teardown: freeing numpy's and pyarrow's modules and arrays one by one, memory the
+    system takes back at once, costs some 17 ms, a tenth of `lagscope analyze` on a
+    reference trace. Every other command returns as usual.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # pydantic looks for plugins among the entry points of every installed distribution at
+    # its first model; in a training environment that scan costs more than the rest of a
+    # command's start. A command line needs no pydantic plugin; a user can still set it.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    parser = build_parser(named_command(argv))
+    args = parser.parse_args(argv)
+    code = _handled(args)
+    if exit_without_teardown and getattr(args, "one_shot", False):
+        os._exit(_flushed(code))
+    return code
 
 
 def entry() -> NoReturn:
-    """The `lagscope` console script: main(), then the process ends.
-
-    A command that declares it leaves nothing behind (`set_defaults(one_shot=True)`:
-    every output written and closed, no thread, child or connection left) ends without the
-    interpreter's teardown. Freeing numpy's and pyarrow's modules and arrays one by one,
-    memory the system takes back at once, costs some 17 ms, a tenth of `lagscope analyze`
-    on a reference trace. Calling main() in a process of your own keeps the teardown.
-    """
-    code, args = _run(sys.argv[1:])
-    one_shot = getattr(args, "one_shot", False)
-    # What the command built stays reachable from its arguments: let it go now, as it
-    # would at main()'s return, not at the interpreter's teardown.
-    del args
-    if one_shot:
-        os._exit(_flushed(code))
-    sys.exit(code)
+    """The `lagscope` console script."""
+    sys.exit(main(exit_without_teardown=True))
 
 
 def _flushed(code: int) -> int:
@@ -143,16 +147,6 @@ def _flushed(code: int) -> int:
     with contextlib.suppress(BrokenPipeError, ValueError):
         sys.stderr.flush()
     return code
-
-
-def _run(argv: list[str]) -> tuple[int, argparse.Namespace]:
-    # pydantic looks for plugins among the entry points of every installed distribution at
-    # its first model; in a training environment that scan costs more than the rest of a
-    # command's start. A command line needs no pydantic plugin; a user can still set it.
-    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    parser = build_parser(named_command(argv))
-    args = parser.parse_args(argv)
-    return _handled(args), args
 
 
 def _handled(args: argparse.Namespace) -> int:
