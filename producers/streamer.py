@@ -151,6 +151,9 @@ class Streamer:
         self._rewinds_in_a_row = 0
         self._fatal = False
         self._outage: _Outage | None = None
+        #: Set once close() has said how the run ended: the client's last errors (its final
+        #: poll, its teardown) must not open an outage that no line will ever close.
+        self._exit_reported = False
         #: Whether a broker answered in this run (created topics or confirmed a delivery).
         self._kafka_answered = False
         #: Wall-clock time of the last confirmed delivery (the metrics endpoint's).
@@ -415,6 +418,7 @@ class Streamer:
         outage_at_exit = self._outage is not None
         if outage_at_exit:
             self._end_outage(at_exit=True)
+        self._exit_reported = True
         if self._in_flight_bytes and self._owns_producer:
             # Unconfirmed messages are dropped from memory, not from the log: the checkpoint
             # stays before them and the next run re-sends them.
@@ -428,7 +432,7 @@ class Streamer:
 
     def _begin_outage(self, reason: str, since: float | None = None) -> None:
         """The one line that says no broker answers (librdkafka retries with back-off)."""
-        if self._outage is not None:
+        if self._outage is not None or self._exit_reported:
             return
         self._outage = _Outage(time.monotonic() if since is None else since, reason)
         log.warning(
