@@ -322,12 +322,10 @@ def _steady_bounds(
     """
     n = own.size
     end = recovery if recovery is not None else n
-    if not _quick_steps_raised(own, others, onset, end, min_rise):
+    levels = _raised_quick_levels(own, others, onset, end, min_rise)
+    if levels is None:
         return None
-    inside = np.zeros(n, dtype=bool)
-    inside[onset:end] = True
-    quick_in = np.quantile(own[inside], _QUICK_QUANTILE)
-    quick_out = np.quantile(own[~inside], _QUICK_QUANTILE)
+    quick_in, quick_out = levels
     score = np.where(own >= np.sqrt(quick_in * quick_out), 1.0, -_QUICK_STEP_PENALTY)
     first, last = max(0, onset - _RUN_SLACK), min(n, end + _RUN_SLACK)
     # The best-scoring run [a, b) within [first, last): a maximum subarray, the earliest
@@ -340,26 +338,28 @@ def _steady_bounds(
         total += score[i]
         if total > best:
             best, best_a, best_b = total, a, i + 1
-    if best <= 0 or not _quick_steps_raised(own, others, best_a, best_b, min_rise):
+    if best <= 0 or _raised_quick_levels(own, others, best_a, best_b, min_rise) is None:
         return None
     return best_a, (best_b if best_b < n else None)
 
 
-def _quick_steps_raised(
+def _raised_quick_levels(
     own: np.ndarray, others: np.ndarray, start: int, end: int, min_rise: float
-) -> bool:
-    """Whether the worker's quick steps in [start, end) are `min_rise` slower than its quick
-    steps outside and than each peer's quick steps in [start, end)."""
+) -> tuple[float, float] | None:
+    """The worker's quick levels in [start, end) and outside it, when the one inside is
+    `min_rise` slower than the one outside and than each peer's in [start, end); else None."""
     inside = np.zeros(own.size, dtype=bool)
     inside[start:end] = True
     if inside.all() or not inside.any():
-        return False
+        return None
     quick_in = float(np.quantile(own[inside], _QUICK_QUANTILE))
     quick_out = float(np.quantile(own[~inside], _QUICK_QUANTILE))
     # Each peer's own quick level: a median across peers per step smooths their quick
     # steps away.
     quick_peers = float(np.median(np.quantile(others[inside], _QUICK_QUANTILE, axis=0)))
-    return quick_out > 0 and quick_in >= (1 + min_rise) * max(quick_out, quick_peers)
+    if quick_out > 0 and quick_in >= (1 + min_rise) * max(quick_out, quick_peers):
+        return quick_in, quick_out
+    return None
 
 
 def _fitted_to_moved_worker(span: Span, prepared: PreparedTrace) -> Span:
