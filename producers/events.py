@@ -35,9 +35,11 @@ vocabulary the timer accepts by default.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import struct
+import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +60,7 @@ __all__ = [
     "RankIdentity",
     "RankStepBatch",
     "SchemaError",
+    "StepEncoder",
     "decode_batch",
     "encode_batch",
 ]
@@ -389,35 +392,116 @@ def encode_batch(batch: RankStepBatch) -> bytes:
         names = tuple(used_names[i] for i in order.tolist())
     else:
         names = ()
-    job = batch.job_id.encode()
+    return _encode(
+        batch.job_id.encode(),
+        (batch.attempt, batch.rank, batch.dp_rank, batch.pp_rank, batch.tp_rank,
+         batch.cp_rank, batch.step),
+        [_name_entry(name) for name in names],
+        [np.ascontiguousarray(optype if name == "optype" else getattr(batch, name), dtype=dtype)
+         .tobytes() for name, dtype in _COLUMNS],
+    )  # fmt: skip
+
+
+def _name_entry(name: str) -> bytes:
+    raw = name.encode()
+    return bytes((len(raw),)) + raw
+
+
+def _encode(
+    job: bytes, identity: tuple[int, ...], name_entries: list[bytes], columns: list[bytes]
+) -> bytes:
+    """Header, dictionary and the columns' little-endian bytes (in `_COLUMNS` order) as
+    one checksummed batch."""
+    n_ops = len(columns[0]) // _COLUMNS[0][1].itemsize
+    attempt, rank, dp, pp, tp, cp, step = identity
     parts = [
-        _HEADER.pack(
-            BATCH_MAGIC,
-            BATCH_VERSION,
-            0,
-            batch.n_ops,
-            batch.attempt,
-            batch.rank,
-            batch.dp_rank,
-            batch.pp_rank,
-            batch.tp_rank,
-            batch.cp_rank,
-            batch.step,
-            len(job),
-            len(names),
-        ),
+        _HEADER.pack(BATCH_MAGIC, BATCH_VERSION, 0, n_ops, attempt, rank, dp, pp, tp, cp, step,
+                     len(job), len(name_entries)),
         job,
-    ]
-    for name in names:
-        raw = name.encode()
-        parts.append(bytes((len(raw),)) + raw)
+        *name_entries,
+    ]  # fmt: skip
     size = sum(len(p) for p in parts)
     parts.append(b"\0" * (-size % 8))
-    for name, dtype in _COLUMNS:
-        column = optype if name == "optype" else getattr(batch, name)
-        parts.append(np.ascontiguousarray(column, dtype=dtype).tobytes())
+    parts += columns
     body = b"".join(parts)
     return body + _TRAILER.pack(zlib.crc32(body))
+
+
+class StepEncoder:
+    """Encodes one rank's steps straight from its timer's columns: the bytes
+    `encode_batch(RankStepBatch.build(...))` gives, without building the batch.
+
+    The timer's sealer thread encodes a batch per step beside the training thread, on the
+    same cores; the identity and the op type dictionary never change for a timer, so they
+    are checked and sorted once here, and a step costs a few list operations.
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        dp_rank: int,
+        pp_rank: int,
+        tp_rank: int,
+        cp_rank: int,
+        optype_names: Sequence[str],
+    ) -> None:
+        identity = {"attempt": attempt, "rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank,
+                    "tp_rank": tp_rank, "cp_rank": cp_rank, "step": 0}  # fmt: skip
+        if not job_id:
+            raise SchemaError("job_id is empty")
+        _check_identity(identity, f"rank {rank}")
+        if len(optype_names) > _MAX_OPTYPE_NAMES:
+            raise SchemaError(
+                f"{len(optype_names)} op type names, at most {_MAX_OPTYPE_NAMES} fit one batch"
+            )
+        self._job = job_id.encode()
+        self._identity = (attempt, rank, dp_rank, pp_rank, tp_rank, cp_rank)
+        self._entries = [_name_entry(name) for name in optype_names]
+        #: Each code's place in the names' sorted order (the wire dictionary's order).
+        by_name = sorted(range(len(optype_names)), key=optype_names.__getitem__)
+        self._name_order = [0] * len(optype_names)
+        for place, code in enumerate(by_name):
+            self._name_order[code] = place
+
+    def encode(
+        self,
+        step: int,
+        codes: list[int],
+        microbatch: list[int],
+        chunk: list[int],
+        seq: list[int],
+        start_ns: list[int],
+        duration_ns: list[int],
+    ) -> bytes:
+        """One step's batch (the timer checked the step and the values); `codes` index
+        the timer's op type names. An out-of-range value raises OverflowError."""
+        used = sorted(set(codes), key=self._name_order.__getitem__)
+        wire_code = {code: place for place, code in enumerate(used)}
+        return _encode(
+            self._job,
+            (*self._identity, step),
+            [self._entries[code] for code in used],
+            [_column(8, start_ns), _column(8, duration_ns), _column(4, seq),
+             _column(4, microbatch), _column(2, chunk),
+             bytes([wire_code[code] for code in codes])],
+        )  # fmt: skip
+
+
+def _column(width: int, values: list[int]) -> bytes:
+    """`values` as little-endian signed integers of `width` bytes (`array` checks the range)."""
+    column = array.array(_SIGNED_TYPECODE[width], values)
+    if _BIG_ENDIAN:
+        column.byteswap()
+    return column.tobytes()
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+#: The array module's signed type code of each width on this platform ('h' is 2 bytes,
+#: 'q' 8; 'i' and 'l' vary, and the later one of a width wins).
+_SIGNED_TYPECODE = {array.array(t).itemsize: t for t in "hilq"}
 
 
 def batch_id_of(encoded: bytes | memoryview) -> str:

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import logging
 import operator
 import queue
@@ -86,9 +87,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
-import numpy as np
-
-from lagscope.producers.events import JobInfo, RankStepBatch
+from lagscope.producers.events import JobInfo, StepEncoder
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
 from lagscope.simulator.optypes import GC_PAUSE, KNOWN_OPTYPES
 
@@ -234,6 +233,10 @@ class OpTimer:
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
         #: Chunks (virtual-pipeline model chunks) a rank may hold: vpp_size when known.
         self._chunk_limit = job_info.vpp_size if job_info is not None else _CHUNK_LIMIT
+        self._encoder = StepEncoder(
+            job_id=job_id, attempt=attempt, rank=rank, dp_rank=dp_rank, pp_rank=pp_rank,
+            tp_rank=tp_rank, cp_rank=cp_rank, optype_names=self.optype_names,
+        )  # fmt: skip
         self._writer = LogWriter(log_dir, rank, flush_interval_s=flush_interval_s)
         if job_info is not None:
             self._writer.append(KIND_JOB, job_info.model_dump_json().encode())
@@ -476,7 +479,7 @@ class OpTimer:
                 if taken is None:
                     return
                 with self._lock:
-                    self._write_batches(_rows(taken))
+                    self._write_batches(taken)
                     self._wall_offset_ns = _wall_minus_perf_ns()
             except Exception:
                 # A batch that cannot be encoded is lost, never the thread: later steps
@@ -485,67 +488,55 @@ class OpTimer:
             finally:
                 self._sealing.task_done()
 
-    def _write_batches(self, ops: np.ndarray) -> None:
-        if not ops.size:
-            return
-        # Ops sorted by (step, start): seq is the order of starts within (step, op type).
-        ops = ops[np.lexsort((ops[:, 4], ops[:, 1]))]
-        code, step, microbatch, chunk, start, duration = ops.T
-        for s in np.unique(step).tolist():
-            step_rows = np.flatnonzero(step == s)
-            step_codes = code[step_rows]
-            step_seq = np.empty(step_rows.size, dtype=np.int64)
-            for c in np.unique(step_codes).tolist():
-                where = np.flatnonzero(step_codes == c)
-                base = self._seq_counters.get((s, c), 0)
-                step_seq[where] = np.arange(base, base + where.size)
-                self._seq_counters[(s, c)] = base + where.size
-            for part in range(0, step_rows.size, MAX_OPS_PER_BATCH):
-                rows = step_rows[part : part + MAX_OPS_PER_BATCH]
-                seq = step_seq[part : part + MAX_OPS_PER_BATCH]
-                self._write_batch(s, code[rows], microbatch[rows], chunk[rows], seq,
-                                  start[rows], duration[rows])  # fmt: skip
+    def _write_batches(self, ops: list[_Op]) -> None:
+        """Encode `ops` into one batch per step (more where a step exceeds
+        MAX_OPS_PER_BATCH) and append them to the log.
+
+        Plain Python, no numpy: this runs beside the training thread on the same cores,
+        and a step's few dozen ops cost less as list work than as array calls, whose code
+        the training's own work has evicted from the caches by the next step.
+        """
+        # (step, start) order: seq is the order of starts within (step, op type).
+        ops = sorted(ops, key=_step_and_start)
+        counters = self._seq_counters
+        offset = self._wall_offset_ns
+        for step, in_step in itertools.groupby(ops, key=_step_of):
+            step_ops = list(in_step)
+            for part in range(0, len(step_ops), MAX_OPS_PER_BATCH):
+                codes, microbatches, chunks, seqs, starts, durations = [], [], [], [], [], []
+                for (code, _, microbatch, chunk), start, duration in step_ops[
+                    part : part + MAX_OPS_PER_BATCH
+                ]:
+                    key = (step, code)
+                    seq = counters.get(key, 0)
+                    counters[key] = seq + 1
+                    codes.append(code)
+                    microbatches.append(microbatch)
+                    chunks.append(chunk)
+                    seqs.append(seq)
+                    starts.append(start + offset)
+                    durations.append(duration)
+                encoded = self._encoder.encode(
+                    step, codes, microbatches, chunks, seqs, starts, durations
+                )
+                self._writer.append(KIND_BATCH, encoded)
+                self.batches_written += 1
         # Forget counters of steps well behind the current one (bounded memory).
-        if len(self._seq_counters) > 4096:
+        if len(counters) > 4096:
             horizon = self._current_step - 16
-            self._seq_counters = {k: v for k, v in self._seq_counters.items() if k[0] >= horizon}
-
-    def _write_batch(
-        self,
-        step: int,
-        codes: np.ndarray,
-        microbatch: np.ndarray,
-        chunk: np.ndarray,
-        seq: np.ndarray,
-        start: np.ndarray,
-        duration: np.ndarray,
-    ) -> None:
-        batch = RankStepBatch.build(
-            job_id=self.job_id,
-            attempt=self.attempt,
-            rank=self.rank,
-            dp_rank=self.dp_rank,
-            pp_rank=self.pp_rank,
-            tp_rank=self.tp_rank,
-            cp_rank=self.cp_rank,
-            step=step,
-            optype=codes,
-            optype_names=self.optype_names,
-            microbatch=microbatch,
-            chunk=chunk,
-            seq=seq,
-            start_ns=start + self._wall_offset_ns,
-            duration_ns=duration,
-        )
-        self._writer.append(KIND_BATCH, batch.encode())
-        self.batches_written += 1
+            self._seq_counters = {k: v for k, v in counters.items() if k[0] >= horizon}
 
 
-def _rows(buffer: list[tuple[tuple[int, int, int, int], int, int]]) -> np.ndarray:
-    """Hot-path tuples ((code, step, microbatch, chunk), start, duration) as an (n, 6) array."""
-    heads = np.array([op[0] for op in buffer], dtype=np.int64).reshape(-1, 4)
-    times = np.array([op[1:] for op in buffer], dtype=np.int64).reshape(-1, 2)
-    return np.concatenate([heads, times], axis=1)
+#: An op as the hot path appends it: ((code, step, microbatch, chunk), start, duration).
+_Op = tuple[tuple[int, int, int, int], int, int]
+
+
+def _step_and_start(op: _Op) -> tuple[int, int]:
+    return op[0][1], op[1]
+
+
+def _step_of(op: _Op) -> int:
+    return op[0][1]
 
 
 def owner_lock(timer: OpTimer) -> threading.Lock:
@@ -655,13 +646,13 @@ class _CudaTimer:
     def _write_steps_before(self, cutoff: int | None) -> None:
         if not self._resolved:
             return
-        ops = _rows(self._resolved)
-        done = ops[:, 1] < cutoff if cutoff is not None else np.ones(len(ops), dtype=bool)
-        if not done.any():
+        resolved = self._resolved
+        done = [op for op in resolved if cutoff is None or op[0][1] < cutoff]
+        if not done:
             return
-        self._resolved = [((r[0], r[1], r[2], r[3]), r[4], r[5]) for r in ops[~done].tolist()]
+        self._resolved = [op for op in resolved if cutoff is not None and op[0][1] >= cutoff]
         with owner_lock(self._owner):
-            self._owner._write_batches(ops[done])
+            self._owner._write_batches(done)
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait (off the hot path: at flush/close) for pending events; write everything."""

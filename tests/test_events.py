@@ -17,6 +17,7 @@ from lagscope.producers.events import (
     JobInfo,
     RankStepBatch,
     SchemaError,
+    StepEncoder,
     batch_from_records,
     batch_id_of,
     decode_batch,
@@ -58,6 +59,25 @@ def test_encoding_round_trips_every_field(batch: RankStepBatch) -> None:
     assert decoded.to_records() == batch.to_records()
     assert encode_batch(decoded) == encoded
     assert decoded.batch_id == batch_id_of(encoded)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.permutations((*KNOWN_OPTYPES, "custom-op")))
+def test_the_timers_step_encoder_writes_the_bytes_encode_batch_does(
+    batch: RankStepBatch, timer_names: list[str]
+) -> None:
+    # The timer's dictionary is its own (any order, every name); the wire's is the names
+    # used, sorted: the two paths must agree byte for byte, or batch ids would differ.
+    fields = ("job_id", "attempt", "rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank")
+    identity = {k: getattr(batch, k) for k in fields}
+    encoder = StepEncoder(**identity, optype_names=timer_names)
+    used = [batch.optype_names[c] for c in batch.optype.tolist()]
+    codes = [timer_names.index(name) for name in used]
+    encoded = encoder.encode(
+        batch.step, codes, batch.microbatch.tolist(), batch.chunk.tolist(), batch.seq.tolist(),
+        batch.start_ns.tolist(), batch.duration_ns.tolist(),
+    )  # fmt: skip
+    assert encoded == encode_batch(batch)
 
 
 def _sample(**overrides: object) -> RankStepBatch:

@@ -148,7 +148,7 @@ def worker(rank: int, knobs: Knobs) -> None:
     runner = Stage(knobs, rank, model, endless(loader) if loader is not None else None)
     params = list(model.parameters())
     step_seconds = []
-    cpu_began = 0.0
+    cpu_began = monitor_began = 0.0
     for step in range(knobs.steps):
         began = time.perf_counter()
         runner.one_f_one_b(step)
@@ -158,17 +158,36 @@ def worker(rank: int, knobs: Knobs) -> None:
         step_seconds.append(time.perf_counter() - began)
         if step == CPU_WARM_UP_STEPS - 1:
             cpu_began = time.process_time()
+            monitor_began = _monitor_threads_cpu_s()
     # The process's CPU seconds per step once warm: the job's threads and the monitor's (its
     # sealer thread encodes and writes each closed step meanwhile). The first steps carry
     # one-time work: the job's warm-up, and the sealer's first step (its lazy imports, ~80
     # ms) runs during the second.
-    cpu_per_step = (time.process_time() - cpu_began) / max(1, knobs.steps - CPU_WARM_UP_STEPS)
+    counted = max(1, knobs.steps - CPU_WARM_UP_STEPS)
+    cpu_per_step = (time.process_time() - cpu_began) / counted
+    monitor_cpu_per_step = (_monitor_threads_cpu_s() - monitor_began) / counted
     monitor.close()
     # The job's own step times, for the overhead bench (with and without lagscope).
     times = Path(knobs.log_dir).parent / "step-seconds"
     times.mkdir(exist_ok=True)
     (times / f"rank-{rank}.json").write_text(json.dumps(step_seconds))
     (times / f"rank-{rank}.cpu.json").write_text(json.dumps(cpu_per_step))
+    (times / f"rank-{rank}.monitor-threads.json").write_text(json.dumps(monitor_cpu_per_step))
+
+
+def _monitor_threads_cpu_s() -> float:
+    """CPU seconds of lagscope's own threads in this process (the timer's sealer, which
+    encodes each closed step, and the log writer): each thread's CPU clock, read directly,
+    so the number is not the difference of two noisy runs."""
+    import contextlib
+    import threading
+
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("lagscope-") and thread.ident is not None:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
 
 
 if __name__ == "__main__":
