@@ -201,12 +201,13 @@ class Stretch:
     step_s: float
 
 
-def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[Stretch]:
+def worker_stretches(
+    prepared: PreparedTrace, min_rise: float = 0.10, min_steps: int = _MIN_STRETCH_STEPS
+) -> list[Stretch]:
     """Raised stretches of single workers, found over the finished run: every worker's own
-    work of each op type fitted with `square_wave` on its own seconds, kept when the worker
-    was slower in its quick steps too, against its own quick steps outside the stretch and
-    against its peers' (the median of the others' same work) inside it, by `min_rise`; in
-    onset order.
+    work of each op type fitted with `square_wave`, bounded by its run of slow steps
+    (`_steady_bounds`), kept when it lasts `min_steps` and was raised by `min_rise` in its
+    quick steps and its median (`_raised_levels`) and against its peers; in onset order.
 
     The change-point detector sees a worker's work relative to its peers step by step, and
     on a job whose ops jitter by tens of percent (CPU ranks sharing cores) a worker that
@@ -219,7 +220,9 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
     for a dozen steps doubles its median forward time there. Such noise only ever adds time,
     so the rank's quickest forwards still take what they always took, where a straggler's
     take longer every time: its quick steps (`_QUICK_QUANTILE`) decide, and they bound the
-    stretch as well (`_steady_bounds`).
+    stretch as well. A rank that loses its core in nearly every step for a while has few
+    quick steps left there, but its median rises by far less than a straggler's, whose
+    every step doubled.
     """
     optypes = sorted(
         {t for t, own in zip(prepared.node_optype, own_work_mask(prepared), strict=True) if own}
@@ -241,28 +244,28 @@ def worker_stretches(prepared: PreparedTrace, min_rise: float = 0.10) -> list[St
                 )
                 if others.shape[1] == 0:
                     continue
-                # Fitted on its own times, and where lost cores blur those, on each step's
-                # least time with its neighbours'.
+                peers = np.median(others, axis=1)
+                ratio = own / np.where(peers > 0, peers, np.nan)
+                # Fitted on its own times, and on each step's least time with its
+                # neighbours' (lost cores blur the first); of the fits that hold, the one
+                # in which the worker stands out most against its peers.
                 fits = (
                     square_wave(own, 0, n - 1, min_rise),
                     square_wave(_floor(own), 0, n - 1, min_rise),
                 )
-                bounds = next(
-                    (
-                        steady
-                        for fitted in fits
-                        if fitted is not None
-                        and (steady := _steady_bounds(own, others, *fitted, min_rise)) is not None
-                    ),
-                    None,
-                )
-                if bounds is None:
+                held = []
+                for fitted in fits:
+                    steady = _steady_bounds(own, others, *fitted, min_rise) if fitted else None
+                    if steady is not None:
+                        end = steady[1] if steady[1] is not None else n
+                        if end - steady[0] >= min_steps:
+                            held.append((steady[0], end))
+                if not held:
                     continue
-                onset, recovery = bounds
+                onset, end = max(held, key=lambda bounds: np.nanmedian(ratio[slice(*bounds)]))
+                recovery = end if end < n else None
                 inside = np.zeros(n, dtype=bool)
-                inside[onset : recovery if recovery is not None else n] = True
-                peers = np.median(others, axis=1)
-                ratio = own / np.where(peers > 0, peers, np.nan)
+                inside[onset:end] = True
                 ratio_in, ratio_out = np.nanmedian(ratio[inside]), np.nanmedian(ratio[~inside])
                 # Its typical step is slower than its peers' there, and by more than it
                 # usually is, if by less than its quick steps (their own lost cores blur a
@@ -313,20 +316,24 @@ def _steady_bounds(
     own: np.ndarray, others: np.ndarray, onset: int, recovery: int | None, min_rise: float
 ) -> tuple[int, int | None] | None:
     """The stretch of `own` (one worker's seconds per step) near the fitted (onset,
-    recovery) in which it is slow every step; None unless its quick steps there are
-    `min_rise` slower than outside and than its peers' (`others`, [step, peer]) there.
+    recovery) in which it is slow every step; None unless it is raised there by
+    `min_rise` (`_raised_levels`).
 
     A step counts as slow above the geometric mean of the quick levels inside and outside
-    the fitted stretch. The bounds are the run of steps, within `_RUN_SLACK` of the fitted
-    ones, that holds the most slow steps net of `_QUICK_STEP_PENALTY` per quick one.
+    the fitted stretch, and as the worker's when it is also slower than its peers' median
+    in that step; a slow step in which its peers were as slow (the machine's) counts
+    nothing. The bounds are the run of steps, within `_RUN_SLACK` of the fitted ones, that
+    holds the most of the worker's slow steps net of `_QUICK_STEP_PENALTY` per quick one.
     """
     n = own.size
     end = recovery if recovery is not None else n
-    levels = _raised_quick_levels(own, others, onset, end, min_rise)
+    levels = _raised_levels(own, others, onset, end, min_rise)
     if levels is None:
         return None
     quick_in, quick_out = levels
-    score = np.where(own >= np.sqrt(quick_in * quick_out), 1.0, -_QUICK_STEP_PENALTY)
+    slow = own >= np.sqrt(quick_in * quick_out)
+    its_own = own >= (1 + min_rise / 2) * np.median(others, axis=1)
+    score = np.where(slow, np.where(its_own, 1.0, 0.0), -_QUICK_STEP_PENALTY)
     first, last = max(0, onset - _RUN_SLACK), min(n, end + _RUN_SLACK)
     # The best-scoring run [a, b) within [first, last): a maximum subarray, the earliest
     # and shortest of equal ones.
@@ -338,26 +345,36 @@ def _steady_bounds(
         total += score[i]
         if total > best:
             best, best_a, best_b = total, a, i + 1
-    if best <= 0 or _raised_quick_levels(own, others, best_a, best_b, min_rise) is None:
+    if best <= 0 or _raised_levels(own, others, best_a, best_b, min_rise) is None:
         return None
     return best_a, (best_b if best_b < n else None)
 
 
-def _raised_quick_levels(
+def _raised_levels(
     own: np.ndarray, others: np.ndarray, start: int, end: int, min_rise: float
 ) -> tuple[float, float] | None:
-    """The worker's quick levels in [start, end) and outside it, when the one inside is
-    `min_rise` slower than the one outside and than each peer's in [start, end); else None."""
+    """The worker's quick levels in [start, end) and outside it, when [start, end) is
+    raised by `min_rise`; else None.
+
+    Raised means: its quick level there over its own outside and over its quickest
+    peer's there (a peer that lost its core in most of those steps has a raised quick
+    level of its own), and its median there over its own outside. Lost cores raise a
+    rank's quick level for a dozen steps now and then, but its median by far less than a
+    straggler's, which is slow in every step.
+    """
     inside = np.zeros(own.size, dtype=bool)
     inside[start:end] = True
     if inside.all() or not inside.any():
         return None
     quick_in = float(np.quantile(own[inside], _QUICK_QUANTILE))
     quick_out = float(np.quantile(own[~inside], _QUICK_QUANTILE))
-    # Each peer's own quick level: a median across peers per step smooths their quick
-    # steps away.
-    quick_peers = float(np.median(np.quantile(others[inside], _QUICK_QUANTILE, axis=0)))
-    if quick_out > 0 and quick_in >= (1 + min_rise) * max(quick_out, quick_peers):
+    quick_peers = float(np.min(np.quantile(others[inside], _QUICK_QUANTILE, axis=0)))
+    raised = 1 + min_rise
+    if (
+        quick_out > 0
+        and quick_in >= raised * max(quick_out, quick_peers)
+        and np.median(own[inside]) >= raised * np.median(own[~inside])
+    ):
         return quick_in, quick_out
     return None
 
@@ -483,7 +500,7 @@ def diagnosed_episodes(
             return None
         return span, diagnosis
 
-    stretches = worker_stretches(prepared, min_rise=_STRETCH_MIN_RISE)
+    stretches = worker_stretches(prepared, min_rise=_STRETCH_MIN_RISE, min_steps=_STRETCH_MIN_STEPS)
     episodes: list[Episode] = []
     for detected in episode_spans(changes):
         found = diagnosed(_fitted_to_moved_worker(detected, prepared))
