@@ -165,6 +165,10 @@ def run() -> list[dict]:
             threads.append(threads_s)
         load = (load_before + os.getloadavg()[0]) / 2
     base, monitored = statistics.median(without), statistics.median(with_monitor)
+    # Each run with the monitor against the run without it just before: the spread of
+    # these says what the measured row can resolve on this machine.
+    paired = [(m / b - 1) * 100 for m, b in zip(with_monitor, without, strict=True)]
+    low, _, high = statistics.quantiles(paired, n=4)
     # The CPU the monitor adds to a rank per step (hooks on the training thread and the
     # sealer thread's encoding and writing), as a difference of two runs' process CPU:
     # four ranks' threads on two cores make it noisy (+-0.3 ms per step).
@@ -189,8 +193,8 @@ def run() -> list[dict]:
          "value": base * 1e3, "unit": "ms", "target": ""},
         {"benchmark": "torch: 1F1B job step-time overhead (measured)",
          "value": (monitored / base - 1) * 100, "unit": "%", "target": "< 0.5",
-         "note": f"median of 7 alternating runs each; 1-min load average {load:.1f} "
-                 f"on {os.cpu_count()} cores"},
+         "note": f"median of 7 alternating runs each; run by run {low:+.1f} to {high:+.1f} % "
+                 f"(quartiles); 1-min load average {load:.1f} on {os.cpu_count()} cores"},
         {"benchmark": "torch: 1F1B job run-to-run spread without monitor (noise floor)",
          "value": (max(without) / min(without) - 1) * 100, "unit": "%", "target": "",
          "note": "an overhead below this spread is not resolved by the measured row"},
