@@ -209,38 +209,55 @@ def slow_comm_groups(prepared: PreparedTrace, factor: float) -> list[dict[str, A
     that move the same data: the same op type at the same place in the step (its `seq`:
     the same gradient bucket, the same micro-batch's activations), on every stage and DP
     rank. Gradient buckets of one op type differ in size by design; the largest is no slow
-    link for being slower than the smallest."""
+    link for being slower than the smallest.
+
+    A DP collective is one transfer of the whole group, so the group is compared with the
+    other groups moving the same data (the other stages' DP groups), never with itself: a
+    job whose only DP group moves a bucket (plain DDP) has nothing to compare it with, and
+    its ranks' medians around the group's are the job's noise. A pipeline link is compared
+    rank by rank."""
     suspects = []
     nodes_of = prepared.model.nodes
+    cost = prepared.cost
+    keys = [
+        (nodes_of[g.members[0]].optype, nodes_of[g.members[0]].seq) for g in prepared.model.groups
+    ]
     medians: dict[tuple[str, int], float] = {}
-    for group in prepared.model.groups:
-        first = nodes_of[group.members[0]]
-        key = (first.optype, first.seq)
+    group_medians = [float(np.median(cost[list(g.members)])) for g in prepared.model.groups]
+    for index, group in enumerate(prepared.model.groups):
+        key = keys[index]
+        members = list(group.members)
+        if group.dp_synchronized:
+            others = [m for i, m in enumerate(group_medians) if i != index and keys[i] == key]
+            if not others:
+                continue
+            base = float(np.median(others))
+            value = group_medians[index]
+            if base > 0 and value > factor * base:
+                suspects.append(_slow_group(prepared, members, None, value, base))
+            continue
         if key not in medians:
             same = [i for i, n in enumerate(nodes_of) if (n.optype, n.seq) == key]
-            medians[key] = float(np.median(prepared.cost[same]))
+            medians[key] = float(np.median(cost[same]))
         base = medians[key]
-        per_dp = np.median(prepared.cost[list(group.members)], axis=(0, 1))
-        candidates = [int(dp) for dp in np.flatnonzero(per_dp > factor * base)] if base > 0 else []
-        if group.dp_synchronized and candidates:
-            candidates = [-1]  # the whole DP group is slow, not one rank
-        for dp in candidates:
-            value = (
-                float(np.median(prepared.cost[list(group.members)]))
-                if dp < 0
-                else float(per_dp[dp])
-            )
-            suspects.append(
-                {
-                    "ops": [str(prepared.model.nodes[m]) for m in group.members],
-                    "dp": None if dp < 0 else dp,
-                    "transfer_s": value,
-                    "optype_median_s": base,
-                    "ratio": value / base,
-                }
-            )
+        per_dp = np.median(cost[members], axis=(0, 1))
+        if base > 0:
+            for dp in np.flatnonzero(per_dp > factor * base).tolist():
+                suspects.append(_slow_group(prepared, members, dp, float(per_dp[dp]), base))
     suspects.sort(key=lambda s: -s["ratio"])
     return suspects
+
+
+def _slow_group(
+    prepared: PreparedTrace, members: list[int], dp: int | None, value: float, base: float
+) -> dict[str, Any]:
+    return {
+        "ops": [str(prepared.model.nodes[m]) for m in members],
+        "dp": dp,
+        "transfer_s": value,
+        "optype_median_s": base,
+        "ratio": value / base,
+    }
 
 
 # -- re-simulation -------------------------------------------------------------------------

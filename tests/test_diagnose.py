@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 
@@ -15,6 +16,7 @@ from lagscope.simulator.diagnose import (
     balanced_microbatches,
     diagnose,
     escalation,
+    slow_comm_groups,
 )
 from lagscope.simulator.generate import (
     CostModel,
@@ -104,6 +106,29 @@ def test_repairing_links_predicts_the_clean_job(stragglers):
     job, _, diagnosis = diagnosed(stragglers, seed=2)
     assert diagnosis.cause == "slow_communication"
     assert diagnosis.advice[0].predicted_speedup == pytest.approx(job.truth.slowdown, rel=0.03)
+
+
+def test_a_dp_group_is_slow_against_other_groups_never_against_its_own_ranks():
+    """Plain DDP (one DP group moves each bucket): one rank reading its transfers 1.5x the
+    others' is the job's noise, not a slow link; there is nothing to compare the group
+    with. With two stages, the stage whose DP group is 3x slower is named, as a group."""
+    job = generate_job(JobSpec(dp=4, pp=1, microbatches=2, steps=8, cost=BALANCED, seed=3))
+    prepared = prepare(job.trace, job.meta)
+    synced = [m for g in prepared.model.groups if g.dp_synchronized for m in g.members]
+    assert synced
+    cost = prepared.cost.copy()
+    cost[synced, :, 2] *= 1.5
+    noisy = dataclasses.replace(prepared, cost=cost)
+    assert slow_comm_groups(noisy, 1.1) == []
+
+    staged = generate_job(
+        JobSpec(dp=4, pp=2, microbatches=2, steps=8, cost=BALANCED, seed=3,
+                stragglers=(SlowLink(stage=1, factor=3.0),))
+    )  # fmt: skip
+    groups = slow_comm_groups(prepare(staged.trace, staged.meta), 1.1)
+    assert groups and all(g["dp"] is None and g["ratio"] > 2 for g in groups)
+    # Ops are named optype_seq_stage.
+    assert {op.rsplit("_", 1)[1] for g in groups for op in g["ops"]} == {"1"}, groups
 
 
 def test_planned_gc_predicts_the_job_without_pauses():
