@@ -33,7 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _kafka_flags(stream)
     stream.add_argument(
-        "--log-dir", metavar="DIR", help="directory of rank-NNNNNN/ log directories"
+        "--log-dir",
+        metavar="DIR",
+        help="directory of rank-NNNNNN/ log directories (waited for until the job creates it)",
     )
     stream.add_argument(
         "--checkpoint",
@@ -187,9 +189,10 @@ def run_stream(args: argparse.Namespace) -> int:
     from lagscope.stream_app.cli_conventions import UsageError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.log_dir is not None and not Path(args.log_dir).is_dir():
-        what = "is not a directory" if Path(args.log_dir).exists() else "does not exist"
-        raise UsageError(f"--log-dir {args.log_dir}: {what}")
+    # A directory not there yet is waited for (the sidecar may start first); a file is a
+    # mistake.
+    if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        raise UsageError(f"--log-dir {args.log_dir}: is not a directory")
     try:
         config = _config(
             args,

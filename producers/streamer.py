@@ -154,6 +154,7 @@ class Streamer:
         #: Set once close() has said how the run ended: the client's last errors (its final
         #: poll, its teardown) must not open an outage that no line will ever close.
         self._exit_reported = False
+        self._waiting_for_log_dir = False
         #: Whether a broker answered in this run (created topics or confirmed a delivery).
         self._kafka_answered = False
         #: Wall-clock time of the last confirmed delivery (the metrics endpoint's).
@@ -414,7 +415,10 @@ class Streamer:
             self._producer.poll(0.1)
             self._advance()
         self._advance()
-        self.write_checkpoint()
+        # A log directory that never appeared has nothing to remember, and a checkpoint in
+        # it (the default place) would create it.
+        if self._ranks or self.log_dir.is_dir():
+            self.write_checkpoint()
         outage_at_exit = self._outage is not None
         if outage_at_exit:
             self._end_outage(at_exit=True)
@@ -466,6 +470,19 @@ class Streamer:
             )
         self._outage = None
 
+    def _note_log_dir(self) -> None:
+        """Say once that the log directory is not there yet, and once that it appeared: a
+        sidecar often starts before the training job creates it, and waits (a typo in the
+        path shows in that one line; `idle_exit_s` ends the wait)."""
+        exists = os.path.isdir(self.log_dir)
+        if not exists and not self._waiting_for_log_dir:
+            self._waiting_for_log_dir = True
+            log.warning("%s does not exist yet; waiting for the training job to create it",
+                        self.log_dir)  # fmt: skip
+        elif exists and self._waiting_for_log_dir:
+            self._waiting_for_log_dir = False
+            log.warning("%s appeared; shipping its logs", self.log_dir)
+
     def step(self) -> bool:
         """Read what is readable, produce it, serve delivery reports; True if it did work."""
         self._producer.poll(0)
@@ -476,6 +493,7 @@ class Streamer:
         if self._backoff_s and time.monotonic() < self._backoff_s:
             return False
         did_work = False
+        self._note_log_dir()
         for directory in list_rank_dirs(self.log_dir):
             name = directory.name
             state = self._ranks.get(name)

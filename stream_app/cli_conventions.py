@@ -10,7 +10,8 @@ Exit codes, the same for every command:
   column), data the analysis cannot use (`TraceError`).
 - 2: the command line itself is wrong: an unknown option or a bad value (argparse), an
   output path the command cannot write in that form (`--heatmap out.txt`), two outputs
-  sent to stdout, a log directory that does not exist (`UsageError`), and settings that
+  sent to stdout, a log directory that does not exist (`UsageError`; `lagscope stream`, a
+  sidecar that may start before the job, waits for it instead), and settings that
   are wrong wherever they came from (config file, environment, DSN: `ConfigError`,
   `StoreError`).
 - 130: interrupted (Ctrl-C); 141: the reader of stdout went away (`| head`).

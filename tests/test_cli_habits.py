@@ -273,7 +273,8 @@ def test_stream_without_kafka_says_so_once_and_honours_idle_exit(
     assert json.loads(checkpoint.read_text())["positions"] == {}  # nothing confirmed
 
 
-def test_stream_on_a_missing_log_dir_is_a_usage_error(tmp_path: Path) -> None:
-    done = lagscope("stream", "--log-dir", "nowhere", "--idle-exit-s", "1", cwd=tmp_path)
+def test_stream_on_a_file_for_its_log_dir_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "logs").write_text("not a directory")
+    done = lagscope("stream", "--log-dir", "logs", "--idle-exit-s", "1", cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr == "lagscope stream: error: --log-dir nowhere: does not exist\n"
+    assert done.stderr == "lagscope stream: error: --log-dir logs: is not a directory\n"

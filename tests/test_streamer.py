@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import time
 from collections import Counter
@@ -260,3 +261,42 @@ def test_back_off_after_a_rewind_resets_once_a_delivery_succeeds(
     assert streamer._backoff_s - time.monotonic() <= 0.5
     assert streamer.stats.rewinds == 13
     streamer.close()
+
+
+def test_a_sidecar_started_before_the_job_waits_for_its_log_dir(
+    tmp_path: Path, streamer_config, kafka_bootstrap: str, kafka_topics: dict[str, str], caplog
+) -> None:
+    """The log directory does not exist yet: one line says so, nothing is created, and the
+    batches the job then writes are shipped."""
+    log_dir = tmp_path / "not-yet" / "logs"
+    streamer = Streamer(streamer_config(log_dir))
+    with caplog.at_level(logging.WARNING, logger="lagscope.streamer"):
+        for _ in range(3):
+            assert not streamer.step()
+        assert not log_dir.parent.exists()
+        sent = [_batch(step) for step in range(3)]
+        with LogWriter(log_dir, 7) as writer:
+            for batch in sent:
+                writer.append(KIND_BATCH, batch.encode())
+        for _ in range(50):
+            streamer.step()
+            if not streamer._in_flight_bytes and streamer.stats.batches == len(sent):
+                break
+            streamer._producer.poll(0.05)
+        streamer.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        f"{log_dir} does not exist yet; waiting for the training job to create it",
+        f"{log_dir} appeared; shipping its logs",
+    ]
+    delivered = [
+        decode_batch(m.value) for m in consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
+    ]
+    assert sorted(b.batch_id for b in delivered) == sorted(b.batch_id for b in sent)
+
+
+def test_a_log_dir_that_never_appears_is_not_created(tmp_path: Path, streamer_config) -> None:
+    log_dir = tmp_path / "typo" / "logs"
+    stats = Streamer(streamer_config(log_dir, idle_exit_s=0.3)).run()
+    assert stats.batches == 0
+    assert not (tmp_path / "typo").exists()
