@@ -5,7 +5,6 @@ pipeline, as `lagscope demo` does."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -25,10 +24,9 @@ def fill_demo_store(
     `missing_worker_at_last_step` (dp, pp) never reports the last step (one incomplete
     step); `garbage_record` appends bytes that are no log record (one dead letter).
     """
-    from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import generate_job
     from lagscope.stream_app.commands.run import (
-        H100_BF16_PEAK_FLOPS,
+        demo_job_info,
         demo_spec,
         write_logs_with_timers,
     )
@@ -37,11 +35,7 @@ def fill_demo_store(
     from lagscope.stream_app.sink import ClickHouseSink
 
     job = generate_job(demo_spec(steps, seed=7))
-    flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
-    meta = dataclasses.replace(
-        job.meta, model_flops_per_step=flops, gpu_peak_flops=H100_BF16_PEAK_FLOPS
-    )
-    info = JobInfo.from_meta(meta, job_id=DEMO_JOB, attempt=0)
+    info = demo_job_info(job, DEMO_JOB)
     trace = job.trace
     if missing_worker_at_last_step is not None:
         dp, pp = missing_worker_at_last_step

@@ -26,7 +26,7 @@ from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
 
 if TYPE_CHECKING:
     from lagscope.producers.events import JobInfo
-    from lagscope.simulator.generate import JobSpec
+    from lagscope.simulator.generate import GeneratedJob, JobSpec
     from lagscope.simulator.trace import Trace
     from lagscope.stream_app.embedded import JobReport, RunReport
     from lagscope.stream_app.progress import Progress
@@ -262,6 +262,18 @@ def write_logs_with_timers(
     return written
 
 
+def demo_job_info(job: GeneratedJob, job_id: str) -> JobInfo:
+    """The demo job's record, with model FLOPs chosen so that its straggler-free steps run
+    at 45 % MFU on H100s (so the dashboards' MFU panels have something to show)."""
+    from lagscope.producers.events import JobInfo
+
+    flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
+    meta = dataclasses.replace(
+        job.meta, model_flops_per_step=flops, gpu_peak_flops=H100_BF16_PEAK_FLOPS
+    )
+    return JobInfo.from_meta(meta, job_id=job_id, attempt=0)
+
+
 def demo_spec(steps: int, seed: int) -> JobSpec:
     """A 128-GPU job (dp 8 x pp 4 x tp 4): a worker slows down from step 40% to 70% of the
     run, rare GC pauses, and a last stage 15% heavier than the others."""
@@ -287,7 +299,6 @@ def demo_spec(steps: int, seed: int) -> JobSpec:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import generate_job
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
     from lagscope.stream_app.processor import ProcessorSettings
@@ -306,12 +317,7 @@ def demo_command(args: argparse.Namespace) -> int:
         f"tp {spec.tp}), {spec.microbatches} micro-batches, {spec.steps} steps"
     )
     job = generate_job(spec)
-    # Model FLOPs chosen so the straggler-free job runs at 45 % MFU on H100s.
-    flops = 0.45 * float(job.truth.t_clean.mean()) * job.meta.world_size * H100_BF16_PEAK_FLOPS
-    meta = dataclasses.replace(
-        job.meta, model_flops_per_step=flops, gpu_peak_flops=H100_BF16_PEAK_FLOPS
-    )
-    info = JobInfo.from_meta(meta, job_id="demo-llm", attempt=0)
+    info = demo_job_info(job, "demo-llm")
     total_time = float(job.truth.t_injected.sum())
     # 16 nodes of 8 GPUs: the summary and the report name the straggler's machine.
     n_ops = write_logs_with_timers(
