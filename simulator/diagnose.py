@@ -365,17 +365,18 @@ def _verified_removal(
     compiled: CompiledModel,
     explains_share: float = 0.5,
     persistent_margin: float = 0.08,
+    max_workers: int | None = None,
 ) -> tuple[list[tuple[tuple[int, int], float]], float, float]:
-    """The fewest verified slow workers (best first) whose removal explains
-    `explains_share` of the slowdown (all of them if no prefix does), that share, and the
-    mean step time without them. Verified: slow alone in a re-simulation, and slower than
-    its peers in the median step (not in a few noisy ones)."""
+    """The fewest verified slow workers (best first, at most `max_workers`) whose removal
+    explains `explains_share` of the slowdown (all of them if no prefix does), that share,
+    and the mean step time without them. Verified: slow alone in a re-simulation, and
+    slower than its peers in the median step (not in a few noisy ones)."""
     persistent = persistent_excess(prepared)
     suspects = [
         (w, share)
         for w, share in verified_slow_workers(result, prepared, compiled)
         if persistent[w[1], w[0]] >= 1 + persistent_margin
-    ]
+    ][:max_workers]
     if not suspects:
         return [], result.mw.removed_share, result.mw.t_removed
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
@@ -443,9 +444,14 @@ def _slow_workers(
     advice: list[Advice],
     cfg: DiagnosisSettings,
 ) -> tuple[str, str]:
+    # Below the job's noise floor the slowdown is its noise: removing more workers until
+    # half of it is explained names healthy ones whose noise sits on the critical path.
+    # The best verified worker alone carries the evidence there.
+    noisy = result.slowdown < evidence.get("noise_floor", 0.0)
     suspects, share, removed = _verified_removal(
-        result, prepared, compiled, cfg.explains_share, cfg.persistent_margin
-    )
+        result, prepared, compiled, cfg.explains_share, cfg.persistent_margin,
+        max_workers=1 if noisy else None,
+    )  # fmt: skip
     evidence["verified_workers"] = [
         {"dp": d, "stage": s, "share": part, "slow_in": slow_in(prepared, (d, s))}
         for (d, s), part in suspects
