@@ -164,6 +164,10 @@ def _wall_minus_perf_ns() -> int:
     return best[1]
 
 
+#: How long the sealer waits for a step to end before it takes the steps that did end.
+_STALL_SEAL_S = 1.0
+
+
 class _NullScope:
     __slots__ = ()
 
@@ -253,6 +257,9 @@ class OpTimer:
         # Steps' ops travel to the sealer thread, which encodes and writes them (one list
         # per seal; None stops it): the training thread pays a list copy and a put per step.
         self._sealing: queue.Queue[list[Any] | None] = queue.Queue()
+        self._seal_interval_s = flush_interval_s
+        self._handed_over_at = time.monotonic()
+        self._hand_over_lock = threading.Lock()
         self._sealer = threading.Thread(
             target=self._seal_loop, name=f"lagscope-sealer-{rank}", daemon=True
         )
@@ -403,11 +410,17 @@ class OpTimer:
         )
 
     def step(self, step: int) -> None:
-        """Start step `step`: ops recorded so far go to the sealer thread, which encodes
-        them into their steps' batches and appends those to the log."""
+        """Start step `step`: ops recorded so far go to the sealer thread (at most every
+        `flush_interval_s`), which encodes them into their steps' batches and appends those
+        to the log."""
         if not 0 <= step < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT)
-        self._hand_over()
+        # Steps shorter than the log's flush interval are handed over a few at a time: each
+        # hand-over wakes the sealer, whose Python work then competes with the training
+        # thread for the interpreter and the cores, and the log would hold the steps until
+        # its next flush anyway.
+        if time.monotonic() - self._handed_over_at >= self._seal_interval_s:
+            self._hand_over()
         self._current_step = step
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -459,22 +472,38 @@ class OpTimer:
             self._buffer.append((head, self._gc_start, end - self._gc_start))
             self._gc_start = 0
 
-    def _hand_over(self) -> None:
-        """Give everything recorded so far to the sealer thread.
+    def _hand_over(self, finished_steps_only: bool = False) -> None:
+        """Give what was recorded so far to the sealer thread (with `finished_steps_only`,
+        the leading ops of steps before the current one).
 
         The buffer list is never replaced (scopes hold its bound `append`): we copy it and
         delete exactly the copied prefix, so an op appended by another thread (the GC
         callback, a comm thread calling record()) in between is kept for the next seal.
         """
-        buffer = self._buffer
-        if buffer:
+        with self._hand_over_lock:
+            buffer = self._buffer
+            if not buffer:
+                return
             taken = buffer.copy()
+            if finished_steps_only:
+                current = self._current_step
+                kept = next((i for i, op in enumerate(taken) if op[0][1] >= current), None)
+                taken = taken if kept is None else taken[:kept]
+                if not taken:
+                    return
             del buffer[: len(taken)]
-            self._sealing.put(taken)
+            self._handed_over_at = time.monotonic()
+        self._sealing.put(taken)
 
     def _seal_loop(self) -> None:
         while True:
-            taken = self._sealing.get()
+            try:
+                taken = self._sealing.get(timeout=_STALL_SEAL_S)
+            except queue.Empty:
+                # No step ended for a while (a job hung, or very long steps): the steps that
+                # did end must reach the log, not wait in memory for the next step.
+                self._hand_over(finished_steps_only=True)
+                continue
             try:
                 if taken is None:
                     return

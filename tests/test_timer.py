@@ -199,6 +199,39 @@ def test_ops_from_other_threads_are_kept(tmp_path: Path) -> None:
     assert kinds.count("forward-compute") == 49 * 40
 
 
+def test_short_steps_are_sealed_together_and_a_stalled_job_still_gets_its_steps_out(
+    tmp_path: Path,
+) -> None:
+    """Steps shorter than the flush interval reach the sealer a few at a time, still one
+    batch per step; when the job then stops ending steps (hung in step 30), the steps it
+    finished are in the log within seconds, and the unfinished one is not."""
+    timer = _timer(tmp_path, flush_interval_s=0.5)
+    try:
+        seals = []
+        put = timer._sealing.put
+        timer._sealing.put = lambda item: (seals.append(item), put(item))  # type: ignore[method-assign]
+        for step in range(30):
+            timer.step(step)
+            for mb in range(2):
+                with timer.op("forward-compute", microbatch=mb):
+                    time.sleep(0.001)
+        timer.step(30)
+        with timer.op("forward-compute", microbatch=0):
+            pass
+        assert len(seals) < 10  # 30 steps of ~2 ms: sealed a few times, not 30
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            steps = [b.step for b in _batches(tmp_path, 3)]
+            if steps == list(range(30)):
+                break
+            time.sleep(0.2)
+        assert steps == list(range(30)), steps
+        assert all(b.n_ops == 2 for b in _batches(tmp_path, 3))
+    finally:
+        timer.close()
+    assert [b.step for b in _batches(tmp_path, 3)][-1] == 30
+
+
 def test_off_mode_checks_names_but_writes_nothing(tmp_path: Path) -> None:
     with _timer(tmp_path, mode="off", gc_probe=True) as timer:
         timer.step(0)
