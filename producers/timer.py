@@ -255,7 +255,8 @@ class OpTimer:
         self._closed = False
         self.batches_written = 0
         # Steps' ops travel to the sealer thread, which encodes and writes them (one list
-        # per seal; None stops it): the training thread pays a list copy and a put per step.
+        # per seal; None stops it): the training thread pays a list copy and a put per
+        # hand-over (every step, or every few short ones).
         self._sealing: queue.Queue[list[Any] | None] = queue.Queue()
         self._seal_interval_s = flush_interval_s
         self._handed_over_at = time.monotonic()
