@@ -219,20 +219,25 @@ def slow_comm_groups(prepared: PreparedTrace, factor: float) -> list[dict[str, A
     suspects = []
     nodes_of = prepared.model.nodes
     cost = prepared.cost
-    keys = [
-        (nodes_of[g.members[0]].optype, nodes_of[g.members[0]].seq) for g in prepared.model.groups
-    ]
+    groups = prepared.model.groups
+    keys = [(nodes_of[g.members[0]].optype, nodes_of[g.members[0]].seq) for g in groups]
+    # Each DP group's median transfer, by the data it moves.
+    synced_medians: dict[tuple[str, int], dict[int, float]] = {}
+    for index, group in enumerate(groups):
+        if group.dp_synchronized:
+            median = float(np.median(cost[list(group.members)]))
+            synced_medians.setdefault(keys[index], {})[index] = median
     medians: dict[tuple[str, int], float] = {}
-    group_medians = [float(np.median(cost[list(g.members)])) for g in prepared.model.groups]
-    for index, group in enumerate(prepared.model.groups):
+    for index, group in enumerate(groups):
         key = keys[index]
         members = list(group.members)
         if group.dp_synchronized:
-            others = [m for i, m in enumerate(group_medians) if i != index and keys[i] == key]
+            same_data = synced_medians[key]
+            others = [m for i, m in same_data.items() if i != index]
             if not others:
                 continue
             base = float(np.median(others))
-            value = group_medians[index]
+            value = same_data[index]
             if base > 0 and value > factor * base:
                 suspects.append(_slow_group(prepared, members, None, value, base))
             continue

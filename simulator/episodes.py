@@ -255,7 +255,9 @@ def worker_stretches(
                 )
                 held = []
                 for fitted in fits:
-                    steady = _steady_bounds(own, others, *fitted, min_rise) if fitted else None
+                    steady = (
+                        _steady_bounds(own, others, peers, *fitted, min_rise) if fitted else None
+                    )
                     if steady is not None:
                         end = steady[1] if steady[1] is not None else n
                         if end - steady[0] >= min_steps:
@@ -313,11 +315,17 @@ def _floor(values: np.ndarray) -> np.ndarray:
 
 
 def _steady_bounds(
-    own: np.ndarray, others: np.ndarray, onset: int, recovery: int | None, min_rise: float
+    own: np.ndarray,
+    others: np.ndarray,
+    peers: np.ndarray,
+    onset: int,
+    recovery: int | None,
+    min_rise: float,
 ) -> tuple[int, int | None] | None:
     """The stretch of `own` (one worker's seconds per step) near the fitted (onset,
     recovery) in which it is slow every step; None unless it is raised there by
-    `min_rise` (`_raised_levels`).
+    `min_rise` (`_raised_levels`). `others` holds its peers' seconds [step, peer], `peers`
+    their median per step.
 
     A step counts as slow above the geometric mean of the quick levels inside and outside
     the fitted stretch, and as the worker's when it is also slower than its peers' median
@@ -332,7 +340,7 @@ def _steady_bounds(
         return None
     quick_in, quick_out = levels
     slow = own >= np.sqrt(quick_in * quick_out)
-    its_own = own >= (1 + min_rise / 2) * np.median(others, axis=1)
+    its_own = own >= (1 + min_rise / 2) * peers
     score = np.where(slow, np.where(its_own, 1.0, 0.0), -_QUICK_STEP_PENALTY)
     first, last = max(0, onset - _RUN_SLACK), min(n, end + _RUN_SLACK)
     # The best-scoring run [a, b) within [first, last): a maximum subarray, the earliest
