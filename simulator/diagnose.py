@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -476,8 +477,13 @@ def _slow_workers(
     where = slow_in(prepared, named[0])
     slow_part = f" (slow in {next(iter(where))})" if where else ""
     resplit = advise_resplit(prepared, base_time, compiled)
-    if resplit:
+    if resplit and resplit.predicted_speedup > 1.0:
         advice.append(resplit)
+    elif resplit:
+        # Fewer micro-batches for the slow replica would not speed this job up (its
+        # straggler sits where the pipeline waits on it anyway): not advice, and not the
+        # first step on the ladder.
+        evidence["refuted_actions"] = [resplit.action]
     consolidate = advise_consolidation(prepared, named, base_time, compiled)
     if consolidate:
         advice.append(consolidate)
@@ -656,14 +662,17 @@ def advise_balanced_packing(
     )
 
 
-def escalation_ladder(cause: str | None, settings: DiagnosisSettings) -> list[tuple[str, float]]:
+def escalation_ladder(
+    cause: str | None, settings: DiagnosisSettings, refuted: Collection[str] = ()
+) -> list[tuple[str, float]]:
     """The actions of `cause`'s escalation ladder with their costs (seconds of the whole
     job's time), cheapest first. Slow workers (and an unknown cause) climb Falcon's ladder;
     the other causes' fixes are the diagnosis' own advice, so that the ladder never starts
     with a step that does not address the cause: a new layer split, a new packing of the
     sequences or a new GC setting takes a checkpoint restart, and the slow links cost a
     re-arrangement of the topology. Without a cause (none, unattributed) there is nothing
-    to climb."""
+    to climb. Steps in `refuted` (the what-if predicts they would not speed the job up)
+    are left out."""
     fixes: dict[str, list[tuple[str, float]]] = {
         "slow_workers": [
             ("re-split micro-batches", settings.resplit_cost_s),
@@ -675,11 +684,16 @@ def escalation_ladder(cause: str | None, settings: DiagnosisSettings) -> list[tu
         "sequence_imbalance": [("balance sequence lengths", settings.restart_cost_s)],
         "gc_pauses": [("planned garbage collection", settings.restart_cost_s)],
     }
-    return [("ignore", 0.0), *fixes.get(cause or "slow_workers", [])]
+    steps = [step for step in fixes.get(cause or "slow_workers", []) if step[0] not in refuted]
+    return [("ignore", 0.0), *steps]
 
 
 def escalation(
-    wasted_gpu_s: float, n_gpus: int, settings: DiagnosisSettings, cause: str | None = None
+    wasted_gpu_s: float,
+    n_gpus: int,
+    settings: DiagnosisSettings,
+    cause: str | None = None,
+    refuted: Collection[str] = (),
 ) -> dict[str, Any]:
     """Falcon's ski-rental rule: take the next action of `cause`'s ladder
     (`escalation_ladder`) once the loss accumulated since the onset reaches that action's
@@ -687,7 +701,7 @@ def escalation(
     # Waste comes out negative when a step ran faster than its ideal (noise, or a step
     # shorter than the running estimate): no loss accumulated, nothing to escalate.
     loss_s = max(wasted_gpu_s / max(n_gpus, 1), 0.0) if np.isfinite(wasted_gpu_s) else 0.0
-    ladder = escalation_ladder(cause, settings)
+    ladder = escalation_ladder(cause, settings, refuted)
     current = [name for name, cost in ladder if loss_s >= cost][-1]
     upcoming = next(((name, cost) for name, cost in ladder if cost > loss_s), None)
     return {
@@ -746,7 +760,7 @@ def diagnose(
 
     def ladder(cause: str) -> dict[str, Any]:
         """The escalation ladder of the cause named (never another cause's)."""
-        return escalation(wasted, n_gpus, cfg, cause)
+        return escalation(wasted, n_gpus, cfg, cause, evidence.get("refuted_actions", ()))
 
     floor = noise_floor(prepared, result.ideal_cost, compiled)
     evidence["noise_floor"] = floor

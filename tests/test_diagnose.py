@@ -131,6 +131,27 @@ def test_a_dp_group_is_slow_against_other_groups_never_against_its_own_ranks():
     assert {op.rsplit("_", 1)[1] for g in groups for op in g["ops"]} == {"1"}, groups
 
 
+@pytest.mark.parametrize("microbatches, resplit_helps", [(4, True), (2, False)])
+def test_a_resplit_that_would_not_help_is_neither_advice_nor_the_next_step(
+    microbatches, resplit_helps
+):
+    """A replica 2x slow: with 4 micro-batches each, moving one off it helps; with 2, the
+    fast replica's 3 take longer than the slow one's 2 did, so re-splitting is left off
+    the advice and the ladder's next step is the one after it."""
+    job = generate_job(
+        JobSpec(dp=2, pp=2, microbatches=microbatches, steps=6, seed=1, cost=BALANCED,
+                stragglers=(SlowWorker(dp=1, stage=0, factor=2.0),))
+    )  # fmt: skip
+    prepared = prepare(job.trace, job.meta)
+    diagnosis = diagnose(analyze(prepared), prepared)
+    assert diagnosis.cause == "slow_workers"
+    resplit = [a for a in diagnosis.advice if a.action == "re-split micro-batches"]
+    assert all(a.predicted_speedup > 1 for a in diagnosis.advice)
+    assert bool(resplit) == resplit_helps
+    expected = "re-split micro-batches" if resplit_helps else "re-arrange topology"
+    assert diagnosis.escalation["next_action"] == expected
+
+
 def test_planned_gc_predicts_the_job_without_pauses():
     job, _, diagnosis = diagnosed((GcPauses(probability=0.06, pause_s=0.2),), seed=1)
     assert diagnosis.cause == "gc_pauses"
