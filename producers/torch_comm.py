@@ -28,10 +28,13 @@ Timing to completion, never to the call's return:
 - blocking calls: call to return;
 - async `Work`: from the call to its completion. Collectives on gloo complete a future
   (`Work.get_future()`), whose callback stamps the end on gloo's thread. p2p `Work` on gloo
-  has no future: the returned `Work` is a `TimedWork` (a `Work` subclass) that stamps the
-  end when `wait()` returns or `is_completed()` first says so; the monitor also polls
-  outstanding works at every hook it receives, so a receive that completed while the rank
-  computed is not charged for the computation;
+  has no future, and its `is_completed()` stays False until the job waits on it (torch
+  2.15): the returned `Work` is a `TimedWork` (a `Work` subclass) that stamps the end when
+  `wait()` returns. A receive waited on long after it arrived is charged up to its wait,
+  as the job itself sees it. p2p works whose `is_completed()` does say it (NCCL, CUDA
+  tensors) are also polled at every hook the monitor receives, the oldest of each peer's
+  lane, so a receive that completed while the rank computed is not charged for the
+  computation;
 - CUDA mode: the op's scope records CUDA events on the current stream at the call and at
   completion (the end event after `wait()`, which orders the stream after the comm);
 - NCCL: collectives on a data-parallel group whose backend is NCCL are timed on the
@@ -44,7 +47,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from lagscope.simulator import optypes as ot
@@ -270,7 +273,17 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
         if not is_async or result is None:
             monitor.end(opened)
             return result
-        return monitor.time_work(result, opened, is_async_p2p)
+        if not is_p2p:
+            lane: Hashable = (code, id(group))
+        elif (args[0] if args else kwargs["tensor"]).is_cuda:
+            tag = args[3] if len(args) > 3 else kwargs.get("tag", 0)
+            lane = (code, peer, group_peer, id(group), tag)
+        else:
+            # gloo's p2p works report completion only once waited on (torch 2.15): asking
+            # them would cost a call per hook and never stamp anything. Their op ends at
+            # the job's wait().
+            lane = None
+        return monitor.time_work(result, opened, is_async_p2p, lane)
 
     wrapper.__wrapped_by_lagscope__ = original  # type: ignore[attr-defined]
     wrapper.__name__ = name

@@ -8,8 +8,9 @@ records produce ops, and hooks of other steps return after one attribute check.
 
 from __future__ import annotations
 
+import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,8 +69,9 @@ class Monitor:
         #: What to iterate for the recorded input waits: the data loader itself when it
         #: could be changed in place, else a wrapping iterator.
         self.data: Any = None
-        #: Async p2p works not known to be complete yet (`TimedWork`s).
-        self.pending_works: list[Any] = []
+        #: Async works not known to be complete yet (`TimedWork`s), in lanes: the works of
+        #: one lane (one peer, direction and tag) complete in the order they were issued.
+        self.pending_works: dict[Hashable, collections.deque[Any]] = {}
         timer = self.timer
         if timer.on_host_clock:
             self.begin = self._begin_host  # type: ignore[method-assign]
@@ -115,7 +117,20 @@ class Monitor:
             self.poll_works()
 
     def poll_works(self) -> None:
-        self.pending_works = [work for work in self.pending_works if not work.poll()]
+        """Stamp the works that completed since the last poll.
+
+        Only each lane's oldest work is asked: a later one of the same lane cannot have
+        completed before it, so a poll costs one native call per lane. Should a transport
+        ever complete a lane out of order, the later work is stamped when the earlier one
+        completes or when the job waits on it: later, never lost.
+        """
+        pending = self.pending_works
+        for lane in list(pending):
+            works = pending[lane]
+            while works and works[0].poll():
+                works.popleft()
+            if not works:
+                del pending[lane]
 
     # -- opening and closing ops (host clock, or CUDA events in CUDA mode) ----------------
 
@@ -187,8 +202,12 @@ class Monitor:
             group = dist.group.WORLD
         return self.layout.roles.get(id(group))
 
-    def time_work(self, work: Any, opened: Any, p2p: bool) -> Any:
-        """End the op `opened` when `work` completes; returns what the caller gets back."""
+    def time_work(self, work: Any, opened: Any, p2p: bool, lane: Hashable = None) -> Any:
+        """End the op `opened` when `work` completes; returns what the caller gets back.
+
+        `lane`: works issued with the same lane complete in issue order (same peer,
+        direction and tag, or the same group's collectives); they are polled at every hook.
+        None: a work that says it is complete only once waited on, not polled."""
         if not p2p:
             try:
                 future = work.get_future()
@@ -199,7 +218,12 @@ class Monitor:
                 future.add_done_callback(lambda _: end(opened))
                 return work
         timed = torch_comm.timed_work_class()(work, opened, self)
-        self.pending_works.append(timed)
+        if lane is None:  # nothing to poll: its wait() ends the op
+            return timed
+        works = self.pending_works.get(lane)
+        if works is None:
+            works = self.pending_works[lane] = collections.deque()
+        works.append(timed)
         return timed
 
     # -- lifecycle ------------------------------------------------------------------------

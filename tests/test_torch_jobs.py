@@ -7,6 +7,7 @@ jobs are the harness's (`tests/torch_jobs/`); nothing here writes a timing line.
 from __future__ import annotations
 
 import collections
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,20 @@ def test_every_collective_and_p2p_kind_is_classified(tmp_path: Path) -> None:
                     if op["rank"] == rank]  # fmt: skip
         column = 1 + rank % 2
         expected = [row[column] for row in comm_kinds.EXPECTED if row[column] is not None]
-        assert recorded == expected, rank
+        assert recorded[: len(expected)] == expected, rank
+        # The last exchange: a forward isend/irecv on which the fact below was read.
+        assert recorded[len(expected) :] == ["forward-recv" if rank % 2 else "forward-send"]
+
+
+def test_a_gloo_receive_says_it_completed_only_once_waited_on(tmp_path: Path) -> None:
+    """The monitor does not poll CPU p2p works, because this torch fact makes polling
+    them useless: should a torch release change it, this fails, and polling them would
+    stamp receives that completed while the rank computed."""
+    run(tmp_path, comm_kinds.worker, steps=1, gc_probe=False)
+    for rank in (1, 3):
+        fact = json.loads((tmp_path / f"p2p-completion-{rank}.json").read_text())
+        assert fact == {"completed_before_wait": False, "tracked": False,
+                        "completed_after_wait": True}, rank  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,11 @@ parallel collectives by kind, p2p by direction, and nothing for calls on other g
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+from typing import Any
+
 from tests.torch_jobs.harness import Knobs, main_for
 
 #: (call, op type recorded on stage 0, on stage 1); None: not recorded.
@@ -69,8 +74,30 @@ def worker(rank: int, knobs: Knobs) -> None:
         ops.reverse()
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    if stage == 1:
+        _record_p2p_completion_fact(monitor, buffer, peer, pp_group, knobs)
+    else:
+        dist.isend(t, peer).wait()
+        dist.barrier(group=pp_group)
     monitor.step()
     monitor.close()
+
+
+def _record_p2p_completion_fact(
+    monitor: Any, buffer: Any, peer: int, group: Any, knobs: Knobs
+) -> None:
+    """Whether a gloo irecv whose data has arrived says so before it is waited on: the
+    monitor polls only works that can (it does not track CPU p2p works at all)."""
+    import torch.distributed as dist
+
+    work = dist.irecv(buffer, peer)
+    dist.barrier(group=group)  # the sender's isend has completed
+    time.sleep(0.05)
+    fact = {"completed_before_wait": work.is_completed(), "tracked": bool(monitor.pending_works)}
+    work.wait()
+    fact["completed_after_wait"] = work.is_completed()
+    out = Path(knobs.log_dir).parent / f"p2p-completion-{dist.get_rank()}.json"
+    out.write_text(json.dumps(fact))
 
 
 if __name__ == "__main__":
