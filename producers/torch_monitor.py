@@ -85,6 +85,7 @@ class Monitor:
         self.nccl: torch_nccl.NcclDeviceTimes | None = None
         #: (collective kind, id(group)) -> op code, or None when the op is not recorded.
         self.collective_codes: dict[tuple[str, int], int | None] = {}
+        self._p2p_codes: dict[tuple[str, int | None, int | None, int], int | None] = {}
         #: id(tensor) -> "forward"/"backward", set by a schedule that knows a p2p's direction.
         self.direction_hints: dict[int, str] = {}
         self._closed = False
@@ -169,8 +170,20 @@ class Monitor:
     def p2p_code(
         self, kind: str, tensor: Any, peer: int | None, group: Any, group_peer: int | None
     ) -> int | None:
+        if self.direction_hints:
+            hint = self.direction_hints.pop(id(tensor), None)
+            if hint is not None:
+                return self._codes[f"{hint}-{kind}"]
+        # The direction follows from the peer's stage alone: worked out once per peer.
+        key = (kind, peer, group_peer, id(group))
+        try:
+            return self._p2p_codes[key]
+        except KeyError:
+            pass
         optype = self.p2p_optype(kind, tensor, peer, group, group_peer)
-        return None if optype is None else self._codes[optype]
+        code = None if optype is None else self._codes[optype]
+        self._p2p_codes[key] = code
+        return code
 
     def p2p_optype(
         self, kind: str, tensor: Any, peer: int | None, group: Any, group_peer: int | None
