@@ -126,6 +126,10 @@ def _pinned_per_op_costs(tmp: Path) -> dict[str, float]:
     }
 
 
+#: Runs with and without the monitor (each run ~6 s): a pair's difference spreads by ~1 %.
+_PAIRS = 10
+
+
 def _median_step_s(tmp: Path, with_monitor: bool) -> tuple[float, float, float]:
     """The job's median step time, its ranks' mean CPU seconds per step, and the mean CPU
     seconds per step of the monitor's own threads."""
@@ -155,17 +159,21 @@ def run() -> list[dict]:
         costs = _per_op_costs(tmp)
         with_monitor, without, cpu_with, cpu_without, threads = [], [], [], [], []
         load_before = os.getloadavg()[0]
-        for _ in range(7):
-            step_s, cpu_s, _ = _median_step_s(tmp, False)
-            without.append(step_s)
-            cpu_without.append(cpu_s)
-            step_s, cpu_s, threads_s = _median_step_s(tmp, True)
-            with_monitor.append(step_s)
-            cpu_with.append(cpu_s)
-            threads.append(threads_s)
+        for pair in range(_PAIRS):
+            # Which run of a pair goes first alternates: the second run of a pair is
+            # slower by about 0.3 % on this machine, whichever it is.
+            for monitored in (False, True) if pair % 2 == 0 else (True, False):
+                step_s, cpu_s, threads_s = _median_step_s(tmp, monitored)
+                if monitored:
+                    with_monitor.append(step_s)
+                    cpu_with.append(cpu_s)
+                    threads.append(threads_s)
+                else:
+                    without.append(step_s)
+                    cpu_without.append(cpu_s)
         load = (load_before + os.getloadavg()[0]) / 2
     base, monitored = statistics.median(without), statistics.median(with_monitor)
-    # Each run with the monitor against the run without it just before: the spread of
+    # Each run with the monitor against the run without it in its pair: the spread of
     # these says what the measured row can resolve on this machine.
     paired = [(m / b - 1) * 100 for m, b in zip(with_monitor, without, strict=True)]
     low, _, high = statistics.quantiles(paired, n=4)
@@ -193,15 +201,16 @@ def run() -> list[dict]:
          "value": base * 1e3, "unit": "ms", "target": ""},
         {"benchmark": "torch: 1F1B job step-time overhead (measured)",
          "value": (monitored / base - 1) * 100, "unit": "%", "target": "< 0.5",
-         "note": f"median of 7 alternating runs each; run by run {low:+.1f} to {high:+.1f} % "
-                 f"(quartiles); 1-min load average {load:.1f} on {os.cpu_count()} cores"},
+         "note": f"median of {_PAIRS} runs each, in pairs, alternating which runs first; "
+                 f"pair by pair {low:+.1f} to {high:+.1f} % (quartiles); "
+                 f"1-min load average {load:.1f} on {os.cpu_count()} cores"},
         {"benchmark": "torch: 1F1B job run-to-run spread without monitor (noise floor)",
          "value": (max(without) / min(without) - 1) * 100, "unit": "%", "target": "",
          "note": "an overhead below this spread is not resolved by the measured row"},
         {"benchmark": "torch: 1F1B job monitor CPU per rank per step, with minus without",
          "value": extra_cpu_s / base * 100, "unit": "%", "target": "",
          "note": f"{extra_cpu_s * 1e6:.0f} us of CPU per rank per step (process CPU time "
-                 f"over the steps with the monitor minus without, medians of 7 runs)"},
+                 f"over the steps with the monitor minus without, medians of {_PAIRS} runs)"},
         {"benchmark": "torch: 1F1B job monitor threads' CPU per rank per step",
          "value": threads_s * 1e6, "unit": "us", "target": "",
          "note": "the sealer (encodes each step) and the log writer, on their CPU clocks"},
