@@ -31,7 +31,8 @@ names are still checked (a typo fails on every rank alike), nothing is timed or 
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
 and exit (the current stream, or `stream=`); nothing on the hot path waits on the device.
-A resolver thread polls `event.query()` for completed ops, computes the start as
+A resolver thread polls `event.query()` for completed ops every `flush_interval_s` (the
+pace at which host-clock ops are handed over and the log is written), computes the start as
 `reference.elapsed_time(start_event)` after a reference event whose wall-clock time is
 known, and returns events to the pool. The reference is re-calibrated every
 `calibrate_every_s` from the resolver thread: it records an event on a private idle
@@ -640,7 +641,10 @@ class _CudaTimer:
         return True
 
     def _resolve_loop(self) -> None:
-        while not self._stop.wait(0.01):
+        # As often as the host clock's ops are handed over, not more: each round takes the
+        # interpreter lock from the training thread, whose kernel launches a GPU job waits
+        # on, and the log is written at that pace anyway.
+        while not self._stop.wait(self._owner._seal_interval_s):
             self.resolve()
             if time.monotonic() - self._last_calibration > self._calibrate_every_s:
                 self._calibrate()

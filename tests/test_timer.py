@@ -298,7 +298,7 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
     fake = _FakeCuda()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake))
     before = time.time_ns()
-    with _timer(tmp_path, mode="cuda") as timer:
+    with _timer(tmp_path, mode="cuda", flush_interval_s=0.05) as timer:
         assert timer._cuda is not None
         for step in range(3):
             timer.step(step)
@@ -308,7 +308,9 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
                 with timer.op("forward-send", microbatch=mb, stream="p2p-stream"):
                     pass
         timer.step(3)
-        time.sleep(0.1)  # the resolver thread writes steps 0-2 while the "GPU" catches up
+        # The resolver thread (one round per flush interval) writes steps 0-2 while the
+        # "GPU" catches up.
+        time.sleep(0.2)
         assert timer.batches_written >= 1
     batches = _batches(tmp_path, 3)
     assert sorted(b.step for b in batches) == [0, 1, 2]  # one batch per step, none split

@@ -126,8 +126,9 @@ def _pinned_per_op_costs(tmp: Path) -> dict[str, float]:
     }
 
 
-#: Runs with and without the monitor (each run ~6 s): a pair's difference spreads by ~1 %.
-_PAIRS = 10
+#: Pairs of runs with and without the monitor (~3 s each): one pair's difference spreads
+#: by ~1 %, so 16 pairs resolve about 0.2 %.
+_PAIRS = 16
 
 
 def _median_step_s(tmp: Path, with_monitor: bool) -> tuple[float, float, float]:
