@@ -118,7 +118,11 @@ _MIN_FALL_Z = 3.0
 
 
 def square_wave(
-    values: np.ndarray, first_onset: int, last_onset: int, min_rise: float = 0.10
+    values: np.ndarray,
+    first_onset: int,
+    last_onset: int,
+    min_rise: float = 0.10,
+    independent_lag: int = 1,
 ) -> tuple[int, int | None] | None:
     """The raised stretch of a ratio series that best fits it, by least squares on log
     values (lone spikes taken out first): (onset, recovery) positions, recovery None when
@@ -136,8 +140,11 @@ def square_wave(
     n = x.size
     if n < 2 * _MIN_STRETCH_STEPS:
         return None
-    # Step-to-step noise, blind to the level shifts being looked for.
-    noise = 1.4826 * np.median(np.abs(np.diff(x))) / np.sqrt(2) or 1e-9
+    # Step-to-step noise, blind to the level shifts being looked for: differences of values
+    # `independent_lag` steps apart, the nearest that share no step (a series of minima over
+    # 3 neighbours repeats its values, and its neighbours' differences are mostly 0).
+    lag = independent_lag
+    noise = 1.4826 * np.median(np.abs(x[lag:] - x[:-lag])) / np.sqrt(2) or 1e-9
     total = np.concatenate([[0.0], np.cumsum(x)])
     best, best_gain = None, 0.0
     for a in range(max(0, first_onset), min(last_onset, n - _MIN_STRETCH_STEPS) + 1):
@@ -251,7 +258,7 @@ def worker_stretches(
                 # in which the worker stands out most against its peers.
                 fits = (
                     square_wave(own, 0, n - 1, min_rise),
-                    square_wave(_floor(own), 0, n - 1, min_rise),
+                    square_wave(_floor(own), 0, n - 1, min_rise, independent_lag=3),
                 )
                 held = []
                 for fitted in fits:
