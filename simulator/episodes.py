@@ -522,6 +522,13 @@ def diagnosed_episodes(
         if found is not None:
             span, diagnosis = found
             fitted = _refined(span, diagnosis, prepared, stretches)
+            if (fitted.onset, fitted.recovery) != (span.onset, span.recovery):
+                # The diagnosis describes the episode's own steps: the detected span's
+                # steps outside them dilute what the worker is slow in (a forward 3x slower
+                # for 15 steps read as "slow in backward" over 25).
+                again = diagnosed(fitted)
+                if again is not None and _names_first(again[1]) == _names_first(diagnosis):
+                    diagnosis = again[1]
             episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
     # The costliest stretch first: where stretches overlap (a straggler's peers wait on
     # it and jitter), the one that cost the most seconds is the one to name.
@@ -620,6 +627,11 @@ def _stretch_diagnosis(stretch: Stretch, of_its_steps: Diagnosis) -> Diagnosis:
     return dataclasses.replace(
         of_its_steps, cause="slow_workers", summary=summary, evidence=evidence, advice=()
     )
+
+
+def _names_first(diagnosis: Diagnosis) -> tuple[int, int] | None:
+    named = diagnosis.evidence.get("verified_workers") or []
+    return (named[0]["dp"], named[0]["stage"]) if named else None
 
 
 def _overlaps(span: Span, episode: Span | Episode) -> bool:
