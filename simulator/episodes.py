@@ -557,6 +557,8 @@ def diagnosed_episodes(
             and named
             and (named[0]["dp"], named[0]["stage"]) == (stretch.dp, stretch.stage)
         ):
+            if _steps_of(span, prepared) < _UNCONFIRMED_MIN_STEPS:
+                continue
             diagnosis = _stretch_diagnosis(stretch, diagnosis)
         # The stretch was fitted on the worker's own series of the op it is slow in: the
         # bounds the summary states are the episode's.
@@ -576,6 +578,13 @@ _STRETCH_MIN_RISE = 0.5
 #: straggler (on a loaded 2-core box such stretches reached 8 steps). One still raised at
 #: the end of the run is compared with the steps before it only: half again.
 _STRETCH_MIN_STEPS = 10
+
+
+#: Fewest steps of a stretch named on its own series alone, where the what-if of its steps
+#: does not single the worker out: it must outlast a rank's runs of lost cores, which
+#: reached 10 steps on a loaded 2-core box (the stragglers of 15 steps were bounded to
+#: 14-18 there).
+_UNCONFIRMED_MIN_STEPS = 12
 
 
 #: Fewest steps analysed before a stretch: one that starts with the run has no level to
