@@ -231,21 +231,6 @@ def make_straggler_function() -> Any:
     return Straggle
 
 
-class Slowdown:
-    """Measures a phase's own duration and sleeps (factor - 1) times it when asked to."""
-
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
-        self.began = 0.0
-
-    def begin(self) -> None:
-        self.began = time.perf_counter()
-
-    def end(self) -> None:
-        elapsed = time.perf_counter() - self.began
-        time.sleep(max(0.0, (self.factor - 1.0) * elapsed))
-
-
 def straggler_model(knobs: Knobs, rank: int, seed: int, layers: int | None = None) -> Any:
     """An MLP of `layers` (default `knobs.layers`) blocks that can be made slow in forward
     or backward, on an emulated accelerator when `knobs.block_ms` is set.
