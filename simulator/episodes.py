@@ -501,14 +501,15 @@ def diagnosed_episodes(
     its what-if confirms it; where the job's noise hides the cost, the worker is named on
     its own series' evidence, and the summary says so."""
 
+    def diagnosis_of(inside: np.ndarray) -> Diagnosis:
+        part = prepared.select_steps(inside)
+        return diagnose(analyze(part, ideal=ideal, decompose_threshold=decompose_threshold), part)
+
     def diagnosed(span: Span) -> tuple[Span, Diagnosis] | None:
-        end = span.recovery if span.recovery is not None else np.inf
-        inside = (prepared.steps >= span.onset) & (prepared.steps < end)
+        inside = _inside(span, prepared)
         if inside.sum() < 2:
             return None
-        part = prepared.select_steps(inside)
-        result = analyze(part, ideal=ideal, decompose_threshold=decompose_threshold)
-        diagnosis = diagnose(result, part)
+        diagnosis = diagnosis_of(inside)
         if diagnosis.cause == "slow_communication" and _machine_slowed(prepared, inside):
             return None
         if diagnosis.cause in ("none", "unattributed"):
@@ -527,7 +528,7 @@ def diagnosed_episodes(
                 # steps outside them dilute what the worker is slow in (a forward 3x slower
                 # for 15 steps read as "slow in backward" over 25).
                 again = diagnosed(fitted)
-                if again is not None and _names_first(again[1]) == _names_first(diagnosis):
+                if again is not None and _first_named(again[1]) == _first_named(diagnosis):
                     diagnosis = again[1]
             episodes.append(Episode(fitted.onset, fitted.recovery, diagnosis, fitted.series))
     # The costliest stretch first: where stretches overlap (a straggler's peers wait on
@@ -545,17 +546,10 @@ def diagnosed_episodes(
             continue
         if stretch.extra_s < _STRETCH_MIN_COST * stretch.step_s:
             continue
-        end = span.recovery if span.recovery is not None else np.inf
-        inside = (prepared.steps >= span.onset) & (prepared.steps < end)
-        part = prepared.select_steps(inside)
-        result = analyze(part, ideal=ideal, decompose_threshold=decompose_threshold)
-        diagnosis = diagnose(result, part)
-        evidence = diagnosis.evidence
-        named = evidence.get("named_workers") or evidence.get("verified_workers") or []
+        diagnosis = diagnosis_of(_inside(span, prepared))
         if not (
             diagnosis.cause == "slow_workers"
-            and named
-            and (named[0]["dp"], named[0]["stage"]) == (stretch.dp, stretch.stage)
+            and _first_named(diagnosis) == (stretch.dp, stretch.stage)
         ):
             if _steps_of(span, prepared) < _UNCONFIRMED_MIN_STEPS:
                 continue
@@ -597,9 +591,14 @@ def _steps_before(span: Span, prepared: PreparedTrace) -> int:
     return int((prepared.steps < span.onset).sum())
 
 
-def _steps_of(span: Span, prepared: PreparedTrace) -> int:
+def _inside(span: Span, prepared: PreparedTrace) -> np.ndarray:
+    """Which of the prepared steps lie in the span."""
     end = span.recovery if span.recovery is not None else np.inf
-    return int(((prepared.steps >= span.onset) & (prepared.steps < end)).sum())
+    return (prepared.steps >= span.onset) & (prepared.steps < end)
+
+
+def _steps_of(span: Span, prepared: PreparedTrace) -> int:
+    return int(_inside(span, prepared).sum())
 
 
 #: ... and costs the worker at least this share of a median step: a sub-millisecond op
@@ -638,8 +637,10 @@ def _stretch_diagnosis(stretch: Stretch, of_its_steps: Diagnosis) -> Diagnosis:
     )
 
 
-def _names_first(diagnosis: Diagnosis) -> tuple[int, int] | None:
-    named = diagnosis.evidence.get("verified_workers") or []
+def _first_named(diagnosis: Diagnosis) -> tuple[int, int] | None:
+    """(dp, stage) of the worker a diagnosis names first, or None."""
+    evidence = diagnosis.evidence
+    named = evidence.get("named_workers") or evidence.get("verified_workers") or []
     return (named[0]["dp"], named[0]["stage"]) if named else None
 
 
