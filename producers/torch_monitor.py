@@ -170,6 +170,8 @@ class Monitor:
     def p2p_code(
         self, kind: str, tensor: Any, peer: int | None, group: Any, group_peer: int | None
     ) -> int | None:
+        """The op code of a p2p call: the direction a schedule tagged `tensor` with, else
+        the one the peer's stage gives; None when the call is not recorded."""
         if self.direction_hints:
             hint = self.direction_hints.pop(id(tensor), None)
             if hint is not None:
@@ -180,17 +182,15 @@ class Monitor:
             return self._p2p_codes[key]
         except KeyError:
             pass
-        optype = self.p2p_optype(kind, tensor, peer, group, group_peer)
+        optype = self._p2p_optype_by_peer(kind, peer, group, group_peer)
         code = None if optype is None else self._codes[optype]
         self._p2p_codes[key] = code
         return code
 
-    def p2p_optype(
-        self, kind: str, tensor: Any, peer: int | None, group: Any, group_peer: int | None
+    def _p2p_optype_by_peer(
+        self, kind: str, peer: int | None, group: Any, group_peer: int | None
     ) -> str | None:
-        hint = self.direction_hints.pop(id(tensor), None) if self.direction_hints else None
-        if hint is not None:
-            return f"{hint}-{kind}"
+        """The op type of a p2p call from the peer's pipeline stage (None: not recorded)."""
         import torch.distributed as dist
 
         if peer is None and group_peer is not None:
