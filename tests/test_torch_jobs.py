@@ -103,8 +103,17 @@ def test_job_record_is_derived(one_f_one_b: tuple[Path, list[dict]]) -> None:
         assert (identity.node, identity.pod) == ("node-7", "trainer-0")
 
 
-def test_every_collective_and_p2p_kind_is_classified(tmp_path: Path) -> None:
-    ops = run(tmp_path, comm_kinds.worker, steps=1, gc_probe=False)
+@pytest.fixture(scope="module")
+def comm_kinds_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """One run of every collective and p2p kind: its directory and the ops recorded."""
+    tmp = tmp_path_factory.mktemp("comm-kinds")
+    return tmp, run(tmp, comm_kinds.worker, steps=1, gc_probe=False)
+
+
+def test_every_collective_and_p2p_kind_is_classified(
+    comm_kinds_job: tuple[Path, list[dict]],
+) -> None:
+    _, ops = comm_kinds_job
     for rank in range(4):
         recorded = [op["optype"] for op in sorted(ops, key=lambda o: o["start_ns"])
                     if op["rank"] == rank]  # fmt: skip
@@ -115,13 +124,15 @@ def test_every_collective_and_p2p_kind_is_classified(tmp_path: Path) -> None:
         assert recorded[len(expected) :] == ["forward-recv" if rank % 2 else "forward-send"]
 
 
-def test_a_gloo_receive_says_it_completed_only_once_waited_on(tmp_path: Path) -> None:
+def test_a_gloo_receive_says_it_completed_only_once_waited_on(
+    comm_kinds_job: tuple[Path, list[dict]],
+) -> None:
     """The monitor does not poll CPU p2p works, because this torch fact makes polling
     them useless: should a torch release change it, this fails, and polling them would
     stamp receives that completed while the rank computed."""
-    run(tmp_path, comm_kinds.worker, steps=1, gc_probe=False)
+    job_dir, _ = comm_kinds_job
     for rank in (1, 3):
-        fact = json.loads((tmp_path / f"p2p-completion-{rank}.json").read_text())
+        fact = json.loads((job_dir / f"p2p-completion-{rank}.json").read_text())
         assert fact == {"completed_before_wait": False, "tracked": False,
                         "completed_after_wait": True}, rank  # fmt: skip
 
