@@ -185,6 +185,7 @@ def run_stream(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lagscope.producers.config import ConfigError
+    from lagscope.producers.redact import redact_url
     from lagscope.producers.streamer import Streamer
     from lagscope.stream_app.cli_conventions import UsageError
 
@@ -228,21 +229,36 @@ def run_stream(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     streamer.ensure_topics()
     stats = streamer.run()
-    print(json.dumps(stats.as_dict()))
+    # What the logs hold past Kafka's confirmations decides the exit status: a sidecar that
+    # leaves data behind must not look done, or its pod (and an emptyDir with the logs)
+    # would be cleaned up as if everything had been shipped.
+    unshipped = streamer.unshipped_bytes()
+    print(json.dumps({**stats.as_dict(), "unshipped_bytes": unshipped}))
+    if unshipped:
+        print(
+            f"lagscope stream: error: {unshipped:,} bytes of the logs under {streamer.log_dir} "
+            f"were not delivered to Kafka at {redact_url(config.kafka.bootstrap_servers)}; "
+            f"they stay in the logs and the next run sends them (checkpoint "
+            f"{streamer.checkpoint_path})",
+            file=sys.stderr,
+        )
     if interrupted:
         print("lagscope stream: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return 1 if unshipped else 0
 
 
 def run_replay(args: argparse.Namespace) -> int:
     from lagscope.producers.config import ConfigError
+    from lagscope.producers.kafka_login import check_kafka_settings
     from lagscope.producers.reference_format import load_meta, load_trace
-    from lagscope.producers.replay import replay
+    from lagscope.producers.replay import UndeliveredError, replay
     from lagscope.stream_app.progress import Progress
 
     try:
         config = _config(args, {}) if args.to_kafka else None
+        if config is not None:
+            check_kafka_settings(config.kafka)  # before the trace is read, not after
     except ConfigError as exc:
         print(f"lagscope replay: error: {exc}", file=sys.stderr)
         return 2
@@ -255,18 +271,23 @@ def run_replay(args: argparse.Namespace) -> int:
     else:
         trace = load_trace(args.trace)
     bar = None if args.no_progress else Progress("replay", unit="step")
-    stats = replay(
-        trace,
-        meta,
-        log_dir=args.log_dir,
-        kafka=config,
-        job_id=args.job_id,
-        attempt=args.attempt,
-        speed=args.speed,
-        repeat=args.repeat,
-        progress=bar,
-    )
-    if bar is not None:
-        bar.close()
+    try:
+        stats = replay(
+            trace,
+            meta,
+            log_dir=args.log_dir,
+            kafka=config,
+            job_id=args.job_id,
+            attempt=args.attempt,
+            speed=args.speed,
+            repeat=args.repeat,
+            progress=bar,
+        )
+    except UndeliveredError as exc:
+        print(f"lagscope replay: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
     print(json.dumps(stats.__dict__))
     return 0

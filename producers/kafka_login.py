@@ -1,23 +1,59 @@
-"""One question before a Kafka client starts its loop: does the broker accept our login?
+"""Two questions before a Kafka client starts its loop: are its settings ones librdkafka
+knows, and does the broker accept our login?
 
-librdkafka retries a rejected SASL login for ever, logging each try, so a wrong password
-would look like a broker that is slow to answer. The streamer and the worker ask once,
-up front, and a rejection becomes one `ConfigError` line naming the broker, the user and
-the mechanism (never the password). Any other failure (the broker is down, the network is
-slow) is left to the clients' own reconnect logic.
+librdkafka refuses a misspelt property (`sasl.pasword`) or a bad value by raising from
+the client's constructor, deep in a command's start-up; and it retries a rejected SASL
+login for ever, logging each try, so a wrong password would look like a broker that is
+slow to answer. The streamer and the worker ask both once, up front, and each problem
+becomes one `ConfigError` line naming the setting, or the broker, the user and the
+mechanism, never a password (`producers.redact`). Any other failure (the broker is down,
+the network is slow) is left to the clients' own reconnect logic.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from lagscope.producers.config import ConfigError, KafkaSettings
+from lagscope.producers.redact import scrub, secret_values
+
+_Client = TypeVar("_Client")
+
+
+def kafka_client(factory: Callable[[dict[str, Any]], _Client], config: dict[str, Any]) -> _Client:
+    """`factory(config)` (a confluent-kafka Producer, Consumer or AdminClient); settings
+    librdkafka refuses are one ConfigError line without the values of secret settings."""
+    from confluent_kafka import KafkaException
+
+    try:
+        return factory(config)
+    except (KafkaException, ValueError, TypeError) as exc:
+        error = exc.args[0] if exc.args else exc
+        reason = error.str() if hasattr(error, "str") else str(error)
+        raise ConfigError(
+            f"Kafka client settings (kafka.* settings, kafka.client_options, --kafka-option): "
+            f"{scrub(reason, secret_values(config))}"
+        ) from None
+
+
+def check_kafka_settings(kafka: KafkaSettings) -> None:
+    """Raise ConfigError when librdkafka refuses a setting of `kafka` (a misspelt
+    property, a bad value, an unreadable certificate file). Connects to nothing: the
+    client it builds is dropped before its first connection matters."""
+    from confluent_kafka import Producer
+
+    producer = kafka_client(Producer, {**kafka.client_config(), "log_level": 0})
+    producer.purge()
+    del producer
 
 
 def check_kafka_login(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
-    """Raise ConfigError when the broker rejects the SASL login of `kafka` (its
-    `client_options`, e.g. `--kafka-option`, included). No-op without SASL."""
+    """Raise ConfigError when a setting of `kafka` is refused (`check_kafka_settings`) or
+    when the broker rejects its SASL login (its `client_options`, e.g. `--kafka-option`,
+    included). The login is not tried without SASL."""
+    check_kafka_settings(kafka)
     config = kafka.client_config()
     if not str(config.get("security.protocol", "")).upper().startswith("SASL"):
         return
@@ -31,7 +67,7 @@ def check_kafka_login(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
             rejected.append(err.str())
 
     # log_level 0: the rejection is reported once, by us, not by librdkafka at every retry.
-    admin = AdminClient({**config, "error_cb": on_error, "log_level": 0})
+    admin = kafka_client(AdminClient, {**config, "error_cb": on_error, "log_level": 0})
     deadline = time.monotonic() + timeout_s
     while not rejected and time.monotonic() < deadline:
         try:
@@ -41,8 +77,9 @@ def check_kafka_login(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
             admin.poll(0.1)  # deliver error callbacks
     if rejected:
         reason = rejected[0].split(": ", 1)[-1]
-        raise ConfigError(
+        message = (
             f"Kafka at {config.get('bootstrap.servers')} rejected the login of user "
             f"{config.get('sasl.username')!r} ({config.get('sasl.mechanism')} over "
             f"{config.get('security.protocol')}): {reason}"
         )
+        raise ConfigError(scrub(message, secret_values(config)))

@@ -25,8 +25,14 @@ import numpy as np
 
 from lagscope.producers.config import LagscopeConfig
 from lagscope.producers.events import BATCH_VERSION, JobInfo, RankStepBatch, batch_id_of
+from lagscope.producers.kafka_login import kafka_client
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
+from lagscope.producers.redact import redact_url
 from lagscope.simulator.trace import JobMeta, Trace
+
+
+class UndeliveredError(RuntimeError):
+    """Kafka did not confirm every message of a replay (the message says how many)."""
 
 
 @dataclass
@@ -149,14 +155,15 @@ def replay(
         from confluent_kafka import Producer
 
         assert kafka is not None
-        producer = Producer(
+        producer = kafka_client(
+            Producer,
             {
                 **kafka.kafka.client_config(),
                 "enable.idempotence": True,
                 "acks": "all",
                 "compression.type": kafka.streamer.compression,
                 "linger.ms": kafka.streamer.linger_ms,
-            }
+            },
         )
         producer.produce(kafka.kafka.topic_jobs, key=info.key.encode(),
                          value=info.model_dump_json().encode())  # fmt: skip
@@ -212,7 +219,10 @@ def replay(
         if producer is not None:
             remaining = producer.flush(60)
             if remaining:
-                raise RuntimeError(f"{remaining} batches were not delivered to Kafka in 60 s")
+                raise UndeliveredError(
+                    f"{remaining:,} message(s) were not delivered to Kafka at "
+                    f"{redact_url(kafka.kafka.bootstrap_servers)} within 60 s"
+                )
     stats.seconds = time.monotonic() - begin
     report_progress()
     return stats

@@ -43,7 +43,7 @@ from typing import Any
 
 from lagscope.producers.config import LagscopeConfig
 from lagscope.producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
-from lagscope.producers.kafka_login import check_kafka_login
+from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
@@ -55,6 +55,7 @@ from lagscope.producers.log import (
     list_rank_dirs,
 )
 from lagscope.producers.metrics import MetricsServer
+from lagscope.producers.redact import redact_url
 
 log = logging.getLogger("lagscope.streamer")
 #: librdkafka's own log lines (one per failed connection attempt, every back-off period).
@@ -189,7 +190,7 @@ class Streamer:
             }
         )
         config.update(self.config.kafka.client_options)
-        return Producer(config)
+        return kafka_client(Producer, config)
 
     def _on_client_error(self, err: Any) -> None:
         if err.name() in _UNREACHABLE_ERRORS:
@@ -212,8 +213,9 @@ class Streamer:
         from confluent_kafka.admin import AdminClient, NewTopic
 
         kafka = self.config.kafka
-        admin = AdminClient(
-            {**kafka.client_config(), "error_cb": self._on_client_error, "logger": _client_log}
+        admin = kafka_client(
+            AdminClient,
+            {**kafka.client_config(), "error_cb": self._on_client_error, "logger": _client_log},
         )
         topics = [
             NewTopic(kafka.topic_ops, num_partitions=-1, replication_factor=-1),
@@ -434,6 +436,26 @@ class Streamer:
             self._producer.purge()
             self._producer.poll(0)
 
+    def unshipped_bytes(self) -> int:
+        """Bytes of the rank logs past what Kafka confirmed: read and unconfirmed, and not
+        read yet. What `lagscope stream` reports when it exits with data left behind (the
+        logs keep it; the next run sends it)."""
+        total = 0
+        for directory in list_rank_dirs(self.log_dir):
+            state = self._ranks.get(directory.name)
+            confirmed = state.confirmed if state is not None else None
+            for name in list_log_files(directory):
+                if confirmed is not None and name < confirmed.file:
+                    continue
+                try:
+                    size = (directory / name).stat().st_size
+                except FileNotFoundError:  # rotated away meanwhile
+                    continue
+                if confirmed is not None and name == confirmed.file:
+                    size -= min(size, confirmed.offset)
+                total += size
+        return total
+
     def _begin_outage(self, reason: str, since: float | None = None) -> None:
         """The one line that says no broker answers (librdkafka retries with back-off)."""
         if self._outage is not None or self._exit_reported:
@@ -442,7 +464,7 @@ class Streamer:
         log.warning(
             "Kafka at %s does not answer (%s); retrying with back-off, the logs keep "
             "everything until it does",
-            self.config.kafka.bootstrap_servers,
+            redact_url(self.config.kafka.bootstrap_servers),
             reason,
         )
 
@@ -455,7 +477,7 @@ class Streamer:
             log.warning(
                 "Kafka at %s did not answer for %.0f s (%d failed connection attempts, "
                 "first: %s); %d unconfirmed bytes stay in the logs and are sent on the next run",
-                self.config.kafka.bootstrap_servers,
+                redact_url(self.config.kafka.bootstrap_servers),
                 seconds,
                 self.stats.kafka_connect_failures,
                 self._outage.first_error,
@@ -464,7 +486,7 @@ class Streamer:
         else:
             log.warning(
                 "Kafka at %s answers again after %.0f s (%d failed connection attempts)",
-                self.config.kafka.bootstrap_servers,
+                redact_url(self.config.kafka.bootstrap_servers),
                 seconds,
                 self.stats.kafka_connect_failures,
             )

@@ -33,6 +33,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import numpy as np
 import pyarrow as pa
 
+from lagscope.producers.redact import MASK, redact_url, scrub
 from lagscope.stream_app import schema
 from lagscope.stream_app.store_location import DEFAULT_DSN
 
@@ -162,33 +163,70 @@ class ParsedDsn:
         if parts.port:
             netloc += f":{parts.port}"
         if parts.username:
-            netloc = f"{parts.username}:***@{netloc}"
+            netloc = f"{parts.username}:{MASK}@{netloc}"
         return f"{parts.scheme}://{netloc}{parts.path}"
 
 
 def parse_dsn(dsn: str) -> ParsedDsn:
-    """Split a DSN into what the client needs; a DSN of another form is a StoreError."""
+    """Split a DSN into what the client needs; a DSN of another form is a StoreError, whose
+    message shows the DSN without its password (`shown_dsn`)."""
     if not isinstance(dsn, str) or not dsn.strip():
         raise StoreError("ClickHouse DSN is empty; expected chdb:///dir or http://host:8123/db")
     dsn = dsn.strip()
     if dsn.startswith("chdb://"):
         rest, _, query = dsn.removeprefix("chdb://").partition("?")
-        options = parse_qs(query)
+        if "@" in rest.partition("/")[0]:
+            # chdb://user:pw@/dir would otherwise be a directory named after the password.
+            raise StoreError(
+                f"DSN {shown_dsn(dsn)}: an embedded chDB store has no user or password; "
+                "write chdb:///path/to/dir"
+            )
+        options = parse_qs(query, keep_blank_values=True)
         unknown = sorted(set(options) - {"database"})
         if unknown:
-            raise StoreError(f"DSN {dsn!r}: unknown option(s) {', '.join(unknown)}")
+            raise StoreError(
+                f"DSN {shown_dsn(dsn)}: unknown option(s) {', '.join(unknown)} "
+                "(a chDB DSN takes only ?database=NAME)"
+            )
         path = unquote(rest)
         database = options.get("database", [None])[0]
         in_memory = path in ("", "memory", ":memory:")
         return ParsedDsn("chdb", path=None if in_memory else path, database=database)
-    parts = urlsplit(dsn)
-    if parts.scheme in ("http", "https") and parts.hostname:
+    try:
+        parts = urlsplit(dsn)
+        hostname, _ = parts.hostname, parts.port
+    except ValueError as exc:  # a port that is no number, a broken IPv6 address
+        raise StoreError(
+            f"DSN {shown_dsn(dsn)}: not a valid URL ({redact_url(str(exc))})"
+        ) from None
+    if parts.scheme in ("http", "https") and hostname:
+        if parts.query:
+            names = ", ".join(sorted(parse_qs(parts.query, keep_blank_values=True))) or "?"
+            raise StoreError(
+                f"DSN {shown_dsn(dsn)}: unknown option(s) {names} (a server DSN takes none: "
+                "write http(s)://user:password@host:8123/database)"
+            )
         database = parts.path.strip("/") or None
         return ParsedDsn("http", database=database, url=dsn)
     raise StoreError(
-        f"DSN {dsn.split('@')[-1]!r} is not supported: use chdb:///path/to/dir (embedded) "
+        f"DSN {shown_dsn(dsn)} is not supported: use chdb:///path/to/dir (embedded) "
         "or http(s)://user:pass@host:8123/db (server)"
     )
+
+
+def shown_dsn(dsn: str) -> str:
+    """A DSN as a message may show it: no password, no secret option, and nothing before
+    an `@` of a DSN without a scheme (`user:pw@host`).
+
+    >>> shown_dsn("chdb://user:pw@/data?password=pw")
+    'chdb://user:***@/data?password=***'
+    >>> shown_dsn("user:pw@clickhouse:8123")
+    '***@clickhouse:8123'
+    """
+    shown = redact_url(dsn)
+    if "://" not in shown and "@" in shown:
+        shown = f"{MASK}@{shown.rpartition('@')[2]}"
+    return shown
 
 
 class ClickHouseSink:
@@ -238,7 +276,9 @@ class ClickHouseSink:
                     connect_timeout=connect_timeout_s,
                 )
         except (ClickHouseError, OSError) as exc:
-            raise StoreError(f"cannot open ClickHouse store {self.dsn.shown}: {exc}") from None
+            raise StoreError(
+                f"cannot open ClickHouse store {self.dsn.shown}: {self.error_text(exc)}"
+            ) from None
         self._use_database(create=False)
 
     # -- schema -------------------------------------------------------------------------
@@ -294,7 +334,7 @@ class ClickHouseSink:
         try:
             return self.client.command(cmd, parameters=parameters, settings=settings)
         except (ClickHouseError, OSError) as exc:
-            raise StoreError(f"{self.dsn.shown}: {_first_line(exc)}") from None
+            raise StoreError(f"{self.dsn.shown}: {self.error_text(exc, first_line=True)}") from None
 
     def query(
         self, sql: str, parameters: dict | None = None, settings: dict | None = None
@@ -306,7 +346,9 @@ class ClickHouseSink:
         try:
             result = self.client.query(sql, parameters=parameters, settings=settings)
         except (ClickHouseError, OSError) as exc:
-            raise StoreError(f"{self.dsn.shown}: query failed: {_first_line(exc)}") from None
+            raise StoreError(
+                f"{self.dsn.shown}: query failed: {self.error_text(exc, first_line=True)}"
+            ) from None
         return list(result.column_names), list(result.result_rows)
 
     def close(self) -> None:
@@ -317,6 +359,13 @@ class ClickHouseSink:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def error_text(self, exc: BaseException, *, first_line: bool = False) -> str:
+        """A client error as a message may show it: a client library may quote the URL or
+        the login it was given, so the DSN's password is masked wherever it appears."""
+        text = _first_line(exc) if first_line else str(exc)
+        password = unquote(urlsplit(self.dsn.url).password or "") if self.dsn.url else ""
+        return scrub(text, [password])
 
     # -- writes -------------------------------------------------------------------------
     def write(self, batch: SinkBatch) -> WriteReport:
@@ -387,7 +436,9 @@ class ClickHouseSink:
                 settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
             )
         except (ClickHouseError, OSError) as exc:
-            raise StoreError(f"{self.dsn.shown}: insert into {table} failed: {exc}") from None
+            raise StoreError(
+                f"{self.dsn.shown}: insert into {table} failed: {self.error_text(exc)}"
+            ) from None
 
     def _newer_steps(
         self, columns: dict[str, pa.Array]

@@ -260,17 +260,25 @@ def test_stream_without_kafka_says_so_once_and_honours_idle_exit(
         cwd=tmp_path,
     )  # fmt: skip
     took = time.monotonic() - began
-    assert done.returncode == 0, done.stderr
+    # Nothing was delivered: not a success, or an orchestrator would clean up the logs.
+    assert done.returncode == 1, done.stderr
     # ensure_topics waits 10 s for a broker, then idleness counts through the outage.
     assert took < 40, took
     lines = done.stderr.splitlines()
-    assert len(lines) == 2, done.stderr
+    assert len(lines) == 3, done.stderr
     assert "Kafka at 127.0.0.1:9 does not answer" in lines[0]
     assert "Kafka at 127.0.0.1:9 did not answer for" in lines[1]
     assert "stay in the logs and are sent on the next run" in lines[1]
     stats = json.loads(done.stdout)
     assert stats["kafka_connect_failures"] > 0 and stats["kafka_unreachable_s"] > 2
     assert json.loads(checkpoint.read_text())["positions"] == {}  # nothing confirmed
+    log_bytes = sum(f.stat().st_size for f in st_logs.rglob("*.lglog"))
+    assert stats["unshipped_bytes"] == log_bytes > 0
+    assert lines[2] == (
+        f"lagscope stream: error: {log_bytes:,} bytes of the logs under {st_logs} were not "
+        "delivered to Kafka at 127.0.0.1:9; they stay in the logs and the next run sends them "
+        f"(checkpoint {checkpoint})"
+    )
 
 
 def test_stream_on_a_file_for_its_log_dir_is_a_usage_error(tmp_path: Path) -> None:

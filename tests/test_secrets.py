@@ -1,8 +1,10 @@
 """A password given to any command, in any place a user puts one, never appears in what the
-command prints: messages, log lines and errors (issue 16, secrets)."""
+command prints (messages, log lines and errors) nor in a path it creates, and a setting that
+cannot work ends in one line, not a traceback (issues 16 and 27, secrets)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 
 SECRET = "s3cr3t-Pa55word"
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference-traces"
+ST_TRACE, ST_META = REFERENCE / "trace-ST.parquet", REFERENCE / "meta-ST.yaml"
 #: A ClickHouse server nobody listens on: every command fails to reach it.
 DSN = f"http://lagscope:{SECRET}@127.0.0.1:9/lagscope"
 
@@ -32,21 +36,64 @@ def lagscope(
 def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     broken_yaml, bad_json, logs = tmp / "broken.yaml", tmp / "bad.json", tmp / "logs"
     stream = ["stream", "--log-dir", str(logs), "--bootstrap-servers", "127.0.0.1:9"]
+    replay = ["replay", "--trace", str(ST_TRACE), "--meta", str(ST_META), "--to-kafka",
+              "--bootstrap-servers", "127.0.0.1:9"]  # fmt: skip
+    push = ["dashboards", "push", "--timeout-s", "2"]
     return {
         "run --dsn": (["run", "--logs", str(logs), "--dsn", DSN], {}),
         "run, DSN from the environment": (
             ["run", "--logs", str(logs)],
             {"LAGSCOPE_CLICKHOUSE_DSN": DSN},
         ),
+        "run, chdb DSN with a login": (
+            ["run", "--log-dir", str(logs), "--dsn", f"chdb://lagscope:{SECRET}@/{tmp}/store"],
+            {},
+        ),
+        "run, chdb DSN with a password option": (
+            ["run", "--log-dir", str(logs), "--dsn", f"chdb:///{tmp}/store?password={SECRET}"],
+            {},
+        ),
+        "run, server DSN with a password option": (
+            ["run", "--log-dir", str(logs), "--dsn", f"http://u@127.0.0.1:9/db?password={SECRET}"],
+            {},
+        ),
+        "run, server DSN whose port is no number": (
+            ["run", "--log-dir", str(logs), "--dsn", f"http://u:{SECRET}@127.0.0.1:port/db"],
+            {},
+        ),
+        "run, DSN of an unknown kind": (
+            ["run", "--log-dir", str(logs), "--dsn", f"clickhouse://u:{SECRET}@127.0.0.1/db"],
+            {},
+        ),
         "query --dsn": (["query", "SELECT 1", "--dsn", DSN], {}),
+        "query, chdb DSN with a login": (
+            ["query", "SELECT 1", "--dsn", f"chdb://u:{SECRET}@/{tmp}/store"],
+            {},
+        ),
         "worker --dsn": (["worker", "--dsn", DSN, "--bootstrap", "127.0.0.1:9"], {}),
         "worker, store DSN from the environment": (
             ["worker", "--bootstrap", "127.0.0.1:9"],
             {"LAGSCOPE_STORE__DSN": DSN},
         ),
+        "worker, chdb DSN with a login": (
+            ["worker", "--dsn", f"chdb://u:{SECRET}@/{tmp}/store", "--bootstrap", "127.0.0.1:9"],
+            {},
+        ),
+        "worker, misspelt client option in the config file": (
+            ["worker", "--dsn", "chdb://memory", "--config", str(tmp / "options.yaml")],
+            {},
+        ),
         "stream, misspelt --kafka-option": (
             [*stream, "--kafka-option", f"sasl.password:{SECRET}"],
             {},
+        ),
+        "stream, --kafka-option librdkafka does not know": (
+            [*stream, "--kafka-option", f"sasl.pasword={SECRET}"],
+            {},
+        ),
+        "stream, misspelt client option in the environment": (
+            [*stream],
+            {"LAGSCOPE_KAFKA__CLIENT_OPTIONS": json.dumps({"sasl.pasword": SECRET})},
         ),
         "stream, yaml syntax error": ([*stream, "--config", str(broken_yaml)], {}),
         "stream, json syntax error": ([*stream, "--config", str(bad_json)], {}),
@@ -58,6 +105,34 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
             [*stream],
             {"LAGSCOPE_KAFKA__SASL_PASSWORD": SECRET, "LAGSCOPE_KAFKA__NO_SUCH": "1"},
         ),
+        "replay, --kafka-option librdkafka does not know": (
+            [*replay, "--kafka-option", f"sasl.pasword={SECRET}"],
+            {},
+        ),
+        "dashboards push, password in the URL": (
+            [*push, "--url", f"http://admin:{SECRET}@127.0.0.1:9"],
+            {},
+        ),
+        "dashboards push, password in a URL whose port is no number": (
+            [*push, "--url", f"http://admin:{SECRET}@127.0.0.1:port"],
+            {},
+        ),
+        "dashboards push, token and data source password": (
+            [
+                *push,
+                "--url",
+                "http://127.0.0.1:9",
+                "--token",
+                SECRET,
+                "--clickhouse-password",
+                SECRET,
+            ],
+            {},
+        ),
+        "dashboards push, token from the environment": (
+            [*push, "--url", "http://127.0.0.1:9"],
+            {"GRAFANA_TOKEN": SECRET, "CLICKHOUSE_GRAFANA_PASSWORD": SECRET},
+        ),
     }
 
 
@@ -67,11 +142,23 @@ def test_no_command_shows_a_password(tmp_path: Path, name: str) -> None:
         f"kafka:\n  sasl_password: {SECRET}\n  sasl_username: [unclosed\n"
     )
     (tmp_path / "bad.json").write_text(f'{{"kafka": {{"sasl_password": "{SECRET}",}}}}')
-    (tmp_path / "logs").mkdir()
+    (tmp_path / "options.yaml").write_text(
+        f"kafka:\n  client_options:\n    sasl.pasword: {SECRET}\n"
+    )
+    # One rank's log: `run` gets as far as its store.
+    replay_logs = subprocess.run(
+        [sys.executable, "-m", "lagscope", "replay", "--trace", str(ST_TRACE), "--meta",
+         str(ST_META), "--log-dir", str(tmp_path / "logs"), "--no-progress"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert replay_logs.returncode == 0, replay_logs.stderr
     args, env = cases(tmp_path)[name]
     done = lagscope(*args, env=env, cwd=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
     assert SECRET not in output, output
     assert "Traceback" not in output, output
+    assert output.strip().splitlines()[-1].startswith(f"lagscope {args[0]}"), output
     assert "error:" in output
+    # ... nor in a path: no file or directory is named after it
+    assert not [p for p in tmp_path.rglob("*") if SECRET in str(p)]
