@@ -84,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
                     columns = list(rows.source.column_names)
                     WRITERS[args.format](columns, rows)
                     return 0
+            except BrokenPipeError:
+                raise  # the reader left (`| head`): silence and 141, not a failed query
             except (ClickHouseError, OSError) as exc:
                 if STREAMING_UNSUPPORTED not in str(exc):
-                    first_line = (str(exc).strip().splitlines() or [repr(exc)])[0]
+                    first_line = store.error_text(exc, first_line=True)
                     raise StoreError(f"{store.dsn.shown}: query failed: {first_line}") from None
             # chDB streams SELECTs only; DDL and writes return no rows worth streaming.
             columns, result = store.query(args.sql, settings=settings)
