@@ -250,6 +250,32 @@ def list_rank_dirs(log_dir: str | os.PathLike[str]) -> list[Path]:
         )
 
 
+def rank_logs_nearby(log_dir: str | os.PathLike[str], levels: int = 2) -> list[Path]:
+    """Directories up to `levels` below `log_dir` that hold rank logs, for the hint of a
+    command given a directory too high up (`lagscope run --log-dir jobs` for
+    `jobs/llama/rank-000000/`). Hidden directories are not searched."""
+    found: list[Path] = []
+    frontier = [Path(log_dir)]
+    for _ in range(levels):
+        below: list[Path] = []
+        for directory in frontier:
+            try:
+                entries = sorted(
+                    Path(e.path)
+                    for e in os.scandir(directory)
+                    if e.is_dir() and not e.name.startswith(".")
+                )
+            except OSError:
+                continue
+            for entry in entries:
+                if list_rank_dirs(entry):
+                    found.append(entry)
+                elif not entry.name.startswith(RANK_DIR_PREFIX):
+                    below.append(entry)
+        frontier = below
+    return found
+
+
 class RankLogReader:
     """Reads one rank directory's records in order, from a resume position, as they appear.
 

@@ -134,14 +134,21 @@ def _progress(total_ops: int | None) -> tuple[Progress, Callable[[RunReport], No
 
 def run_logs_command(args: argparse.Namespace) -> int:
     from lagscope.dashboards.report import render_report
+    from lagscope.producers.log import list_rank_dirs
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, report_data
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink
+    from lagscope.stream_app.run_outcome import no_ops_message, no_rank_logs_message
+    from lagscope.stream_app.sink import ClickHouseSink, parse_dsn
 
     # Before the store opens: a mistyped directory must not leave an empty store behind.
+    dsn = resolve_dsn(args.dsn)
+    parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at
     if not args.log_dir.is_dir():
         what = "is not a directory" if args.log_dir.exists() else "does not exist"
         raise UsageError(f"--log-dir {args.log_dir}: {what}")
+    # A job that starts later may still create its rank logs while --follow waits.
+    if not args.follow and not list_rank_dirs(args.log_dir):
+        raise UsageError(no_rank_logs_message(args.log_dir))
     check_one_stdout(args, "report")
     if args.report_every_s <= 0:
         raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
@@ -154,7 +161,7 @@ def run_logs_command(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--report {live.path}: cannot write ({exc.strerror or exc})"
             ) from None
-    sink = ClickHouseSink(resolve_dsn(args.dsn))
+    sink = ClickHouseSink(dsn)
     sink.ensure_schema()
     runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s), live_report=live)
     display, show = _progress(None)
@@ -168,6 +175,10 @@ def run_logs_command(args: argparse.Namespace) -> int:
         interrupted = True
         report = runner.close_open_steps()
     display.close()
+    if not report.ops and not interrupted:
+        # Success on nothing would read as a healthy job: say what was found instead.
+        print(f"lagscope run: error: {no_ops_message(args.log_dir, report)}", file=sys.stderr)
+        return 1
     say = print if args.report != STDOUT else functools.partial(print, file=sys.stderr)
     for key, job in report.jobs.items():
         print_job_summary(job, say=say)
