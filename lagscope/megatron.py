@@ -9,21 +9,34 @@
     model, optimizer = ...                     # as usual
     monitor = lagscope.megatron.monitor(job_id="llama-70b", log_dir="/local/lagscope",
                                         optimizer=optimizer)
-    forward_backward = get_forward_backward_func()
+    forward_backward = get_forward_backward_func()   # after monitor(), never before
     for iteration in range(train_iters):
         forward_backward(forward_step_func=..., model=model, ...)
         optimizer.step()
     monitor.close()                            # also done at exit
 
+The call order matters:
+
+1. `parallel_state.initialize_model_parallel(...)` (the monitor reads the job's layout
+   from its groups; before it, `monitor()` raises and says so);
+2. the model and the optimizer;
+3. `lagscope.megatron.monitor(...)`, on every rank;
+4. `get_forward_backward_func()`: the schedule it returns is the timed one. A schedule
+   fetched before `monitor()` runs untimed: the monitor warns at its first call
+   (`RuntimeWarning`) and `lagscope run` on such logs fails saying the job recorded
+   nothing. Megatron-LM's own training loop fetches it every iteration, so it is timed.
+
 Every micro-batch's forward and backward (with its index and model chunk), every pipeline
 transfer (by direction), the gradient sync (per Megatron DDP bucket group), the layernorm
 and embedding all-reduces, the gradient-norm all-reduce and the optimizer step are
-recorded on each rank into its local log, one batch per step; `lagscope run --logs DIR`
+recorded on each rank into its local log, one batch per step; `lagscope run --log-dir DIR`
 (or the streamer) analyses them. The job record (dp, pp, tp, cp and vpp sizes) comes from
 `megatron.core.parallel_state`. Steps are numbered from `first_step` (pass the iteration
 you resume from). Pass `optimizer` (megatron-core's or a torch optimizer) so a step ends
-at its update; without it every training call of the schedule is a step. Use either this
-module or `lagscope.torch` in a job, not both: each records the transfers it sees.
+at its update; without it every training call of the schedule is a step, and nothing more
+is needed. `monitor.step()` ends a step by hand (an update the monitor cannot see);
+`monitor.step_id` is the step being recorded. Use either this module or `lagscope.torch`
+in a job, not both: each records the transfers it sees.
 
 Supports megatron-core 0.19.x only: another version, or a 0.19 release in which a hooked
 function changed, is refused with `UnsupportedMegatronVersion` naming what differs.
@@ -57,7 +70,8 @@ def monitor(
     model_flops_per_step: float | None = None,
     gpu_peak_flops: float | None = None,
 ) -> MegatronMonitor:
-    """Start recording this rank; call after `initialize_model_parallel` on every rank.
+    """Start recording this rank; call after `initialize_model_parallel` on every rank,
+    and fetch the schedule with `get_forward_backward_func()` after this call.
 
     `job_id`/`log_dir` default to $LAGSCOPE_JOB_ID (else torchrun's run id or
     SLURM_JOB_ID) and $LAGSCOPE_LOG_DIR; `attempt` to torchrun's restart count.

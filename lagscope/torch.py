@@ -20,8 +20,10 @@ NCCL by the process group's own device timing), and the wait for the next batch 
 The job record (dp/pp/tp sizes, this rank's host, GPU and its PCI bus id, node and pod) is
 derived from the process groups and the environment; the analysis stores every rank's
 machine and names it next to the workers it names.
-Then `lagscope run --logs /local/lagscope` analyses the job.
+Then `lagscope run --log-dir /local/lagscope` analyses the job.
 
+Call order: the process groups, the model (wrapped in DDP/FSDP, or the pipeline schedule
+built), the optimizer and the data loader, then `monitor(...)`, then the training loop.
 A job without an optimizer calls `monitor.step()` at the end of each step. Sampling is
 `schedule=lagscope.torch.schedule(wait=9, active=1)` (one step in ten), like
 torch.profiler's. Internals: `lagscope.producers.torch_*`.

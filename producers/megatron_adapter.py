@@ -181,7 +181,12 @@ class MegatronMonitor:
         self.recording = False
         #: True while the current step is one the sampling schedule records.
         self.sampled = False
-        self.step: int | None = None
+        #: The step being recorded (None before the first training call).
+        self.step_id: int | None = None
+        #: Schedule calls under way through the hooked schedule functions: a forward outside
+        #: any is a schedule obtained before the hooks went in, which records nothing.
+        self._schedule_calls = 0
+        self._said_unhooked = False
         self._schedule = schedule
         self._first_step = first_step
         self._next_step = first_step
@@ -253,12 +258,12 @@ class MegatronMonitor:
 
     def _begin_training_call(self, model: Any) -> None:
         if not self._step_open or not self._steps_end_at_optimizer:
-            self.step = self._next_step
+            self.step_id = self._next_step
             self._next_step += 1
-            self.timer.step(self.step)
+            self.timer.step(self.step_id)
             self._step_open = True
             self.sampled = self.layout.is_representative and self._schedule.records(
-                self.step - self._first_step
+                self.step_id - self._first_step
             )
             # A GC pause in a step that is not recorded would make a step of its own.
             self.timer.gc_paused = not self.sampled
@@ -269,6 +274,31 @@ class MegatronMonitor:
 
     def _end_step(self) -> None:
         self._step_open = False
+
+    def step(self) -> None:
+        """End the current step by hand; the next training call of the schedule opens the
+        next one. Rarely needed: with `optimizer=` a step ends at the optimizer's update,
+        and without it every training call of the schedule is a step of its own. For a job
+        whose update monitor() cannot see, e.g. several schedule calls per update by an
+        optimizer it was not given."""
+        self._end_step()
+
+    def _unhooked_schedule(self) -> None:
+        """Megatron runs a schedule function that was fetched before monitor() hooked
+        the schedules: say so once, at once, with what the job must change."""
+        if self._said_unhooked or self._closed:
+            return
+        self._said_unhooked = True
+        import warnings
+
+        warnings.warn(
+            "lagscope.megatron: megatron-core runs a pipeline schedule fetched before "
+            "lagscope.megatron.monitor() was called, so nothing of this job is recorded. "
+            "Call get_forward_backward_func() after lagscope.megatron.monitor(...) (or call "
+            "it again after it) and use the function it returns.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _learn_model(self, model: Any) -> None:
         """Model chunks (for bucket chunk ids and the DP op type) and the config's hooks."""
@@ -405,17 +435,21 @@ class MegatronMonitor:
     def _timed_schedule(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(schedule)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("forward_only", False):
-                return schedule(*args, **kwargs)
-            self._begin_training_call(kwargs["model"])
+            self._schedule_calls += 1
             try:
-                with self._communicator_timed(kwargs.get("p2p_communicator")):
+                if kwargs.get("forward_only", False):
                     return schedule(*args, **kwargs)
+                self._begin_training_call(kwargs["model"])
+                try:
+                    with self._communicator_timed(kwargs.get("p2p_communicator")):
+                        return schedule(*args, **kwargs)
+                finally:
+                    megatron_p2p.end_outstanding()
+                    self.recording = False
+                    if not self._steps_end_at_optimizer:
+                        self._end_step()
             finally:
-                megatron_p2p.end_outstanding()
-                self.recording = False
-                if not self._steps_end_at_optimizer:
-                    self._end_step()
+                self._schedule_calls -= 1
 
         return timed
 
@@ -443,6 +477,8 @@ class MegatronMonitor:
         @functools.wraps(forward_step)
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.recording:
+                if not self._schedule_calls:
+                    self._unhooked_schedule()
                 return forward_step(*args, **kwargs)
             if len(args) > 11:  # the schedules pass these by keyword; be safe if not
                 bound = signature.bind(*args, **kwargs).arguments

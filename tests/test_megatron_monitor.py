@@ -68,11 +68,12 @@ class _Job:
         self._get_schedule = get_forward_backward_func
         self._forward_step = tiny_gpt.forward_step
 
-    def call_schedule(self, forward_only: bool = False) -> None:
+    def call_schedule(self, forward_only: bool = False, schedule: Any = None) -> None:
+        """One call of megatron's schedule, fetched now (or the one given)."""
         from tests.megatron_jobs.cpu import cuda_tensors_on_cpu
 
         with cuda_tensors_on_cpu():
-            self._get_schedule()(
+            (schedule or self._get_schedule())(
                 forward_step_func=self._forward_step,
                 data_iterator=self.data,
                 model=[self.model],
@@ -187,3 +188,103 @@ def test_gc_pauses_are_recorded_only_inside_steps(tmp_path: Path) -> None:
     ops = _ops(tmp_path)
     assert {op["step"] for op in ops} == {5}
     assert any(op["optype"] == GC_PAUSE for op in ops)
+
+
+@pytest.mark.usefixtures("megatron_world_of_one")
+def test_a_schedule_fetched_before_the_monitor_is_named_at_once(tmp_path: Path) -> None:
+    """The order trap: `get_forward_backward_func()` before `monitor()` hands out the
+    unhooked schedule. The first call of it says what to change; fetched again, it records."""
+    import warnings
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import lagscope.megatron
+
+    job = _Job()
+    fetched_too_early = get_forward_backward_func()
+    monitor = lagscope.megatron.monitor(
+        job_id="early", log_dir=tmp_path, optimizer=job.optimizer, gc_probe=False
+    )
+    try:
+        with pytest.warns(RuntimeWarning, match=r"get_forward_backward_func\(\) after"):
+            job.call_schedule(schedule=fetched_too_early)
+        job.update()
+        with warnings.catch_warnings():
+            # said once, not at every call
+            warnings.filterwarnings("error", message="lagscope.megatron")
+            job.call_schedule(schedule=fetched_too_early)
+            job.update()
+            assert not _ops(tmp_path)
+            job.call_schedule()  # fetched after monitor(): timed
+            job.update()
+    finally:
+        monitor.close()
+    ops = _ops(tmp_path)
+    assert {op["step"] for op in ops} == {0}
+    assert Counter(op["optype"] for op in ops)["forward-compute"] == MICROBATCHES
+
+
+@pytest.mark.usefixtures("megatron_world_of_one")
+def test_step_ends_a_step_by_hand_on_either_kind_of_job(tmp_path: Path) -> None:
+    """`monitor.step()` exists on the Megatron monitor as on the torch one (the README's
+    "no optimizer" advice): without an optimizer every schedule call is already a step."""
+    import lagscope.megatron
+
+    job = _Job()
+    monitor = lagscope.megatron.monitor(job_id="by-hand", log_dir=tmp_path / "a", gc_probe=False)
+    try:
+        job.call_schedule()
+        monitor.step()  # harmless: the call's step has ended already
+        job.call_schedule()
+        assert monitor.step_id == 1
+    finally:
+        monitor.close()
+    assert sorted({op["step"] for op in _ops(tmp_path / "a")}) == [0, 1]
+
+    monitor = lagscope.megatron.monitor(
+        job_id="by-hand", log_dir=tmp_path / "b", optimizer=job.optimizer, gc_probe=False
+    )
+    try:
+        job.call_schedule()
+        monitor.step()  # an update the monitor does not see
+        job.call_schedule()
+        job.update()
+    finally:
+        monitor.close()
+    ops = _ops(tmp_path / "b")
+    assert sorted({op["step"] for op in ops}) == [0, 1]
+    assert [op["step"] for op in ops if op["optype"] == "optimizer"] == [1]
+
+
+@pytest.mark.usefixtures("megatron_world_of_one")
+def test_run_on_a_job_that_recorded_nothing_fails_and_says_why(tmp_path: Path) -> None:
+    import subprocess
+    import warnings
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import lagscope.megatron
+
+    job = _Job()
+    fetched_too_early = get_forward_backward_func()
+    log_dir = tmp_path / "logs"
+    monitor = lagscope.megatron.monitor(
+        job_id="silent", log_dir=log_dir, optimizer=job.optimizer, gc_probe=False
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                job.call_schedule(schedule=fetched_too_early)
+                job.update()
+    finally:
+        monitor.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "lagscope", "run", "--log-dir", str(log_dir)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"lagscope run: error: --log-dir {log_dir}: 1 rank log(s)"), last
+    assert "get_forward_backward_func() after lagscope.megatron.monitor" in last
+    assert "0 steps closed" not in done.stdout
