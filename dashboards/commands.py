@@ -66,6 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "GRAFANA_TOKEN=... lagscope dashboards push --url http://grafana:3000",
             "lagscope dashboards push --url http://admin:admin@localhost:3000 "
             "--clickhouse-host localhost",
+            "lagscope dashboards push --url https://grafana.example.com --clickhouse-host "
+            "ch.example.com --clickhouse-secure --clickhouse-ca-cert ca.pem",
         ),
     )
     push.add_argument("--url", help=f"Grafana base URL (default ${GRAFANA_URL_ENV})")
@@ -73,7 +75,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--token", help=f"service-account token (default ${GRAFANA_TOKEN_ENV}; or user:pass@ URL)"
     )
     push.add_argument(
+        "--grafana-ca-cert",
+        type=Path,
+        metavar="PATH",
+        help="CA bundle to check an https Grafana's certificate against (default: the system's)",
+    )
+    push.add_argument(
         "--clickhouse-host", default="clickhouse", help="ClickHouse host as Grafana reaches it"
+    )
+    push.add_argument(
+        "--clickhouse-port",
+        type=int,
+        metavar="PORT",
+        help="ClickHouse HTTP port as Grafana reaches it (default 8123, 8443 with "
+        "--clickhouse-secure)",
+    )
+    push.add_argument(
+        "--clickhouse-secure",
+        action="store_true",
+        help="the data source talks TLS (https) to ClickHouse",
+    )
+    push.add_argument(
+        "--clickhouse-ca-cert",
+        type=Path,
+        metavar="PATH",
+        help="with --clickhouse-secure: a PEM CA certificate the data source trusts for "
+        "ClickHouse's certificate (default: the system's)",
+    )
+    push.add_argument(
+        "--clickhouse-tls-skip-verify",
+        action="store_true",
+        help="with --clickhouse-secure: do not check ClickHouse's certificate (test set-ups only)",
     )
     push.add_argument("--clickhouse-database", default="lagscope", help="the database of the store")
     push.add_argument(
@@ -129,29 +161,67 @@ def build_command(args: argparse.Namespace) -> int:
 
 def push_command(args: argparse.Namespace) -> int:
     from lagscope.dashboards.push import PushError, push
+    from lagscope.producers.redact import redact_url
 
     url = args.url or os.environ.get(GRAFANA_URL_ENV)
     if not url:
-        print(
-            f"lagscope dashboards push: error: no Grafana URL (--url or ${GRAFANA_URL_ENV})",
-            file=sys.stderr,
+        return _push_error(f"no Grafana URL (--url or ${GRAFANA_URL_ENV})")
+    if (args.clickhouse_ca_cert or args.clickhouse_tls_skip_verify) and not args.clickhouse_secure:
+        option = (
+            "--clickhouse-ca-cert" if args.clickhouse_ca_cert else "--clickhouse-tls-skip-verify"
         )
-        return 2
+        return _push_error(f"{option} needs --clickhouse-secure (TLS to ClickHouse)")
+    port = args.clickhouse_port or (8443 if args.clickhouse_secure else 8123)
+    if not 0 < port < 65536:
+        return _push_error(f"--clickhouse-port {port}: not a port (1-65535)")
+    ca_cert = None
+    for option, path in (
+        ("--clickhouse-ca-cert", args.clickhouse_ca_cert),
+        ("--grafana-ca-cert", args.grafana_ca_cert),
+    ):
+        if path is not None and not path.is_file():
+            return _push_error(f"{option} {path}: no such file")
+    if args.clickhouse_ca_cert is not None:
+        try:
+            ca_cert = args.clickhouse_ca_cert.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or "not PEM text"
+            return _push_error(f"--clickhouse-ca-cert {args.clickhouse_ca_cert}: {reason}")
+        if "-----BEGIN CERTIFICATE-----" not in ca_cert:
+            return _push_error(
+                f"--clickhouse-ca-cert {args.clickhouse_ca_cert}: not a PEM certificate"
+            )
     token = args.token or os.environ.get(GRAFANA_TOKEN_ENV)
     settings = {
         "CLICKHOUSE_HOST": args.clickhouse_host,
+        "CLICKHOUSE_PORT": str(port),
+        "CLICKHOUSE_SECURE": str(args.clickhouse_secure).lower(),
+        "CLICKHOUSE_TLS_SKIP_VERIFY": str(args.clickhouse_tls_skip_verify).lower(),
         "CLICKHOUSE_DATABASE": args.clickhouse_database,
         "CLICKHOUSE_GRAFANA_USER": args.clickhouse_user,
         "CLICKHOUSE_GRAFANA_PASSWORD": args.clickhouse_password
         or os.environ.get(CLICKHOUSE_PASSWORD_ENV, ""),
     }
+    verify: bool | str = str(args.grafana_ca_cert) if args.grafana_ca_cert else True
     try:
-        report = push(url, token, settings, timeout_s=args.timeout_s)
+        report = push(
+            url, token, settings, timeout_s=args.timeout_s, verify=verify, ca_cert=ca_cert
+        )
     except PushError as exc:
-        print(f"lagscope dashboards push: error: {exc}", file=sys.stderr)
-        return 2
+        return _push_error(str(exc))
+    shown = redact_url(url).rstrip("/")
+    scheme = "https" if args.clickhouse_secure else "http"
     print(f"data source {report.datasource}, folder {report.folder}")
+    print(
+        f"data source reads {scheme}://{args.clickhouse_host}:{port}, database "
+        f"{args.clickhouse_database}, as user {args.clickhouse_user}"
+    )
     print(f"alert rules: {report.alert_rules} in group 'lagscope'")
     for uid, path in report.dashboards.items():
-        print(f"dashboard {uid}: {url.rstrip('/')}{path}")
+        print(f"dashboard {uid}: {shown}{path}")
     return 0
+
+
+def _push_error(message: str) -> int:
+    print(f"lagscope dashboards push: error: {message}", file=sys.stderr)
+    return 2

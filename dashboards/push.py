@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
 from lagscope.dashboards.definitions import BuiltDashboard, build_all
+from lagscope.producers.redact import redact_url, scrub, secret_values
 
 PROVISIONING_DIR = Path(__file__).resolve().parent / "provisioning"
 DATASOURCE_FILE = PROVISIONING_DIR / "datasources" / "lagscope-clickhouse.yaml"
@@ -37,10 +39,19 @@ class PushReport:
     alert_rules: int = 0  # rules in the rule group put
 
 
-def datasource_definition(settings: Mapping[str, str]) -> dict[str, Any]:
+#: The data source's settings that are not text: the provisioning file's `${VAR}`s are
+#: text wherever they stand (Grafana's expansion too), the plugin reads both forms, and the
+#: pushed definition carries the types Grafana's own editor writes.
+_NUMBERS = ("port",)
+_FLAGS = ("secure", "tlsSkipVerify", "tlsAuthWithCACert")
+
+
+def datasource_definition(
+    settings: Mapping[str, str], *, ca_cert: str | None = None
+) -> dict[str, Any]:
     """The data source of the provisioning file with the `${VAR}`s of its values filled
     from `settings`, as Grafana fills them from its environment (the same file both paths
-    read, so they agree)."""
+    read, so they agree). `ca_cert`: a PEM bundle the plugin trusts for the store's TLS."""
     (datasource,) = yaml.safe_load(DATASOURCE_FILE.read_text())["datasources"]
     missing: set[str] = set()
 
@@ -57,6 +68,19 @@ def datasource_definition(settings: Mapping[str, str]) -> dict[str, Any]:
     filled = fill(datasource)
     if missing:
         raise ValueError(f"{DATASOURCE_FILE.name}: no value for {', '.join(sorted(missing))}")
+    options = filled["jsonData"]
+    for name in _NUMBERS:
+        if isinstance(options.get(name), str):
+            try:
+                options[name] = int(options[name])
+            except ValueError:
+                raise ValueError(f"data source {name} {options[name]!r}: not a number") from None
+    for name in _FLAGS:
+        if isinstance(options.get(name), str):
+            options[name] = options[name].strip().lower() in ("1", "true", "yes", "on")
+    if ca_cert is not None:
+        options["tlsAuthWithCACert"] = True
+        filled.setdefault("secureJsonData", {})["tlsCACert"] = ca_cert
     return filled
 
 
@@ -68,17 +92,27 @@ def push(
     dashboards: Mapping[str, BuiltDashboard] | None = None,
     alert_rule_group: dict[str, Any] | None = None,
     timeout_s: float = 10.0,
+    verify: bool | str = True,
+    ca_cert: str | None = None,
 ) -> PushReport:
     """Upsert the data source, the folder, every dashboard and the alert rule group in the
-    Grafana at `url`."""
+    Grafana at `url`. `verify`: check Grafana's TLS certificate (False: do not; a path: a
+    CA bundle to check it against). `ca_cert`: PEM text the data source trusts for the
+    store's TLS. No message shows a password or the token (`producers.redact`)."""
     from grafana_client import GrafanaApi
     from grafana_client.client import GrafanaException
 
     from lagscope.dashboards.alerts import RULE_GROUP, rule_group_dict
     from lagscope.dashboards.fleet import build_fleet
 
-    api = GrafanaApi.from_url(url, credential=token or None, timeout=timeout_s)
-    datasource = datasource_definition(datasource_settings)
+    secrets = [token, *secret_values(datasource_settings), urlsplit(url).password or ""]
+    shown_url = redact_url(url)
+    try:
+        api = GrafanaApi.from_url(url, credential=token or None, timeout=timeout_s)
+    except ValueError as exc:  # a port that is no number, a broken IPv6 address
+        raise PushError(f"Grafana URL {shown_url}: {scrub(str(exc), secrets)}") from None
+    api.client.verify = verify
+    datasource = datasource_definition(datasource_settings, ca_cert=ca_cert)
     built = dashboards if dashboards is not None else {**build_all(), **build_fleet()}
 
     def call(what: str, fn, *args: Any) -> Any:
@@ -86,13 +120,18 @@ def push(
             return fn(*args)
         except GrafanaException as exc:
             if exc.status_code == 0:
-                raise PushError(f"cannot reach Grafana at {url} ({what}): {exc}") from None
+                raise PushError(
+                    f"cannot reach Grafana at {shown_url} ({what}): {scrub(str(exc), secrets)}"
+                ) from None
             detail = exc.message if hasattr(exc, "message") else str(exc)
             raise PushError(
-                f"Grafana at {url} answered HTTP {exc.status_code} to {what}: {detail}"
+                f"Grafana at {shown_url} answered HTTP {exc.status_code} to {what}: "
+                f"{scrub(str(detail), secrets)}"
             ) from None
         except OSError as exc:  # niquests' connection errors are OSErrors
-            raise PushError(f"cannot reach Grafana at {url} ({what}): {exc}") from None
+            raise PushError(
+                f"cannot reach Grafana at {shown_url} ({what}): {scrub(str(exc), secrets)}"
+            ) from None
 
     uid = datasource["uid"]
     if _exists(call, f"GET datasource {uid}", api.datasource.get_datasource_by_uid, uid):

@@ -3,6 +3,8 @@ it uses (tests/grafana_stub.py: no Grafana build can be installed here)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
@@ -112,6 +114,9 @@ def test_no_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
 def test_datasource_definition_fills_every_placeholder() -> None:
     settings = {
         "CLICKHOUSE_HOST": "ch",
+        "CLICKHOUSE_PORT": "8443",
+        "CLICKHOUSE_SECURE": "true",
+        "CLICKHOUSE_TLS_SKIP_VERIFY": "false",
         "CLICKHOUSE_DATABASE": "lagscope",
         "CLICKHOUSE_GRAFANA_USER": "grafana",
         "CLICKHOUSE_GRAFANA_PASSWORD": "pw",
@@ -119,6 +124,65 @@ def test_datasource_definition_fills_every_placeholder() -> None:
     datasource = datasource_definition(settings)
     assert datasource["uid"] == "lagscope-clickhouse"
     assert datasource["jsonData"]["host"] == "ch"
+    # typed as Grafana's own editor writes them, whatever the provisioning text says
+    assert datasource["jsonData"]["port"] == 8443
+    assert datasource["jsonData"]["secure"] is True
+    assert datasource["jsonData"]["tlsSkipVerify"] is False
     assert "$" not in repr(datasource)
     with pytest.raises(ValueError, match="CLICKHOUSE_HOST"):
         datasource_definition({k: v for k, v in settings.items() if k != "CLICKHOUSE_HOST"})
+
+
+def test_port_and_tls_options_reach_the_data_source(
+    grafana: GrafanaStub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    assert (
+        _push(
+            grafana.url,
+            "--clickhouse-host",
+            "ch.example.com",
+            "--clickhouse-port",
+            "9443",
+            "--clickhouse-secure",
+            "--clickhouse-ca-cert",
+            str(ca),
+        )
+        == 0
+    )
+    datasource = grafana.state.datasources["lagscope-clickhouse"]
+    assert datasource["jsonData"]["host"] == "ch.example.com"
+    assert datasource["jsonData"]["port"] == 9443
+    assert datasource["jsonData"]["secure"] is True
+    assert datasource["jsonData"]["tlsSkipVerify"] is False
+    assert datasource["jsonData"]["tlsAuthWithCACert"] is True
+    assert datasource["secureJsonData"]["tlsCACert"] == ca.read_text()
+    assert "https://ch.example.com:9443" in capsys.readouterr().out
+
+
+def test_tls_to_clickhouse_takes_its_own_port_by_default(grafana: GrafanaStub) -> None:
+    assert _push(grafana.url, "--clickhouse-secure", "--clickhouse-tls-skip-verify") == 0
+    options = grafana.state.datasources["lagscope-clickhouse"]["jsonData"]
+    assert (options["port"], options["secure"], options["tlsSkipVerify"]) == (8443, True, True)
+    assert _push(grafana.url) == 0
+    options = grafana.state.datasources["lagscope-clickhouse"]["jsonData"]
+    assert (options["port"], options["secure"], options["tlsSkipVerify"]) == (8123, False, False)
+
+
+@pytest.mark.parametrize(
+    "args,problem",
+    [
+        (["--clickhouse-tls-skip-verify"], "needs --clickhouse-secure"),
+        (["--clickhouse-secure", "--clickhouse-ca-cert", "missing.pem"], "no such file"),
+        (["--clickhouse-port", "70000"], "not a port"),
+        (["--grafana-ca-cert", "missing.pem"], "no such file"),
+    ],
+)
+def test_tls_mistakes_are_one_line(
+    grafana: GrafanaStub, capsys: pytest.CaptureFixture[str], args: list[str], problem: str
+) -> None:
+    assert _push(grafana.url, *args) == 2
+    err = capsys.readouterr().err
+    assert problem in err and len(err.strip().splitlines()) == 1
+    assert not grafana.state.requests

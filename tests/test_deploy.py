@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 import yaml
 
+from lagscope import __version__
 from lagscope.producers.config import LagscopeConfig
 from lagscope.stream_app.cli import build_parser
 from lagscope.stream_app.sink import parse_dsn
@@ -180,10 +181,17 @@ def test_ports_match_the_defaults(compose: dict[str, Any]) -> None:
     assert parsed.kind == "http" and parsed.database == ch_env["CLICKHOUSE_DB"]
     assert "@clickhouse:8123/" in dsn and "8123:8123" in services["clickhouse"]["ports"]
     assert dsn.startswith(f"http://{ch_env['CLICKHOUSE_USER']}:")
+    # the data source Grafana provisions reaches the same server the same way
     provisioned = yaml.safe_load(
         (REPO / "dashboards/provisioning/datasources/lagscope-clickhouse.yaml").read_text()
     )["datasources"][0]
-    assert provisioned["jsonData"]["port"] == 8123 and provisioned["jsonData"]["protocol"] == "http"
+    grafana_env = services["grafana"]["environment"]
+    filled = {
+        key: re.sub(r"\$\{(\w+)\}", lambda m: str(grafana_env[m.group(1)]), str(value))
+        for key, value in provisioned["jsonData"].items()
+    }
+    assert filled["protocol"] == "http" and filled["secure"] == "false"
+    assert filled["host"] == "clickhouse" and filled["port"] == "8123"
     assert "3000:3000" in services["grafana"]["ports"]
 
 
@@ -203,7 +211,7 @@ def test_images_exist_and_match_pinned_versions(compose: dict[str, Any]) -> None
         build = services[name]["build"]
         dockerfile = (DEPLOY / build["context"] / build["dockerfile"]).resolve()
         assert dockerfile.is_file()
-        assert services[name]["image"] == "lagscope:dev"
+        assert services[name]["image"] == f"lagscope:{__version__}"
     dockerfile_text = (DEPLOY / "Dockerfile").read_text()
     for source in re.findall(r"^COPY (.+) \S+$", dockerfile_text, flags=re.M):
         for item in source.split():
@@ -269,3 +277,145 @@ def test_k8s_config_and_secret_references_resolve() -> None:
     for config_map in config_maps.values():
         for key in config_map["data"]:
             assert _config_env_is_read(key), f"ConfigMap key {key} is read by nothing"
+
+
+# -- issue 27: versions, probes and metrics, priority, state, logs that outlive a pod -------
+
+
+def _k8s(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def _workload(name: str, kind: str) -> dict[str, Any]:
+    (doc,) = [d for d in _k8s(name) if d["kind"] == kind]
+    return doc
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    assert flag in argv, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+def test_image_and_manifests_are_on_the_package_version(compose: dict[str, Any]) -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (image,) = kustomization["images"]
+    assert image["newTag"] == __version__
+    for service in ("worker", "replay"):
+        assert compose["services"][service]["image"] == f"lagscope:{__version__}"
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    label = re.search(r'org\.opencontainers\.image\.version="([^"]+)"', dockerfile)
+    assert label is not None and label.group(1) == __version__
+    # an image named outside the kustomization (the sidecar example) carries the tag itself
+    for name, doc in _k8s_documents():
+        for container in _containers(doc):
+            if container["image"].rpartition("/")[2].startswith("lagscope:"):
+                assert container["image"].endswith(f":{__version__}"), (name, container)
+
+
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("worker-deployment.yaml", "Deployment"),
+        ("streamer-daemonset.yaml", "DaemonSet"),
+        ("streamer-sidecar-example.yaml", "Pod"),
+    ],
+)
+def test_worker_and_streamer_expose_metrics_and_are_probed(name: str, kind: str) -> None:
+    doc = _workload(name, kind)
+    pod = doc["spec"].get("template", doc)
+    (container,) = [c for c in pod["spec"]["containers"] if c.get("command", [""])[0] == "lagscope"]
+    port = int(_flag(container["command"], "--metrics-port"))
+    (declared,) = [p for p in container["ports"] if p["name"] == "metrics"]
+    assert declared["containerPort"] == port
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == port
+    assert annotations["prometheus.io/path"] == "/metrics"
+    probes = [k for k in ("livenessProbe", "readinessProbe", "startupProbe") if k in container]
+    assert "livenessProbe" in probes
+    if kind != "Pod":  # a long-running service is also taken out of rotation when unready
+        assert "readinessProbe" in probes
+    for probe in probes:
+        assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+
+
+def test_metrics_service_and_service_monitor_select_the_workers() -> None:
+    deployment = _workload("worker-deployment.yaml", "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    service = _workload("worker-metrics-service.yaml", "Service")
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "metrics" and port["name"] == "metrics"
+    monitors = list(yaml.safe_load_all((K8S / "monitoring" / "servicemonitor.yaml").read_text()))
+    by_kind = {m["kind"]: m for m in monitors}
+    service_monitor = by_kind["ServiceMonitor"]
+    assert service_monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= (
+        service["metadata"]["labels"].items()
+    )
+    assert [e["port"] for e in service_monitor["spec"]["endpoints"]] == ["metrics"]
+    daemonset = _workload("streamer-daemonset.yaml", "DaemonSet")
+    pod_monitor = by_kind["PodMonitor"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= (
+        daemonset["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert [e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+
+
+def test_the_streamer_has_a_priority_class_of_its_own_below_the_system_ones() -> None:
+    daemonset = _workload("streamer-daemonset.yaml", "DaemonSet")
+    name = daemonset["spec"]["template"]["spec"]["priorityClassName"]
+    assert not name.startswith("system-")
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    classes = {
+        d["metadata"]["name"]: d
+        for resource in kustomization["resources"]
+        for d in _k8s(resource)
+        if d["kind"] == "PriorityClass"
+    }
+    priority = classes[name]
+    # user-defined classes go up to 1e9; the system classes sit at 2e9 and above
+    assert 0 < priority["value"] <= 1_000_000_000
+    assert priority.get("globalDefault") is False
+    assert priority["preemptionPolicy"] == "Never"  # never evicts a training pod
+
+
+def test_the_image_owns_a_state_directory_that_workers_mount_and_use(
+    compose: dict[str, Any],
+) -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001$", dockerfile, flags=re.M)
+    assert "mkdir -p /var/lib/lagscope" in dockerfile
+    assert "chown 10001:10001 /var/lib/lagscope" in dockerfile
+    assert re.findall(r"^WORKDIR (\S+)$", dockerfile, flags=re.M)[-1] == "/var/lib/lagscope"
+    state = "/var/lib/lagscope"
+
+    worker = compose["services"]["worker"]
+    assert _flag(worker["command"], "--data-dir").startswith(state + "/")
+    # one volume per replica (scaled workers must not share a state directory)
+    assert state in worker["volumes"]
+
+    deployment = _workload("worker-deployment.yaml", "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert _flag(container["command"], "--data-dir").startswith(state + "/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == state]
+    assert not mount.get("readOnly", False)
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+    assert pod["securityContext"]["runAsUser"] == 10001
+
+
+def test_the_sidecar_example_keeps_its_logs_beyond_the_pod() -> None:
+    docs = _k8s("streamer-sidecar-example.yaml")
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    (streamer,) = [c for c in pod["spec"]["containers"] if c["name"] == "streamer"]
+    log_dir = _flag(streamer["command"], "--log-dir")
+    (mount,) = [m for m in streamer["volumeMounts"] if m["mountPath"] == log_dir]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" not in volume
+    assert volume["persistentVolumeClaim"]["claimName"] in claims
+    # the example says what happens to the logs when Kafka is down at the end
+    text = (K8S / "streamer-sidecar-example.yaml").read_text()
+    assert "exits 1" in text and "outlives the pod" in text
