@@ -13,7 +13,7 @@ the per-op columns are raw little-endian arrays, so encoding and decoding are a 
 
 Encoding, version 1 (all integers little-endian)::
 
-    header   struct "<4sHHIIiiiiiqHH"  magic b"LGSB", version, flags (0), n_ops, attempt,
+    header   struct "<4sHHIIiiiiiqHH"  magic b"LGSB", version, flags, n_ops, attempt,
                                        rank, dp_rank, pp_rank, tp_rank, cp_rank, step,
                                        len(job_id utf-8), n_optype_names
     job_id   utf-8 bytes
@@ -21,7 +21,17 @@ Encoding, version 1 (all integers little-endian)::
     padding  zeros up to a multiple of 8 bytes (keeps the int64 columns aligned)
     columns  start_ns i8[n], duration_ns i8[n], seq i4[n], microbatch i4[n], chunk i2[n],
              optype u1[n] (codes into the dictionary)
+    sections only with flags bit 0 (`FLAG_SECTIONS`): bytes a newer writer added after the
+             columns; this version skips them (it writes flags 0)
     trailer  crc32 u32 of everything before it
+
+Compatibility across versions: a reader keeps what it can read of a newer writer's
+records and sets aside only what it cannot, naming the version. A batch of a newer
+*version* cannot be read (its layout is unknown) and is a dead letter naming that version;
+a version-1 batch with sections appended reads as its columns. A job record (`JobInfo`)
+carries `schema_version`; fields it does not know, from a newer writer, are kept in the
+record (`unknown_fields`), never a reason to drop it, and a record that still fails to
+read names its version.
 
 Measured on the AR reference trace (tests/bench/producers_bench.py): 27 bytes per op plus
 ~70 bytes per batch, against ~250 bytes per op as JSON objects; Kafka's zstd compression
@@ -43,10 +53,19 @@ import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import Any, Self, get_type_hints
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    model_validator,
+)
 
 from lagscope.simulator.optypes import KNOWN_OPTYPES
 from lagscope.simulator.trace import JobMeta
@@ -54,6 +73,8 @@ from lagscope.simulator.trace import JobMeta
 __all__ = [
     "BATCH_MAGIC",
     "BATCH_VERSION",
+    "FLAG_SECTIONS",
+    "JOB_SCHEMA_VERSION",
     "KNOWN_OPTYPES",
     "OP_FIELDS",
     "JobInfo",
@@ -67,6 +88,11 @@ __all__ = [
 
 BATCH_MAGIC = b"LGSB"
 BATCH_VERSION = 1
+#: Header flag: the batch carries sections after its columns, which readers that do not
+#: know them skip (how a newer writer adds to version 1 without breaking its readers).
+FLAG_SECTIONS = 1
+#: The version of the job record this build writes (`JobInfo.schema_version`).
+JOB_SCHEMA_VERSION = 1
 _HEADER = struct.Struct("<4sHHIIiiiiiqHH")
 _TRAILER = struct.Struct("<I")
 _MAX_OPTYPE_NAMES = 255
@@ -105,14 +131,53 @@ class SchemaError(ValueError):
     """Data that is not a valid encoded batch; the message says what is wrong and where."""
 
 
-class RankIdentity(BaseModel):
+#: The validation context of a record read from a log, Kafka or a snapshot (as opposed to
+#: one built in code): only a read record may carry fields this build does not know.
+_READ = "lagscope.read"
+
+
+class _WireRecord(BaseModel):
+    """A record that crosses process boundaries and versions (see the module docstring).
+
+    Read (`model_validate`, `model_validate_json`), it keeps fields a newer writer added
+    (`unknown_fields`); built in code, a field it does not know is a mistake and an error.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_unless_read(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict) and not (info.context or {}).get(_READ):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+        return data
+
+    @classmethod
+    def model_validate(cls, obj: Any, *, context: Any = None, **kwargs: Any) -> Self:
+        return super().model_validate(obj, context={**(context or {}), _READ: True}, **kwargs)
+
+    @classmethod
+    def model_validate_json(
+        cls, json_data: str | bytes | bytearray, *, context: Any = None, **kwargs: Any
+    ) -> Self:
+        return super().model_validate_json(
+            json_data, context={**(context or {}), _READ: True}, **kwargs
+        )
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Fields of a newer writer this build does not know, kept as they came."""
+        return sorted(self.model_extra or ())
+
+
+class RankIdentity(_WireRecord):
     """Where one rank runs: its coordinates and its machine, so advice can name the host.
 
     Written by each rank in its own job record (the integrations derive it from the process
     groups and the launcher's environment: torchrun, Slurm, Kubernetes).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int = Field(ge=0)
     local_rank: int = Field(default=0, ge=0)
@@ -132,20 +197,39 @@ class RankIdentity(BaseModel):
     pci_bus_id: str | None = None
 
 
-class _JobRecord(BaseModel):
+class _JobRecord(_WireRecord):
     """Job metadata published once per attempt (topic `lagscope.jobs`, compacted).
 
     The analysis' `JobMeta` (parallel sizes, world size, MFU inputs; its fields are
     JobInfo's too, checked by JobMeta's own rules) plus the identity of the run;
     `dsp_size` is the context-parallel size (`cp_size`). A record a rank writes into its
-    own log also carries that rank's `rank_identity`.
+    own log also carries that rank's `rank_identity`. `schema_version` is the version of
+    the writer's record; a newer one's extra fields are kept (`unknown_fields`).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+    schema_version: int = Field(default=JOB_SCHEMA_VERSION, ge=1)
     job_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
     rank_identity: RankIdentity | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_a_newer_version(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        """A newer writer's record that still cannot be read says so, with its version:
+        the reason an upgrade of this reader is what it needs."""
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            version = data.get("schema_version") if isinstance(data, dict) else None
+            if not isinstance(version, int) or version <= JOB_SCHEMA_VERSION:
+                raise
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ValueError(
+                f"job record of schema version {version}, newer than the {JOB_SCHEMA_VERSION} "
+                f"this build reads, cannot be read ({problems}); upgrade the reader"
+            ) from None
 
     @model_validator(mode="after")
     def _a_valid_layout(self) -> _JobRecord:
@@ -522,6 +606,7 @@ def peek_header(data: bytes | memoryview, where: str = "batch") -> dict[str, Any
             f"{where}: unknown batch encoding version {version} (this build reads "
             f"version {BATCH_VERSION})"
         )
+    flags = fields[2]
     n_ops, attempt, rank, dp, pp, tp, cp, step, job_len, n_names = fields[3:]
     job_end = _HEADER.size + job_len
     try:
@@ -540,6 +625,7 @@ def peek_header(data: bytes | memoryview, where: str = "batch") -> dict[str, Any
         "n_ops": n_ops,
         "_n_names": n_names,
         "_names_at": job_end,
+        "_flags": flags,
     }
 
 
@@ -553,6 +639,7 @@ def decode_batch(data: bytes | memoryview, where: str = "batch") -> RankStepBatc
         raise SchemaError(f"{where}: checksum mismatch (corrupted or truncated batch)")
     names_at = head.pop("_names_at")
     n_names = head.pop("_n_names")
+    has_sections = bool(head.pop("_flags") & FLAG_SECTIONS)
     if n_names > _MAX_OPTYPE_NAMES:
         raise SchemaError(
             f"{where}: {n_names} op type names, at most {_MAX_OPTYPE_NAMES} fit one batch"
@@ -561,7 +648,7 @@ def decode_batch(data: bytes | memoryview, where: str = "batch") -> RankStepBatc
     pos += -pos % 8
     n_ops = head.pop("n_ops")
     expected = pos + n_ops * _BYTES_PER_OP
-    if expected != body_len:
+    if expected != body_len and not (has_sections and expected < body_len):
         raise SchemaError(
             f"{where}: {n_ops} ops need {expected - pos} column bytes, found {body_len - pos}"
         )

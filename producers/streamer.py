@@ -143,6 +143,8 @@ class Streamer:
         self._stop = threading.Event()
         self._ranks: dict[str, _RankState] = {}
         self._jobs_sent: set[str] = set()
+        #: Jobs whose records carry fields this build does not know, said once each.
+        self._told_unknown: set[str] = set()
         self._in_flight_bytes = 0
         self._checkpoint_dirty = False
         self._last_checkpoint = 0.0
@@ -593,9 +595,18 @@ class Streamer:
             if info.record_key in self._jobs_sent:
                 self._track(state, _Pending(item.position_after, 0, delivered=True))
                 return
+            if info.unknown_fields and info.key not in self._told_unknown:
+                # A newer writer's record: shipped as it is (the bytes are the rank's), and
+                # said once per job, so a reader's upgrade is a choice, not a surprise.
+                self._told_unknown.add(info.key)
+                log.info(
+                    "job %s writes job records of schema version %d with fields this build "
+                    "does not know (%s); shipped unchanged",
+                    info.key, info.schema_version, ", ".join(info.unknown_fields),
+                )  # fmt: skip
             self._produce(state, item.position_after, kafka.topic_jobs,
                           key=info.record_key.encode(), value=item.payload,
-                          headers=[(SCHEMA_HEADER, b"job-1")],
+                          headers=[(SCHEMA_HEADER, f"job-{info.schema_version}".encode())],
                           job_key=info.record_key)  # fmt: skip
             self.stats.jobs += 1
 
