@@ -152,11 +152,52 @@ def build_command(args: argparse.Namespace) -> int:
             return 1
         print(f"{len(built) - 1} dashboards in {out} and the alert rules are up to date")
         return 0
+    # A file of the same name that is not this build's (another dashboard, another set
+    # of alert rules) is never overwritten: nothing is written then.
+    foreign = [str(p) for p, text in built.items() if p.exists() and _identity(p) != _of(text)]
+    if foreign:
+        print(
+            f"lagscope dashboards build: error: {', '.join(foreign)}: not lagscope's "
+            "dashboards or alert rules; move them away or write to another --out",
+            file=sys.stderr,
+        )
+        return 2
     for path, text in built.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
     return 0
+
+
+def _identity(path: Path) -> tuple[str, ...] | None:
+    """What a written file is, as far as replacing it goes: a dashboard's uid, the alert
+    rule groups' names; None for a file that is neither (or unreadable)."""
+    try:
+        return _of(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _of(text: str) -> tuple[str, ...] | None:
+    import json
+
+    import yaml
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return None
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("uid"), str):
+        return ("dashboard", data["uid"])
+    groups = data.get("groups")
+    if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+        return ("alerts", *sorted(f"{g.get('folder')}/{g.get('name')}" for g in groups))
+    return None
 
 
 def push_command(args: argparse.Namespace) -> int:

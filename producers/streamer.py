@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lagscope.producers.config import LagscopeConfig
+from lagscope.producers.config import ConfigError, LagscopeConfig
 from lagscope.producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.log import (
@@ -258,24 +258,37 @@ class Streamer:
             raw = json.loads(self.checkpoint_path.read_text())
         except FileNotFoundError:
             return
-        except ValueError as exc:
+        except OSError as exc:  # a directory, a file it may not read
+            raise ConfigError(
+                f"checkpoint {self.checkpoint_path}: cannot be read ({exc.strerror or exc})"
+            ) from None
+        except (ValueError, UnicodeDecodeError) as exc:
             # os.replace makes a torn checkpoint impossible; a corrupt one is someone else's
             # write. Starting over re-sends (deduplicated by batch id) rather than losing data.
-            log.error(
-                "checkpoint %s is unreadable (%s); re-reading all logs", self.checkpoint_path, exc
-            )
+            kept = self._set_aside_checkpoint()
+            log.error("checkpoint %s is unreadable (%s); moved to %s, re-reading all logs",
+                      self.checkpoint_path, exc, kept)  # fmt: skip
             return
-        if raw.get("version") != CHECKPOINT_VERSION:
-            log.error(
-                "checkpoint %s has unknown version %r; re-reading all logs",
-                self.checkpoint_path,
-                raw.get("version"),
-            )
+        if not isinstance(raw, dict) or raw.get("version") != CHECKPOINT_VERSION:
+            version = raw.get("version") if isinstance(raw, dict) else None
+            kept = self._set_aside_checkpoint()
+            log.error("checkpoint %s has unknown version %r; moved to %s, re-reading all logs",
+                      self.checkpoint_path, version, kept)  # fmt: skip
             return
         for name, pos in raw.get("positions", {}).items():
             position = Position(pos["file"], int(pos["offset"]))
             self._ranks[name] = _RankState(self._reader(self.log_dir / name, position), position)
         self._jobs_sent = set(raw.get("jobs_sent", []))
+
+    def _set_aside_checkpoint(self) -> Path:
+        """Move a checkpoint this build cannot read out of the way (it may be a newer
+        streamer's, or a file that is not ours): the next checkpoint must not overwrite
+        what the streamer did not write."""
+        kept = self.checkpoint_path.with_name(
+            f"{self.checkpoint_path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
+        )
+        os.replace(self.checkpoint_path, kept)
+        return kept
 
     def _reader(self, directory: Path, position: Position | None) -> RankLogReader:
         return RankLogReader(directory, position, torn_grace_s=self.settings.torn_grace_s)

@@ -22,8 +22,11 @@ Light on purpose: imported while the parser is built, so `lagscope --help` stays
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import textwrap
+from collections.abc import Callable
+from fnmatch import fnmatch
 from pathlib import Path
 
 #: The path that means "write to stdout" for every output option.
@@ -141,3 +144,69 @@ def write_output(path: str | Path, content: str | bytes, *, option: str) -> str:
     except OSError as exc:
         raise UsageError(f"{option} {target}: cannot write ({exc.strerror or exc})") from None
     return str(target)
+
+
+#: The file that marks a folder as a command's own output (`claim_output_dir`).
+OUTPUT_MARK = ".lagscope-output.json"
+
+
+def claim_output_dir(
+    path: Path,
+    *,
+    command: str,
+    own: tuple[str, ...],
+    option: str = "--out",
+    looks_own: Callable[[Path], bool] | None = None,
+) -> list[Path]:
+    """Make `path` the output folder of `command`, whose outputs are the names `own`
+    (fnmatch patterns), or refuse with one UsageError line: nothing that the command did
+    not write is ever deleted or overwritten.
+
+    A folder that does not exist or is empty is taken (and marked); one marked by an
+    earlier run of the same command is taken again if it holds nothing but the command's
+    own names. Any other folder is refused, naming what in it is not the command's
+    (`looks_own`: recognises an unmarked folder an older version of the command wrote).
+    Returns the command's earlier outputs in it, for the caller to replace.
+    """
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path}: is not a directory")
+    entries = sorted(path.iterdir()) if path.is_dir() else []
+    marked = _marked_by(path / OUTPUT_MARK)
+    if (
+        entries
+        and marked != command
+        and not (marked is None and looks_own is not None and looks_own(path))
+    ):
+        whose = f"lagscope {marked}'s" if marked else "files lagscope " + command + " did not write"
+        raise UsageError(
+            f"{option} {path}: holds {whose} ({_names(entries)}); give a new or empty folder "
+            f"(lagscope {command} deletes and overwrites only its own outputs)"
+        )
+    foreign = [
+        e for e in entries if e.name != OUTPUT_MARK and not any(fnmatch(e.name, o) for o in own)
+    ]
+    if foreign:
+        raise UsageError(
+            f"{option} {path}: holds files lagscope {command} did not write ({_names(foreign)}); "
+            f"move them away or give a new or empty folder"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / OUTPUT_MARK).write_text(json.dumps({"written_by": f"lagscope {command}"}) + "\n")
+    except OSError as exc:
+        raise UsageError(f"{option} {path}: cannot write ({exc.strerror or exc})") from None
+    return [e for e in entries if e.name != OUTPUT_MARK]
+
+
+def _marked_by(mark: Path) -> str | None:
+    """The command whose mark `mark` is, or None (no mark, or not one of ours)."""
+    try:
+        written_by = json.loads(mark.read_text(encoding="utf-8")).get("written_by", "")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return written_by.removeprefix("lagscope ") if isinstance(written_by, str) else None
+
+
+def _names(entries: list[Path], shown: int = 3) -> str:
+    names = ", ".join(e.name for e in entries[:shown])
+    return names + (f" and {len(entries) - shown} more" if len(entries) > shown else "")

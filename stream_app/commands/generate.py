@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lagscope.simulator.errors import TraceError, describe_validation_error
-from lagscope.stream_app.cli_conventions import UsageError, examples
+from lagscope.stream_app.cli_conventions import UsageError, claim_output_dir, examples
+
+#: What `generate` writes into --out, and all it ever replaces there.
+GENERATED_FILES = ("trace.parquet", "meta.yaml", "truth.json", "spec.json")
 
 if TYPE_CHECKING:
     from lagscope.simulator.generate import Injection
@@ -61,7 +64,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "lagscope generate --out jobs/from-spec --spec spec.yaml --seed 3",
         ),
     )
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="output directory: new, empty, or an earlier generate's (its files are replaced)",
+    )
     parser.add_argument(
         "--spec", type=Path, metavar="PATH", help="a JobSpec as yaml/json (flags override)"
     )
@@ -124,8 +133,10 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         problems = describe_validation_error(exc, "spec")
         raise TraceError(f"invalid job spec: {problems}") from None
+    # A folder of anything else (a recorded trace.parquet of the user's) is refused, never
+    # overwritten; a rerun into generate's own folder replaces its four files.
+    claim_output_dir(args.out, command="generate", own=GENERATED_FILES)
     job = generate_job(spec)
-    args.out.mkdir(parents=True, exist_ok=True)
     write_trace(job.trace, args.out / "trace.parquet")
     write_meta(job.meta, args.out / "meta.yaml")
     (args.out / "truth.json").write_text(json.dumps(job.truth.to_dict(), indent=2))

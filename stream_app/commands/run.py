@@ -19,6 +19,7 @@ from lagscope.stream_app.cli_conventions import (
     UsageError,
     add_old_name,
     check_one_stdout,
+    claim_output_dir,
     examples,
     write_output,
 )
@@ -103,8 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the whole pipeline on a generated job with stragglers (under a minute)",
         description="Generates a 128-GPU job with an injected slow worker, records it "
         "through the real timer API into per-rank logs, analyses it with the embedded "
-        "pipeline into a chDB store of its own inside --out (which it empties first), and "
-        "writes the HTML report (kept current while it runs: open it and watch).",
+        "pipeline into a chDB store of its own inside --out, and writes the HTML report "
+        "(kept current while it runs: open it and watch). --out must be new, empty or an "
+        "earlier demo's: a rerun replaces only the demo's own outputs.",
         epilog=examples("lagscope demo", "lagscope demo --out /tmp/demo --steps 60 --seed 3"),
     )
     demo.add_argument(
@@ -112,7 +114,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         default=Path("out/demo"),
         metavar="DIR",
-        help="where the logs, store and report go (emptied first)",
+        help="where the logs, store and report go (a new or empty folder, or an earlier "
+        "demo's, whose outputs are replaced)",
     )
     demo.add_argument("--steps", type=int, default=120, help="training steps to generate")
     demo.add_argument("--seed", type=int, default=7, help="random seed of the generated job")
@@ -317,11 +320,30 @@ def demo_command(args: argparse.Namespace) -> int:
 
     began = time.monotonic()
     out: Path = args.out
-    if out.exists():
-        import shutil
+    # Only the demo's own outputs are replaced: a folder holding anything else (`--out .`,
+    # a folder of the user's) is refused before a file is touched.
+    own = ("logs", "chdb", "report.html", "report-*.html", ".report*.tmp")
 
-        shutil.rmtree(out)
-    (out / "logs").mkdir(parents=True)
+    def written_by_an_older_demo(folder: Path) -> bool:
+        names = {entry.name for entry in folder.iterdir()}
+        logs = folder / "logs"
+        return (
+            "logs" in names
+            and names <= {"logs", "chdb", "report.html"}
+            and logs.is_dir()
+            and all(entry.name.startswith("rank-") for entry in logs.iterdir())
+        )
+
+    for earlier in claim_output_dir(
+        out, command="demo", own=own, looks_own=written_by_an_older_demo
+    ):
+        if earlier.is_dir() and not earlier.is_symlink():
+            import shutil
+
+            shutil.rmtree(earlier)
+        else:
+            earlier.unlink()
+    (out / "logs").mkdir()
     spec = demo_spec(args.steps, args.seed)
     print(
         f"lagscope demo: {spec.dp * spec.pp * spec.tp} GPUs (dp {spec.dp} x pp {spec.pp} x "

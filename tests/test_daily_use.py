@@ -1,0 +1,208 @@
+"""Trust in daily use (issue 27), each case run as a user would, the CLI as a process: no
+command deletes or overwrites what it did not write, and none reports success on nothing
+or turns a reader that left early into a failure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lagscope.producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
+from lagscope.producers.events import JobInfo
+from lagscope.producers.streamer import Streamer
+from lagscope.producers.timer import OpTimer
+from lagscope.stream_app.cli_conventions import OUTPUT_MARK
+
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference-traces"
+ST_TRACE, ST_META = REFERENCE / "trace-ST.parquet", REFERENCE / "meta-ST.yaml"
+
+
+def lagscope(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lagscope", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False,
+    )  # fmt: skip
+
+
+def one_error_line(done: subprocess.CompletedProcess, command: str) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith(f"lagscope {command}: error: "), done.stderr
+    assert "Traceback" not in done.stderr
+    return lines[-1]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out", ["precious", "."])
+def test_demo_refuses_a_folder_of_someone_elses_files(tmp_path: Path, out: str) -> None:
+    folder = tmp_path / out
+    folder.mkdir(exist_ok=True)
+    (folder / "thesis.txt").write_text("four years of work")
+    (folder / "logs").mkdir()  # even a name the demo would use is not the demo's here
+    (folder / "logs" / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    done = lagscope("demo", "--out", out, "--steps", "20", cwd=tmp_path)
+    assert done.returncode == 2
+    line = one_error_line(done, "demo")
+    assert f"--out {out}: holds files lagscope demo did not write" in line
+    assert "logs, thesis.txt" in line
+    assert tree(tmp_path) == before and not (folder / OUTPUT_MARK).exists()
+
+
+def test_demo_reruns_replace_only_its_own_outputs(tmp_path: Path) -> None:
+    first = lagscope("demo", "--out", "demo", "--steps", "20", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    out = tmp_path / "demo"
+    assert json.loads((out / OUTPUT_MARK).read_text()) == {"written_by": "lagscope demo"}
+    report = (out / "report.html").stat().st_mtime_ns
+    time.sleep(0.01)
+    again = lagscope("demo", "--out", "demo", "--steps", "20", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (out / "report.html").stat().st_mtime_ns > report
+    assert {p.name for p in out.iterdir()} == {OUTPUT_MARK, "logs", "chdb", "report.html"}
+    # a file of the user's among the demo's outputs: the next run touches nothing
+    (out / "notes.md").write_text("what I saw")
+    before = tree(out)
+    refused = lagscope("demo", "--out", "demo", "--steps", "20", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "(notes.md)" in one_error_line(refused, "demo")
+    assert tree(out) == before
+
+
+def test_demo_takes_over_a_demo_folder_of_an_older_version(tmp_path: Path) -> None:
+    """out/demo of a version that wrote no mark: recognised by its layout, not refused."""
+    out = tmp_path / "out" / "demo"
+    (out / "logs" / "rank-000000").mkdir(parents=True)
+    (out / "logs" / "rank-000000" / "00-0000.lglog").write_bytes(b"old")
+    (out / "chdb").mkdir()
+    (out / "report.html").write_text("<html>old</html>")
+    done = lagscope("demo", "--steps", "20", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not (out / "logs" / "rank-000000" / "00-0000.lglog").exists()
+    assert "old" not in (out / "report.html").read_text()
+
+
+def test_generate_never_overwrites_a_trace_it_did_not_write(tmp_path: Path) -> None:
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "trace.parquet").write_bytes(b"a real recording")
+    args = ("--dp", "2", "--pp", "2", "--steps", "4", "--microbatches", "2")
+    done = lagscope("generate", "--out", "recorded", *args, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "holds files lagscope generate did not write (trace.parquet)" in one_error_line(
+        done, "generate"
+    )
+    assert (recorded / "trace.parquet").read_bytes() == b"a real recording"
+    for _ in range(2):  # a new folder, then a rerun into its own
+        done = lagscope("generate", "--out", "jobs/clean", *args, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    names = {p.name for p in (tmp_path / "jobs" / "clean").iterdir()}
+    assert names == {OUTPUT_MARK, "trace.parquet", "meta.yaml", "truth.json", "spec.json"}
+
+
+def test_dashboards_build_never_overwrites_another_dashboard(tmp_path: Path) -> None:
+    theirs = tmp_path / "job-overview.json"
+    theirs.write_text(json.dumps({"uid": "team-dashboard", "title": "ours"}))
+    done = lagscope("dashboards", "build", "--out", ".", "--alerts-out", "a.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "job-overview.json: not lagscope's dashboards" in one_error_line(
+        done, "dashboards build"
+    )
+    assert json.loads(theirs.read_text())["uid"] == "team-dashboard"
+    assert not (tmp_path / "a.yaml").exists()
+    theirs.unlink()
+    for _ in range(2):  # its own files are replaced on a rerun
+        done = lagscope("dashboards", "build", "--out", ".", "--alerts-out", "a.yaml", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+
+
+def test_a_checkpoint_path_holding_another_file_is_moved_aside_not_overwritten(
+    tmp_path: Path,
+) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint")
+    config = LagscopeConfig(
+        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"),
+        streamer=StreamerSettings(log_dir=tmp_path / "logs", checkpoint_path=notes),
+    )
+    streamer = Streamer(config, producer=object())
+    streamer.write_checkpoint()
+    (kept,) = tmp_path.glob("notes.txt.unreadable-*")
+    assert kept.read_text() == "not a checkpoint"
+    assert json.loads(notes.read_text())["version"] >= 1
+
+
+# -- honest outcomes ---------------------------------------------------------------------
+
+
+def test_run_on_a_folder_without_rank_logs_says_where_they_are(tmp_path: Path) -> None:
+    replayed = lagscope("replay", "--trace", str(ST_TRACE), "--meta", str(ST_META), "--log-dir",
+                        "jobs/st", "--no-progress", cwd=tmp_path)  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    too_high = lagscope("run", "--log-dir", "jobs", cwd=tmp_path)
+    assert too_high.returncode == 2
+    assert one_error_line(too_high, "run") == (
+        "lagscope run: error: --log-dir jobs: no rank logs in it (rank-NNNNNN/ directories); "
+        "found some one level down, in jobs/st: pass one of those as --log-dir"
+    )
+    too_low = lagscope("run", "--log-dir", "jobs/st/rank-000000", cwd=tmp_path)
+    assert too_low.returncode == 2
+    assert "it is one rank's log: pass the directory that holds it, jobs/st" in one_error_line(
+        too_low, "run"
+    )
+    (tmp_path / "empty").mkdir()
+    empty = lagscope("run", "--log-dir", "empty", cwd=tmp_path)
+    assert empty.returncode == 2
+    assert "--log-dir empty: no rank logs in it" in one_error_line(empty, "run")
+    assert "0 ops" not in too_high.stderr + too_low.stderr + empty.stderr
+    # refused before the store opens: no empty store is left behind
+    assert not (tmp_path / "lagscope-data").exists()
+
+
+def test_run_on_logs_without_ops_fails_and_names_what_it_found(tmp_path: Path) -> None:
+    """A job whose monitor recorded nothing (the Megatron order trap) leaves only job
+    records behind: that is no analysis, whatever the store says."""
+    info = JobInfo(job_id="silent", dp_size=1, pp_size=2, world_size=2)
+    for rank in range(2):
+        timer = OpTimer(job_id="silent", rank=rank, dp_rank=0, pp_rank=rank,
+                        log_dir=tmp_path / "logs", mode="host", gc_probe=False,
+                        job_info=info)  # fmt: skip
+        timer.close()
+    done = lagscope("run", "--log-dir", "logs", cwd=tmp_path)
+    assert done.returncode == 1
+    line = one_error_line(done, "run")
+    assert line.startswith("lagscope run: error: --log-dir logs: 2 rank log(s) without a single op")
+    assert "only the job record of silent attempt 0" in line
+    assert "get_forward_backward_func() after lagscope.megatron.monitor" in line
+
+
+def test_query_into_a_reader_that_leaves_early_is_quiet(tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lagscope", "query", "--dsn", "chdb://memory", "--format", "csv",
+         "SELECT number FROM system.numbers LIMIT 2000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout.readline() == b"number\n"  # `| head -1`
+    process.stdout.close()
+    assert process.wait(120) in (0, 141)
+    assert process.stderr.read() == b""
+
+
+def test_python_dash_m_lagscope_is_the_command(tmp_path: Path) -> None:
+    done = lagscope("--version", cwd=tmp_path)
+    assert done.returncode == 0
+    from lagscope import __version__
+
+    assert done.stdout.strip() == f"lagscope {__version__}"
+    assert done.stderr == ""
