@@ -269,7 +269,7 @@ def run_replay(args: argparse.Namespace) -> int:
         trace, read = load_profiler_traces(args.profiler_trace, meta)
         print(f"lagscope replay: read {read.summary()}", file=sys.stderr)
     else:
-        trace = load_trace(args.trace)
+        trace = load_trace(args.trace, meta=meta, meta_path=args.meta)
     bar = None if args.no_progress else Progress("replay", unit="step")
     try:
         stats = replay(

@@ -7,6 +7,7 @@ This is the thin I/O edge of the analysis: it turns files into `simulator.trace.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -32,8 +33,11 @@ _WRITE_TYPES: dict[str, pa.DataType] = {
 }
 
 
-def load_trace(path: str | Path) -> Trace:
-    """Read a reference-format parquet trace."""
+def load_trace(
+    path: str | Path, *, meta: JobMeta | None = None, meta_path: str | Path | None = None
+) -> Trace:
+    """Read a reference-format parquet trace; with `meta` (read from `meta_path`), also
+    check that the two describe the same job (`check_same_job`)."""
     path = Path(path)
     try:
         table = _read_parquet(path)
@@ -59,7 +63,12 @@ def load_trace(path: str | Path) -> Trace:
                 f"{path}: column {name!r} has {column.null_count} null(s), first at row {first}"
             )
         columns[name] = _values(column)
-    return Trace.from_columns(columns, source=str(path))
+    trace = Trace.from_columns(columns, source=str(path))
+    if meta is not None:
+        check_same_job(
+            trace, meta, trace_path=path, meta_path=meta_path, written_for=_written_for(table)
+        )
+    return trace
 
 
 def _read_parquet(path: Path) -> pa.Table:
@@ -113,8 +122,9 @@ def _values(column: pa.Array) -> np.ndarray:
     )
 
 
-def write_trace(trace: Trace, path: str | Path) -> None:
-    """Write a trace in the reference format (the generator and tests use it)."""
+def write_trace(trace: Trace, path: str | Path, meta: JobMeta | None = None) -> None:
+    """Write a trace in the reference format (the generator and tests use it); with
+    `meta`, the file also names the job it belongs to (`check_same_job` reads it)."""
     import pyarrow.parquet as pq
 
     arrays = {name: pa.array(getattr(trace, name), type=t) for name, t in _WRITE_TYPES.items()}
@@ -134,7 +144,77 @@ def write_trace(trace: Trace, path: str | Path) -> None:
         "mb_id",
         "gmc",
     ]
-    pq.write_table(pa.table({k: arrays[k] for k in order}), Path(path))
+    table = pa.table({k: arrays[k] for k in order})
+    if meta is not None:
+        written_for = {name: getattr(meta, name) for name in _JOB_FIELDS}
+        table = table.replace_schema_metadata({_JOB_KEY: json.dumps(written_for)})
+    pq.write_table(table, Path(path))
+
+
+#: The parquet key-value metadata naming the job a trace was written for, and its fields.
+_JOB_KEY = "lagscope.job"
+_JOB_FIELDS = ("trial_name", "run_id", "dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size",
+               "world_size")  # fmt: skip
+
+
+def _written_for(table: pa.Table) -> dict[str, object]:
+    """The job a trace file names (`write_trace(..., meta)`), or {} (reference files)."""
+    raw = (table.schema.metadata or {}).get(_JOB_KEY.encode())
+    try:
+        found = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def check_same_job(
+    trace: Trace,
+    meta: JobMeta,
+    *,
+    trace_path: str | Path,
+    meta_path: str | Path | None = None,
+    written_for: dict[str, object] | None = None,
+) -> None:
+    """Raise TraceError, in one line naming both files and the field, when a trace and a
+    job metadata file describe different jobs: the job the trace file names (its name and
+    sizes, when it names one), its DP ranks and pipeline stages (all of 0 .. size-1, as a
+    recorded job has them), and its ranks (below the world size). `analyze --trace T
+    --meta M` with the files of two jobs would otherwise analyse one job as the other.
+    """
+    meta_name = str(meta_path) if meta_path is not None else "the job metadata"
+    prefix = f"{trace_path} and {meta_name} describe different jobs"
+    for name, value in (written_for or {}).items():
+        if name in _JOB_FIELDS and value != getattr(meta, name):
+            raise TraceError(
+                f"{prefix}: {name}: the trace was written for {value!r}, "
+                f"{meta_name} says {getattr(meta, name)!r}"
+            )
+    for field, column, size, what in (
+        ("dp_size", trace.dp_rank, meta.dp_size, "DP ranks (dp_rank"),
+        ("pp_size", trace.stage, meta.pp_size, "pipeline stages (stage"),
+    ):
+        if not column.size:
+            continue
+        present = np.unique(column)
+        if present[0] < 0 or present[-1] >= size or present.size != size:
+            raise TraceError(
+                f"{prefix}: {field}: the trace has {present.size} {what} "
+                f"{_span(present)}), {meta_name} says {field} {size}"
+            )
+    if trace.rank.size and int(trace.rank.max()) >= meta.world_size:
+        raise TraceError(
+            f"{prefix}: world_size: the trace has rank {int(trace.rank.max())}, "
+            f"{meta_name} says world_size {meta.world_size}"
+        )
+
+
+def _span(values: np.ndarray) -> str:
+    """`0-3` for a run of integers, else the values (a few of them)."""
+    low, high = int(values[0]), int(values[-1])
+    if values.size == high - low + 1:
+        return f"{low}-{high}" if high > low else str(low)
+    shown = ", ".join(str(int(v)) for v in values[:6])
+    return shown + (", ..." if values.size > 6 else "")
 
 
 def load_meta(path: str | Path) -> JobMeta:

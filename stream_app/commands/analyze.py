@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         source = " ".join(map(str, args.profiler_trace))
         say(f"lagscope analyze: read {read.summary()}")
     else:
-        trace = load_trace(args.trace)
+        trace = load_trace(args.trace, meta=meta, meta_path=args.meta)
         source = str(args.trace)
     prepared = prepare(trace, meta, skip_incomplete_steps=args.skip_incomplete_steps)
     # From every complete step, before --steps: more transfers, a tighter estimate.

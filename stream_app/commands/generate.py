@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     # overwritten; a rerun into generate's own folder replaces its four files.
     claim_output_dir(args.out, command="generate", own=GENERATED_FILES)
     job = generate_job(spec)
-    write_trace(job.trace, args.out / "trace.parquet")
+    write_trace(job.trace, args.out / "trace.parquet", job.meta)
     write_meta(job.meta, args.out / "meta.yaml")
     (args.out / "truth.json").write_text(json.dumps(job.truth.to_dict(), indent=2))
     (args.out / "spec.json").write_text(spec.model_dump_json(indent=2))
