@@ -215,7 +215,15 @@ RULES: tuple[AlertRule, ...] = (
         "{{ $values.A }} s: the job stalled, crashed, finished, or its data stopped "
         "arriving.",
         dashboard_uid=PIPELINE_HEALTH_UID,
-        next_panels=("Ingest rate: ops per minute", "Kafka consumer lag per job"),
+        # Panels with data only: ops still arriving (the job runs, the analysis is stuck),
+        # steps still closing, and how far behind the stored steps are. Kafka consumer lag
+        # is no panel yet (not in the store): the workers' metric
+        # lagscope_worker_consumer_lag_records has it.
+        next_panels=(
+            "Ingest rate: ops per minute",
+            "Steps analysed per minute",
+            "Sink latency (processed_at - ts)",
+        ),
     ),
     AlertRule(
         uid="lagscope-rank-silent",

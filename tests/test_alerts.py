@@ -63,6 +63,17 @@ def test_every_runbook_names_panels_that_exist() -> None:
         assert not missing, f"{rule.uid}: no panel {missing} in {rule.dashboard_uid}"
 
 
+def test_no_runbook_sends_the_reader_to_a_text_panel() -> None:
+    """A runbook's panels show data: a text placeholder answers nothing at 3 a.m."""
+    kinds = {
+        item.uid: {p["title"]: p["type"] for p in item.to_dict()["panels"]}
+        for item in build_all().values()
+    }
+    for rule in RULES:
+        for panel in rule.next_panels:
+            assert kinds[rule.dashboard_uid][panel] != "text", f"{rule.uid}: {panel!r} is text"
+
+
 def _rows(sink, rule: AlertRule) -> list[dict]:
     result = sink.client.query(rule.sql)
     rows = list(result.named_results())
