@@ -41,11 +41,17 @@ def no_rank_logs_message(log_dir: Path) -> str:
 
 
 def no_ops_message(log_dir: Path, report: RunReport) -> str:
-    """The logs were read and held no op: how many rank logs, job records and dead
-    letters they held, and the likely cause."""
+    """The logs were read and gave nothing to analyse: no op, or ops without the job
+    record that says the job's layout. What they held, and the likely cause."""
     ranks = len(list_rank_dirs(log_dir))
     if not ranks:
         return no_rank_logs_message(log_dir)
+    if report.ops and not report.jobs:
+        return (
+            f"--log-dir {log_dir}: {report.ops:,} ops in {ranks} rank log(s) but no job "
+            "record (the job's dp/pp/tp sizes), so no step could be analysed; the timers "
+            "must be given job_info= (lagscope.torch and lagscope.megatron write it)"
+        )
     found = f"--log-dir {log_dir}: {ranks} rank log(s) without a single op"
     if report.dead_letters:
         found += f" ({report.dead_letters} unreadable record(s), kept as dead letters)"
@@ -53,3 +59,27 @@ def no_ops_message(log_dir: Path, report: RunReport) -> str:
         jobs = ", ".join(f"{job} attempt {attempt}" for job, attempt in sorted(report.jobs))
         return f"{found}; only the job record of {jobs}: {RECORDED_NOTHING_HINT}"
     return f"{found}; nothing to analyse"
+
+
+def nothing_analysed(log_dir: Path, report: RunReport) -> str | None:
+    """Why a run analysed nothing (no op, no job record, or no step of any job that could
+    be analysed), or None when some job was analysed."""
+    if not report.ops or not report.jobs:
+        return no_ops_message(log_dir, report)
+    if any(job.rollup is not None for job in report.jobs.values()):
+        return None
+    jobs = []
+    for (job_id, attempt), job in sorted(report.jobs.items()):
+        missing = sorted({coord for _, coords in job.incomplete_steps for coord in coords})
+        shown = ", ".join(f"(dp {dp}, pp {pp})" for dp, pp in missing[:_NAMED])
+        more = f" and {len(missing) - _NAMED} more" if len(missing) > _NAMED else ""
+        lacking = f", missing {shown}{more}" if missing else ""
+        jobs.append(
+            f"job {job_id} attempt {attempt}: {job.steps} steps, "
+            f"{len(job.incomplete_steps)} incomplete{lacking}"
+        )
+    return (
+        f"--log-dir {log_dir}: no step of any job could be analysed ({'; '.join(jobs)}); "
+        "a step needs the logs of every (dp, pp) worker, and the steps table says why each "
+        "failed"
+    )

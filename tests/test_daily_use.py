@@ -186,6 +186,31 @@ def test_run_on_logs_without_ops_fails_and_names_what_it_found(tmp_path: Path) -
     assert "get_forward_backward_func() after lagscope.megatron.monitor" in line
 
 
+def test_run_that_could_analyse_nothing_fails_and_says_why(tmp_path: Path) -> None:
+    # ops without the job record that gives the job's layout
+    timer = OpTimer(job_id="bare", rank=0, dp_rank=0, pp_rank=0, log_dir=tmp_path / "bare",
+                    mode="host", gc_probe=False)  # fmt: skip
+    for step in range(3):
+        timer.step(step)
+        with timer.op("forward-compute", microbatch=0):
+            pass
+    timer.close()
+    done = lagscope("run", "--log-dir", "bare", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "3 ops in 1 rank log(s) but no job record" in one_error_line(done, "run")
+    # one rank's log of a two-rank job: every step lacks the other rank
+    replayed = lagscope("replay", "--trace", str(ST_TRACE), "--meta", str(ST_META), "--log-dir",
+                        "st", "--no-progress", cwd=tmp_path)  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    (tmp_path / "half").mkdir()
+    (tmp_path / "st" / "rank-000000").rename(tmp_path / "half" / "rank-000000")
+    done = lagscope("run", "--log-dir", "half", cwd=tmp_path)
+    assert done.returncode == 1
+    line = one_error_line(done, "run")
+    assert "--log-dir half: no step of any job could be analysed (job ST-0 attempt 0: 32 " in line
+    assert "32 incomplete, missing (dp 0, pp 1)" in line
+
+
 def test_query_into_a_reader_that_leaves_early_is_quiet(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "lagscope", "query", "--dsn", "chdb://memory", "--format", "csv",

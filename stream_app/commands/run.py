@@ -140,7 +140,7 @@ def run_logs_command(args: argparse.Namespace) -> int:
     from lagscope.producers.log import list_rank_dirs
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, report_data
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.run_outcome import no_ops_message, no_rank_logs_message
+    from lagscope.stream_app.run_outcome import no_rank_logs_message, nothing_analysed
     from lagscope.stream_app.sink import ClickHouseSink, parse_dsn
 
     # Before the store opens: a mistyped directory must not leave an empty store behind.
@@ -178,9 +178,10 @@ def run_logs_command(args: argparse.Namespace) -> int:
         interrupted = True
         report = runner.close_open_steps()
     display.close()
-    if not report.ops and not interrupted:
-        # Success on nothing would read as a healthy job: say what was found instead.
-        print(f"lagscope run: error: {no_ops_message(args.log_dir, report)}", file=sys.stderr)
+    # Success on nothing would read as a healthy job: say what was found instead.
+    problem = None if interrupted else nothing_analysed(args.log_dir, report)
+    if problem is not None:
+        print(f"lagscope run: error: {problem}", file=sys.stderr)
         return 1
     say = print if args.report != STDOUT else functools.partial(print, file=sys.stderr)
     for key, job in report.jobs.items():
