@@ -18,7 +18,8 @@ from lagscope.simulator.errors import TraceError
 from lagscope.simulator.fields import FieldErrors
 from lagscope.simulator.trace import JobMeta, Trace
 
-#: Physical types used when writing, matching the reference files.
+#: Physical types used when writing, matching the reference files. A job larger than they
+#: can hold (192 DP ranks, 100,000 GPUs) gets the next wider integer (`_column_array`).
 _WRITE_TYPES: dict[str, pa.DataType] = {
     "dp_rank": pa.int8(),
     "stage": pa.int8(),
@@ -127,7 +128,7 @@ def write_trace(trace: Trace, path: str | Path, meta: JobMeta | None = None) -> 
     `meta`, the file also names the job it belongs to (`check_same_job` reads it)."""
     import pyarrow.parquet as pq
 
-    arrays = {name: pa.array(getattr(trace, name), type=t) for name, t in _WRITE_TYPES.items()}
+    arrays = {name: _column_array(getattr(trace, name), t) for name, t in _WRITE_TYPES.items()}
     arrays["optype"] = pa.DictionaryArray.from_arrays(
         pa.array(trace.optype, type=pa.int8()), pa.array(list(trace.optype_names))
     )
@@ -215,6 +216,28 @@ def _span(values: np.ndarray) -> str:
         return f"{low}-{high}" if high > low else str(low)
     shown = ", ".join(str(int(v)) for v in values[:6])
     return shown + (", ..." if values.size > 6 else "")
+
+
+_WIDER_INTEGERS = ((pa.int8(), np.int8), (pa.int16(), np.int16), (pa.int32(), np.int32))
+
+
+def _column_array(values: np.ndarray, reference_type: pa.DataType) -> pa.Array:
+    """`values` as the reference file's type, or the narrowest wider integer that holds
+    them: the reference types are the files' own, and too narrow for large jobs.
+
+    >>> _column_array(np.array([0, 191]), pa.int8()).type
+    DataType(int16)
+    >>> _column_array(np.array([0, 7]), pa.int8()).type
+    DataType(int8)
+    """
+    if not pa.types.is_integer(reference_type) or not len(values):
+        return pa.array(values, type=reference_type)
+    low, high = int(np.min(values)), int(np.max(values))
+    wider = [(t, d) for t, d in _WIDER_INTEGERS if t.byte_width >= reference_type.byte_width]
+    for candidate, dtype in wider:
+        if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
+            return pa.array(values, type=candidate)
+    return pa.array(values, type=pa.int64())
 
 
 def load_meta(path: str | Path) -> JobMeta:
