@@ -3,8 +3,9 @@ Grafana. Charts are inline SVG (no JavaScript library to fetch).
 
 The markup lives in jinja2 templates (`dashboards/templates/`) rendered with autoescape on:
 every value, a job id or a trial name included, is escaped by the template engine. The
-charts are template macros too; this module computes their geometry only, so nothing is
-passed to a template as raw markup.
+charts are template macros too, and Python computes their geometry only (the heatmaps in
+`heatmap_views.py`, readable from 8 to 100,000 GPUs; the step chart in `step_chart.py`),
+so nothing is passed to a template as raw markup.
 
 A report is either live (rewritten by the embedded host while it runs: the page refreshes
 itself) or final; every page says when it and its data were last updated.
@@ -15,14 +16,16 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lagscope.dashboards.colour_scale import ColourScale, colour_scale
-from lagscope.dashboards.stragglers import ranked_workers, verified_in_run, verified_workers
+from lagscope.dashboards.heatmap_views import heatmap_view
+from lagscope.dashboards.step_chart import line_view, sampled_runs
+from lagscope.dashboards.stragglers import verified_in_run, verified_workers
 from lagscope.simulator.diagnose import Diagnosis
 from lagscope.simulator.verdict import (
     ABOVE_S,
@@ -36,6 +39,8 @@ from lagscope.simulator.whatif import WhatIfResult
 
 if TYPE_CHECKING:
     import jinja2
+
+__all__ = ["ReportData", "heatmap_svg", "line_svg", "line_view", "render_report", "sampled_runs"]
 
 
 @dataclass
@@ -71,6 +76,11 @@ class ReportData:
     last_step: int | None = None
     last_step_closed_at: float | None = None
     last_step_started_at: float | None = None
+    #: The machine of each (dp, pp) worker, where the host knows it (`MachineBook`): a
+    #: large job's table of its worst workers names them.
+    worker_machines: Mapping[tuple[int, int], str] | None = None
+    #: What the timeline file holds of the job, when it holds a part (steps, DP ranks).
+    timeline_note: str | None = None
 
 
 @functools.cache
@@ -92,168 +102,24 @@ def _charts() -> Any:
     return _environment().get_template("charts.html.j2").module
 
 
-def _reds(value: float, scale: ColourScale) -> str:
-    """Colour of a heatmap cell: near white at the scale's low end to dark red at its high."""
-    if not math.isfinite(value):
-        return "#eeeeee"
-    t = scale.position(value)
-    stops = [(255, 245, 240), (252, 146, 114), (222, 45, 38), (103, 0, 13)]
-    pos = t * (len(stops) - 1)
-    i = min(int(pos), len(stops) - 2)
-    f = pos - i
-    r, g, b = (round(a + (c - a) * f) for a, c in zip(stops[i], stops[i + 1], strict=True))
-    return f"rgb({r},{g},{b})"
-
-
-def heatmap_view(
-    worker_slowdown: np.ndarray,
-    verified: list[tuple[int, int]] = (),
-    *,
-    chart_id: str = "heatmap",
-    max_width: int = 900,
-) -> dict[str, Any]:
-    """The geometry of a worker heatmap (the `heatmap` macro draws it). Cells of
-    `verified` workers ((dp, stage)) get a solid outline, S_w crossings of them (same DP
-    replica or stage, not verified) a dashed one."""
-    n_stages, n_dp = worker_slowdown.shape
-    scale = colour_scale(worker_slowdown)
-    kinds = {
-        (w.dp, w.stage): w.kind
-        for w in ranked_workers(worker_slowdown, list(verified), top=worker_slowdown.size)
-    }
-    cell = max(14, min(48, max_width // max(n_dp, 1)))
-    left, top = 60, 20
-    width, height = left + n_dp * cell + 10, top + n_stages * cell + 40
-    rows = []
-    for stage in range(n_stages):
-        cells = []
-        for dp in range(n_dp):
-            value = float(worker_slowdown[stage, dp])
-            x, y = left + dp * cell, top + stage * cell
-            kind = kinds.get((dp, stage), "unverified")
-            cells.append(
-                {
-                    "x": x,
-                    "y": y,
-                    "fill": _reds(value, scale),
-                    "value": f"{value:.6f}",
-                    "kind": kind,
-                    "label": f"dp {dp}, pp {stage}: S_w = {value:.4f}"
-                    + ("" if kind == "unverified" else f" ({kind})"),
-                    "text": scale.label(value) if cell >= 28 else None,
-                    "text_x": x + cell / 2,
-                    "text_y": y + cell / 2 + 4,
-                    "text_fill": "#fff" if scale.position(value) > 0.6 else "#222",
-                }
-            )
-        rows.append(
-            {"stage": stage, "x": left - 8, "y": top + stage * cell + cell / 2 + 4, "cells": cells}
-        )
-    step = max(1, n_dp // 16)
-    return {
-        "id": chart_id,
-        "aria": "worker heatmap",
-        "width": width,
-        "height": height,
-        "size": cell - 1,
-        "rows": rows,
-        "ticks": [
-            {"dp": dp, "x": left + dp * cell + cell / 2, "y": top + n_stages * cell + 14}
-            for dp in range(0, n_dp, step)
-        ],
-        "caption": scale.describe(),
-        "caption_x": left + n_dp * cell / 2,
-        "caption_y": height - 6,
-    }
-
-
 def heatmap_svg(
     worker_slowdown: np.ndarray,
-    verified: list[tuple[int, int]] = (),
+    verified: Sequence[tuple[int, int]] = (),
     *,
     chart_id: str = "heatmap",
     max_width: int = 900,
+    drill_down: bool = False,
 ) -> str:
-    """The worker heatmap as inline SVG (see `heatmap_view`)."""
-    view = heatmap_view(worker_slowdown, verified, chart_id=chart_id, max_width=max_width)
-    return str(_charts().heatmap(view))
-
-
-def line_view(steps: list[int], values: list[float], changes: list[dict[str, Any]]) -> dict:
-    """The geometry of the per-step slowdown chart, change points as dashed lines."""
-    width, height, left, top, bottom = 900, 260, 50, 15, 35
-    view: dict[str, Any] = {
-        "width": width,
-        "height": height,
-        "left": left,
-        "right": width - 10,
-        "top": top,
-        "bottom": height - bottom,
-        "has_steps": bool(steps),
-    }
-    if not steps:
-        return view
-    xs = np.asarray(steps, dtype=float)
-    ys = np.asarray(values, dtype=float)
-    x0, x1 = float(xs.min()), float(max(xs.max(), xs.min() + 1))
-    y0, y1 = min(1.0, float(np.nanmin(ys))), max(1.05, float(np.nanmax(ys)) * 1.02)
-
-    def px(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * (width - left - 10)
-
-    def py(y: float) -> float:
-        return top + (y1 - y) / (y1 - y0) * (height - top - bottom)
-
-    view["ticks"] = [
-        {"y": f"{py(tick):.1f}", "label_y": f"{py(tick) + 4:.1f}", "label": f"{tick:.2f}"}
-        for tick in np.linspace(y0, y1, 5)
-    ]
-    view["changes"] = [
-        {
-            "x": f"{px(float(change['step'])):.1f}",
-            "colour": "#d62728" if change["kind"] == "onset" else "#2ca02c",
-            "label": f"{change['kind']} at step {change['step']} ({change['series']})",
-        }
-        for change in changes
-    ]
-    view["runs"] = [
-        " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run) for run in sampled_runs(xs, ys)
-    ]
-    view["first"], view["last"] = int(x0), int(x1)
-    return view
+    """The worker heatmap as inline SVG with its legend and, for a large job, its binned
+    views (see `heatmap_views.heatmap_view`)."""
+    view = heatmap_view(
+        worker_slowdown, verified, chart_id=chart_id, max_width=max_width, drill_down=drill_down
+    )
+    return str(_charts().worker_heatmap(view))
 
 
 def line_svg(steps: list[int], values: list[float], changes: list[dict[str, Any]]) -> str:
     return str(_charts().line(line_view(steps, values, changes)))
-
-
-def sampled_runs(xs: np.ndarray, ys: np.ndarray) -> list[list[tuple[float, float]]]:
-    """The points of a per-step series cut where steps were not sampled: a step without a
-    value, or a jump in step ids wider than the series' usual spacing. A line drawn across
-    such a gap would show values nobody measured.
-
-    >>> [[x for x, _ in run] for run in sampled_runs(
-    ...     np.array([1, 2, 3, 10, 11, 12]), np.array([1.0, 1.1, np.nan, 1.2, 1.0, 1.1]))]
-    [[1.0, 2.0], [10.0, 11.0, 12.0]]
-    """
-    order = np.argsort(xs, kind="stable")
-    xs, ys = np.asarray(xs, dtype=float)[order], np.asarray(ys, dtype=float)[order]
-    spacing = float(np.median(np.diff(xs))) if xs.size > 1 else 1.0
-    runs: list[list[tuple[float, float]]] = []
-    current: list[tuple[float, float]] = []
-    previous_x: float | None = None
-    for x, y in zip(xs.tolist(), ys.tolist(), strict=True):
-        gap = previous_x is not None and x - previous_x > 1.5 * spacing
-        if not math.isfinite(y) or gap:
-            if current:
-                runs.append(current)
-            current = []
-        if math.isfinite(y):
-            current.append((x, y))
-        previous_x = x
-    if current:
-        runs.append(current)
-    return runs
 
 
 def bars_view(items: list[tuple[str, float]], chart_id: str) -> dict[str, Any]:
@@ -428,12 +294,17 @@ def render_report(data: ReportData) -> str:
             verified_workers(episode.evidence),
             chart_id=f"heatmap-episode-{i}",
             max_width=440,
+            machines=data.worker_machines,
         )
         view["heading"] = f"slow episode, {_span(onset, recovery)}"
         view["onset"] = onset
         episode_heatmaps.append(view)
     run_heatmap = heatmap_view(
-        r.worker_slowdown, verified, max_width=440 if episode_heatmaps else 900
+        r.worker_slowdown,
+        verified,
+        max_width=440 if episode_heatmaps else 900,
+        machines=data.worker_machines,
+        drill_down=True,
     )
     run_heatmap["heading"] = f"whole run, {_span(steps[0], steps[-1])}" if steps else "whole run"
     top = 8
@@ -473,5 +344,6 @@ def render_report(data: ReportData) -> str:
             "dp": bars_view(r.by_dp_rank.ranked()[:top], "by-dp"),
         },
         "timeline_file": data.timeline_file,
+        "timeline_note": data.timeline_note,
     }
     return _environment().get_template("report.html.j2").render(context)
