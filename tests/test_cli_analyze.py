@@ -136,3 +136,76 @@ def test_console_script_exit_code(reference_dir, tmp_path):
     # stream_app/cli_conventions.py for the rule).
     assert proc.returncode == 1
     assert "missing.parquet: no such file" in proc.stderr
+
+
+def ar_analyze(reference_dir) -> list[str]:
+    return [
+        "analyze",
+        "--trace",
+        str(reference_dir / "trace-AR.parquet"),
+        "--meta",
+        str(reference_dir / "meta-AR.yaml"),
+    ]
+
+
+def timeline_spans(path) -> list[dict]:
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def test_a_timeline_over_its_slice_budget_holds_the_slowest_steps_and_says_so(
+    reference_dir, tmp_path, capsys
+):
+    """AR whole is 146,520 slices (27 MB); under 50,000 the window keeps the slowest step
+    and its neighbours on every DP rank, and one line says what was left out."""
+    timeline = tmp_path / "ar.json"
+    code = run_cli(
+        *ar_analyze(reference_dir), "--timeline", str(timeline), "--timeline-max-slices", "50000"
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    spans = timeline_spans(timeline)
+    assert 40_000 < len(spans) <= 50_000
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3, 4}
+    kept = sorted({e["args"]["step"] for e in spans})
+    line = next(x for x in printed.splitlines() if x.startswith("  timeline: "))
+    assert f"({len(kept)} of 44: the slowest and its neighbours)" in line
+    assert f"{len(spans):,} slices; left out {44 - len(kept)} steps to stay under 50,000" in line
+    # Without a budget it is whole.
+    assert run_cli(*ar_analyze(reference_dir), "--timeline", str(timeline),
+                   "--timeline-max-slices", "0") == 0  # fmt: skip
+    assert len(timeline_spans(timeline)) == 146_520
+
+
+def test_timeline_steps_and_ranks_choose_the_window(reference_dir, tmp_path, capsys):
+    timeline = tmp_path / "ar.json"
+    code = run_cli(
+        *ar_analyze(reference_dir),
+        "--timeline", str(timeline), "--timeline-steps", "404-416", "--timeline-ranks", "1,3",
+    )  # fmt: skip
+    assert code == 0
+    spans = timeline_spans(timeline)
+    assert {e["pid"] for e in spans} == {1, 3, 4}  # dp 1, dp 3 and the ideal
+    assert sorted({e["args"]["step"] for e in spans}) == [404, 408, 413, 414, 415, 416]
+    assert "left out 38 steps and 2 DP ranks (--timeline-steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (["--timeline-ranks", "7"], "--timeline-ranks: no DP rank of the trace in '7'"),
+        (["--timeline-steps", "1-3"], "--timeline-steps: no analysed step of the trace in '1-3'"),
+        (["--timeline-max-slices", "-1"], "--timeline-max-slices: a count of slices"),
+    ],
+)
+def test_a_timeline_window_naming_nothing_is_a_usage_error(
+    reference_dir, tmp_path, capsys, extra, error
+):
+    code = run_cli(*st_analyze(reference_dir), "--timeline", str(tmp_path / "t.json"), *extra)
+    assert code == 2
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_timeline_options_without_a_timeline_are_a_usage_error(reference_dir, capsys):
+    assert run_cli(*st_analyze(reference_dir), "--timeline-ranks", "0") == 2
+    assert "--timeline-ranks chooses what --timeline holds" in capsys.readouterr().err

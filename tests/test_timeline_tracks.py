@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lagscope.simulator.clocks import estimate_clock_offsets
 from lagscope.simulator.generate import JobSpec, SlowLink, SlowWorker, generate_job
 from lagscope.simulator.prepare import PreparedTrace, prepare
-from lagscope.simulator.timeline import STREAMS, assign_lanes, trace_events
+from lagscope.simulator.timeline import STREAMS, assign_lanes, choose_window, trace_events
 from lagscope.simulator.whatif import WhatIfAnalysis, analyze
 from tests.conftest import analyzed_reference
 
@@ -97,3 +98,50 @@ def test_a_stream_with_ops_in_flight_at_once_gets_numbered_lanes() -> None:
     labels = {e["args"]["name"] for e in events if e["name"] == "thread_name" and e["pid"] == 0}
     assert "pp 0 compute" in labels and "pp 0 compute (2)" in labels
     assert "pp 0 pp-forward send" in labels and "pp 0 pp-forward recv" in labels
+
+
+def test_a_window_keeps_the_chosen_dp_ranks_and_steps_whole() -> None:
+    """A window of a larger job: its DP ranks are processes of their own numbers, the ideal
+    process after them, every op of the window's steps kept and none overlapping."""
+    spec = JobSpec(
+        name="window", dp=12, pp=2, microbatches=4, steps=10, seed=3,
+        stragglers=(SlowWorker(dp=9, stage=1, factor=2.0, start_step=4, end_step=6),),
+    )  # fmt: skip
+    job = generate_job(spec)
+    prepared = prepare(job.trace, job.meta)
+    result = analyze(prepared)
+    n_nodes = prepared.model.n_nodes
+    # Room for two steps of every DP rank, not for four: the slowest 7 and a typical one.
+    window = choose_window(
+        result.step_slowdown, result.worker_slowdown, n_nodes, max_slices=2 * n_nodes * 13
+    )
+    assert len(window.dp_ranks) == 8 and window.dp_ranks[0] == 9
+    assert window.n_slices <= 2 * n_nodes * 13
+    kept = prepared.steps[window.steps]
+    assert kept.size == window.n_slices // (n_nodes * 9)
+    slowest = int(prepared.steps[np.argmax(result.step_slowdown)])
+    assert slowest in kept.tolist()
+    ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
+    events = trace_events(
+        prepared.select_steps(window.steps),
+        ideal.start[:, 0],
+        ideal.end[:, 0],
+        dp_ranks=window.dp_ranks,
+    )
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == window.n_slices
+    assert {e["pid"] for e in spans} == {*window.dp_ranks, 12}
+    assert partial_overlaps(events) == []
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names[9].startswith("dp 9 ") and names[12].startswith("ideal")
+    line = window.describe(prepared.steps, prepared.n_dp)
+    assert f"({kept.size} of 10: the slowest and its neighbours)" in line
+    assert "(8 of 12: the 7 slowest by S_w" in line
+    assert f"left out {10 - kept.size} steps and 4 DP ranks to stay under" in line
+
+
+def test_a_small_job_is_drawn_whole() -> None:
+    prepared, result = analyzed_reference("ST")
+    window = choose_window(result.step_slowdown, result.worker_slowdown, prepared.model.n_nodes)
+    assert window.steps.all() and window.dp_ranks == [0, 1]
+    assert "left out" not in window.describe(prepared.steps, prepared.n_dp)

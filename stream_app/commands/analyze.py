@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lagscope.simulator.defaults import DEFAULT_DECOMPOSE_THRESHOLD
+from lagscope.simulator.defaults import (
+    DEFAULT_DECOMPOSE_THRESHOLD,
+    TIMELINE_DP_RANKS,
+    TIMELINE_MAX_SLICES,
+    TIMELINE_MIN_STEPS,
+)
 from lagscope.stream_app.cli_conventions import (
     STDOUT,
     UsageError,
@@ -20,6 +25,11 @@ from lagscope.stream_app.cli_conventions import (
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from lagscope.simulator.diagnose import Diagnosis
+    from lagscope.simulator.prepare import PreparedTrace
+    from lagscope.simulator.timeline import TimelineWindow
+    from lagscope.simulator.whatif import WhatIfResult
 
 
 #: Image formats the heatmap can be written in, by file suffix (matplotlib's Agg writers).
@@ -43,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "lagscope analyze --trace trace.parquet --meta meta.yaml --report report.html "
             "--heatmap heatmap.png --timeline timeline.json",
             "lagscope analyze --profiler-trace traces/ --meta meta.yaml --steps 16-39",
+            "lagscope analyze --trace big.parquet --meta big.yaml --timeline t.json "
+            "--timeline-steps 40-42 --timeline-ranks 0-3,117",
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -65,7 +77,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeline",
         metavar="PATH",
-        help="write a Perfetto/Chrome trace (actual vs ideal) here",
+        help="write a Perfetto/Chrome trace (actual vs ideal) here; a large job's holds a "
+        "window (see --timeline-max-slices), and the summary says what it left out",
+    )
+    parser.add_argument(
+        "--timeline-steps",
+        metavar="STEPS",
+        help="the steps the timeline holds, e.g. '40-42' (default: all that fit, around "
+        "the slowest step)",
+    )
+    parser.add_argument(
+        "--timeline-ranks",
+        metavar="DP_RANKS",
+        help="the DP ranks the timeline holds, e.g. '0-3,117' (default: all when "
+        f"{TIMELINE_MIN_STEPS} steps of them fit, else the {TIMELINE_DP_RANKS - 1} slowest by "
+        "S_w and a typical one)",
+    )
+    parser.add_argument(
+        "--timeline-max-slices",
+        type=int,
+        default=TIMELINE_MAX_SLICES,
+        metavar="N",
+        help="the most ops the timeline holds of what --timeline-steps and --timeline-ranks "
+        "leave open (default %(default)s: about 50 MB of JSON; 0: no limit)",
     )
     parser.add_argument(
         "--report", metavar="PATH", help="write the self-contained HTML report here"
@@ -96,6 +130,11 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Usage errors found before any work: two outputs on stdout, a heatmap path whose
     format cannot be drawn."""
     check_one_stdout(args, *OUTPUT_OPTIONS)
+    for option in ("timeline_steps", "timeline_ranks"):
+        if getattr(args, option, None) and not args.timeline:
+            raise UsageError(f"--{option.replace('_', '-')} chooses what --timeline holds: add it")
+    if getattr(args, "timeline_max_slices", 0) < 0:
+        raise UsageError("--timeline-max-slices: a count of slices, or 0 for no limit")
     if args.heatmap and args.heatmap != STDOUT:
         suffix = Path(args.heatmap).suffix.lower()
         if suffix not in HEATMAP_SUFFIXES:
@@ -105,10 +144,10 @@ def check_outputs(args: argparse.Namespace) -> None:
             )
 
 
-def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
-    """Mask of `available` steps named by '16-39,404': ranges keep the steps inside them
-    (step ids need not be contiguous); a single id or a range that matches nothing is an
-    error of the command line (exit 2).
+def select_steps(spec: str, available: np.ndarray, option: str = "--steps") -> np.ndarray:
+    """Mask of `available` steps (or other ids) named by '16-39,404': ranges keep the ids
+    inside them (ids need not be contiguous); a single id or a range that matches nothing
+    is an error of the command line (exit 2), naming `option`.
 
     >>> import numpy as np
     >>> select_steps("16-18,404", np.array([15, 16, 17, 19, 404])).tolist()
@@ -129,14 +168,18 @@ def select_steps(spec: str, available: np.ndarray) -> np.ndarray:
             lo_id = int(lo)
             hi_id = int(hi) if sep else lo_id
         except ValueError:
-            raise UsageError(f"--steps: {part!r} is not a step id or a range like 16-39") from None
+            raise UsageError(f"{option}: {part!r} is not an id or a range like 16-39") from None
         hit = (available >= lo_id) & (available <= hi_id)
         if not hit.any():
-            raise UsageError(f"--steps: no step of the trace in {part!r}")
+            raise UsageError(f"{option}: no {_WHAT[option]} of the trace in {part!r}")
         keep |= hit
     if not keep.any():
-        raise UsageError("--steps: no step ids given")
+        raise UsageError(f"{option}: no ids given")
     return keep
+
+
+#: What the ids of each selecting option name, in its errors.
+_WHAT = {"--steps": "step", "--timeline-steps": "analysed step", "--timeline-ranks": "DP rank"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
     result = analyze(prepared, decompose_threshold=args.decompose_threshold)
     # The diagnosis decides the verdict that the summary, the JSON and the report all show.
     diagnosis = diagnose(result, prepared)
+    # Chosen before any output: a selection naming nothing is a mistake of the command line.
+    window = timeline_window(args, prepared, result, diagnosis) if args.timeline else None
     say(
         f"lagscope analyze: {source} ({meta.trial_name}, dp {meta.dp_size} x pp "
         f"{meta.pp_size} x tp {meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size})"
@@ -219,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
                 result=result,
                 diagnosis=diagnosis,
                 timeline_file=args.timeline if args.timeline not in (None, STDOUT) else None,
+                timeline_note=window.describe(prepared.steps, prepared.n_dp) if window else None,
             )
         )
         where = write_output(args.report, html, option="--report")
@@ -227,11 +273,46 @@ def run(args: argparse.Namespace) -> int:
         from lagscope.simulator.timeline import trace_events
         from lagscope.simulator.whatif import WhatIfAnalysis
 
+        assert window is not None
         ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
         events = trace_events(
-            prepared, ideal.start[:, 0], ideal.end[:, 0], clock_offsets_s=clocks.offset_s
+            prepared.select_steps(window.steps),
+            ideal.start[:, 0],
+            ideal.end[:, 0],
+            clock_offsets_s=clocks.offset_s,
+            dp_ranks=window.dp_ranks,
         )
         document = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+        say(f"  {window.describe(prepared.steps, prepared.n_dp)}")
         where = write_output(args.timeline, document, option="--timeline")
         say(f"  timeline written to {where} (open it in https://ui.perfetto.dev)")
     return 0
+
+
+def timeline_window(
+    args: argparse.Namespace, prepared: PreparedTrace, result: WhatIfResult, diagnosis: Diagnosis
+) -> TimelineWindow:
+    """The steps and DP ranks the timeline holds: those the options name, what they leave
+    open chosen to fit --timeline-max-slices."""
+    import numpy as np
+
+    from lagscope.dashboards.stragglers import verified_workers
+    from lagscope.simulator.timeline import choose_window
+
+    steps = None
+    if args.timeline_steps:
+        steps = select_steps(args.timeline_steps, prepared.steps, option="--timeline-steps")
+    dp_ranks = None
+    if args.timeline_ranks:
+        every_dp = np.arange(prepared.n_dp)
+        chosen = select_steps(args.timeline_ranks, every_dp, option="--timeline-ranks")
+        dp_ranks = every_dp[chosen].tolist()
+    return choose_window(
+        np.asarray(result.step_slowdown, dtype=float),
+        result.worker_slowdown,
+        prepared.model.n_nodes,
+        steps=steps,
+        dp_ranks=dp_ranks,
+        first_dp=[dp for dp, _ in verified_workers(diagnosis.evidence)],
+        max_slices=args.timeline_max_slices,
+    )
