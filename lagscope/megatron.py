@@ -2,18 +2,21 @@
 
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
     import lagscope.megatron
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
                                              pipeline_model_parallel_size=4)
-    model, optimizer = ...                     # as usual
+    model, optimizer = build_model_and_optimizer()        # your job's own, as usual
     monitor = lagscope.megatron.monitor(job_id="llama-70b", log_dir="/local/lagscope",
                                         optimizer=optimizer)
-    forward_backward = get_forward_backward_func()   # after monitor(), never before
+    forward_backward = get_forward_backward_func()        # after monitor(), never before
     for iteration in range(train_iters):
-        forward_backward(forward_step_func=..., model=model, ...)
+        optimizer.zero_grad()
+        forward_backward(forward_step_func=forward_step, data_iterator=data, model=model,
+                         num_microbatches=8, seq_length=4096, micro_batch_size=1)
         optimizer.step()
-    monitor.close()                            # also done at exit
+    monitor.close()                                       # also done at exit
 
 The call order matters:
 

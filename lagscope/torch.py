@@ -1,16 +1,27 @@
 """Monitor a torch.distributed training job with one call.
 
+    # train.py: torchrun --standalone --nproc-per-node 2 train.py
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
     import lagscope.torch
 
-    dist.init_process_group("nccl")                  # or gloo
-    model = DDP(model)                   # or fully_shard(model), a pipelining schedule, ...
+    dist.init_process_group("gloo")                  # "nccl" on GPUs
+    model = DDP(torch.nn.Linear(64, 64))             # or fully_shard(model), a pipeline, ...
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(512, 64), torch.randn(512, 64)),
+                        batch_size=32)
     monitor = lagscope.torch.monitor(model=model, optimizer=optimizer, data=loader,
-                                     job_id="llama-70b", log_dir="/local/lagscope")
-    for batch in loader:                             # unchanged training loop
-        loss = loss_fn(model(batch.x), batch.y)
+                                     job_id="my-job", log_dir="lagscope-logs")
+    for x, y in loader:                              # unchanged training loop
+        loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
+        optimizer.zero_grad()
     monitor.close()
+    dist.destroy_process_group()
 
 Recorded, with no timing lines in the job: forward and backward per micro-batch (a
 forward wrapper and autograd hooks), the optimizer step (optimizer hooks; it also ends each
@@ -20,7 +31,7 @@ NCCL by the process group's own device timing), and the wait for the next batch 
 The job record (dp/pp/tp sizes, this rank's host, GPU and its PCI bus id, node and pod) is
 derived from the process groups and the environment; the analysis stores every rank's
 machine and names it next to the workers it names.
-Then `lagscope run --log-dir /local/lagscope` analyses the job.
+Then `lagscope run --log-dir lagscope-logs` analyses the job.
 
 Call order: the process groups, the model (wrapped in DDP/FSDP, or the pipeline schedule
 built), the optimizer and the data loader, then `monitor(...)`, then the training loop.

@@ -3,10 +3,18 @@
 `LagscopeConfig` holds one section per component. Components that come later (the stream
 app, the sink) add their sections by subclassing it::
 
+    from lagscope.producers.config import LagscopeConfig, load_config
+    from lagscope.stream_app.processor import ProcessorSettings
+
     class AppConfig(LagscopeConfig):
         processor: ProcessorSettings = ProcessorSettings()
 
-    config = load_config(AppConfig, file=path, overrides={...})
+    config = load_config(
+        AppConfig,
+        env={"LAGSCOPE_PROCESSOR__LATENESS_S": "10"},        # else os.environ
+        overrides={"kafka": {"bootstrap_servers": "kafka:9092"}},  # flags win
+    )
+    print(config.processor.lateness_s, config.kafka.bootstrap_servers)  # 10.0 kafka:9092
 
 Sources, highest precedence first (`LagscopeConfig.settings_customise_sources`):
 

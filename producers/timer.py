@@ -1,11 +1,17 @@
 """The timer API that training code calls: time ops, write rank-step batches to the local log.
 
-    timer = OpTimer(job_id="llama-70b", rank=rank, dp_rank=dp, pp_rank=pp, tp_rank=tp,
-                    cp_rank=cp, log_dir="/local/lagscope")
-    timer.step(iteration)
-    with timer.op("forward-compute", microbatch=m, chunk=c):
-        output = model(batch)
-    timer.record("params-all-gather", start_ns=t0, duration_ns=d)   # timed elsewhere
+    import time
+
+    from lagscope.producers.timer import OpTimer
+
+    timer = OpTimer(job_id="llama-70b", rank=0, dp_rank=0, pp_rank=0, tp_rank=0, cp_rank=0,
+                    log_dir="lagscope-logs")
+    for iteration in range(3):
+        timer.step(iteration)
+        with timer.op("forward-compute", microbatch=0, chunk=0):
+            time.sleep(0.001)                                    # output = model(batch)
+        t0 = time.time_ns()                                      # timed elsewhere:
+        timer.record("params-all-gather", start_ns=t0, duration_ns=250_000)
     timer.close()
 
 Op type names are checked at the call against `simulator.optypes.KNOWN_OPTYPES` (plus
