@@ -162,3 +162,40 @@ def test_no_command_shows_a_password(tmp_path: Path, name: str) -> None:
     assert "error:" in output
     # ... nor in a path: no file or directory is named after it
     assert not [p for p in tmp_path.rglob("*") if SECRET in str(p)]
+
+
+def test_a_working_pipeline_logs_no_password(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    """The passwords of a pipeline that works (a SASL password the plaintext test broker
+    does not ask for, a store DSN's password) stay out of every line of the sidecar and of
+    the worker at debug level, from start to end."""
+    from tests.worker_util import create_topics, start_store_server, start_worker
+
+    replayed = lagscope(
+        "replay", "--trace", str(ST_TRACE), "--meta", str(ST_META), "--log-dir", "logs",
+        "--no-progress", cwd=tmp_path,
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    create_topics(kafka_bootstrap, kafka_topics)
+    topics = [f"--{name.replace('_', '-')}={topic}" for name, topic in kafka_topics.items()]
+    shipped = lagscope(
+        "stream", "--log-dir", "logs", "--bootstrap-servers", kafka_bootstrap,
+        "--idle-exit-s", "1", *topics, cwd=tmp_path,
+        env={"LAGSCOPE_KAFKA__SASL_USERNAME": "lagscope", "LAGSCOPE_KAFKA__SASL_PASSWORD": SECRET},
+    )  # fmt: skip
+    assert shipped.returncode == 0, shipped.stderr
+    assert SECRET not in shipped.stdout + shipped.stderr
+    store = start_store_server(tmp_path / "store")
+    try:
+        dsn = store.dsn("lagscope").replace("http://", f"http://lagscope:{SECRET}@")
+        worker = start_worker(
+            kafka_bootstrap, kafka_topics, tmp_path / "w", group="secrets", dsn=dsn,
+            env={"LAGSCOPE_KAFKA__SASL_PASSWORD": SECRET}, extra_args=("--log-level", "debug"),
+        )  # fmt: skip
+        assert worker.wait(300) == 0, worker.log()[-4000:]
+        log = worker.log()
+    finally:
+        store.stop()
+    assert "steps" in log.lower() and SECRET not in log
+    assert not [p for p in tmp_path.rglob("*") if SECRET in p.name]

@@ -81,10 +81,12 @@ def start_worker(
     log_name: str = "worker.log",
     module: str = "lagscope.stream_app.cli",
     dsn: str | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> WorkerProcess:
     """`lagscope worker` with its own chDB directory and faust data dir under `work_dir`
     (`module`: another entry point taking the same arguments, e.g. tests.faulty_store;
-    `dsn`: a store of its own choosing instead, e.g. a shared `StoreServer`'s)."""
+    `dsn`: a store of its own choosing instead, e.g. a shared `StoreServer`'s; `extra_args`:
+    more options, e.g. `--log-level debug`)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     full_env = {
         **os.environ,
@@ -113,6 +115,7 @@ def start_worker(
     ]
     if exit_when_idle_s is not None:
         command += ["--exit-when-idle-s", str(exit_when_idle_s)]
+    command += extra_args
     log_path = work_dir / log_name
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
