@@ -255,7 +255,13 @@ class ClickHouseSink:
         if self.dsn.kind == "chdb" and self.dsn.path:
             data_dir = Path(self.dsn.path)
             if create:
-                data_dir.mkdir(parents=True, exist_ok=True)
+                try:
+                    data_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise StoreError(
+                        f"DSN {self.dsn.shown}: cannot create the chDB store in {data_dir} "
+                        f"({exc.strerror or exc})"
+                    ) from None
             elif not data_dir.is_dir():
                 raise StoreError(f"DSN {self.dsn.shown}: no chDB store in {data_dir}")
         try:

@@ -231,3 +231,26 @@ def test_python_dash_m_lagscope_is_the_command(tmp_path: Path) -> None:
 
     assert done.stdout.strip() == f"lagscope {__version__}"
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "args,problem",
+    [
+        (["run", "--log-dir", "logs", "--dsn", "chdb://./afile/store"], "cannot create"),
+        (["query", "SELECT 1", "--dsn", "chdb://./no-store"], "no chDB store"),
+        (["stream", "--log-dir", "logs", "--checkpoint", "afile/cp.json", "--idle-exit-s", "1",
+          "--bootstrap-servers", "127.0.0.1:9"], "checkpoint afile/cp.json: cannot be read"),
+        (["stream", "--log-dir", "logs", "--metrics-port", "70000"], "streamer.metrics_port"),
+        (["dashboards", "push", "--url", "http://127.0.0.1:port"], "Grafana URL"),
+    ],
+)  # fmt: skip
+def test_settings_that_cannot_work_end_in_one_line(
+    tmp_path: Path, args: list[str], problem: str
+) -> None:
+    (tmp_path / "afile").write_text("a file, not a folder")
+    (tmp_path / "logs" / "rank-000000").mkdir(parents=True)
+    done = lagscope(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert problem in one_error_line(
+        done, " ".join(args[:2] if args[0] == "dashboards" else args[:1])
+    )
