@@ -83,3 +83,30 @@ def check_kafka_login(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
             f"{config.get('security.protocol')}): {reason}"
         )
         raise ConfigError(scrub(message, secret_values(config)))
+
+
+def check_kafka_reachable(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
+    """Raise ConfigError when no broker of `kafka` answers within `timeout_s`: for a client
+    that cannot start without one (the worker's faust app stops at once with a traceback),
+    unlike the streamer, which waits for Kafka and keeps the logs meanwhile."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    config = kafka.client_config()
+    admin = kafka_client(AdminClient, {**config, "log_level": 0})
+    deadline = time.monotonic() + timeout_s
+    reason = f"no answer in {timeout_s:g} s"
+    while time.monotonic() < deadline:
+        try:
+            admin.list_topics(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            return
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else exc
+            reason = error.str() if hasattr(error, "str") else str(error)
+    raise ConfigError(
+        scrub(
+            f"no Kafka broker answers at {config.get('bootstrap.servers')} "
+            f"({config.get('security.protocol')}) after {timeout_s:g} s: {reason}",
+            secret_values(config),
+        )
+    )

@@ -254,3 +254,26 @@ def test_settings_that_cannot_work_end_in_one_line(
     assert problem in one_error_line(
         done, " ".join(args[:2] if args[0] == "dashboards" else args[:1])
     )
+
+
+def test_a_client_that_needs_a_broker_is_told_in_one_line_when_none_answers(
+    kafka_bootstrap: str,
+) -> None:
+    """check_kafka_reachable: the one line a worker needs instead of aiokafka's traceback
+    (the streamer waits for Kafka instead)."""
+    from lagscope.producers.config import ConfigError
+    from lagscope.producers.kafka_login import check_kafka_reachable
+
+    check_kafka_reachable(KafkaSettings(bootstrap_servers=kafka_bootstrap), timeout_s=20)
+    unreachable = KafkaSettings(
+        bootstrap_servers="127.0.0.1:9",
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="lagscope",
+        sasl_password="s3cr3t-Pa55word",
+    )
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match=r"no Kafka broker answers at 127\.0\.0\.1:9") as error:
+        check_kafka_reachable(unreachable, timeout_s=2)
+    assert time.monotonic() - began < 10
+    assert "s3cr3t" not in str(error.value) and "\n" not in str(error.value)
