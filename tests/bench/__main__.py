@@ -1,7 +1,8 @@
 """`make bench`: runs every `tests/bench/*_bench.py` module's `run()`, prints one table and
 writes all rows to bench-results/bench.json.
 
-Each row is {"benchmark", "value", "unit", "target"}; a module may add more keys.
+Each row is {"benchmark", "value", "unit", "target"}; a module may add more keys ("spread":
+[min, max] of the runs whose median is the value, shown beside the target).
 Pass module names (e.g. `analysis`) to run only those.
 """
 
@@ -36,7 +37,11 @@ def main(argv: list[str]) -> int:
     for r in rows:
         value = r["value"]
         shown = f"{value:14.4g}" if isinstance(value, float) else f"{value!s:>14}"
-        print(f"{r['benchmark']:<{width}}  {shown}  {r['unit']:<10}  {r.get('target', '')}")
+        target = r.get("target", "")
+        if "spread" in r:  # the median of several runs: their range too
+            low, high = r["spread"]
+            target = f"{target}  (runs {low:.4g}-{high:.4g}, n={r.get('runs', '?')})".strip()
+        print(f"{r['benchmark']:<{width}}  {shown}  {r['unit']:<10}  {target}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "bench.json"
     out.write_text(
