@@ -242,6 +242,7 @@ def test_python_dash_m_lagscope_is_the_command(tmp_path: Path) -> None:
           "--bootstrap-servers", "127.0.0.1:9"], "checkpoint afile/cp.json: cannot be read"),
         (["stream", "--log-dir", "logs", "--metrics-port", "70000"], "streamer.metrics_port"),
         (["dashboards", "push", "--url", "http://127.0.0.1:port"], "Grafana URL"),
+        (["run", "--log-dir", "logs", "--report", "logs"], "--report logs: is a directory"),
     ],
 )  # fmt: skip
 def test_settings_that_cannot_work_end_in_one_line(

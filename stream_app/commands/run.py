@@ -153,6 +153,11 @@ def run_logs_command(args: argparse.Namespace) -> int:
     if not args.follow and not list_rank_dirs(args.log_dir):
         raise UsageError(no_rank_logs_message(args.log_dir))
     check_one_stdout(args, "report")
+    if args.report and args.report != STDOUT and Path(args.report).is_dir():
+        raise UsageError(
+            f"--report {args.report}: is a directory; give the report's file name, e.g. "
+            f"{Path(args.report) / 'report.html'}"
+        )
     if args.report_every_s <= 0:
         raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
     live = None
