@@ -273,6 +273,9 @@ class ClickHouseSink:
                 # The database may not exist yet: connect to the server's default one and
                 # switch after `CREATE DATABASE` (see `_use_database`).
                 parts = urlsplit(self.dsn.url or "")
+                # A server that does not answer is the StoreError below, in one line; the
+                # client's own warning about it would be a second line of the same news.
+                _quiet_client_warnings()
                 self.client = clickhouse_connect.get_client(
                     interface=parts.scheme,
                     host=parts.hostname,
@@ -285,6 +288,8 @@ class ClickHouseSink:
             raise StoreError(
                 f"cannot open ClickHouse store {self.dsn.shown}: {self.error_text(exc)}"
             ) from None
+        finally:
+            _quiet_client_warnings(False)
         self._use_database(create=False)
 
     # -- schema -------------------------------------------------------------------------
@@ -370,8 +375,9 @@ class ClickHouseSink:
         """A client error as a message may show it: a client library may quote the URL or
         the login it was given, so the DSN's password is masked wherever it appears."""
         text = _first_line(exc) if first_line else str(exc)
-        password = unquote(urlsplit(self.dsn.url).password or "") if self.dsn.url else ""
-        return scrub(text, [password])
+        written = (urlsplit(self.dsn.url).password or "") if self.dsn.url else ""
+        # as the DSN spells it (p%40ss) and as the client was given it (p@ss)
+        return scrub(text, [written, unquote(written)])
 
     # -- writes -------------------------------------------------------------------------
     def write(self, batch: SinkBatch) -> WriteReport:
@@ -599,6 +605,16 @@ def _datetime64_ticks(values: ColumnData, precision: int) -> np.ndarray:
         moment = value if value.tzinfo else value.replace(tzinfo=dt.UTC)
         out.append(round(moment.timestamp() * scale))
     return np.array(out, dtype=np.int64)
+
+
+#: clickhouse-connect's HTTP transport, which warns before it raises what the sink reports.
+_CLIENT_TRANSPORT_LOG = "clickhouse_connect.driver._backend.http_sync"
+
+
+def _quiet_client_warnings(quiet: bool = True) -> None:
+    """Hold back the transport's warnings while a sink connects (the sink's StoreError says
+    the same, once), and let them through again after."""
+    logging.getLogger(_CLIENT_TRANSPORT_LOG).setLevel(logging.ERROR if quiet else logging.NOTSET)
 
 
 def _first_line(exc: BaseException) -> str:

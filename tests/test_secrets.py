@@ -40,9 +40,9 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
               "--bootstrap-servers", "127.0.0.1:9"]  # fmt: skip
     push = ["dashboards", "push", "--timeout-s", "2"]
     return {
-        "run --dsn": (["run", "--logs", str(logs), "--dsn", DSN], {}),
+        "run --dsn": (["run", "--log-dir", str(logs), "--dsn", DSN], {}),
         "run, DSN from the environment": (
-            ["run", "--logs", str(logs)],
+            ["run", "--log-dir", str(logs)],
             {"LAGSCOPE_CLICKHOUSE_DSN": DSN},
         ),
         "run, chdb DSN with a login": (
@@ -70,13 +70,19 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
             ["query", "SELECT 1", "--dsn", f"chdb://u:{SECRET}@/{tmp}/store"],
             {},
         ),
-        "worker --dsn": (["worker", "--dsn", DSN, "--bootstrap", "127.0.0.1:9"], {}),
+        "worker --dsn": (["worker", "--dsn", DSN, "--bootstrap-servers", "127.0.0.1:9"], {}),
         "worker, store DSN from the environment": (
-            ["worker", "--bootstrap", "127.0.0.1:9"],
+            ["worker", "--bootstrap-servers", "127.0.0.1:9"],
             {"LAGSCOPE_STORE__DSN": DSN},
         ),
         "worker, chdb DSN with a login": (
-            ["worker", "--dsn", f"chdb://u:{SECRET}@/{tmp}/store", "--bootstrap", "127.0.0.1:9"],
+            [
+                "worker",
+                "--dsn",
+                f"chdb://u:{SECRET}@/{tmp}/store",
+                "--bootstrap-servers",
+                "127.0.0.1:9",
+            ],
             {},
         ),
         "worker, misspelt client option in the config file": (
@@ -158,6 +164,12 @@ def test_no_command_shows_a_password(tmp_path: Path, name: str) -> None:
     assert done.returncode == 2, output
     assert SECRET not in output, output
     assert "Traceback" not in output, output
+    # one error line; a command that does not log says nothing else (a client library's
+    # own warning included), the worker and the sidecar may have logged before it
+    lines = done.stderr.strip().splitlines()
+    assert len([line for line in lines if "error:" in line]) == 1, done.stderr
+    if args[0] not in ("worker", "stream"):
+        assert len(lines) == 1, done.stderr
     assert output.strip().splitlines()[-1].startswith(f"lagscope {args[0]}"), output
     assert "error:" in output
     # ... nor in a path: no file or directory is named after it
