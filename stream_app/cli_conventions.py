@@ -7,13 +7,17 @@ Exit codes, the same for every command:
 - 0: done.
 - 1: the command line is fine but what it points at is not: an input file that is missing,
   unreadable or malformed (a parquet file given as `--meta`, a trace with a missing
-  column), data the analysis cannot use (`TraceError`).
+  column, a trace and the meta of another job), data the analysis cannot use
+  (`TraceError`), logs with nothing `run` could analyse, or data Kafka did not confirm
+  (`stream`, `replay --to-kafka`: the count is printed, the logs keep what `stream` did not
+  ship).
 - 2: the command line itself is wrong: an unknown option or a bad value (argparse), an
   output path the command cannot write in that form (`--heatmap out.txt`), two outputs
-  sent to stdout, a log directory that does not exist (`UsageError`; `lagscope stream`, a
-  sidecar that may start before the job, waits for it instead), and settings that
-  are wrong wherever they came from (config file, environment, DSN: `ConfigError`,
-  `StoreError`).
+  sent to stdout, a log directory that does not exist or holds no rank logs (`UsageError`;
+  `lagscope stream`, a sidecar that may start before the job, waits for it instead), an
+  output folder holding files the command did not write (`claim_output_dir`), and
+  settings that are wrong wherever they came from (config file, environment, DSN:
+  `ConfigError`, `StoreError`).
 - 130: interrupted (Ctrl-C); 141: the reader of stdout went away (`| head`).
 
 Light on purpose: imported while the parser is built, so `lagscope --help` stays cheap.
