@@ -1,5 +1,5 @@
-"""Two questions before a Kafka client starts its loop: are its settings ones librdkafka
-knows, and does the broker accept our login?
+"""Questions before a Kafka client starts its loop: are its settings ones librdkafka knows,
+does a broker answer (for a client that cannot wait for one), and does it accept our login?
 
 librdkafka refuses a misspelt property (`sasl.pasword`) or a bad value by raising from
 the client's constructor, deep in a command's start-up; and it retries a rejected SASL
@@ -49,13 +49,20 @@ def check_kafka_settings(kafka: KafkaSettings) -> None:
     del producer
 
 
-def check_kafka_login(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
-    """Raise ConfigError when a setting of `kafka` is refused (`check_kafka_settings`) or
+def check_kafka_login(
+    kafka: KafkaSettings, timeout_s: float = 15.0, *, broker_required: bool = True
+) -> None:
+    """Raise ConfigError when a setting of `kafka` is refused (`check_kafka_settings`),
     when the broker rejects its SASL login (its `client_options`, e.g. `--kafka-option`,
-    included). The login is not tried without SASL."""
+    included; not tried without SASL), or, with `broker_required`, when no broker answers
+    within `timeout_s` (`check_kafka_reachable`): the worker's faust app cannot start
+    without one and would stop with a traceback. The streamer passes False: it waits for
+    Kafka, and the logs keep everything meanwhile."""
     check_kafka_settings(kafka)
     config = kafka.client_config()
     if not str(config.get("security.protocol", "")).upper().startswith("SASL"):
+        if broker_required:
+            check_kafka_reachable(kafka, timeout_s)
         return
     from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
@@ -83,6 +90,8 @@ def check_kafka_login(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
             f"{config.get('security.protocol')}): {reason}"
         )
         raise ConfigError(scrub(message, secret_values(config)))
+    if broker_required:
+        raise ConfigError(_unreachable(config, timeout_s, "no answer"))
 
 
 def check_kafka_reachable(kafka: KafkaSettings, timeout_s: float = 15.0) -> None:
@@ -103,10 +112,12 @@ def check_kafka_reachable(kafka: KafkaSettings, timeout_s: float = 15.0) -> None
         except KafkaException as exc:
             error = exc.args[0] if exc.args else exc
             reason = error.str() if hasattr(error, "str") else str(error)
-    raise ConfigError(
-        scrub(
-            f"no Kafka broker answers at {config.get('bootstrap.servers')} "
-            f"({config.get('security.protocol')}) after {timeout_s:g} s: {reason}",
-            secret_values(config),
-        )
+    raise ConfigError(_unreachable(config, timeout_s, reason))
+
+
+def _unreachable(config: dict[str, Any], timeout_s: float, reason: str) -> str:
+    return scrub(
+        f"no Kafka broker answers at {config.get('bootstrap.servers')} "
+        f"({config.get('security.protocol')}) after {timeout_s:g} s: {reason}",
+        secret_values(config),
     )

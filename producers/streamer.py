@@ -166,7 +166,8 @@ class Streamer:
         self.metrics: MetricsServer | None = None
         self._owns_producer = producer is None
         if producer is None:
-            check_kafka_login(config.kafka)  # a rejected login: one line, not a retry loop
+            # A rejected login is one line, not a retry loop; no broker yet is waited for.
+            check_kafka_login(config.kafka, broker_required=False)
         self._producer = producer or self._make_producer()
         self._load_checkpoint()
 

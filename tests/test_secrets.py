@@ -85,6 +85,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
             ],
             {},
         ),
+        "worker, SASL settings in the config file and no broker": (
+            ["worker", "--dsn", "chdb://memory", "--config", str(tmp / "sasl.yaml")],
+            {},
+        ),
         "worker, misspelt client option in the config file": (
             ["worker", "--dsn", "chdb://memory", "--config", str(tmp / "options.yaml")],
             {},
@@ -148,6 +152,10 @@ def test_no_command_shows_a_password(tmp_path: Path, name: str) -> None:
         f"kafka:\n  sasl_password: {SECRET}\n  sasl_username: [unclosed\n"
     )
     (tmp_path / "bad.json").write_text(f'{{"kafka": {{"sasl_password": "{SECRET}",}}}}')
+    (tmp_path / "sasl.yaml").write_text(
+        "kafka:\n  bootstrap_servers: 127.0.0.1:9\n  security_protocol: SASL_PLAINTEXT\n"
+        f"  sasl_mechanism: SCRAM-SHA-512\n  sasl_username: lagscope\n  sasl_password: {SECRET}\n"
+    )
     (tmp_path / "options.yaml").write_text(
         f"kafka:\n  client_options:\n    sasl.pasword: {SECRET}\n"
     )
