@@ -203,12 +203,13 @@ class Streamer:
         if err.fatal():
             # The idempotent producer cannot continue (e.g. fenced): rewind every rank and
             # start a new producer; already-sent batches are re-sent with their ids.
-            log.error("fatal Kafka producer error: %s; restarting the producer", err)
+            log.error("fatal Kafka producer error: %s; restarting the producer",
+                      redact_url(str(err)))  # fmt: skip
             self._fatal = True
             for state in self._ranks.values():
                 state.rewind = True
         else:
-            log.warning("Kafka: %s", err)
+            log.warning("Kafka: %s", redact_url(str(err)))
 
     def ensure_topics(self, timeout_s: float = 10.0) -> None:
         """Create the topics if missing (jobs compacted); best effort, the broker may be down."""
@@ -252,7 +253,8 @@ class Streamer:
             reason = str(first) or f"no answer in {timeout_s:g} s"
             self._begin_outage(f"could not create topics: {reason}", since=asked)
         else:
-            log.warning("could not create topic(s) %s: %s", ", ".join(failed), first)
+            log.warning("could not create topic(s) %s: %s", ", ".join(failed),
+                        redact_url(str(first)))  # fmt: skip
 
     def _load_checkpoint(self) -> None:
         try:
@@ -476,6 +478,8 @@ class Streamer:
         """The one line that says no broker answers (librdkafka retries with back-off)."""
         if self._outage is not None or self._exit_reported:
             return
+        # librdkafka's reasons quote the broker as given (sasl_ssl://user:pw@host/bootstrap)
+        reason = redact_url(reason)
         self._outage = _Outage(time.monotonic() if since is None else since, reason)
         log.warning(
             "Kafka at %s does not answer (%s); retrying with back-off, the logs keep "
@@ -675,7 +679,8 @@ class Streamer:
                     self._fatal = True
                 self.stats.delivery_failures += 1
                 if self._outage is None:  # during an outage, its summary line counts for all
-                    log.warning("delivery to %s failed (%s); will re-send from the log", topic, err)
+                    log.warning("delivery to %s failed (%s); will re-send from the log", topic,
+                                redact_url(str(err)))  # fmt: skip
 
         while True:
             try:
