@@ -8,6 +8,8 @@ difference shows in when its buckets are launched.
 
 from __future__ import annotations
 
+import time
+
 from tests.torch_jobs.harness import Knobs, main_for, straggler_model, synthetic_loader
 
 #: Long enough steps (tens of ms) and several gradient buckets.
@@ -28,8 +30,12 @@ def worker(rank: int, knobs: Knobs) -> None:
     while step < knobs.steps:
         for x, y in loader:
             model.module.step = step
+            began = time.perf_counter()
             loss = torch.nn.functional.mse_loss(model(x), y)
+            knobs.host_stall(rank, step, time.perf_counter() - began)
+            began = time.perf_counter()
             loss.backward()
+            knobs.host_stall(rank, step, time.perf_counter() - began)
             optimizer.step()
             optimizer.zero_grad()
             step += 1

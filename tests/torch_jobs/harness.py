@@ -4,7 +4,10 @@ reading back what the ranks recorded.
 Each rank pins torch to one thread (2 cores are shared by several jobs and tests). A
 straggler is made by sleeping `(factor - 1)` times the op's own measured duration right
 after it (inside the forward, inside the backward through an autograd function, or in the
-data loader), so "2x slower" holds however loaded the machine is.
+data loader), so "2x slower" holds however loaded the machine is. A slow *host* (phase
+`host`) sleeps as long after its forward and its backward have returned, in the job's own
+code between two ops (slow Python, a slow CPU, data prepared outside the loader): its
+recorded ops keep their durations, as a GPU's kernels do when its host launches them late.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-PHASES = ("forward", "backward", "input")
+PHASES = ("forward", "backward", "input", "host")
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -88,6 +91,12 @@ class Knobs:
             and phase == self.slow_phase
             and (self.slow_start <= step < self.slow_end)
         )
+
+    def host_stall(self, rank: int, step: int, op_seconds: float) -> None:
+        """A slow host's stall after an op of `op_seconds` returned (phase `host`): the
+        job's own code between two ops takes `(factor - 1)` times the op."""
+        if self.slow(rank, step, "host"):
+            time.sleep((self.slow_factor - 1.0) * op_seconds)
 
     def late(self, rank: int, step: int) -> bool:
         return rank == self.late_rank and self.late_start <= step < self.late_end

@@ -55,7 +55,9 @@ class Stage:
                 self._posted(self.rank, m).write_text(repr(time.time()))
             work.wait()
             x.requires_grad_()
+        began = time.perf_counter()
         out = self.model(x)
+        self.knobs.host_stall(self.rank, self.step, time.perf_counter() - began)
         if self.last:
             out = torch.nn.functional.mse_loss(out, self.targets[m])
         else:
@@ -81,11 +83,13 @@ class Stage:
 
         x, out = self.saved.pop(m)
         if self.last:
-            out.backward()
+            grad = None
         else:
             grad = torch.empty(self.shape)
             dist.irecv(grad, self.rank + 1).wait()
-            out.backward(grad)
+        began = time.perf_counter()
+        out.backward(grad)
+        self.knobs.host_stall(self.rank, self.step, time.perf_counter() - began)
         if not self.first:
             self.sends.append(dist.isend(x.grad, self.rank - 1))
 
