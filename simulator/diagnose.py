@@ -679,6 +679,18 @@ def escalation_ladder(
             ("re-arrange topology", settings.rearrange_cost_s),
             ("checkpoint and restart without the straggler", settings.restart_cost_s),
         ],
+        # An input-starved rank or a stalling host is fixed where it is (its loader, its
+        # host) before the job is rearranged around it: re-splitting micro-batches gives
+        # the rank fewer batches to wait for, not a faster loader.
+        "slow_input": [
+            ("speed up the straggler's input", settings.resplit_cost_s),
+            ("checkpoint and restart without the straggler", settings.restart_cost_s),
+        ],
+        "slow_host": [
+            ("relieve the straggler's host", settings.resplit_cost_s),
+            ("re-arrange topology", settings.rearrange_cost_s),
+            ("checkpoint and restart without the straggler", settings.restart_cost_s),
+        ],
         "slow_communication": [("repair or avoid the slow links", settings.rearrange_cost_s)],
         "last_stage_imbalance": [("move layers off the last stage", settings.restart_cost_s)],
         "sequence_imbalance": [("balance sequence lengths", settings.restart_cost_s)],

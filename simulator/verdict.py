@@ -91,6 +91,10 @@ def of_the_slowdown(value: float, name: str = "the raw share", digits: int = 0) 
     return f"{clamped} of the slowdown{raw_note(value, name, digits)}"
 
 
+#: Causes that name workers: slow in their compute, starved of input, or on a slow host.
+WORKER_CAUSES = ("slow_workers", "slow_input", "slow_host")
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What every output says about one analysis (a job or one of its slow episodes)."""
@@ -167,7 +171,7 @@ def verdict_of(diagnosis: Diagnosis, recovered_at: int | None = None) -> Verdict
     evidence = diagnosis.evidence or {}
     workers: tuple[tuple[int, int], ...] = ()
     stage: int | None = None
-    if diagnosis.cause == "slow_workers":
+    if diagnosis.cause in WORKER_CAUSES:
         workers = _workers(
             evidence.get("named_workers")
             or evidence.get("verified_workers")

@@ -1,0 +1,118 @@
+"""What a worker's episode costs the job, step by step.
+
+The cost of one step is the step time as measured less the step time had the worker
+spent only its own usual time (its level before the episode) on the kind that rose: the
+durations of its ops of that op type, or for `host` the launch delays of its ops, scaled
+down to that level and replayed through the dependency model. A straggler whose extra time
+the pipeline absorbs (it waited anyway) costs nothing; one every rank waits for costs all
+of it. The job loses that many seconds on every GPU, so GPU-seconds = seconds x GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lagscope.simulator.engine import CompiledModel, simulate
+from lagscope.simulator.online_episodes import HOST, worker_signals
+from lagscope.simulator.prepare import PreparedTrace
+
+#: Per-step costs an `EpisodeCost` keeps for a picture (the latest ones).
+_STEPS_KEPT = 64
+
+
+def lost_seconds(
+    prepared: PreparedTrace,
+    worker: tuple[int, int],
+    kind: str,
+    level_before: float,
+    compiled: CompiledModel | None = None,
+) -> np.ndarray:
+    """[step]: job seconds each step lost to `worker` (dp, stage) spending more than
+    `level_before` seconds of `kind` (an op type, or `host`).
+
+    >>> from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=4, seed=1,
+    ...     stragglers=(SlowWorker(dp=1, stage=0, factor=2.0, start_step=2),)))
+    >>> prepared = prepare(job.trace, job.meta)
+    >>> level = float(worker_signals(prepared.select_steps([0]), ["forward-compute"])[0, 0, 0, 1])
+    >>> lost = lost_seconds(prepared, (1, 0), "forward-compute", level)
+    >>> bool(lost[0] < 1e-3 < lost[3])
+    True
+    """
+    compiled = compiled or prepared.model.compiled
+    dp, stage = worker
+    own = worker_signals(prepared, [kind])[:, 0, stage, dp]  # [step]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(own > level_before, level_before / own, 1.0)
+    node_stage = prepared.model.node_stage()
+    n_nodes, n_steps, n_dp = prepared.cost.shape
+    cost = prepared.cost.astype(np.float64)
+    if kind == HOST:
+        rows = node_stage == stage
+        delay = prepared.launch_delay.astype(np.float64)
+        usual = delay.copy()
+        usual[rows, :, dp] = np.clip(usual[rows, :, dp], 0.0, None) * scale[None, :]
+        costs = np.concatenate([cost.reshape(n_nodes, -1)] * 2, axis=1)
+        delays: np.ndarray | None = np.concatenate(
+            [delay.reshape(n_nodes, -1), usual.reshape(n_nodes, -1)], axis=1
+        )
+    else:
+        rows = (node_stage == stage) & (np.array(prepared.node_optype) == kind)
+        usual = cost.copy()
+        usual[rows, :, dp] *= scale[None, :]
+        costs = np.concatenate([cost.reshape(n_nodes, -1), usual.reshape(n_nodes, -1)], axis=1)
+        delays = None
+    offsets = np.arange(0, 2 * n_steps * n_dp, n_dp, dtype=np.int64)
+    times = simulate(compiled, costs, delays, offsets).step_time
+    return np.maximum(times[:n_steps] - times[n_steps:], 0.0)
+
+
+@dataclass(frozen=True)
+class EpisodeCost:
+    """What an episode cost the job so far, summed over its steps."""
+
+    #: Job seconds lost to the worker (`lost_seconds`).
+    lost_s: float = 0.0
+    #: Job seconds above the straggler-free step time over the same steps: what every
+    #: straggler and the job's noise cost together.
+    excess_s: float = 0.0
+    #: The measured step times of those steps, summed.
+    measured_s: float = 0.0
+    steps: int = 0
+    #: The latest steps' lost seconds, oldest first.
+    recent: tuple[float, ...] = field(default=())
+
+    @property
+    def share(self) -> float:
+        """Share of the job's excess over the episode's steps the worker explains (0-1).
+
+        >>> EpisodeCost(lost_s=1.5, excess_s=2.0).share
+        0.75
+        """
+        if self.excess_s <= 0:
+            return 0.0
+        return float(min(max(self.lost_s / self.excess_s, 0.0), 1.0))
+
+    @property
+    def speedup(self) -> float:
+        """How much faster those steps would have run without the episode.
+
+        >>> EpisodeCost(lost_s=1.0, measured_s=4.0).speedup
+        1.3333333333333333
+        """
+        if self.measured_s <= self.lost_s:
+            return 1.0
+        return self.measured_s / (self.measured_s - self.lost_s)
+
+    def plus(self, lost_s: float, excess_s: float, measured_s: float) -> EpisodeCost:
+        """This cost with one more step's."""
+        return EpisodeCost(
+            self.lost_s + max(lost_s, 0.0),
+            self.excess_s + max(excess_s, 0.0),
+            self.measured_s + measured_s,
+            self.steps + 1,
+            (*self.recent, float(lost_s))[-_STEPS_KEPT:],
+        )

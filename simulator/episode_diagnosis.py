@@ -1,0 +1,189 @@
+"""What to tell about a worker's episode, and its bounds once the run has moved on.
+
+An episode found while the job runs (`online_episodes.py`) names one worker and one kind
+of its own time; this module turns it into the diagnosis every output carries (cause,
+one sentence, evidence, advice with a predicted speed-up, the escalation ladder) from what
+the detector measured and what the episode cost (`episode_cost.py`), without another
+simulation, so it is cheap to redo at every step.
+
+Causes, by the kind that rose:
+
+- `slow_workers`: a compute op type (forward, backward, optimizer): the worker's GPU (or
+  its CPU, on a CPU job) computes slower;
+- `slow_input`: `input-wait`: the worker waits for its next batch (its data loader, its
+  storage), a problem re-splitting micro-batches does not fix;
+- `slow_host`: `host`: the worker's host takes longer between its ops (launch delays)
+  while its ops take their usual time: a busy or throttled CPU, Python work between ops,
+  data prepared outside the loader. GC pauses are not this: they are recorded inside the
+  ops they stall, and named from the GC probe's evidence.
+
+Bounds: the detector opens an episode after seeing its first steps and closes it a few
+steps after the worker recovered; with the steps on both sides in hand, `refined_bounds`
+fits the worker's own series with `episodes.square_wave` near those bounds. The finished
+run refines an episode this way; it never adds or drops one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lagscope.simulator import optypes as ot
+from lagscope.simulator.diagnose import Advice, Diagnosis, DiagnosisSettings, escalation
+from lagscope.simulator.episode_cost import EpisodeCost
+from lagscope.simulator.episodes import square_wave
+from lagscope.simulator.online_episodes import HOST, WorkerEpisode, worker_signals
+from lagscope.simulator.prepare import PreparedTrace
+
+#: The cause of an episode by the kind of own time that rose (compute: slow_workers).
+CAUSE_OF_KIND = {ot.INPUT_WAIT: "slow_input", HOST: "slow_host"}
+
+#: How far (steps) a refined bound may move from the live one: the detector places an
+#: onset within its evidence window and a recovery within `recovery_steps`.
+_REFINE_SLACK = 3
+
+
+def cause_of(kind: str) -> str:
+    """The cause an episode of `kind` names.
+
+    >>> cause_of("forward-compute"), cause_of("input-wait"), cause_of("host")
+    ('slow_workers', 'slow_input', 'slow_host')
+    """
+    return CAUSE_OF_KIND.get(kind, "slow_workers")
+
+
+def worker_label(dp: int, stage: int) -> str:
+    """How every output names a worker (the machine is added after it where known)."""
+    return f"(dp {dp}, pp {stage})"
+
+
+def episode_diagnosis(
+    episode: WorkerEpisode,
+    cost: EpisodeCost,
+    *,
+    n_gpus: int,
+    settings: DiagnosisSettings | None = None,
+    resplit: Advice | None = None,
+) -> Diagnosis:
+    """The diagnosis of a worker's episode as it stands (`cost`: over its steps so far;
+    `resplit`: the re-split of micro-batches its steps were re-simulated with, if any).
+
+    >>> episode = WorkerEpisode(3, 1, 0, "host", 15, 19, None, 0.05, 0.2, 4.1, 1.0, 22)
+    >>> d = episode_diagnosis(episode, EpisodeCost(lost_s=1.2, excess_s=1.5,
+    ...     measured_s=2.8, steps=8), n_gpus=4)
+    >>> d.cause, d.summary
+    ('slow_host', "the host of worker (dp 1, pp 0) stalls between its ops since step 15 (ongoing): 50.0 -> 200.0 ms per step (4.0x its own level before), 4.1x its peers'; its ops take their usual time; costs the job 80% of its slowdown over these steps, 1.20 s (4.8 GPU-s)")
+    """  # noqa: E501
+    cfg = settings or DiagnosisSettings()
+    who = worker_label(episode.dp, episode.stage)
+    cause = cause_of(episode.kind)
+    until = f"to step {episode.recovery - 1}" if episode.recovery is not None else "(ongoing)"
+    how = (
+        f"{episode.level_before * 1e3:.1f} -> {episode.level_inside * 1e3:.1f} ms per step "
+        f"({_times(episode.level_inside, episode.level_before)} its own level before), "
+        f"{episode.ratio_inside:.1f}x its peers'"
+    )
+    costs = (
+        f"costs the job {cost.share:.0%} of its slowdown over these steps, "
+        f"{cost.lost_s:.2f} s ({cost.lost_s * n_gpus:,.1f} GPU-s)"
+    )
+    if cause == "slow_host":
+        summary = (
+            f"the host of worker {who} stalls between its ops since step {episode.onset} "
+            f"{until}: {how}; its ops take their usual time; {costs}"
+        )
+    else:
+        summary = (
+            f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: "
+            f"{how}; {costs}"
+        )
+    worker = {"dp": episode.dp, "stage": episode.stage}
+    evidence = {
+        "named_workers": [worker],
+        "verified_workers": [
+            {**worker, "share": cost.share, "slow_in": {episode.kind: episode.extra_s}}
+        ],
+        "episode": {
+            "id": episode.episode_id,
+            "kind": episode.kind,
+            "onset": episode.onset,
+            "recovery": episode.recovery,
+            "first_seen": episode.first_seen,
+            "level_before_s": episode.level_before,
+            "level_inside_s": episode.level_inside,
+            "ratio_inside": episode.ratio_inside,
+            "ratio_before": episode.ratio_before,
+            "lost_s": cost.lost_s,
+            "share": cost.share,
+            "steps": cost.steps,
+        },
+    }
+    advice = _advice(cause, episode, who, cost, resplit)
+    refuted = ("re-split micro-batches",) if cause == "slow_workers" and resplit is None else ()
+    ladder = escalation(cost.lost_s * n_gpus, n_gpus, cfg, cause, refuted)
+    if refuted:
+        evidence["refuted_actions"] = list(refuted)
+    return Diagnosis(cause, summary, evidence, advice, ladder)
+
+
+def _times(value: float, level: float) -> str:
+    """ "2.0x", or "x100+" where the level before was next to nothing (an input wait)."""
+    if level <= 0 or value / level >= 100:
+        return "x100+"
+    return f"{value / level:.1f}x"
+
+
+def _advice(
+    cause: str, episode: WorkerEpisode, who: str, cost: EpisodeCost, resplit: Advice | None
+) -> tuple[Advice, ...]:
+    speedup = cost.speedup
+    remove = Advice(
+        "remove the straggler", f"restart without {who} (spare node or smaller DP)", speedup
+    )
+    if cause == "slow_host":
+        first = Advice(
+            "relieve the straggler's host",
+            f"look at the host of {who}: other processes on its CPUs, CPU throttling, "
+            f"Python work between ops (logging, metrics, data prepared outside the loader)",
+            speedup,
+        )
+        return (first, remove)
+    if cause == "slow_input":
+        first = Advice(
+            "speed up the straggler's input",
+            f"the data loader of {who} keeps it waiting: more loader workers, prefetching, "
+            f"or faster storage for its shard",
+            speedup,
+        )
+        return (first, remove)
+    remove = Advice(
+        "remove the straggler",
+        f"restart without {who} (spare node or smaller DP); first look at its accelerator: "
+        f"thermal or power throttling, memory errors, a noisy neighbour",
+        speedup,
+    )
+    return (resplit, remove) if resplit is not None else (remove,)
+
+
+def refined_bounds(episode: WorkerEpisode, prepared: PreparedTrace) -> tuple[int, int | None]:
+    """The episode's (onset, recovery) fitted on the worker's own series of its kind over
+    `prepared` (the steps kept around it), each within a few steps of the live bounds; the
+    live bounds where the fit finds no raised stretch there."""
+    steps = prepared.steps
+    series = worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp]
+    live_onset = int(np.searchsorted(steps, episode.onset))
+    if live_onset >= steps.size or steps[live_onset] != episode.onset:
+        return episode.onset, episode.recovery
+    fitted = square_wave(
+        series,
+        max(0, live_onset - _REFINE_SLACK),
+        min(steps.size - 1, live_onset + _REFINE_SLACK),
+    )
+    if fitted is None:
+        return episode.onset, episode.recovery
+    onset, end = fitted
+    recovery = episode.recovery
+    if episode.recovery is not None and end is not None:
+        live_end = int(np.searchsorted(steps, episode.recovery))
+        if abs(end - live_end) <= _REFINE_SLACK:
+            recovery = int(steps[end])
+    return int(steps[onset]), recovery

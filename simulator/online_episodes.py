@@ -1,0 +1,511 @@
+"""Straggler episodes found while the job runs: one closed step at a time, per worker.
+
+An on-call engineer needs to see a straggler while it is still slow, within a few steps of
+its onset, and a healthy job must stay quiet on its own noise. The detector reads, for
+every worker (dp, pp) and every step, the seconds of each kind of the worker's *own* time:
+each op type that is its own work (forward, backward, input wait, optimizer: nobody else
+makes it wait there) and `host`, the time its host spent between its ops (the launch
+delays of its ops: slow Python, a slow or busy CPU, data prepared outside the loader; on
+a GPU a late kernel launch leaves every CUDA-event duration unchanged, so this is how a
+slow host looks in production).
+
+A worker's episode opens when, over its last `onset_steps` steps, one kind of its own
+time
+
+- rose by `min_rise` (half) in its median over the worker's own baseline (its steps before,
+  at most `baseline_steps`, none of an earlier episode), and in its least step over the
+  baseline's quick level (its 10 % quantile): contention only ever adds time, so a rank
+  that merely loses its core now and then is still quick now and then, and a straggler's
+  every step is slow;
+- is slower than its peers' (the other DP ranks of its stage, else the other stages) in
+  every one of those steps by `min_peer_ratio`, and by more than it was before;
+- rose by more than its peers' own time rose over theirs (a stretch in which the whole
+  machine is slow is the machine's);
+- costs the worker at least `min_cost` of a median step, clear of the baseline's noise by
+  `onset_z` standard errors (a noisy series needs a larger rise).
+
+A weaker rise, clear of the noise by `confirm_z` only, opens the episode once it has lasted
+`confirm_steps`. Of the kinds that rose at once, the episode is the one that cost most (a
+rank starved of input also waits between its ops: that is the same episode). It stays open
+while the worker is slow and closes at the first of `recovery_steps` steps back below the
+middle of its two levels; the recovery step is the first of those.
+
+Measured on 88 real 4-rank torch jobs on a shared 2-core machine (DDP and 1F1B pipelines,
+on an emulated accelerator and on real CPU compute; a rank 2x slower in its forward,
+backward, input or host for steps 15-29; tests/data/recorded holds some): 26 healthy runs
+without an episode, 56 of 62 stragglers named with the right kind, onset and recovery
+within 3 steps, 47 of them 4 steps after their onset (the first step it could be seen
+in the store), the rest by 7; the misses are real-CPU DDP ranks whose 2x slower compute
+reads 1.3-1.6x beside the contention of three other ranks on two cores.
+
+State (`state_dict` / `from_state`) is plain arrays and numbers: a host snapshots it with
+the rest of its step processor.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from lagscope.simulator.fields import Bound, FieldErrors, check_fields
+from lagscope.simulator.noise import own_work_mask
+from lagscope.simulator.prepare import PreparedTrace
+
+#: The kind of a worker's time spent between its ops (the launch delays of its ops).
+HOST = "host"
+
+#: MAD of a normal sample times this factor estimates its standard deviation.
+_MAD_TO_SIGMA = 1.4826
+#: The quantile of a worker's baseline steps that stands for its quick steps.
+_QUICK_QUANTILE = 0.1
+#: Against its peers, one step in this many of the evidence may be quick (a peer lost its
+#: core there): 5 steps allow none, 8 and 11 allow one, 11 two.
+_STEPS_PER_QUICK_PEER_STEP = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnlineEpisodeSettings:
+    """When an episode opens and closes. Every value was measured on the 88 real runs of
+    the module docstring; a change must be measured there again (`make bench`)."""
+
+    #: Steps of evidence that open a clear episode: 4 opened 4 of 26 healthy runs, 5 none.
+    onset_steps: int = 5
+    #: ... and a weaker one (clear of the noise by `confirm_z` only): a 2x slower compute
+    #: beside busy peers reads 1.5x; 8 steps keep the healthy runs quiet.
+    confirm_steps: int = 8
+    #: Rise of the worker's median, and of its least step over its quick level: a rank
+    #: that lost its core for a while rose by a third, a 2x straggler by close to 2x.
+    min_rise: float = 0.5
+    #: In every step of the evidence, at least this much slower than its peers' median.
+    min_peer_ratio: float = 1.25
+    #: The rise over the baseline's noise (standard errors) that opens at `onset_steps`.
+    onset_z: float = 8.0
+    #: ... and that opens at `confirm_steps` (5: as the finished-run fit, `episodes.py`).
+    confirm_z: float = 5.0
+    #: The rise costs the worker this share of a median step at least (a sub-millisecond
+    #: op that tripled is no straggler).
+    min_cost: float = 0.05
+    #: Fewest baseline steps before an onset: a job's first steps are its warm-up.
+    min_baseline_steps: int = 4
+    #: Most baseline steps compared against (the recent past, not the whole run).
+    baseline_steps: int = 40
+    #: Steps back below the middle of the two levels that end an episode.
+    recovery_steps: int = 3
+    #: A job whose workers jump by `min_rise` and `min_cost` in more than this share of
+    #: their baseline steps (ranks sharing loaded cores lose them in runs of up to 10
+    #: steps) opens an episode at `confirm_steps` at the earliest ...
+    quiet_spike_rate: float = 0.1
+    #: ... and above this share at `noisy_steps` only, past the longest such run.
+    busy_spike_rate: float = 0.2
+    noisy_steps: int = 11
+
+    def __post_init__(self) -> None:
+        problems = check_fields(self, _SETTINGS_BOUNDS)
+        if self.confirm_steps < self.onset_steps:
+            problems.append(("confirm_steps", "must be at least onset_steps"))
+        if self.noisy_steps < self.confirm_steps:
+            problems.append(("noisy_steps", "must be at least confirm_steps"))
+        if problems:
+            raise FieldErrors(problems)
+
+    @property
+    def history_steps(self) -> int:
+        """Steps of history the detector keeps per worker and kind."""
+        return self.baseline_steps + self.noisy_steps
+
+
+_SETTINGS_BOUNDS = {
+    "onset_steps": Bound(integer=True, ge=2),
+    "confirm_steps": Bound(integer=True, ge=2),
+    "min_rise": Bound(gt=0),
+    "min_peer_ratio": Bound(ge=1),
+    "onset_z": Bound(ge=0),
+    "confirm_z": Bound(ge=0),
+    "min_cost": Bound(ge=0),
+    "min_baseline_steps": Bound(integer=True, ge=2),
+    "baseline_steps": Bound(integer=True, ge=2),
+    "recovery_steps": Bound(integer=True, ge=1),
+    "quiet_spike_rate": Bound(ge=0, le=1),
+    "busy_spike_rate": Bound(ge=0, le=1),
+    "noisy_steps": Bound(integer=True, ge=2),
+}
+
+
+def signal_kinds(prepared: PreparedTrace) -> tuple[str, ...]:
+    """The kinds of own time of a job's workers: its own-work op types, then `host`."""
+    own = own_work_mask(prepared)
+    return (*sorted({t for t, mine in zip(prepared.node_optype, own, strict=True) if mine}), HOST)
+
+
+def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
+    """[step, kind, stage, dp] seconds of each worker's own time of each kind: the summed
+    durations of its own-work ops of that op type, and for `host` the summed launch
+    delays of all its ops (time its host took to start an op once the op could start)."""
+    stage = prepared.model.node_stage()
+    optypes = np.array(prepared.node_optype)
+    out = np.zeros((prepared.n_steps, len(kinds), prepared.n_stages, prepared.n_dp))
+    for index, kind in enumerate(kinds):
+        if kind == HOST:
+            nodes = np.ones(optypes.size, dtype=bool)
+            values = np.clip(prepared.launch_delay, 0.0, None)
+        else:
+            nodes = optypes == kind
+            values = prepared.duration
+        if not nodes.any():
+            continue
+        view = out[:, index].transpose(1, 0, 2)  # [stage, step, dp]
+        np.add.at(view, stage[nodes], values[nodes].astype(np.float64))
+    return out
+
+
+@dataclass
+class WorkerEpisode:
+    """One worker's episode: open while it is slow, closed at its recovery."""
+
+    episode_id: int
+    dp: int
+    stage: int
+    #: The kind of own time that rose: an op type, or `host`.
+    kind: str
+    #: Step ids: the first slow step, the step of the update that opened it, and the
+    #: first step back at the old level (None while open).
+    onset: int
+    first_seen: int
+    recovery: int | None
+    #: The worker's median seconds of that kind before the onset and over the evidence.
+    level_before: float
+    level_inside: float
+    #: The worker over its peers' median (median step), inside and before.
+    ratio_inside: float
+    ratio_before: float
+    #: The last step this episode covered (its latest update).
+    last_step: int
+
+    @property
+    def open(self) -> bool:
+        return self.recovery is None
+
+    @property
+    def extra_s(self) -> float:
+        """Seconds more per step than the worker's own level before."""
+        return self.level_inside - self.level_before
+
+
+Change = Literal["opened", "updated", "closed"]
+
+
+@dataclass(frozen=True)
+class EpisodeChange:
+    """What an update did to an episode."""
+
+    change: Change
+    episode: WorkerEpisode
+
+
+@dataclass
+class _History:
+    """The last `length` steps of every series, oldest first ([slot, kind, stage, dp])."""
+
+    length: int
+    values: np.ndarray
+    steps: np.ndarray
+    count: int = 0
+
+    def push(self, step: int, values: np.ndarray) -> None:
+        if self.count < self.length:
+            self.values[self.count] = values
+            self.steps[self.count] = step
+            self.count += 1
+            return
+        self.values[:-1] = self.values[1:]
+        self.steps[:-1] = self.steps[1:]
+        self.values[-1] = values
+        self.steps[-1] = step
+
+    def recent(self, n: int) -> np.ndarray:
+        return self.values[self.count - n : self.count]
+
+
+@dataclass
+class _Evidence:
+    """What the gates found for every worker over one window ([kind, stage, dp])."""
+
+    raised: np.ndarray
+    extra_s: np.ndarray
+    level_before: np.ndarray
+    level_inside: np.ndarray
+    ratio_before: np.ndarray
+    ratio_inside: np.ndarray
+
+
+class OnlineEpisodes:
+    """The episodes of one job's workers, updated once per closed, complete step."""
+
+    def __init__(
+        self,
+        kinds: Sequence[str],
+        n_stages: int,
+        n_dp: int,
+        settings: OnlineEpisodeSettings | None = None,
+    ) -> None:
+        self.settings = settings or OnlineEpisodeSettings()
+        self.kinds = tuple(kinds)
+        self.n_stages, self.n_dp = n_stages, n_dp
+        shape = (len(self.kinds), n_stages, n_dp)
+        length = self.settings.history_steps
+        self._history = _History(length, np.zeros((length, *shape)), np.zeros(length, np.int64))
+        #: Per worker [stage, dp], the first step its baseline may use (after its last
+        #: episode); -1: any.
+        self._baseline_from = np.full((n_stages, n_dp), -1, dtype=np.int64)
+        self._step_times: list[float] = []
+        self.episodes: list[WorkerEpisode] = []
+        self._next_id = 1
+
+    # -- the update ---------------------------------------------------------------------
+    def update(self, step: int, values: np.ndarray, step_time: float) -> list[EpisodeChange]:
+        """Take one closed step (`values`: [kind, stage, dp] seconds, as one step of
+        `worker_signals`; `step_time`: its measured time); returns what changed."""
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape != self._history.values.shape[1:]:
+            raise ValueError(
+                f"step {step}: signals of shape {values.shape}, this job's are "
+                f"{self._history.values.shape[1:]}"
+            )
+        self._history.push(step, values)
+        self._step_times = [*self._step_times, float(step_time)][-self.settings.history_steps :]
+        changes = self._follow_open(step)
+        changes += self._open_new(step)
+        return changes
+
+    def _follow_open(self, step: int) -> list[EpisodeChange]:
+        cfg = self.settings
+        changes: list[EpisodeChange] = []
+        history = self._history
+        for episode in self.open_episodes():
+            kind = self.kinds.index(episode.kind)
+            own = history.recent(history.count)[:, kind, episode.stage, episode.dp]
+            steps = history.steps[: history.count]
+            since_onset = int((steps >= episode.onset).sum())
+            middle = np.sqrt(episode.level_inside * episode.level_before)
+            recent = own[-cfg.recovery_steps :]
+            episode.last_step = step
+            if since_onset >= cfg.onset_steps + cfg.recovery_steps and (recent < middle).all():
+                episode.recovery = int(steps[-cfg.recovery_steps])
+                self._baseline_from[episode.stage, episode.dp] = episode.recovery
+                changes.append(EpisodeChange("closed", episode))
+            else:
+                changes.append(EpisodeChange("updated", episode))
+        return changes
+
+    def _open_new(self, step: int) -> list[EpisodeChange]:
+        cfg = self.settings
+        busy = np.zeros((self.n_stages, self.n_dp), dtype=bool)
+        for episode in self.open_episodes():
+            busy[episode.stage, episode.dp] = True
+        changes: list[EpisodeChange] = []
+        spikes = self._spike_rate()  # [kind]
+        lanes = (
+            (cfg.onset_steps, cfg.onset_z, spikes <= cfg.quiet_spike_rate),
+            (cfg.confirm_steps, cfg.confirm_z, spikes <= cfg.busy_spike_rate),
+            (cfg.noisy_steps, cfg.confirm_z, np.ones_like(spikes, dtype=bool)),
+        )
+        for window, z, kinds_allowed in lanes:
+            if not kinds_allowed.any():
+                continue
+            evidence = self._evidence(window, z)
+            if evidence is None:
+                continue
+            raised = evidence.raised & ~busy[None] & kinds_allowed[:, None, None]
+            if not raised.any():
+                continue
+            # Of the kinds a worker rose in at once, the costliest.
+            extra = np.where(raised, evidence.extra_s, -np.inf)
+            best_kind = np.argmax(extra, axis=0)  # [stage, dp]
+            steps = self._history.steps[: self._history.count]
+            for stage, dp in zip(*np.nonzero(raised.any(axis=0)), strict=True):
+                kind = int(best_kind[stage, dp])
+                at = (kind, stage, dp)
+                episode = WorkerEpisode(
+                    episode_id=self._next_id,
+                    dp=int(dp),
+                    stage=int(stage),
+                    kind=self.kinds[kind],
+                    onset=int(steps[-window]),
+                    first_seen=step,
+                    recovery=None,
+                    level_before=float(evidence.level_before[at]),
+                    level_inside=float(evidence.level_inside[at]),
+                    ratio_inside=float(evidence.ratio_inside[at]),
+                    ratio_before=float(evidence.ratio_before[at]),
+                    last_step=step,
+                )
+                self._next_id += 1
+                self.episodes.append(episode)
+                busy[stage, dp] = True
+                changes.append(EpisodeChange("opened", episode))
+        return changes
+
+    def _usable(self, steps: np.ndarray) -> np.ndarray:
+        """[slot, stage, dp]: which of these steps a worker's baseline may use: none of its
+        own earlier episode, and none inside any episode of the job (a straggler changes
+        what its peers do too: they wait, or get the cores it leaves idle)."""
+        inside_any = np.zeros(steps.shape, dtype=bool)
+        for episode in self.episodes:
+            end = episode.recovery if episode.recovery is not None else np.iinfo(np.int64).max
+            inside_any |= (steps >= episode.onset) & (steps < end)
+        return (steps[:, None, None] >= self._baseline_from[None]) & ~inside_any[:, None, None]
+
+    def _spike_rate(self) -> np.ndarray:
+        """[kind]: the share of the workers' recent steps (none of an episode) in which
+        one jumped by `min_rise` over its own median and by `min_cost` of a step: how
+        often the job's own noise makes a worker look like a straggler for a step."""
+        cfg = self.settings
+        history = self._history
+        if history.count < cfg.min_baseline_steps:
+            return np.ones(len(self.kinds))
+        values = history.recent(history.count)[-cfg.baseline_steps :]
+        steps = history.steps[: history.count][-cfg.baseline_steps :]
+        usable = self._usable(steps)  # [slot, stage, dp]
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            kept = np.where(usable[:, None], values, np.nan)
+            median = np.nanmedian(kept, axis=0)
+            step_s = float(np.median(self._step_times[-cfg.baseline_steps :]))
+            jumped = (kept >= (1 + cfg.min_rise) * median) & (
+                kept - median >= cfg.min_cost * step_s
+            )
+            counted = np.sum(~np.isnan(kept), axis=(0, 2, 3))
+        return np.where(counted > 0, jumped.sum(axis=(0, 2, 3)) / np.maximum(counted, 1), 1.0)
+
+    def _evidence(self, window: int, z: float) -> _Evidence | None:
+        """The gates of the module docstring over the last `window` steps, for every
+        worker and kind at once; None before enough steps were seen."""
+        cfg = self.settings
+        history = self._history
+        if history.count < window + cfg.min_baseline_steps:
+            return None
+        values = history.recent(history.count)  # [slot, kind, stage, dp]
+        steps = history.steps[: history.count]
+        inside = values[-window:]
+        before_slots = np.arange(history.count - window)
+        before_slots = before_slots[-cfg.baseline_steps :]
+        # A worker's baseline leaves out its last episode's steps: NaN there.
+        usable = self._usable(steps[before_slots])
+        before = np.where(usable[:, None], values[before_slots], np.nan)
+        enough = usable.sum(axis=0) >= cfg.min_baseline_steps  # [stage, dp]
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            # Workers without a usable baseline yet are all-NaN slices: `enough` drops them.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            level_before = np.nanmedian(before, axis=0)
+            quick_before = np.nanquantile(before, _QUICK_QUANTILE, axis=0)
+            level_inside = np.median(inside, axis=0)
+            noise = _MAD_TO_SIGMA * np.nanmedian(np.abs(before - level_before), axis=0)
+            n_before = np.maximum(np.sum(~np.isnan(before), axis=0), 1)
+            stderr = noise * np.sqrt(1.0 / window + 1.0 / n_before)
+            peers_all = _peer_median(values)  # [slot, kind, stage, dp]
+            peers_inside, peers_before = peers_all[-window:], peers_all[before_slots]
+            ratio = values / np.where(peers_all > 0, peers_all, np.nan)
+            ratio_inside = np.nanmedian(ratio[-window:], axis=0)
+            ratio_before = np.nanmedian(
+                np.where(usable[:, None], ratio[before_slots], np.nan), axis=0
+            )
+            # Against its peers, a long window may hold a step or two in which a peer
+            # lost its core (the ratio dips): the k-th least ratio counts, not the least.
+            least_ratio = np.sort(np.nan_to_num(ratio[-window:], nan=0.0), axis=0)[
+                (window - 1) // _STEPS_PER_QUICK_PEER_STEP
+            ]
+            peers_rise = np.median(peers_inside, axis=0) / np.median(peers_before, axis=0)
+            step_s = float(np.median(self._step_times[: len(self._step_times) - window] or [0]))
+            extra = level_inside - level_before
+            rise = 1.0 + cfg.min_rise
+            raised = (
+                enough[None]
+                & (level_before > 0)
+                & (level_inside >= rise * level_before)
+                & (inside.min(axis=0) >= rise * quick_before)
+                # It begins where the worker rose: its first step is already past the
+                # middle of the two levels (a stray spike before the rise is no onset).
+                & (
+                    inside[0]
+                    >= np.fmax(
+                        (1 + cfg.min_rise / 2) * level_before, np.sqrt(level_before * level_inside)
+                    )
+                )
+                & (least_ratio >= cfg.min_peer_ratio)
+                & (ratio_inside >= (1 + cfg.min_rise / 2) * np.fmax(ratio_before, 1.0))
+                & (level_inside / level_before >= (1 + cfg.min_rise / 2) * np.fmax(peers_rise, 1.0))
+                & (extra >= cfg.min_cost * step_s)
+                & (extra >= z * stderr)
+            )
+        return _Evidence(
+            np.nan_to_num(raised, nan=False).astype(bool),
+            extra,
+            level_before,
+            level_inside,
+            ratio_before,
+            ratio_inside,
+        )
+
+    # -- reading ------------------------------------------------------------------------
+    def open_episodes(self) -> list[WorkerEpisode]:
+        return [e for e in self.episodes if e.open]
+
+    def level_of(self, episode: WorkerEpisode, step: int) -> float | None:
+        """The worker's seconds of the episode's kind in `step`, while it is kept."""
+        history = self._history
+        found = np.flatnonzero(history.steps[: history.count] == step)
+        if not found.size:
+            return None
+        kind = self.kinds.index(episode.kind)
+        return float(history.values[found[-1], kind, episode.stage, episode.dp])
+
+    # -- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        history = self._history
+        return {
+            "settings": asdict(self.settings),
+            "kinds": list(self.kinds),
+            "shape": [self.n_stages, self.n_dp],
+            "history": history.values[: history.count].copy(),
+            "history_steps": history.steps[: history.count].copy(),
+            "baseline_from": self._baseline_from.copy(),
+            "step_times": list(self._step_times),
+            "episodes": [asdict(e) for e in self.episodes],
+            "next_id": self._next_id,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> OnlineEpisodes:
+        n_stages, n_dp = state["shape"]
+        tracker = cls(state["kinds"], n_stages, n_dp, OnlineEpisodeSettings(**state["settings"]))
+        for values, step in zip(state["history"], state["history_steps"], strict=True):
+            tracker._history.push(int(step), np.asarray(values))
+        tracker._baseline_from = np.asarray(state["baseline_from"], dtype=np.int64).copy()
+        tracker._step_times = [float(x) for x in state["step_times"]]
+        tracker.episodes = [WorkerEpisode(**e) for e in state["episodes"]]
+        tracker._next_id = int(state["next_id"])
+        return tracker
+
+
+def _peer_median(values: np.ndarray) -> np.ndarray:
+    """[slot, kind, stage, dp]: the median of each worker's peers, the other DP ranks of
+    its stage (the other stages when there is one DP rank). With many peers the median of
+    all of them, itself included, is the same to within one of many."""
+    n_stages, n_dp = values.shape[2], values.shape[3]
+    if n_dp > 1:
+        if n_dp > 16:
+            return np.broadcast_to(np.median(values, axis=3, keepdims=True), values.shape)
+        out = np.empty_like(values)
+        for dp in range(n_dp):
+            out[..., dp] = np.median(np.delete(values, dp, axis=3), axis=3)
+        return out
+    if n_stages == 1:
+        return np.full_like(values, np.nan)
+    out = np.empty_like(values)
+    for stage in range(n_stages):
+        out[:, :, stage, 0] = np.median(np.delete(values[..., 0], stage, axis=2), axis=2)
+    return out
