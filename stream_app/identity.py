@@ -72,6 +72,7 @@ class MachineBook:
 
     def __init__(self) -> None:
         self._by_job: dict[tuple[str, int], dict[tuple[int, int], str]] = {}
+        self._identity: dict[tuple[str, int], dict[tuple[int, int], RankIdentity]] = {}
 
     def add(self, info: JobInfo) -> bool:
         """Remember `info`'s rank; True when it carried an identity (a row to store)."""
@@ -79,12 +80,17 @@ class MachineBook:
         if who is None:
             return False
         if who.tp_rank == 0 and who.cp_rank == 0:
-            workers = self._by_job.setdefault((info.job_id, info.attempt), {})
-            workers[who.dp_rank, who.pp_rank] = machine_label(who)
+            key = (info.job_id, info.attempt)
+            self._by_job.setdefault(key, {})[who.dp_rank, who.pp_rank] = machine_label(who)
+            self._identity.setdefault(key, {})[who.dp_rank, who.pp_rank] = who
         return True
 
     def machines(self, job_id: str, attempt: int) -> Mapping[tuple[int, int], str]:
         return self._by_job.get((job_id, attempt), {})
+
+    def identity(self, job_id: str, attempt: int, worker: tuple[int, int]) -> RankIdentity | None:
+        """The representative rank of `worker` (dp, pp), when its record said."""
+        return self._identity.get((job_id, attempt), {}).get(worker)
 
 
 def name_machines(diagnosis: Diagnosis, machines: Mapping[tuple[int, int], str]) -> Diagnosis:

@@ -28,6 +28,9 @@ from lagscope.simulator.whatif import Attribution, WhatIfResult
 from lagscope.stream_app.sink import SinkBatch
 
 if TYPE_CHECKING:
+    from lagscope.producers.dead_letters import DeadLetter
+    from lagscope.stream_app.identity import MachineBook
+    from lagscope.stream_app.job_analysis import EpisodeState
     from lagscope.stream_app.processor import StepOutput
 
 #: attribution.kind of each attribution of a result.
@@ -307,4 +310,83 @@ def diagnosis_rows(
         ],
         "predicted_speedup": [best],
         "version": [version],
+    }
+
+
+def episode_version(at_step: int, final: bool) -> int:
+    """The version of an episode's (or a job diagnosis') row made at the job's step
+    `at_step`: later states replace earlier ones, the job's end replaces the live state of
+    the same step, and both hosts write the same number."""
+    return 2 * max(at_step, 0) + int(final)
+
+
+def episode_rows(
+    job_id: str, attempt: int, states: Sequence[EpisodeState], machines: MachineBook
+) -> dict[str, list]:
+    """The `episodes` rows of episode states (at most one per episode: its latest)."""
+    latest: dict[int, EpisodeState] = {}
+    for state in states:
+        latest[state.episode.episode_id] = state
+    rows: dict[str, list] = {name: [] for name in _EPISODE_COLUMNS}
+    now = time.time()
+    for state in latest.values():
+        episode, diagnosis = state.episode, state.diagnosis
+        who = machines.identity(job_id, attempt, (episode.dp, episode.stage))
+        values = {
+            "job_id": job_id,
+            "attempt": attempt,
+            "episode_id": episode.episode_id,
+            "state": "open" if episode.open else "closed",
+            "onset_step": episode.onset,
+            "recovery_step": episode.recovery,
+            "onset_ts": state.onset_ns / 1e9,
+            "recovery_ts": state.recovery_ns / 1e9 if episode.recovery is not None else None,
+            "last_step": state.at_step,
+            "last_ts": state.last_ns / 1e9,
+            "cause": diagnosis.cause,
+            "optype": episode.kind,
+            "dp_rank": episode.dp,
+            "pp_rank": episode.stage,
+            "workers": [f"(dp {w['dp']}, pp {w['stage']})"
+                        for w in diagnosis.evidence.get("named_workers", [])],
+            "node": (who.node or who.host) if who is not None else "",
+            "host": who.host if who is not None else "",
+            "gpu": who.gpu if who is not None else None,
+            "share": state.cost.share,
+            "lost_s": state.cost.lost_s,
+            "gpu_seconds_lost": state.gpu_seconds_lost,
+            "first_seen_step": episode.first_seen,
+            "final": state.final,
+            "summary": diagnosis.summary,
+            "evidence": json.dumps(diagnosis.evidence, default=float),
+            "advice": json.dumps(
+                {"advice": [a.as_dict() for a in diagnosis.advice],
+                 "escalation": diagnosis.escalation},
+                default=float,
+            ),
+            "updated_at": now,
+            "version": episode_version(state.at_step, state.final),
+        }  # fmt: skip
+        for name in _EPISODE_COLUMNS:
+            rows[name].append(values[name])
+    return rows
+
+
+_EPISODE_COLUMNS = (
+    "job_id", "attempt", "episode_id", "state", "onset_step", "recovery_step", "onset_ts",
+    "recovery_ts", "last_step", "last_ts", "cause", "optype", "dp_rank", "pp_rank", "workers",
+    "node", "host", "gpu", "share", "lost_s", "gpu_seconds_lost", "first_seen_step", "final",
+    "summary", "evidence", "advice", "updated_at", "version",
+)  # fmt: skip
+
+
+def dead_letter_rows(letters: Sequence[DeadLetter]) -> dict[str, list]:
+    """The `dead_letters` rows of letters set aside (their own time: a replay writes the
+    same rows)."""
+    return {
+        "ts": [d.at_s for d in letters],
+        "job_id": [d.job_id for d in letters],
+        "source": [d.source for d in letters],
+        "reason": [d.reason for d in letters],
+        "payload": [d.payload.hex() for d in letters],
     }

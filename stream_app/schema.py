@@ -18,6 +18,9 @@ Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a st
   range.
 - `changepoints` (job_id, attempt, series, step, kind), `diagnoses` (job_id, attempt,
   step, cause), `jobs` (job_id, attempt), `dead_letters` (job_id, source, ts, ...).
+- `episodes` (job_id, attempt, episode_id): straggler episodes found while the job runs,
+  one row per state (open, kept current, closed, refined at the job's end); `FINAL`
+  gives each episode's latest state.
 - `steps_1m` (job_id, attempt, minute): minute rollup of `steps`, filled by the
   materialized view `steps_1m_mv`.
 - `worker_state` (group_id, topic, partition) and `worker_retained` (group_id, job_id,
@@ -49,6 +52,7 @@ SCHEMA_VERSION_TABLE = "schema_version"
 WORKER_STATE_TABLE = "worker_state"
 WORKER_RETAINED_TABLE = "worker_retained"
 RANK_IDENTITY_TABLE = "rank_identity"
+EPISODES_TABLE = "episodes"
 DEFAULT_OPS_TTL_DAYS = 7
 #: Recent insert blocks whose tokens a table remembers: replays after a crash come within
 #: minutes, i.e. well inside this many batches.
@@ -264,6 +268,33 @@ def migrations(ops_ttl_days: int = DEFAULT_OPS_TTL_DAYS) -> tuple[Migration, ...
             (
                 f"ALTER TABLE {RANK_IDENTITY_TABLE} ADD COLUMN IF NOT EXISTS local_rank UInt32 "
                 "DEFAULT 0 AFTER rank",
+            ),
+        ),
+        Migration(
+            6,
+            "episodes: straggler episodes found while the job runs",
+            (
+                # One row per state of an episode (opened, kept current every step while
+                # open, closed, refined at the job's end); FINAL gives each one's latest.
+                # `version` = 2 x the job's last closed step (+1 for the refined state at
+                # the job's end), the same whichever host wrote it.
+                f"""CREATE TABLE IF NOT EXISTS {EPISODES_TABLE} (
+                    job_id LowCardinality(String), attempt UInt32, episode_id UInt32,
+                    state LowCardinality(String),
+                    onset_step {_STEP}, recovery_step Nullable(UInt64),
+                    onset_ts DateTime64(3), recovery_ts Nullable(DateTime64(3)),
+                    last_step UInt64, last_ts DateTime64(3),
+                    cause LowCardinality(String), optype LowCardinality(String),
+                    dp_rank Int32, pp_rank Int32, workers Array(String),
+                    node LowCardinality(String), host LowCardinality(String),
+                    gpu Nullable(Int32),
+                    share Float64, lost_s Float64, gpu_seconds_lost Float64,
+                    first_seen_step UInt64, final Bool,
+                    summary String CODEC(ZSTD(3)), evidence String CODEC(ZSTD(3)),
+                    advice String CODEC(ZSTD(3)),
+                    updated_at DateTime64(3), version {_VERSION}
+                ) ENGINE = ReplacingMergeTree(version)
+                ORDER BY (job_id, attempt, episode_id) {_SETTINGS}""",
             ),
         ),
     )

@@ -50,6 +50,7 @@ WRITABLE_TABLES: tuple[str, ...] = (
     "attribution",
     "worker_slowdown",
     "changepoints",
+    "episodes",
     "diagnoses",
     "dead_letters",
     "rank_identity",
@@ -348,19 +349,53 @@ class ClickHouseSink:
             raise StoreError(f"{self.dsn.shown}: {self.error_text(exc, first_line=True)}") from None
 
     def query(
-        self, sql: str, parameters: dict | None = None, settings: dict | None = None
+        self,
+        sql: str,
+        parameters: dict | None = None,
+        settings: dict | None = None,
+        *,
+        bytes_columns: Sequence[str] = (),
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run a SELECT with bound parameters ({name:Type} placeholders); returns
-        (column names, rows)."""
+        (column names, rows). `bytes_columns`: String columns read as bytes, not text."""
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         try:
-            result = self.client.query(sql, parameters=parameters, settings=settings)
+            result = self.client.query(
+                sql,
+                parameters=parameters,
+                settings=settings,
+                column_formats=dict.fromkeys(bytes_columns, "bytes") or None,
+            )
         except (ClickHouseError, OSError) as exc:
             raise StoreError(
                 f"{self.dsn.shown}: query failed: {self.error_text(exc, first_line=True)}"
             ) from None
         return list(result.column_names), list(result.result_rows)
+
+    def insert_rows(
+        self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], token: str
+    ) -> None:
+        """Insert rows (not columns) deduplicated by `token`, retried as writes are: a
+        retried insert is stored once. For a few wide rows, such as checkpoints."""
+
+        def insert() -> None:
+            from clickhouse_connect.driver.exceptions import ClickHouseError
+
+            try:
+                self.client.insert(
+                    table,
+                    list(rows),
+                    column_names=list(columns),
+                    settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
+                )
+            except (ClickHouseError, OSError) as exc:
+                raise StoreError(
+                    f"{self.dsn.shown}: insert into {table} failed: "
+                    f"{self.error_text(exc, first_line=True)}"
+                ) from None
+
+        self.retry.call(insert, what=f"insert into {table}")
 
     def close(self) -> None:
         self.client.close()
@@ -543,9 +578,18 @@ def _to_arrow(values: ColumnData, type_: str) -> pa.Array:
     match = _DATETIME64.match(type_)
     if match:
         precision = int(match.group(1))
-        ticks = _datetime64_ticks(values, precision)
         unit = _ARROW_TIME_UNITS.get(precision)
-        return pa.array(ticks, type=pa.timestamp(unit)) if unit else pa.array(ticks)
+        arrow_type = pa.timestamp(unit) if unit else pa.int64()
+        if type_.startswith("Nullable(") and not isinstance(values, np.ndarray):
+            # None is NULL: the known values become ticks, the rest stays missing.
+            values = list(values)
+            known = [i for i, v in enumerate(values) if v is not None]
+            ticks = _datetime64_ticks([values[i] for i in known], precision) if known else []
+            full: list[int | None] = [None] * len(values)
+            for i, tick in zip(known, ticks, strict=True):
+                full[i] = int(tick)
+            return pa.array(full, type=arrow_type)
+        return pa.array(_datetime64_ticks(values, precision), type=arrow_type)
     if _NULLABLE_FLOAT.match(type_):
         floats = [None if v is None else float(v) for v in values]
         return pa.array(floats, type=pa.float64(), from_pandas=True)  # NaN -> null

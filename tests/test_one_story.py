@@ -197,13 +197,16 @@ def test_the_demo_tells_one_story(demo: tuple[str, str]):
     assert f"    action: {run[0]['action']}\n" in printed
     assert f"    escalation: {run[0]['escalation']}\n" in printed
     assert "diagnosis:" not in printed
-    # Each episode's verdict too, in order (the demo has its slow worker's episode).
-    printed_episodes = re.findall(r"    episode from step \d+ [^:]+: (.*)\n", printed)
+    # Each episode's verdict too, in order (the demo has its slow worker's episode), and
+    # the per-series line never drops the culprit's own series.
+    assert re.search(r"    per-series changes: [^\n]*worker/5\.2 onset@", printed), printed
+    printed_episodes = re.findall(r"    episode \d+ from step \d+ [^:]+: (.*)\n", printed)
     assert episodes and printed_episodes == [f"{b['cause']}: {b['headline']}" for b in episodes]
     # An episode that is over is acted on only if it comes back, in both.
     actions = re.findall(
-        r"    episode from step \d+ to step (\d+): .*\n      action: (.*)\n", printed
+        r"    episode \d+ from step \d+ to step (\d+) [^:]+: .*\n      action: (.*)\n", printed
     )
+    assert actions, printed
     for recovered, action in actions:
         assert action.startswith(f"none now (recovered at step {recovered}); if it comes back: ")
         assert any(b["action"] == action for b in episodes), (action, episodes)
@@ -220,6 +223,6 @@ def test_the_demo_names_the_straggler_first_with_its_machine(demo: tuple[str, st
     assert top and re.match(r"\(dp 5, pp 2\) S_w=[\d.]+ verified, ", top.group(1)), printed
     crossing = re.search(r"\(dp 5, pp 3\) S_w=[\d.]+( S_w crossing)?", top.group(1))
     assert crossing is None or crossing.group(1), top.group(1)
-    episode = re.search(r"    episode from step \d+ [^:]+: (.*)\n", printed)
+    episode = re.search(r"    episode \d+ from step \d+ [^:]+: (.*)\n", printed)
     assert episode and re.search(r"\(dp 5, pp 2\) on demo-llm-node-\d\d GPU \d", episode.group(1))
     assert re.search(r"\(dp 5, pp 2\) on demo-llm-node-\d\d GPU \d", _text(report))

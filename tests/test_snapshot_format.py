@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from lagscope.stream_app.schema import WORKER_STATE_TABLE
 from lagscope.stream_app.sink import ClickHouseSink
 from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, encode_state
-from lagscope.stream_app.worker import SNAPSHOT_VERSION, WorkerConfig, WorkerCore
+from lagscope.stream_app.worker_config import WorkerConfig
+from lagscope.stream_app.worker_core import SNAPSHOT_VERSION, WorkerCore
 
 
 class _Exploit:

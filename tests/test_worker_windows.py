@@ -12,7 +12,8 @@ from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, generate_job
 from lagscope.stream_app.processor import ProcessorSettings
 from lagscope.stream_app.sink import ClickHouseSink
-from lagscope.stream_app.worker import OpsMessage, WorkerConfig, WorkerCore
+from lagscope.stream_app.worker_config import WorkerConfig
+from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 
 SPEC = JobSpec(dp=2, pp=2, microbatches=2, steps=3, name="held", seed=3)
 LATENESS_S = 0.5

@@ -23,13 +23,14 @@ from lagscope.stream_app.cli_conventions import (
     examples,
     write_output,
 )
+from lagscope.stream_app.commands.job_summary import print_job_summary
 from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
 
 if TYPE_CHECKING:
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import GeneratedJob, JobSpec
     from lagscope.simulator.trace import Trace
-    from lagscope.stream_app.embedded import JobReport, RunReport
+    from lagscope.stream_app.embedded import RunReport
     from lagscope.stream_app.progress import Progress
 
 # The pipeline, numpy and the store are imported by the handlers when they run, so that
@@ -129,8 +130,7 @@ def _progress(total_ops: int | None) -> tuple[Progress, Callable[[RunReport], No
     display = Progress("pipeline", unit="op", total=total_ops)
 
     def show(report: RunReport) -> None:
-        steps = sum(j.steps for j in report.jobs.values())
-        display.update(report.ops, note=f"{steps:,} steps")
+        display.update(report.ops, note=f"{report.steps:,} steps")
 
     return display, show
 
@@ -393,71 +393,3 @@ def demo_command(args: argparse.Namespace) -> int:
     )
     print(f"  done in {time.monotonic() - began:.1f} s")
     return 0
-
-
-def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
-    import numpy as np
-
-    info = job.info
-    say(
-        f"  job {info.job_id} attempt {info.attempt}: {job.steps} steps closed"
-        + (f", {len(job.incomplete_steps)} incomplete" if job.incomplete_steps else "")
-    )
-    if job.rollup is None:
-        say("    nothing could be analysed")
-        return
-    r = job.rollup
-    from lagscope.simulator.verdict import MEANINGS
-
-    say(
-        f"    slowdown S {r.slowdown:.3f} (waste {r.waste:.1%}); "
-        f"GPU-hours wasted {job.gpu_seconds_wasted / 3600:,.2f} of "
-        f"{job.gpu_seconds / 3600:,.2f} - S: {MEANINGS['S']}"
-    )
-    if job.mfu_actual:
-        say(
-            f"    MFU actual {np.mean(job.mfu_actual):.1%} vs straggler-free "
-            f"{np.mean(job.mfu_ideal):.1%}"
-        )
-    from lagscope.dashboards.stragglers import ranked_workers, verified_in_run
-
-    evidence = job.diagnosis.evidence if job.diagnosis is not None else None
-    verified = verified_in_run(evidence, [e.diagnosis.evidence for e in job.episodes])
-    top = ranked_workers(r.worker_slowdown, verified)
-    say("    top stragglers " + ", ".join(w.describe() for w in top) + f" - S_w: {MEANINGS['S_w']}")
-    step_changes = [c for c in job.changes if c.series == "step_time"] or job.changes[:6]
-    for c in step_changes:
-        say(
-            f"    change point: {c.kind} at step {c.step} on {c.series} "
-            f"({c.before_mean:.3f} -> {c.after_mean:.3f})"
-        )
-    worker_changes = {(c.series, c.kind, c.step) for c in job.changes if c.series != "step_time"}
-    if worker_changes:
-        shown = ", ".join(f"{s} {k}@{st}" for s, k, st in sorted(worker_changes)[:6])
-        say(f"    per-series changes: {shown}")
-    if job.diagnosis is not None:
-        from lagscope.simulator.verdict import escalation_text, verdict_of
-
-        # One verdict per analysis (the run, each episode), as `lagscope analyze` prints it.
-        d = job.diagnosis
-        story = verdict_of(d)
-        say(f"    verdict: {story.line()}")
-        say(f"    action: {story.action_line()}")
-        for a in d.advice:
-            say(
-                f"    advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x): "
-                f"{a.detail}"
-            )
-        if d.escalation:
-            say(f"    escalation: {escalation_text(d.escalation)}")
-        for episode in job.episodes:
-            end = f"to step {episode.recovery}" if episode.recovery is not None else "ongoing"
-            ed = episode.diagnosis
-            told = verdict_of(ed, recovered_at=episode.recovery)
-            say(f"    episode from step {episode.onset} {end}: {told.line()}")
-            say(f"      action: {told.action_line()}")
-            for a in ed.advice:
-                say(
-                    f"      advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x)"
-                    f": {a.detail}"
-                )

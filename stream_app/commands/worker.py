@@ -1,6 +1,6 @@
 """`lagscope worker`: the distributed host, a faust-streaming worker (thin adapter).
 
-Configuration is `stream_app.worker.WorkerConfig`: defaults < `--config` file (or
+Configuration is `stream_app.worker_config.WorkerConfig`: defaults < `--config` file (or
 $LAGSCOPE_CONFIG) < `LAGSCOPE_<SECTION>__<FIELD>` environment (e.g.
 `LAGSCOPE_WORKER__GROUP_ID`, `LAGSCOPE_STORE__DSN`, `LAGSCOPE_PROCESSOR__LATENESS_S`) <
 flags. The store, when none of them names one, is the shared default of
@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--data-dir",
         type=Path,
         metavar="DIR",
-        help="faust's data directory (default lagscope-data/worker)",
+        help="the worker's state directory, made when missing (default: a temporary one, "
+        "removed at exit)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -80,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from lagscope.producers.config import ConfigError, load_config
     from lagscope.stream_app.sink import StoreError
-    from lagscope.stream_app.worker import FaustWorker, WorkerConfig
+    from lagscope.stream_app.worker import FaustWorker
+    from lagscope.stream_app.worker_config import WorkerConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -110,5 +112,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"lagscope worker: error: metrics endpoint: {exc}", file=sys.stderr)
         return 2
-    worker.run()
+    try:
+        worker.run()
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting for Kafka (faust handles its own signals once started).
+        print("lagscope worker: interrupted", file=sys.stderr)
+        return 130
     return 0

@@ -1,0 +1,570 @@
+"""One host pipeline, two drivers: what `lagscope run` (logs, embedded) and `lagscope worker`
+(Kafka, faust) share, so that the same input gives the same rows in every table.
+
+`HostCore` takes job records and rank-step batches as bytes with their origin, admits
+them or sets them aside as dead letters (`producers/dead_letters.py`, with the reason and
+the origin), windows and analyses the steps (`StepProcessor`: what-if, change points,
+episodes, the job's diagnosis every few steps), and writes every table's rows to the
+store exactly once: `steps`, `attribution`, `worker_slowdown`, `changepoints`,
+`episodes`, `diagnoses`, `dead_letters`, `jobs`, `rank_identity` (and `ops` where raw ops
+are kept). `conclude` ends a job (its input ended or it fell idle): every episode's bounds
+refined, the final diagnosis.
+
+The drivers differ only in how records arrive (rank logs, Kafka partitions), how time
+passes for the lateness timeout (`LatenessClock`, fed with the records' own times), and
+how progress is checkpointed (the worker snapshots the core's state with the offset it
+covers, `stream_app/checkpoints.py`; the embedded host re-reads its logs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lagscope.producers.dead_letters import DeadLetter
+from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, batch_id_of, decode_batch
+from lagscope.simulator.episodes import Episode
+from lagscope.simulator.whatif import WhatIfResult
+from lagscope.stream_app.admission import job_conflict, job_problem
+from lagscope.stream_app.identity import (
+    MachineBook,
+    name_machines,
+    rank_identity_batch,
+)
+from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, JobTotals
+from lagscope.stream_app.processor import (
+    DetectedChange,
+    JobConclusion,
+    ProcessorSettings,
+    StepOutput,
+    StepProcessor,
+)
+from lagscope.stream_app.rows import (
+    dead_letter_rows,
+    diagnosis_rows,
+    episode_rows,
+    episode_version,
+    job_rows,
+    rows_from_outputs,
+)
+from lagscope.stream_app.sink import ClickHouseSink, SinkBatch
+
+log = logging.getLogger("lagscope.host")
+
+#: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
+#: that is no batch, a batch the admission or the windows set aside, a batch a windowing
+#: bug dropped, a job record that is invalid or conflicts with a known one.
+DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata")
+_WINDOWING_FAILED = "windowing failed"
+#: Changes of the change-point detectors kept per job for summaries and reports.
+_CHANGES_KEPT = 10_000
+
+
+class LatenessClock:
+    """A host's lateness clock: while the host is behind its input (more of it is waiting
+    to be read), the time of the newest record it delivered, so a backlog of any size is
+    windowed as it was produced and a step times out only when later records show its
+    missing ranks were late; once caught up, wall-clock time, so a rank that went silent
+    still times out. Never goes backwards."""
+
+    def __init__(
+        self, newest_record_s: float | None = None, wall: Callable[[], float] = time.time
+    ) -> None:
+        self._wall = wall
+        self.newest_record_s = newest_record_s
+        self._now = float("-inf")
+        self.behind = True
+
+    def __call__(self) -> float:
+        if self.newest_record_s is None:
+            now = self._wall()  # nothing delivered yet
+        elif self.behind:
+            now = self.newest_record_s
+        else:
+            now = max(self.newest_record_s, self._wall())
+        self._now = max(self._now, now)
+        return self._now
+
+    def observe(self, record_time_s: float) -> None:
+        if self.newest_record_s is None or record_time_s > self.newest_record_s:
+            self.newest_record_s = record_time_s
+
+
+class JobRecords:
+    """Every job record a host has seen: the one that stands per job attempt, those
+    rejected and why, and the machine of every worker. The rows they make (`jobs`,
+    `rank_identity`) and their dead letters wait in `pending` until written."""
+
+    def __init__(self, max_world_size: int) -> None:
+        self.max_world_size = max_world_size
+        #: (job, attempt) -> (the record that stands, its time).
+        self.infos: dict[tuple[str, int], tuple[JobInfo, float]] = {}
+        self.machines = MachineBook()
+        self.pending: list[SinkBatch] = []
+        self.dead: list[DeadLetter] = []
+        self.dead_by_kind: dict[str, int] = dict.fromkeys(DEAD_LETTER_KINDS, 0)
+
+    def take(self, payload: bytes, source: str, at_s: float) -> JobInfo | None:
+        """Take a job record; None when it was set aside (a dead letter says why)."""
+        try:
+            info = JobInfo.model_validate_json(payload or b"")
+        except ValueError as exc:
+            self._dead(DeadLetter(source, f"invalid job metadata: {exc}", payload, "", at_s))
+            return None
+        key = (info.job_id, info.attempt)
+        known = self.infos.get(key)
+        problem = (
+            job_conflict(known[0], info)
+            if known is not None
+            else job_problem(info, self.max_world_size)
+        )
+        if known is None:
+            # A job beyond the limit is remembered too: the processors reject it (and its
+            # batches) before allocating anything for it.
+            self.infos[key] = (info, at_s)
+            if not problem:
+                batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}")
+                batch.add("jobs", job_rows(info.job_id, info.attempt, info.to_meta(), at_s))
+                self.pending.append(batch)
+        if problem:
+            self._dead(DeadLetter(source, problem, payload, info.job_id, at_s))
+            return None
+        if self.machines.add(info):
+            self.pending.append(rank_identity_batch(info))
+        return info
+
+    def _dead(self, letter: DeadLetter) -> None:
+        log.warning("dead letter %s: %s", letter.source, letter.reason)
+        self.dead.append(letter)
+        self.dead_by_kind["job_metadata"] += 1
+
+    def write(self, sink: ClickHouseSink) -> None:
+        """Store the pending rows; what a failed write leaves stays pending."""
+        while self.pending:
+            sink.write(self.pending[0])
+            self.pending.pop(0)
+        if self.dead:
+            sink.write(dead_letter_batch(self.dead))
+            self.dead = []
+
+
+def dead_letter_batch(letters: Sequence[DeadLetter]) -> SinkBatch:
+    """Dead letters as one idempotent write (the token names them: a replay stores them
+    once)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for letter in letters:
+        digest.update(f"{letter.job_id}\0{letter.source}\0{letter.reason}\0".encode())
+    batch = SinkBatch(f"dead/{digest.hexdigest()}/{len(letters)}")
+    batch.add("dead_letters", dead_letter_rows(letters))
+    return batch
+
+
+@dataclass
+class Written:
+    """What one `HostCore.write` stored (the worker publishes it)."""
+
+    outputs: list[StepOutput] = field(default_factory=list)
+    conclusions: list[JobConclusion] = field(default_factory=list)
+
+
+@dataclass
+class JobReport:
+    """What a host knows of one job attempt, for a summary or a report."""
+
+    info: JobInfo
+    totals: JobTotals
+    #: The latest diagnosis (with its roll-up); None before the first one.
+    latest: JobDiagnosis | None
+    #: Every episode's latest state, machines named, in onset order.
+    episodes: list[Episode]
+    episode_states: list[EpisodeState]
+    changes: list[DetectedChange]
+    incomplete_steps: list[tuple[int, tuple[tuple[int, int], ...]]]
+
+    @property
+    def steps(self) -> int:
+        return self.totals.steps
+
+    @property
+    def rollup(self) -> WhatIfResult | None:
+        return self.latest.rollup if self.latest is not None else None
+
+    @property
+    def diagnosis(self) -> Any:
+        """The run's verdict (its diagnosis and its episodes' one story)."""
+        return self.latest.verdict if self.latest is not None else None
+
+    @property
+    def run_diagnosis(self) -> Any:
+        return self.latest.run if self.latest is not None else None
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.totals.gpu_seconds
+
+    @property
+    def gpu_seconds_wasted(self) -> float:
+        """GPU-seconds above the straggler-free steps: stragglers and jitter together."""
+        return self.totals.gpu_seconds_above_ideal
+
+    @property
+    def straggler_gpu_seconds(self) -> float:
+        return sum(s.gpu_seconds_lost for s in self.episode_states)
+
+    @property
+    def last_step(self) -> int | None:
+        return self.totals.last_step if self.totals.steps else None
+
+
+class HostCore:
+    """Records in, rows out: one step processor and what a host keeps around it.
+
+    Not thread-safe: a host calls it from one thread.
+    """
+
+    def __init__(
+        self,
+        settings: ProcessorSettings,
+        records: JobRecords,
+        *,
+        clock: LatenessClock | None = None,
+        store_raw_ops: bool = False,
+        processor: StepProcessor | None = None,
+    ) -> None:
+        self.settings = settings
+        self.records = records
+        self.clock = clock or LatenessClock()
+        self.processor = processor or StepProcessor(settings, self.clock)
+        self.store_raw_ops = store_raw_ops
+        self.pending: list[StepOutput] = []
+        self.conclusions: list[JobConclusion] = []
+        self.dead: list[DeadLetter] = []
+        self._raw_ops: list[dict[str, Any]] = []
+        self._writes = 0
+        #: Per job, what summaries and reports show beyond the processor's own state.
+        self.changes: dict[tuple[str, int], list[DetectedChange]] = {}
+        self.incomplete: dict[tuple[str, int], list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
+        #: Per job, when its last step closed (this host's clock), for idle conclusions.
+        self.last_closed_at: dict[tuple[str, int], float] = {}
+        #: Per job, the last step a conclusion covered.
+        self.concluded_step: dict[tuple[str, int], int] = {}
+        self.counters: dict[str, int] = {"ops": 0, "steps_written": 0, "steps_already_stored": 0}
+
+    # -- input ------------------------------------------------------------------------
+    def on_job_record(self, payload: bytes, source: str, at_s: float) -> JobInfo | None:
+        """A job record (from a rank's log, or the jobs topic)."""
+        info = self.records.take(payload, source, at_s)
+        if info is not None and info.key not in self.processor.jobs:
+            self._take_job(info)
+        return info
+
+    def _take_job(self, info: JobInfo) -> None:
+        problem = self.processor.on_job(info)
+        if problem:
+            log.warning("job %s: %s", info.key, problem)
+        self._take_rejected()
+
+    def on_batches(self, records: Iterable[tuple[bytes, str, float]]) -> list[RankStepBatch | None]:
+        """Decode, admit and window rank-step batches (payload, origin, time of each);
+        analyse the steps they close. Returns each record's windowed batch (None: set
+        aside, or of a TP/CP rank other than 0)."""
+        kept: list[RankStepBatch | None] = []
+        windowed: list[RankStepBatch] = []
+        for payload, source, at_s in records:
+            batch = self._admit(payload, source, at_s)
+            kept.append(batch)
+            if batch is not None:
+                windowed.append(batch)
+                if self.store_raw_ops and batch.tp_rank == 0 and batch.cp_rank == 0:
+                    self._raw_ops.append(_raw_op_rows(batch, batch_id_of(payload)))
+        if windowed:
+            try:
+                outputs = self.processor.on_batches(windowed)
+            except Exception as exc:
+                # The processor stores analysis failures as unanalysed steps; this is a
+                # windowing bug. Keep the host going, and the batches as dead letters.
+                log.exception("windowing %d batch(es) failed", len(windowed))
+                for batch in windowed:
+                    self.processor.rejected.append((batch, f"{_WINDOWING_FAILED}: {exc!r}"))
+                outputs = []
+            self._closed(outputs)
+        return kept
+
+    def _admit(self, payload: bytes, source: str, at_s: float) -> RankStepBatch | None:
+        try:
+            batch = decode_batch(payload or b"", where=source)
+        except SchemaError as exc:
+            self.dead_letter(DeadLetter(source, str(exc), payload, "", at_s), "undecodable")
+            return None
+        except Exception as exc:  # a decoder bug must not stop the host either
+            reason = f"undecodable: {exc!r}"
+            self.dead_letter(DeadLetter(source, reason, payload, "", at_s), "undecodable")
+            return None
+        key = (batch.job_id, batch.attempt)
+        if key not in self.processor.jobs and key in self.records.infos:
+            self._take_job(self.records.infos[key][0])
+        self.counters["ops"] += batch.n_ops
+        kept, problem = self.processor.admit(batch)
+        if problem:
+            self.dead_letter(DeadLetter(source, problem, payload, batch.job_id, at_s), "rejected")
+        return kept
+
+    def dead_letter(self, letter: DeadLetter, kind: str) -> None:
+        """Set input aside (logged, counted by kind, stored with the next write)."""
+        log.warning("dead letter %s: %s", letter.source, letter.reason)
+        self.records.dead_by_kind[kind] += 1
+        self.dead.append(letter)
+
+    def _take_rejected(self) -> None:
+        for batch, reason in self.processor.take_rejected():
+            where = f"{batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}"
+            kind = "windowing" if reason.startswith(_WINDOWING_FAILED) else "rejected"
+            # The batch's own time, so a replay writes the same row.
+            at = float(batch.start_ns.min()) / 1e9 if batch.n_ops else 0.0
+            self.dead_letter(DeadLetter(where, reason, batch.encode(), batch.job_id, at), kind)
+
+    # -- time ---------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Close the windows whose lateness timeout passed."""
+        self._closed(self.processor.tick())
+
+    def close_through(self, job_id: str, attempt: int, step: int) -> None:
+        """Close the job's windows up to `step` (its input moved past them)."""
+        self._closed(self.processor.close_through(job_id, attempt, step))
+
+    def flush(self) -> None:
+        """Close every open window (the end of the input)."""
+        self._closed(self.processor.flush())
+
+    def _closed(self, outputs: list[StepOutput]) -> None:
+        self._take_rejected()
+        now = self.clock()
+        for out in outputs:
+            key = (out.job_id, out.attempt)
+            self.last_closed_at[key] = now
+            if out.changes:
+                changes = self.changes.setdefault(key, [])
+                changes.extend(out.changes)
+                del changes[:-_CHANGES_KEPT]
+            if not out.complete:
+                self.incomplete.setdefault(key, []).append((out.step, out.missing))
+            self.pending.append(out)
+
+    # -- the end of a job -------------------------------------------------------------
+    def conclude(self, job_id: str, attempt: int = 0) -> JobConclusion | None:
+        """End a job now (its input ended): final diagnosis, episodes refined."""
+        conclusion = self.processor.conclude(job_id, attempt)
+        if conclusion is not None:
+            live = self.processor.live_job(job_id, attempt)
+            self.concluded_step[job_id, attempt] = live.totals.last_step if live else -1
+            self.conclusions.append(conclusion)
+        return conclusion
+
+    def conclude_all(self) -> None:
+        for job_id, attempt in list(self.processor.jobs):
+            self.conclude(job_id, attempt)
+
+    def conclude_idle(self, idle_s: float) -> list[tuple[str, int]]:
+        """Conclude every job that closed no step for `idle_s` since its last conclusion
+        (a job that stopped, or paused: a later step resumes it); returns them."""
+        now = self.clock()
+        done = []
+        for key, job in list(self.processor.jobs.items()):
+            last = job.live.totals.last_step
+            if last < 0 or self.concluded_step.get(key, -1) >= last:
+                continue
+            if now - self.last_closed_at.get(key, now) >= idle_s:
+                self.conclude(*key)
+                done.append(key)
+        return done
+
+    # -- output -------------------------------------------------------------------------
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.pending or self.conclusions or self.dead or self.records.pending
+                    or self.records.dead or self._raw_ops)  # fmt: skip
+
+    def write(self, sink: ClickHouseSink) -> Written:
+        """Store every pending row exactly once: a step already stored (re-processed after
+        a crash or a rebalance) is left out with all its rows, even without FINAL; the
+        sink's own version check is the second line. What a failed write (a StoreError
+        after the sink's retries) did not store stays pending."""
+        self.records.write(sink)
+        if self.dead:
+            sink.write(dead_letter_batch(self.dead))
+            self.dead = []
+        written = Written()
+        if self.pending:
+            outputs = self.pending
+            stored = sink.retry.call(_stored_steps, sink, outputs, what="steps lookup")
+            fresh = [o for o in outputs if (o.job_id, o.attempt, o.step) not in stored]
+            self.counters["steps_already_stored"] += len(outputs) - len(fresh)
+            by_job: dict[tuple[str, int], list[StepOutput]] = {}
+            for out in fresh:
+                by_job.setdefault((out.job_id, out.attempt), []).append(out)
+            for (job_id, attempt), job_outputs in by_job.items():
+                batch = rows_from_outputs(job_outputs)
+                self._add_live_rows(batch, job_id, attempt, job_outputs)
+                if self._raw_ops:
+                    batch.add("ops", _join_rows(self._raw_ops))
+                    self._raw_ops = []
+                sink.write(batch)
+                self.counters["steps_written"] += len(job_outputs)
+            if len(fresh) < len(outputs):
+                log.info("stored %d step(s); %d re-processed step(s) were already stored",
+                         len(fresh), len(outputs) - len(fresh))  # fmt: skip
+            self.pending = []  # only now: a failure above kept them for the next write
+            written.outputs = fresh
+        if self._raw_ops:
+            batch = SinkBatch(f"ops/{self._writes}/{len(self._raw_ops)}")
+            batch.add("ops", _join_rows(self._raw_ops))
+            sink.write(batch)
+            self._raw_ops = []
+        while self.conclusions:
+            conclusion = self.conclusions[0]
+            sink.write(self._conclusion_batch(conclusion))
+            written.conclusions.append(self.conclusions.pop(0))
+        self._writes += 1
+        return written
+
+    def _add_live_rows(
+        self, batch: SinkBatch, job_id: str, attempt: int, outputs: list[StepOutput]
+    ) -> None:
+        """The episodes and diagnoses the steps of `outputs` made, into their batch."""
+        states = [state for out in outputs for state in out.episodes]
+        if states:
+            batch.add("episodes", episode_rows(job_id, attempt, states, self.records.machines))
+        diagnoses = [out.diagnosis for out in outputs if out.diagnosis is not None]
+        if diagnoses:
+            batch.add("diagnoses", self._diagnosis_rows(job_id, attempt, diagnoses))
+
+    def _diagnosis_rows(
+        self, job_id: str, attempt: int, diagnoses: Sequence[JobDiagnosis]
+    ) -> dict[str, list]:
+        machines = self.records.machines.machines(job_id, attempt)
+        live = self.processor.live_job(job_id, attempt)
+        starts = live.step_start_ns if live is not None else {}
+        rows: dict[str, list] = {}
+        for found in diagnoses:
+            part = diagnosis_rows(
+                job_id,
+                attempt,
+                found.step,
+                starts.get(found.step, 0),
+                name_machines(found.verdict, machines),
+                version=episode_version(found.step, found.final),
+            )
+            for name, values in part.items():
+                rows.setdefault(name, []).extend(values)
+        return rows
+
+    def _conclusion_batch(self, conclusion: JobConclusion) -> SinkBatch:
+        job_id, attempt = conclusion.job_id, conclusion.attempt
+        last = conclusion.diagnosis.step if conclusion.diagnosis is not None else -1
+        batch = SinkBatch(f"conclusion/{job_id}/{attempt}/{last}/{len(conclusion.episodes)}")
+        if conclusion.episodes:
+            batch.add(
+                "episodes",
+                episode_rows(job_id, attempt, conclusion.episodes, self.records.machines),
+            )
+        if conclusion.diagnosis is not None:
+            batch.add("diagnoses", self._diagnosis_rows(job_id, attempt, [conclusion.diagnosis]))
+        return batch
+
+    # -- views --------------------------------------------------------------------------
+    def job_keys(self) -> list[tuple[str, int]]:
+        return list(self.processor.jobs)
+
+    def job_report(self, job_id: str, attempt: int = 0) -> JobReport | None:
+        """What a summary or a report shows of a job, its machines named."""
+        live = self.processor.live_job(job_id, attempt)
+        if live is None:
+            return None
+        key = (job_id, attempt)
+        machines = self.records.machines.machines(job_id, attempt)
+        latest = live.last_diagnosis
+        if latest is not None and machines:
+            latest = JobDiagnosis(
+                latest.step,
+                latest.rollup,
+                name_machines(latest.run, machines),
+                name_machines(latest.verdict, machines),
+                latest.final,
+            )
+        states = live.episodes()
+        episodes = [
+            Episode(
+                s.episode.onset,
+                s.episode.recovery,
+                name_machines(s.diagnosis, machines),
+                (f"worker/{s.episode.dp}.{s.episode.stage}",),
+            )
+            for s in states
+        ]
+        return JobReport(
+            live.info,
+            live.totals,
+            latest,
+            episodes,
+            states,
+            list(self.changes.get(key, [])),
+            list(self.incomplete.get(key, [])),
+        )
+
+    # -- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (nothing pending: write first)."""
+        return {
+            "processor": self.processor.state_dict(with_retained_inputs=False),
+            "concluded_step": [[*key, step] for key, step in self.concluded_step.items()],
+            "event_time_s": self.clock.newest_record_s,
+        }
+
+
+def _stored_steps(sink: ClickHouseSink, outputs: list[StepOutput]) -> set[tuple[str, int, int]]:
+    keys = sorted({(o.job_id, o.attempt, o.step) for o in outputs})
+    _, rows = sink.query(
+        "SELECT DISTINCT job_id, attempt, step FROM steps "
+        "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
+        {"keys": keys},
+    )
+    return {(j, int(a), int(s)) for j, a, s in rows}
+
+
+def _raw_op_rows(batch: RankStepBatch, batch_id: str) -> dict[str, Any]:
+    n = batch.n_ops
+    names = np.array(batch.optype_names, dtype=object)
+    return {
+        "job_id": [batch.job_id] * n,
+        "attempt": np.full(n, batch.attempt, np.uint32),
+        "step": np.full(n, batch.step, np.uint64),
+        "rank": np.full(n, batch.rank, np.uint32),
+        "dp_rank": np.full(n, batch.dp_rank, np.uint32),
+        "pp_rank": np.full(n, batch.pp_rank, np.uint32),
+        "tp_rank": np.full(n, batch.tp_rank, np.uint32),
+        "cp_rank": np.full(n, batch.cp_rank, np.uint32),
+        "optype": names[batch.optype].tolist(),
+        "seq": batch.seq.astype(np.uint32),
+        "microbatch": np.maximum(batch.microbatch, 0).astype(np.uint32),
+        "chunk": np.maximum(batch.chunk, 0).astype(np.uint32),
+        "start": batch.start_ns.astype("datetime64[ns]"),
+        "duration_ns": batch.duration_ns.astype(np.uint64),
+        "batch_id": [batch_id] * n,
+    }
+
+
+def _join_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    joined: dict[str, Any] = {}
+    for name in parts[0]:
+        values = [p[name] for p in parts]
+        if isinstance(values[0], np.ndarray):
+            joined[name] = np.concatenate(values)
+        else:
+            joined[name] = [v for part in values for v in part]
+    return joined

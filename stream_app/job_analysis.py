@@ -1,0 +1,353 @@
+"""What the hosts keep about one job attempt between its steps: its totals, its episodes
+while they happen, and its diagnosis, kept current.
+
+The step processor owns one `LiveJob` per job attempt and feeds it every closed step in
+closing order, so both hosts (the embedded one and the faust worker) find the same
+episodes at the same steps and store the same rows:
+
+- **Totals**: GPU-seconds, GPU-seconds above the straggler-free step (of which the
+  episodes' share is what stragglers cost; the rest is the job's own jitter), MFU.
+- **Episodes** (`simulator/online_episodes.py`): updated at every complete step; an open
+  episode's cost (`simulator/episode_cost.py`) grows with every step it covers, and its
+  diagnosis (`simulator/episode_diagnosis.py`) is redone with it.
+- **Diagnosis**: every `diagnose_every_steps` complete steps, the retained steps are
+  rolled up (`lagscope analyze` of them), diagnosed, and the run's one story is composed
+  from that diagnosis and the episodes (`simulator/run_story.py`); at the end of the job
+  (its input ended, or it fell idle) once more, with each episode's bounds refined on the
+  steps around it.
+
+State (`state_dict` / `from_state`) is plain data; the retained steps it needs after a
+restore are the processor's own (looked up by step id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lagscope.producers.events import JobInfo
+from lagscope.simulator.diagnose import Advice, Diagnosis, advise_resplit, diagnose
+from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
+from lagscope.simulator.episode_diagnosis import episode_diagnosis, refined_bounds
+from lagscope.simulator.online_episodes import (
+    HOST,
+    OnlineEpisodes,
+    OnlineEpisodeSettings,
+    WorkerEpisode,
+    signal_kinds,
+    worker_signals,
+)
+from lagscope.simulator.prepare import PreparedTrace, concat_steps
+from lagscope.simulator.run_story import run_story
+from lagscope.simulator.whatif import WhatIfResult, analyze
+
+#: Step ids and slowdowns kept for a job's step chart (the latest ones).
+_STEP_SERIES_KEPT = 4096
+
+
+@dataclass
+class JobTotals:
+    """Sums over every closed step of a job attempt."""
+
+    steps: int = 0
+    analysed_steps: int = 0
+    complete_steps: int = 0
+    incomplete_steps: int = 0
+    gpu_seconds: float = 0.0
+    #: GPU-seconds above the straggler-free step time: stragglers and the job's jitter.
+    gpu_seconds_above_ideal: float = 0.0
+    mfu_actual_sum: float = 0.0
+    mfu_ideal_sum: float = 0.0
+    mfu_steps: int = 0
+    last_step: int = -1
+    last_step_start_ns: int = 0
+    #: The latest analysed steps and their slowdown S, for a step chart.
+    step_ids: list[int] = field(default_factory=list)
+    step_slowdown: list[float] = field(default_factory=list)
+
+    @property
+    def mfu_actual(self) -> float | None:
+        return self.mfu_actual_sum / self.mfu_steps if self.mfu_steps else None
+
+    @property
+    def mfu_ideal(self) -> float | None:
+        return self.mfu_ideal_sum / self.mfu_steps if self.mfu_steps else None
+
+    def add(self, step: int, start_ns: int, complete: bool, result: WhatIfResult | None,
+            info: JobInfo) -> None:  # fmt: skip
+        self.steps += 1
+        if step >= self.last_step:
+            self.last_step, self.last_step_start_ns = step, start_ns
+        if complete:
+            self.complete_steps += 1
+        else:
+            self.incomplete_steps += 1
+        if result is None:
+            return
+        self.analysed_steps += 1
+        actual, ideal = float(result.t_actual[0]), float(result.t_ideal[0])
+        slowdown = float(result.step_slowdown[0])
+        gpu_seconds = actual * info.world_size
+        self.gpu_seconds += gpu_seconds
+        self.gpu_seconds_above_ideal += gpu_seconds * (1 - 1 / slowdown)
+        if info.model_flops_per_step and info.gpu_peak_flops:
+            peak = info.world_size * info.gpu_peak_flops
+            self.mfu_actual_sum += info.model_flops_per_step / (actual * peak)
+            self.mfu_ideal_sum += info.model_flops_per_step / (ideal * peak)
+            self.mfu_steps += 1
+        self.step_ids = [*self.step_ids, step][-_STEP_SERIES_KEPT:]
+        self.step_slowdown = [*self.step_slowdown, slowdown][-_STEP_SERIES_KEPT:]
+
+
+@dataclass(frozen=True)
+class EpisodeState:
+    """One episode as it stands after a step: what the `episodes` table stores."""
+
+    episode: WorkerEpisode
+    cost: EpisodeCost
+    diagnosis: Diagnosis
+    #: The job's last closed step when this state was made.
+    at_step: int
+    #: GPUs of the job: each lost second of the job is lost on every one of them.
+    n_gpus: int
+    #: When its onset step, its recovery step and its latest step began (ns since the
+    #: epoch; 0 where not known).
+    onset_ns: int = 0
+    recovery_ns: int = 0
+    last_ns: int = 0
+    #: Made at the end of the job: its bounds refined on the steps around it.
+    final: bool = False
+
+    @property
+    def gpu_seconds_lost(self) -> float:
+        return self.cost.lost_s * self.n_gpus
+
+
+@dataclass(frozen=True)
+class JobDiagnosis:
+    """The job's diagnosis at a step: the roll-up of its retained steps, their diagnosis,
+    and the story the run tells with its episodes (what is stored and printed)."""
+
+    step: int
+    rollup: WhatIfResult
+    run: Diagnosis
+    verdict: Diagnosis
+    final: bool = False
+
+
+class LiveJob:
+    """A job attempt's totals, episodes and diagnosis, one closed step at a time."""
+
+    def __init__(
+        self,
+        info: JobInfo,
+        diagnose_every_steps: int,
+        episode_settings: OnlineEpisodeSettings | None = None,
+    ) -> None:
+        self.info = info
+        self.diagnose_every_steps = diagnose_every_steps
+        self.episode_settings = episode_settings or OnlineEpisodeSettings()
+        self.totals = JobTotals()
+        self.detector: OnlineEpisodes | None = None
+        self.costs: dict[int, EpisodeCost] = {}
+        #: The latest state of every episode, by id.
+        self.states: dict[int, EpisodeState] = {}
+        #: Per compute episode, the re-split of micro-batches its steps were re-simulated
+        #: with (at its opening, again at the job's end); None where it would not help.
+        self.resplit: dict[int, Advice | None] = {}
+        #: The latest complete steps with their measured, no-delay and ideal step times,
+        #: for costing the steps an episode opened with.
+        self.recent: deque[tuple[PreparedTrace, tuple[float, float, float]]] = deque(
+            maxlen=self.episode_settings.confirm_steps
+        )
+        self.last_diagnosis: JobDiagnosis | None = None
+        #: When each of the latest steps began (ns), to date an episode's bounds.
+        self.step_start_ns: dict[int, int] = {}
+        #: Complete steps analysed since the last diagnosis.
+        self.since_diagnosis = 0
+
+    # -- per step -----------------------------------------------------------------------
+    def on_step(
+        self,
+        step: int,
+        start_ns: int,
+        result: WhatIfResult | None,
+        prepared: PreparedTrace | None,
+        *,
+        complete: bool,
+    ) -> list[EpisodeState]:
+        """Take a closed step (`prepared`: its inputs when it is complete and analysed);
+        returns the episodes it changed."""
+        self.totals.add(step, start_ns, complete, result, self.info)
+        self.step_start_ns[step] = start_ns
+        if len(self.step_start_ns) > _STEP_SERIES_KEPT:
+            del self.step_start_ns[min(self.step_start_ns)]
+        if not complete or result is None or prepared is None:
+            return []
+        self.since_diagnosis += 1
+        if self.detector is None:
+            kinds = signal_kinds(prepared)
+            self.detector = OnlineEpisodes(
+                kinds, prepared.n_stages, prepared.n_dp, self.episode_settings
+            )
+        signals = worker_signals(prepared, self.detector.kinds)[0]
+        changes = self.detector.update(step, signals, float(result.t_actual[0]))
+        times = (float(result.t_actual[0]), float(result.t_nodelay[0]), float(result.t_ideal[0]))
+        self.recent.append((prepared, times))
+        changed = []
+        for change in changes:
+            episode = change.episode
+            if change.change == "opened":
+                cost = EpisodeCost()
+                inside = []
+                for earlier, earlier_times in self.recent:
+                    if int(earlier.steps[0]) >= episode.onset:
+                        cost = self._cost_of(episode, earlier, earlier_times, cost)
+                        inside.append(earlier)
+                self.costs[episode.episode_id] = cost
+                self.resplit[episode.episode_id] = _resplit(episode, inside)
+            elif change.change == "updated":
+                self.costs[episode.episode_id] = self._cost_of(
+                    episode, prepared, times, self.costs[episode.episode_id]
+                )
+            changed.append(self._state(episode, step))
+        return changed
+
+    def _cost_of(
+        self,
+        episode: WorkerEpisode,
+        prepared: PreparedTrace,
+        times: tuple[float, float, float],
+        cost: EpisodeCost,
+    ) -> EpisodeCost:
+        """`cost` with one more step's (`times`: its measured, no-delay, ideal time)."""
+        lost = float(
+            lost_seconds(prepared, (episode.dp, episode.stage), episode.kind,
+                         episode.level_before)[0]
+        )  # fmt: skip
+        actual, nodelay, ideal = times
+        excess = (actual if episode.kind == HOST else nodelay) - ideal
+        return cost.plus(lost, excess, actual)
+
+    def _state(self, episode: WorkerEpisode, step: int, *, final: bool = False) -> EpisodeState:
+        snapshot = dataclasses.replace(episode)
+        cost = self.costs.get(episode.episode_id, EpisodeCost())
+        diagnosis = episode_diagnosis(
+            snapshot,
+            cost,
+            n_gpus=self.info.world_size,
+            resplit=self.resplit.get(episode.episode_id),
+        )
+        starts = self.step_start_ns
+        earlier = self.states.get(episode.episode_id)
+        state = EpisodeState(
+            snapshot,
+            cost,
+            diagnosis,
+            step,
+            self.info.world_size,
+            onset_ns=starts.get(episode.onset, earlier.onset_ns if earlier else 0),
+            recovery_ns=starts.get(episode.recovery, 0) if episode.recovery is not None else 0,
+            last_ns=starts.get(step, 0),
+            final=final,
+        )
+        self.states[episode.episode_id] = state
+        return state
+
+    # -- the job's diagnosis ------------------------------------------------------------
+    @property
+    def diagnosis_due(self) -> bool:
+        return self.since_diagnosis >= self.diagnose_every_steps
+
+    def diagnose(self, window: Sequence[PreparedTrace], *, final: bool = False,
+                 decompose_threshold: float) -> JobDiagnosis | None:  # fmt: skip
+        """Roll up and diagnose `window` (the retained steps at this point) and compose
+        the run's story with the episodes; None without a retained step."""
+        self.since_diagnosis = 0
+        if not window:
+            return None
+        prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
+        rollup = analyze(prepared, decompose_threshold=decompose_threshold)
+        run = diagnose(rollup, prepared, wasted_gpu_s=self.straggler_gpu_seconds())
+        verdict = run_story(run, [s.diagnosis for s in self._states_by_cost()], rollup)
+        found = JobDiagnosis(int(prepared.steps[-1]), rollup, run, verdict, final)
+        self.last_diagnosis = found
+        return found
+
+    def conclude(
+        self, window: Sequence[PreparedTrace], *, decompose_threshold: float
+    ) -> tuple[JobDiagnosis | None, list[EpisodeState]]:
+        """The end of the job's input (or a long idle): every episode's bounds refined on
+        the retained steps around it, then the final diagnosis."""
+        refined = []
+        if window and self.detector is not None:
+            prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
+            for episode in self.detector.episodes:
+                onset, recovery = refined_bounds(episode, prepared)
+                fitted = dataclasses.replace(episode, onset=onset, recovery=recovery)
+                end = recovery if recovery is not None else np.inf
+                inside = [p for p in window if onset <= int(p.steps[0]) < end]
+                if inside:
+                    self.resplit[episode.episode_id] = _resplit(fitted, inside)
+                refined.append(self._state(fitted, self.totals.last_step, final=True))
+        return self.diagnose(window, final=True, decompose_threshold=decompose_threshold), refined
+
+    def _states_by_cost(self) -> list[EpisodeState]:
+        return sorted(self.states.values(), key=lambda s: -s.cost.lost_s)
+
+    def episodes(self) -> list[EpisodeState]:
+        """Every episode's latest state, in onset order."""
+        return sorted(self.states.values(), key=lambda s: (s.episode.onset, s.episode.episode_id))
+
+    def straggler_gpu_seconds(self) -> float:
+        """GPU-seconds the episodes cost the job (the part of its loss above the ideal
+        that stragglers explain; the rest is its own jitter)."""
+        return sum(s.cost.lost_s for s in self.states.values()) * self.info.world_size
+
+    # -- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "totals": asdict(self.totals),
+            "detector": self.detector.state_dict() if self.detector else None,
+            "costs": {str(k): asdict(v) for k, v in self.costs.items()},
+            "resplit": {str(k): asdict(v) if v else None for k, v in self.resplit.items()},
+            "recent_steps": [[int(p.steps[0]), *times] for p, times in self.recent],
+            "since_diagnosis": self.since_diagnosis,
+            "step_start_ns": [[k, v] for k, v in self.step_start_ns.items()],
+        }
+
+    def restore(self, state: dict[str, Any], retained: Sequence[PreparedTrace]) -> None:
+        """Resume from `state_dict()`; the recent steps come back from `retained`."""
+        self.totals = JobTotals(**state["totals"])
+        if state["detector"] is not None:
+            self.detector = OnlineEpisodes.from_state(state["detector"])
+        self.costs = {
+            int(k): EpisodeCost(**{**v, "recent": tuple(v["recent"])})
+            for k, v in state["costs"].items()
+        }
+        self.resplit = {int(k): Advice(**v) if v else None for k, v in state["resplit"].items()}
+        by_step = {int(p.steps[0]): p for p in retained}
+        for step, *times in state["recent_steps"]:
+            if int(step) in by_step:
+                self.recent.append((by_step[int(step)], tuple(float(t) for t in times)))
+        self.since_diagnosis = int(state["since_diagnosis"])
+        self.step_start_ns = {int(k): int(v) for k, v in state["step_start_ns"]}
+        if self.detector is not None:
+            for episode in self.detector.episodes:
+                self._state(episode, self.totals.last_step)
+
+
+def _resplit(episode: WorkerEpisode, steps: Sequence[PreparedTrace]) -> Advice | None:
+    """The re-split of micro-batches over a compute episode's steps, when the what-if
+    says it would speed them up (None for other causes, one DP rank, or no gain)."""
+    if episode.kind in (HOST, "input-wait") or not steps:
+        return None
+    prepared = concat_steps(sorted(steps, key=lambda p: int(p.steps[0])))
+    base = analyze(prepared, decompose_threshold=np.inf, explain=False)
+    advice = advise_resplit(prepared, float(base.t_nodelay.mean()), prepared.model.compiled)
+    return advice if advice is not None and advice.predicted_speedup > 1.0 else None

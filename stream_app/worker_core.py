@@ -1,0 +1,562 @@
+"""The distributed host's core: Kafka partitions -> one host pipeline each -> the store.
+
+Everything of `lagscope worker` but the Kafka client (`stream_app/worker.py` drives it from
+faust). Each assigned partition of the ops topic has its own `HostCore`
+(`stream_app/host_core.py`, the pipeline `lagscope run` drives too); job records (the
+compacted jobs topic, read whole by every worker) are shared by all of them.
+
+Crash safety (kill -9 mid-window, restart or rebalance: no step lost, none duplicated, the
+same numbers as an uninterrupted run):
+
+1. *Snapshots aligned with offsets.* Per partition, the worker periodically writes a
+   snapshot of its core (the processor's windows, running ideals, detectors, episodes and
+   totals, the ids of the retained steps) together with `next_offset`, the first offset
+   the snapshot has not consumed (`stream_app/checkpoints.py`). Before a snapshot is
+   written, every step the core closed so far is durably in the store and its results are
+   flushed to `lagscope.results`.
+2. *Offsets follow snapshots.* The host gets the ops topic one fetched run at a time and
+   commits a partition's offset itself, once a durable snapshot covers it. The snapshot's
+   `next_offset` is the authority: after a restart or a rebalance the new owner loads the
+   snapshot and skips re-delivered messages below it.
+3. *Deterministic re-processing.* Everything after the snapshot is replayed from Kafka into
+   the restored core: the same batches in the same partition order on the same state give
+   the same closed steps with the same numbers, episodes and diagnoses, so a re-processed
+   step equals the stored one bit for bit.
+4. *Exactly once in `steps`.* A step already stored is left out of a write with all its
+   rows (`HostCore.write`); episodes and diagnoses are versioned by the job's step, so a
+   replayed state replaces itself. Results on `lagscope.results` are at-least-once (key =
+   job id; consumers dedup on (job, attempt, step) and (job, attempt, episode, version)).
+5. *Store faults.* The sink retries a failed write with bounded exponential back-off;
+   when the store still refuses, the closed steps stay pending, no snapshot is written (so
+   no offset is committed past a step the store does not have), and the host takes no
+   more messages until a retried write succeeds.
+
+Windows follow event time (`LatenessClock`): while Kafka holds more of a partition, its
+lateness clock is the newest record timestamp delivered, so a backlog of any size (or a
+worker held back by a store outage) closes complete steps complete; once caught up it is
+wall-clock time, so a silent rank still times out.
+
+Limits: snapshots hand a partition over only between workers that share one store (one
+ClickHouse server). Workers with stores of their own (a chDB directory each) cannot read
+each other's snapshots: a partition that moves starts fresh at the committed offset. A
+step closed by the lateness timeout depends on wall-clock time, so a step closed
+incomplete before a crash may re-close complete after it; the first stored version
+stands. Retained inputs are kept 30 days (table TTL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lagscope.producers.metrics import SecondsHistogram
+from lagscope.stream_app.checkpoints import CheckpointStore
+from lagscope.stream_app.host_core import (
+    HostCore,
+    JobRecords,
+    LatenessClock,
+)
+from lagscope.stream_app.job_analysis import EpisodeState
+from lagscope.stream_app.processor import (
+    JobConclusion,
+    StepOutput,
+    StepProcessor,
+    encode_step_inputs,
+)
+from lagscope.stream_app.rows import episode_version
+from lagscope.stream_app.sink import ClickHouseSink, StoreError
+from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, encode_state
+from lagscope.stream_app.worker_config import WorkerConfig
+
+log = logging.getLogger("lagscope.worker")
+
+#: 4: the host core's state (episodes, totals and diagnosis cadence in the processor's).
+SNAPSHOT_VERSION = 4
+#: Snapshots of a partition tried, newest first, when the newest does not decode.
+SNAPSHOTS_TRIED = 5
+
+
+@dataclass(frozen=True)
+class OpsMessage:
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_s: float
+
+
+@dataclass
+class _Partition:
+    number: int
+    core: HostCore
+    #: First offset the core has not consumed.
+    next_offset: int = 0
+    #: next_offset of the last durable snapshot.
+    snapshot_offset: int = 0
+    last_write: float = 0.0
+    last_snapshot: float = 0.0
+    #: Retained steps whose inputs are in the store (written by a snapshot).
+    persisted: set[tuple[str, int, int]] = field(default_factory=set)
+    #: Set when the partition was restored from an older snapshot than the newest (which
+    #: did not decode): the consumer must re-read from here.
+    seek_to: int | None = None
+
+    @property
+    def clock(self) -> LatenessClock:
+        return self.core.clock
+
+
+class WorkerCore:
+    """Per-partition host cores, their writes and snapshots: everything but Kafka.
+
+    Not thread-safe: the faust host calls it from one executor thread only.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        sink: ClickHouseSink,
+        publish: Callable[[bytes, bytes], None],
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        flush_results: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self.publish = publish
+        self.flush_results = flush_results
+        self.clock = clock
+        self.topic = config.kafka.topic_ops
+        self.group = config.worker.group_id
+        self.checkpoints = CheckpointStore(sink, self.group, self.topic)
+        self.records = JobRecords(config.processor.max_world_size)
+        self.partitions: dict[int, _Partition] = {}
+        self.counters: dict[str, int] = {
+            "messages": 0,
+            "replayed_skipped": 0,
+            "ops": 0,
+            "steps_written": 0,
+            "steps_already_stored": 0,
+            "dead_letters": 0,
+            "snapshots": 0,
+            "rollups": 0,
+            "failed_writes": 0,
+        }
+        #: True from a write that failed (after its retries) until one succeeds: the host
+        #: stops taking messages meanwhile (backpressure instead of buffering).
+        self.store_failing = False
+        #: Wall-clock time of the first message consumed and of the last steps write.
+        self.first_message_at: float | None = None
+        self.last_write_at: float | None = None
+        #: Steps stored (written once each), by completeness.
+        self.steps_stored: dict[bool, int] = {True: 0, False: 0}
+        #: Analysis time per closed step: each pass's seconds over the steps it closed (a
+        #: step re-closed after a crash is observed again).
+        self.step_seconds = SecondsHistogram()
+        #: Ops counted by the cores of partitions given away since.
+        self._ops_dropped = 0
+
+    # -- counters read by the metrics endpoint ------------------------------------------
+    @property
+    def dead_letters_by_kind(self) -> dict[str, int]:
+        return self.records.dead_by_kind
+
+    def _count_totals(self) -> None:
+        self.counters["dead_letters"] = sum(self.records.dead_by_kind.values())
+        cores = [p.core for p in self.partitions.values()]
+        self.counters["ops"] = self._ops_dropped + sum(c.counters["ops"] for c in cores)
+
+    # -- input ------------------------------------------------------------------------
+    def on_job_record(self, value: bytes | None, timestamp_s: float, where: str) -> None:
+        """A record of the jobs topic (every worker reads them all)."""
+        self.records.take(value or b"", where, timestamp_s)
+        self._count_totals()
+
+    def partition(self, number: int) -> _Partition:
+        """The state of a partition, restored from its last snapshot on first use."""
+        state = self.partitions.get(number)
+        if state is None:
+            state = self.partitions[number] = self._restore(number)
+        return state
+
+    def drop_partition(self, number: int) -> None:
+        part = self.partitions.pop(number, None)
+        if part is not None:
+            self._ops_dropped += part.core.counters["ops"]
+
+    def on_messages(self, messages: list[OpsMessage]) -> None:
+        """Decode, window and analyse a run of messages (steps they close, in one pass)."""
+        by_partition: dict[int, list[OpsMessage]] = {}
+        for message in messages:
+            by_partition.setdefault(message.partition, []).append(message)
+        for number, part_messages in by_partition.items():
+            part = self.partition(number)
+            fresh = []
+            for message in part_messages:
+                if message.offset < part.next_offset:
+                    # Already inside the snapshot (Kafka's committed offset lagged it).
+                    self.counters["replayed_skipped"] += 1
+                    continue
+                part.next_offset = message.offset + 1
+                fresh.append(message)
+            if not fresh:
+                continue
+            self.counters["messages"] += len(fresh)
+            if self.first_message_at is None:
+                self.first_message_at = time.time()
+            # The windows these batches open start no later than the run's first record.
+            part.clock.observe(min(m.timestamp_s for m in fresh))
+            closed_before = len(part.core.pending)
+            started = time.perf_counter()
+            part.core.on_batches(
+                (m.value or b"", f"{self.topic}[{number}]@{m.offset}", m.timestamp_s) for m in fresh
+            )
+            self._observe_steps(part, closed_before, time.perf_counter() - started)
+            part.clock.observe(max(m.timestamp_s for m in fresh))
+        self._count_totals()
+        self.write_due()
+
+    def _observe_steps(self, part: _Partition, closed_before: int, seconds: float) -> None:
+        closed = len(part.core.pending) - closed_before
+        for _ in range(closed):
+            self.step_seconds.observe(seconds / closed)
+
+    def set_behind(self, number: int, behind: bool) -> None:
+        """The host says whether the partition has records past what it delivered."""
+        part = self.partitions.get(number)
+        if part is not None:
+            part.clock.behind = behind
+
+    # -- periodic work ------------------------------------------------------------------
+    def tick(self) -> None:
+        """Close late windows; conclude idle jobs; write what is due."""
+        for part in list(self.partitions.values()):
+            closed_before = len(part.core.pending)
+            started = time.perf_counter()
+            part.core.tick()
+            self._observe_steps(part, closed_before, time.perf_counter() - started)
+            part.core.conclude_idle(self.config.worker.rollup_idle_s)
+        self.write_due()
+
+    def write_due(self) -> None:
+        """Write the partitions whose closed steps waited long enough, or are many."""
+        now = self.clock()
+        settings = self.config.worker
+        if self.records.pending or self.records.dead:
+            self._store_or_keep(self.records.write, self.sink)
+        for part in list(self.partitions.values()):
+            core = part.core
+            if core.has_pending:
+                due = len(core.pending) >= settings.write_every_steps or core.conclusions
+                if due or now - part.last_write >= settings.write_interval_s:
+                    self.write(part)
+
+    def checkpoint_due(self, number: int) -> bool:
+        part = self.partitions.get(number)
+        if part is None or part.next_offset == part.snapshot_offset:
+            return False
+        return self.clock() - part.last_snapshot >= self.config.worker.checkpoint_interval_s
+
+    def checkpoint(self, number: int) -> int:
+        """Write everything closed, snapshot; returns the offset safe to commit: past the
+        new snapshot only when every step it has closed is stored, else the last one's."""
+        part = self.partitions[number]
+        if (
+            self.write(part)
+            and part.next_offset != part.snapshot_offset
+            and self._store_or_keep(self._snapshot, part)
+        ):
+            self.counters["snapshots"] += 1
+        part.last_snapshot = self.clock()
+        return part.snapshot_offset
+
+    def finish(self) -> dict[int, int]:
+        """Conclude every job not concluded at its last step and snapshot every partition
+        (idle exit)."""
+        committed = {}
+        for number, part in list(self.partitions.items()):
+            part.core.tick()
+            part.core.conclude_idle(0.0)
+            committed[number] = self.checkpoint(number)
+        return committed
+
+    def open_windows(self) -> int:
+        return sum(len(p.core.processor.windows) for p in self.partitions.values())
+
+    def busy(self) -> bool:
+        """True while a partition holds something not yet durable."""
+        return bool(self.records.pending or self.records.dead) or any(
+            p.core.has_pending or p.next_offset != p.snapshot_offset or p.core.processor.windows
+            for p in self.partitions.values()
+        )
+
+    def retry_writes(self) -> bool:
+        """Try again to store what a failed write left pending; True once all is stored."""
+        if (self.records.pending or self.records.dead) and not self._store_or_keep(
+            self.records.write, self.sink
+        ):
+            return False
+        return all(self.write(part) for part in list(self.partitions.values()))
+
+    # -- writes -------------------------------------------------------------------------
+    def write(self, part: _Partition) -> bool:
+        """Durably store what the partition's core closed (each step exactly once), then
+        publish it. False when the store failed even after the sink's retries: what was
+        not stored stays pending for the next write (nothing closed is dropped)."""
+        part.last_write = self.clock()
+        if not part.core.has_pending:
+            return True
+        return self._store_or_keep(self._store, part)
+
+    def _store_or_keep(self, store: Callable[..., Any], *args: Any) -> bool:
+        """Run a store step that keeps its input on failure; a failure is logged in one
+        line and marks the store failing until a later step succeeds."""
+        try:
+            store(*args)
+        except StoreError as exc:
+            self.counters["failed_writes"] += 1
+            self.store_failing = True
+            log.error("store unavailable, closed steps kept and retried: %s", exc)
+            return False
+        self.store_failing = False
+        return True
+
+    def _store(self, part: _Partition) -> None:
+        stored_before = part.core.counters["steps_already_stored"]
+        written = part.core.write(self.sink)
+        self.counters["steps_already_stored"] += (
+            part.core.counters["steps_already_stored"] - stored_before
+        )
+        self.counters["steps_written"] += len(written.outputs)
+        for out in written.outputs:
+            self.steps_stored[out.complete] += 1
+        if written.outputs:
+            self.last_write_at = time.time()
+        for out in written.outputs:
+            self.publish(out.job_id.encode(), _json(step_result(out)))
+            for state in out.episodes:
+                self.publish(out.job_id.encode(), _json(episode_result(out.job_id, state)))
+        for conclusion in written.conclusions:
+            self.counters["rollups"] += 1
+            self.publish(conclusion.job_id.encode(), _json(conclusion_result(conclusion)))
+            for state in conclusion.episodes:
+                self.publish(
+                    conclusion.job_id.encode(), _json(episode_result(conclusion.job_id, state))
+                )
+        self._count_totals()
+
+    # -- snapshots ----------------------------------------------------------------------
+    def _snapshot(self, part: _Partition) -> None:
+        self.flush_results()
+        self._persist_retained(part)
+        payload = {
+            "version": SNAPSHOT_VERSION,
+            "next_offset": part.next_offset,
+            "core": part.core.state_dict(),
+        }
+        blob = encode_state(payload)
+        self.checkpoints.write_snapshot(part.number, part.next_offset, blob)
+        part.snapshot_offset = part.next_offset
+        log.info("checkpoint %s[%d] next offset %d (%d KiB)", self.topic, part.number,
+                 part.next_offset, len(blob) // 1024)  # fmt: skip
+
+    def _persist_retained(self, part: _Partition) -> None:
+        """Write the retained steps no snapshot has written yet (each step once)."""
+        steps = []
+        current: set[tuple[str, int, int]] = set()
+        for (job_id, attempt), job in part.core.processor.jobs.items():
+            for prepared in job.retained:
+                key = (job_id, attempt, int(prepared.steps[0]))
+                current.add(key)
+                if key not in part.persisted:
+                    steps.append((*key, encode_step_inputs(prepared)))
+        self.checkpoints.write_retained(steps)
+        part.persisted = current
+
+    def _restore(self, number: int) -> _Partition:
+        rows = self.checkpoints.snapshots(number, SNAPSHOTS_TRIED)
+        now = self.clock()
+        for index, (offset, blob) in enumerate(rows):
+            where = f"worker_state: snapshot of {self.topic}[{number}] at offset {offset}"
+            try:
+                part = self._from_snapshot(number, blob, where)
+            except SnapshotError as exc:
+                log.error("%s; trying an older one", exc)
+                continue
+            if index:
+                # Kafka's committed offset may be past this older snapshot: read from it.
+                part.seek_to = part.next_offset
+            part.last_write = part.last_snapshot = now
+            log.info("partition %s[%d]: restored snapshot at offset %d", self.topic, number,
+                     part.next_offset)  # fmt: skip
+            return part
+        part = _Partition(number, self._new_core())
+        part.last_write = part.last_snapshot = now
+        if rows:
+            log.error(
+                "partition %s[%d]: no readable snapshot; re-reading it from its start "
+                "(steps already stored are not stored again)",
+                self.topic,
+                number,
+            )
+            part.seek_to = 0
+        else:
+            log.info("partition %s[%d]: no snapshot, starting fresh", self.topic, number)
+        return part
+
+    def _new_core(self, clock: LatenessClock | None = None,
+                  processor: StepProcessor | None = None) -> HostCore:  # fmt: skip
+        clock = clock or LatenessClock()
+        return HostCore(self.config.processor, self.records, clock=clock, processor=processor)
+
+    def _from_snapshot(self, number: int, blob: bytes, where: str) -> _Partition:
+        """A partition resumed from a snapshot payload; SnapshotError when it is not one."""
+        payload = decode_state(blob, where)
+        version = payload.get("version") if isinstance(payload, dict) else None
+        if version != SNAPSHOT_VERSION:
+            raise SnapshotError(
+                f"{where}: version {version!r}, this worker reads {SNAPSHOT_VERSION}"
+            )
+        try:
+            saved = payload["core"]
+            clock = LatenessClock(saved["event_time_s"])
+            processor = StepProcessor.from_state(
+                saved["processor"], clock, retained_inputs=self.checkpoints.retained_inputs
+            )
+            core = self._new_core(clock, processor)
+            core.concluded_step = {(j, int(a)): int(s) for j, a, s in saved["concluded_step"]}
+            offset = int(payload["next_offset"])
+            part = _Partition(number, core, offset, offset)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SnapshotError(f"{where}: malformed snapshot ({exc!r})") from None
+        # The analysis settings are the snapshot's (changing them mid-job would change the
+        # numbers of re-processed steps); only the lateness follows the configuration.
+        processor.settings = processor.settings.model_copy(
+            update={"lateness_s": self.config.processor.lateness_s}
+        )
+        now = clock()
+        for key in processor.jobs:
+            core.last_closed_at[key] = now
+        part.persisted = {
+            (job_id, attempt, int(p.steps[0]))
+            for (job_id, attempt), job in processor.jobs.items()
+            for p in job.retained
+        }
+        return part
+
+    def take_seek(self, number: int) -> int | None:
+        """The offset the host must move the consumer of a restored partition back to."""
+        part = self.partitions.get(number)
+        if part is None:
+            return None
+        seek, part.seek_to = part.seek_to, None
+        return seek
+
+
+# -- messages of lagscope.results ---------------------------------------------------------
+def _json(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, default=float).encode()
+
+
+def step_result(out: StepOutput, top: int = 3) -> dict[str, Any]:
+    """The `lagscope.results` message of a closed step."""
+    message: dict[str, Any] = {
+        "kind": "step",
+        "job_id": out.job_id,
+        "attempt": out.attempt,
+        "step": out.step,
+        "start_ns": out.start_ns,
+        "complete": out.complete,
+        "missing": [{"dp": dp, "pp": pp} for dp, pp in out.missing],
+        "reason": out.reason,
+        "changepoints": [
+            {
+                "series": c.series,
+                "step": c.step,
+                "kind": c.kind,
+                "before_mean": c.before_mean,
+                "after_mean": c.after_mean,
+                "probability": c.probability,
+            }
+            for c in out.changes
+        ],
+    }
+    r = out.result
+    if r is None:
+        message.update(slowdown=None, waste=None, actual_s=None, simulated_s=None, ideal_s=None)
+        return message
+    slowdown = float(r.step_slowdown[0])
+    message.update(
+        slowdown=slowdown,
+        waste=1 - 1 / slowdown,
+        actual_s=float(r.t_actual[0]),
+        simulated_s=float(r.t_nodelay[0]),
+        ideal_s=float(r.t_ideal[0]),
+        analysed_dp_ranks=list(out.analysed_dp_ranks),
+    )
+    attributions: dict[str, list[dict[str, Any]]] = {}
+    for kind, attribution in (
+        ("optype", r.by_optype),
+        ("dp_rank", r.by_dp_rank),
+        ("stage", r.by_stage),
+    ):
+        ranked = sorted(
+            ((name, float(np.asarray(series)[0])) for name, series in attribution.per_step.items()),
+            key=lambda item: -item[1],
+        )
+        attributions[kind] = [{"name": n, "slowdown": s} for n, s in ranked[:top]]
+    message["top_attributions"] = attributions
+    return message
+
+
+def episode_result(job_id: str, state: EpisodeState) -> dict[str, Any]:
+    """The `lagscope.results` message of an episode's state (consumers keep the highest
+    `version` per (job, attempt, episode))."""
+    episode = state.episode
+    return {
+        "kind": "episode",
+        "job_id": job_id,
+        "episode_id": episode.episode_id,
+        "state": "open" if episode.open else "closed",
+        "onset_step": episode.onset,
+        "recovery_step": episode.recovery,
+        "first_seen_step": episode.first_seen,
+        "cause": state.diagnosis.cause,
+        "optype": episode.kind,
+        "dp_rank": episode.dp,
+        "pp_rank": episode.stage,
+        "share": state.cost.share,
+        "gpu_seconds_lost": state.gpu_seconds_lost,
+        "summary": state.diagnosis.summary,
+        "version": episode_version(state.at_step, state.final),
+    }
+
+
+def conclusion_result(conclusion: JobConclusion) -> dict[str, Any]:
+    """The `lagscope.results` message of a job's end: its final verdict."""
+    found = conclusion.diagnosis
+    message: dict[str, Any] = {
+        "kind": "rollup",
+        "job_id": conclusion.job_id,
+        "attempt": conclusion.attempt,
+        "episodes": len(conclusion.episodes),
+    }
+    if found is None:
+        return message
+    rollup = found.rollup
+    message.update(
+        steps=[int(rollup.steps[0]), int(rollup.steps[-1])],
+        n_steps=len(rollup.steps),
+        slowdown=rollup.slowdown,
+        waste=rollup.waste,
+        noise_floor=(found.run.evidence or {}).get("noise_floor"),
+        cause=found.verdict.cause,
+        summary=found.verdict.summary,
+    )
+    return message
