@@ -8,8 +8,8 @@ and by data made to fire or to stay quiet, and apply the same threshold as Grafa
 
 | rule | fires when |
 |---|---|
-| slowdown sustained | every minute of the last 10 averaged a slowdown above 1.10 |
-| episode onset | a series' latest change point in the last 15 minutes is an onset |
+| slowdown sustained | every minute of the last 10 ran 1.10x above the job's noise floor |
+| straggler episode open | a verified straggler episode is open (the worker is slow now) |
 | job silent | a job that reported in the last hour has sent no step for 5 minutes |
 | rank silent | one rank was missing from 3 or more steps in the last 10 minutes |
 | MFU below baseline | MFU of the last 10 minutes is below 85 % of the attempt's own p90 |
@@ -36,6 +36,7 @@ from grafana_foundation_sdk.models import expr as expr_model
 
 from lagscope.dashboards.clickhouse_query import ClickHouseQueryBuilder, datasource_ref
 from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
+from lagscope.stream_app.schema import EPISODES_TABLE
 
 FOLDER_UID = "lagscope"
 RULE_GROUP = "lagscope"
@@ -160,43 +161,63 @@ RULES: tuple[AlertRule, ...] = (
     AlertRule(
         uid="lagscope-slowdown-sustained",
         title="Slowdown sustained",
+        # A healthy job's steps are not at S = 1: its own jitter gives its noise floor
+        # (the latest diagnosis states it), and only straggling beyond that pages.
         sql=f"""
-            SELECT job_id, toString(attempt) AS attempt, min(minute_slowdown) AS value
+            SELECT s.job_id AS job_id, toString(s.attempt) AS attempt,
+                   min(s.minute_slowdown) / greatest(any(f.floor), 1.0) AS value
             FROM (
                 SELECT job_id, attempt, toStartOfMinute(ts) AS minute,
                        avgIf(slowdown, isFinite(slowdown)) AS minute_slowdown
                 FROM steps FINAL
                 WHERE ts >= now() - INTERVAL {SUSTAINED_MINUTES} MINUTE
                 GROUP BY job_id, attempt, minute
-            )
-            WHERE isFinite(minute_slowdown)
-            GROUP BY job_id, attempt
+            ) AS s
+            LEFT JOIN (
+                SELECT job_id, attempt,
+                       argMax(JSONExtractFloat(evidence, 'noise_floor'), (step, version))
+                           AS floor
+                FROM diagnoses FINAL
+                GROUP BY job_id, attempt
+            ) AS f ON f.job_id = s.job_id AND f.attempt = s.attempt
+            WHERE isFinite(s.minute_slowdown)
+            GROUP BY s.job_id, s.attempt
             HAVING count() >= {SUSTAINED_MINUTES - 1}
         """,
         threshold=SLOWDOWN_THRESHOLD,
         kind="gt",
         summary=f"Job {{{{ $labels.job_id }}}} (attempt {{{{ $labels.attempt }}}}) has run "
-        f"at least {SLOWDOWN_THRESHOLD:.2f}x slower than it could for "
-        f"{SUSTAINED_MINUTES} minutes (best minute: {{{{ $values.A }}}}x).",
+        f"at least {SLOWDOWN_THRESHOLD:.2f}x slower than its own noise floor for "
+        f"{SUSTAINED_MINUTES} minutes (best minute: {{{{ $values.A }}}}x the floor).",
         dashboard_uid=JOB_OVERVIEW_UID,
-        next_panels=("Slowdown S per step", "Top stragglers in range", "Who and what"),
+        next_panels=("Straggler episodes", "Slowdown S per step", "Top stragglers in range"),
     ),
     AlertRule(
-        uid="lagscope-episode-onset",
-        title="Straggler episode onset",
-        sql="""
-            SELECT job_id, toString(attempt) AS attempt, series,
-                   toFloat64(argMax(kind, step) = 'onset') AS value
-            FROM changepoints FINAL
-            WHERE ts >= now() - INTERVAL 15 MINUTE
-            GROUP BY job_id, attempt, series
+        uid="lagscope-episode-open",
+        title="Straggler episode open",
+        # One alert per open episode, its labels fixed for the episode's life (a label
+        # that changed every minute would make a new alert each time): who, where, in
+        # what, since when; its cost so far is the value. Every open episode fires; one
+        # whose job stopped reporting for 15 minutes is left to "Job silent".
+        sql=f"""
+            SELECT job_id, toString(attempt) AS attempt, toString(episode_id) AS episode,
+                   arrayStringConcat(workers, ', ') AS worker, node,
+                   if(isNull(gpu), '', toString(gpu)) AS gpu, optype AS op, cause,
+                   toString(onset_step) AS onset_step,
+                   toString(first_seen_step) AS first_seen_step,
+                   gpu_seconds_lost / 3600 AS value
+            FROM {EPISODES_TABLE} FINAL
+            WHERE state = 'open' AND last_ts >= now() - INTERVAL 15 MINUTE
         """,
-        threshold=0.5,
+        threshold=-1.0,
         kind="gt",
-        summary="Job {{ $labels.job_id }}: series {{ $labels.series }} changed for the worse "
-        "and has not recovered.",
+        summary="Job {{ $labels.job_id }} (attempt {{ $labels.attempt }}): worker "
+        "{{ $labels.worker }} on {{ $labels.node }} GPU {{ $labels.gpu }} is a straggler "
+        "({{ $labels.cause }}, slow in {{ $labels.op }}) since step {{ $labels.onset_step }} "
+        "(seen at step {{ $labels.first_seen_step }}); it has cost {{ $values.A }} GPU-hours "
+        "so far.",
         dashboard_uid=JOB_OVERVIEW_UID,
-        next_panels=("Change points in range", "Current diagnosis and advice"),
+        next_panels=("Straggler episodes", "Current diagnosis and advice"),
         severity="ticket",
     ),
     AlertRule(

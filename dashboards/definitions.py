@@ -260,12 +260,13 @@ def job_overview() -> BuiltDashboard:
     wasted_rate = "GPU-hours wasted per hour"
     by_optype = "Slowdown attributed to each op type (S_optype)"
     by_stage = "Slowdown attributed to each pipeline stage (S_stage)"
-    latest_matrix = "Worker slowdown S_w, latest ${window} steps (DP x PP)"
-    range_matrix = "Worker slowdown S_w over the time range (DP x PP)"
+    latest_matrix = "Worker score S_w, latest ${window} steps (DP x PP)"
+    range_matrix = "Worker score S_w over the time range (DP x PP)"
     per_step = "Worker slowdown per step"
     diagnosis = "Current diagnosis and advice"
     stragglers = "Top stragglers in range"
     changes = "Change points in range"
+    episodes = "Straggler episodes"
 
     builder = (
         dash.Dashboard("lagscope: job overview")
@@ -294,6 +295,36 @@ def job_overview() -> BuiltDashboard:
             .keep_time(True)
         )
     )
+    episode_sql = f"""
+        SELECT onset_ts AS time,
+               ifNull(recovery_ts, last_ts) AS timeEnd,
+               concat('episode ', toString(episode_id), ' (', state, '): ',
+                      arrayStringConcat(workers, ', '), if(node != '', concat(' on ', node), ''),
+                      if(isNull(gpu), '', concat(' GPU ', toString(gpu))), ', ', cause,
+                      ' in ', optype, ' from step ', toString(onset_step),
+                      if(isNull(recovery_step), ' (ongoing)',
+                         concat(' to step ', toString(recovery_step - 1))),
+                      ', seen at step ', toString(first_seen_step), ', ',
+                      toString(round(gpu_seconds_lost / 3600, 3)), ' GPU-h lost') AS text,
+               concat('episode,', cause, ',', optype) AS tags
+        FROM episodes FINAL
+        WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
+          AND ifNull(recovery_ts, last_ts) >= $__fromTime
+        ORDER BY time
+    """
+    q.expectations[("annotation: straggler episodes", "Anno")] = Expect(
+        {"time": "time", "timeEnd": "time", "text": "string", "tags": "string"},
+        may_be_empty=True,
+    )
+    builder = builder.annotation(
+        dash.AnnotationQuery()
+        .name("straggler episodes")
+        .datasource(datasource_ref())
+        .enable(True)
+        .icon_color("orange")
+        .target(_Built(ClickHouseAnnotationTarget(_dedent(episode_sql))))
+    )
+    # Raw change points of the step time stay as annotations: when it moved, not why.
     for kind, color in (("onset", "red"), ("recovery", "green")):
         name = f"step-time {kind}"
         sql = f"""
@@ -396,18 +427,33 @@ def job_overview() -> BuiltDashboard:
         .with_panel(
             stat.Panel()
             .title(wasted_total)
-            .description("GPU-hours lost to stragglers: sum over steps of GPUs x t x (1 - 1/S).")
+            .description(
+                "GPU-hours lost to stragglers: what the verified episodes that overlap the "
+                "range cost (their whole cost so far). Above the straggler-free steps: sum "
+                "over the range's steps of GPUs x t x (1 - 1/S), which also counts the job's "
+                "own jitter (its noise floor), lost with or without stragglers."
+            )
             .with_target(
                 q.query(
                     wasted_total,
                     f"""
-                    SELECT sumIf(gpu_seconds_wasted, isFinite(gpu_seconds_wasted)) / 3600
-                               AS `GPU-hours wasted`,
+                    SELECT (SELECT sum(gpu_seconds_lost) FROM episodes FINAL
+                            WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
+                              AND ifNull(recovery_ts, last_ts) >= $__fromTime) / 3600
+                               AS `GPU-hours lost to stragglers`,
+                           sumIf(gpu_seconds_wasted, isFinite(gpu_seconds_wasted)) / 3600
+                               AS `GPU-hours above straggler-free`,
                            sumIf(gpu_seconds, isFinite(gpu_seconds)) / 3600 AS `GPU-hours`
                     FROM steps FINAL
                     WHERE {in_range}
                     """,
-                    Expect({"GPU-hours wasted": "number", "GPU-hours": "number"}),
+                    Expect(
+                        {
+                            "GPU-hours lost to stragglers": "number",
+                            "GPU-hours above straggler-free": "number",
+                            "GPU-hours": "number",
+                        }
+                    ),
                     time_series=False,
                 )
             )
@@ -419,8 +465,10 @@ def job_overview() -> BuiltDashboard:
             table.Panel()
             .title(diagnosis)
             .description(
-                "The latest diagnosis of the job: its cause, the evidence summary and each "
-                "mitigation with its predicted speed-up."
+                "The job's verdict, kept current while it runs: built from its diagnosis and "
+                "its episodes (the same story as the episodes table, the alerts and the "
+                "summary); its cause, one sentence and each mitigation with its predicted "
+                "speed-up."
             )
             .with_target(
                 q.query(
@@ -434,7 +482,7 @@ def job_overview() -> BuiltDashboard:
                     FROM (
                         SELECT * FROM diagnoses FINAL
                         WHERE {ONE_ATTEMPT}
-                        ORDER BY step DESC
+                        ORDER BY step DESC, version DESC
                         LIMIT 1
                     )
                     LEFT ARRAY JOIN JSONExtractArrayRaw(advice, 'advice') AS item
@@ -454,6 +502,54 @@ def job_overview() -> BuiltDashboard:
             )
             .span(6)
             .height(5)
+        )
+        .with_panel(
+            table.Panel()
+            .title(episodes)
+            .description(
+                "Verified straggler episodes, open ones first: which worker, on which node "
+                "and GPU, slow in what (an op type, or `host`: its host stalls between its "
+                "ops), since when (onset step), seen at which step, until when, and what it "
+                "cost. Found while the job runs and kept current every step; a job's end "
+                "refines their bounds."
+            )
+            .with_target(
+                q.query(
+                    episodes,
+                    f"""
+                    SELECT episode_id AS episode, state,
+                           arrayStringConcat(workers, ', ') AS worker, node,
+                           gpu, cause, optype AS op, onset_step,
+                           recovery_step, first_seen_step,
+                           share AS share_of_slowdown,
+                           gpu_seconds_lost / 3600 AS gpu_hours_lost, summary
+                    FROM episodes FINAL
+                    WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
+                      AND ifNull(recovery_ts, last_ts) >= $__fromTime
+                    ORDER BY state = 'open' DESC, onset_step DESC
+                    """,
+                    Expect(
+                        {
+                            "episode": "number",
+                            "state": "string",
+                            "worker": "string",
+                            "node": "string",
+                            "cause": "string",
+                            "op": "string",
+                            "onset_step": "number",
+                            "first_seen_step": "number",
+                            "share_of_slowdown": "number",
+                            "gpu_hours_lost": "number",
+                            "summary": "string",
+                        },
+                        may_be_empty=True,
+                    ),
+                    time_series=False,
+                )
+            )
+            .decimals(3)
+            .span(24)
+            .height(6)
         )
         .with_row(dash.Row("Cost over time"))
         .with_panel(
@@ -565,7 +661,9 @@ def job_overview() -> BuiltDashboard:
             _worker_matrix(
                 latest_matrix,
                 "Mean S_w of each worker (DP rank x PP stage) over the job's latest steps, "
-                "whatever the time range.",
+                "whatever the time range: a score, not a verdict (the crossing of a slow DP "
+                "replica and a slow stage scores high too); verified stragglers are in "
+                "'Straggler episodes' and first in 'Top stragglers in range'.",
                 f"step > (SELECT max(step) FROM worker_slowdown WHERE {ONE_ATTEMPT}) - "
                 f"toInt64OrZero({one_selected('window')})",
                 q,
@@ -574,7 +672,8 @@ def job_overview() -> BuiltDashboard:
         .with_panel(
             _worker_matrix(
                 range_matrix,
-                "Mean S_w of each worker over the dashboard's time range.",
+                "Mean S_w of each worker over the dashboard's time range: a score, not a "
+                "verdict (see 'Straggler episodes' for the verified stragglers).",
                 "$__timeFilter(ts)",
                 q,
             )
@@ -583,20 +682,26 @@ def job_overview() -> BuiltDashboard:
             heatmap.Panel()
             .title(per_step)
             .description(
-                "S_w of every worker (rows, pp/dp) over time; a hot row is a straggler, a hot "
-                "band of rows one stage or one DP replica."
+                "S_w of every worker (rows, pp/dp) over time, the workers an episode verified "
+                "first; the others' rows are scores (a hot band of rows is one stage or one "
+                "DP replica, and a slow replica's crossing with a slow stage scores high "
+                "without being slow itself)."
             )
             .with_target(
                 q.query(
                     per_step,
                     f"""
                     SELECT $__timeInterval(ts) AS time,
-                           concat('pp ', toString(pp_rank), ' dp ', toString(dp_rank)) AS worker,
+                           concat(if((dp_rank, pp_rank) IN (
+                                         SELECT toUInt32(dp_rank), toUInt32(pp_rank)
+                                         FROM episodes FINAL WHERE {ONE_ATTEMPT}),
+                                     'verified straggler: ', 'score: '),
+                                  'pp ', toString(pp_rank), ' dp ', toString(dp_rank)) AS worker,
                            avg(slowdown) AS S_w
                     FROM worker_slowdown FINAL
                     WHERE {in_range}
                     GROUP BY time, pp_rank, dp_rank
-                    ORDER BY time, pp_rank, dp_rank
+                    ORDER BY time, startsWith(worker, 'verified') DESC, pp_rank, dp_rank
                     """,
                     Expect({"time": "time", "worker": "string", "S_w": "number"}),
                     time_series=True,
@@ -618,24 +723,50 @@ def job_overview() -> BuiltDashboard:
             table.Panel()
             .title(stragglers)
             .description(
-                "Workers by mean S_w over the range; slow steps = steps with S_w above 1.05."
+                "Workers verified by an episode in the range first (with what they cost), "
+                "then the highest worker scores S_w, labelled as scores: S_w = min(S_dp, "
+                "S_stage) also lights up the crossings of a slow DP replica and a slow stage "
+                "(a score, not a verdict). slow steps = steps with S_w above 1.05."
             )
             .with_target(
                 q.query(
                     stragglers,
                     f"""
-                    SELECT dp_rank AS dp, pp_rank AS stage, avg(slowdown) AS mean_S_w,
-                           max(slowdown) AS max_S_w, countIf(slowdown > 1.05) AS slow_steps
-                    FROM worker_slowdown FINAL
-                    WHERE {in_range}
-                    GROUP BY dp, stage
-                    ORDER BY mean_S_w DESC
+                    SELECT w.dp AS dp, w.stage AS stage,
+                           if(e.episodes > 0,
+                              concat('verified: episode ', e.ids, ' (', e.causes, ')'),
+                              'score only') AS evidence,
+                           e.gpu_hours_lost AS gpu_hours_lost,
+                           w.mean_S_w AS mean_S_w, w.max_S_w AS max_S_w,
+                           w.slow_steps AS slow_steps
+                    FROM (
+                        SELECT dp_rank AS dp, pp_rank AS stage, avg(slowdown) AS mean_S_w,
+                               max(slowdown) AS max_S_w,
+                               countIf(slowdown > 1.05) AS slow_steps
+                        FROM worker_slowdown FINAL
+                        WHERE {in_range}
+                        GROUP BY dp, stage
+                    ) AS w
+                    LEFT JOIN (
+                        SELECT toUInt32(dp_rank) AS dp, toUInt32(pp_rank) AS stage,
+                               count() AS episodes,
+                               arrayStringConcat(groupArray(toString(episode_id)), ', ') AS ids,
+                               arrayStringConcat(groupUniqArray(concat(cause, ' in ', optype)),
+                                                 ', ') AS causes,
+                               sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
+                        FROM episodes FINAL
+                        WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
+                          AND ifNull(recovery_ts, last_ts) >= $__fromTime
+                        GROUP BY dp, stage
+                    ) AS e ON e.dp = w.dp AND e.stage = w.stage
+                    ORDER BY e.episodes > 0 DESC, e.gpu_hours_lost DESC, w.mean_S_w DESC
                     LIMIT 10
                     """,
                     Expect(
                         {
                             "dp": "number",
                             "stage": "number",
+                            "evidence": "string",
                             "mean_S_w": "number",
                             "max_S_w": "number",
                             "slow_steps": "number",
@@ -652,8 +783,11 @@ def job_overview() -> BuiltDashboard:
             table.Panel()
             .title(changes)
             .description(
-                "Verified change points (BOCD, at least 10 % change of the mean) of the step "
-                "time and of each stage's and DP replica's compute time."
+                "Raw change points (BOCD, at least 10 % change of the mean) of the step time "
+                "and of each stage's, DP replica's and worker's own work: when a series "
+                "moved, not who is to blame ('Straggler episodes' says that). A series that "
+                "only moved against its peers (a stage that looks faster while another is "
+                "slow) is not listed."
             )
             .with_target(
                 q.query(
@@ -662,7 +796,7 @@ def job_overview() -> BuiltDashboard:
                     SELECT ts AS time, series, kind, step, before_mean, after_mean,
                            after_mean / before_mean AS ratio
                     FROM changepoints FINAL
-                    WHERE {in_range}
+                    WHERE {in_range} AND kind != 'shift'
                     ORDER BY time DESC, series
                     """,
                     Expect(

@@ -1,10 +1,11 @@
 """Fleet-wide dashboards: every job at once, and the machines they run on.
 
 - **Fleet** (uid `lagscope-fleet`): all jobs that reported in the time range, one row
-  each: slowdown of the latest step, GPU-hours wasted today, the episode going on now
-  (series whose latest change point is an onset), the top worker and the node it runs
-  on, and how long ago the last step arrived (a job whose data stopped looks stale here,
-  not healthy). The job column links to the job's overview.
+  each: slowdown of the latest step, GPU-hours wasted today, its open straggler episodes
+  (worker, node, op, since when), the top worker (verified by an episode first, else the
+  highest score, labelled as a score) and the node it runs on, and how long ago the last
+  step arrived (a job whose data stopped looks stale here, not healthy). The job column
+  links to the job's overview.
 - **Nodes** (uid `lagscope-nodes`): worker slowdowns of every job joined with the rank
   identity (which node each (job, attempt, dp, pp) worker runs on), summed per node: a
   machine that is slow in several jobs ranks first even when each job blames a different
@@ -44,6 +45,22 @@ IDENTITY_SQL = f"""
     WHERE tp_rank = 0 AND cp_rank = 0
 """
 
+#: The episodes that overlap the time range, each with the machine of its worker: the
+#: rank identity's, else the one the episode was stored with (identity may come later).
+VERIFIED_SQL = f"""
+    SELECT e.job_id AS job_id, e.attempt AS attempt, e.dp_rank AS dp_rank,
+           e.pp_rank AS pp_rank, e.gpu_seconds_lost AS gpu_seconds_lost,
+           if(i.node_name != '', i.node_name, e.node) AS node_name
+    FROM (
+        SELECT job_id, attempt, dp_rank, pp_rank, gpu_seconds_lost, node
+        FROM episodes FINAL
+        WHERE onset_ts <= $__toTime AND ifNull(recovery_ts, last_ts) >= $__fromTime
+    ) AS e
+    LEFT JOIN ({IDENTITY_SQL}) AS i
+        ON i.job_id = e.job_id AND i.attempt = e.attempt
+        AND toInt32(i.dp_rank) = e.dp_rank AND toInt32(i.pp_rank) = e.pp_rank
+"""
+
 #: Per-job link to its overview; the job id is percent-encoded into the URL.
 JOB_LINK = (
     f"/d/{JOB_OVERVIEW_UID}/?var-job=${{__data.fields.job_id:percentencode}}"
@@ -61,8 +78,11 @@ def fleet() -> BuiltDashboard:
         SELECT s.job_id AS job_id, s.attempt AS attempt, s.latest_S AS latest_S,
                s.wasted_gpu_h_today AS wasted_gpu_h_today,
                e.current_episode AS current_episode,
-               w.top_worker AS top_worker, w.top_worker_S_w AS top_worker_S_w,
-               w.top_node AS top_node, s.last_step_age_s AS last_step_age_s
+               if(v.verified_worker != '', concat(v.verified_worker, ' (verified)'),
+                  concat(w.top_worker, ' (score only)')) AS top_worker,
+               w.top_worker_S_w AS top_worker_S_w,
+               if(v.verified_worker != '', v.verified_node, w.top_node) AS top_node,
+               s.last_step_age_s AS last_step_age_s
         FROM (
             SELECT job_id, attempt, argMax(slowdown, step) AS latest_S,
                    sumIf(gpu_seconds_wasted,
@@ -76,17 +96,23 @@ def fleet() -> BuiltDashboard:
         LEFT JOIN (
             SELECT job_id, attempt,
                    arrayStringConcat(
-                       groupArray(concat(series, ' since step ', toString(onset_step))), ', '
+                       groupArray(concat(arrayStringConcat(workers, ', '),
+                                         if(node != '', concat(' on ', node), ''),
+                                         ' slow in ', optype, ' since step ',
+                                         toString(onset_step))), '; '
                    ) AS current_episode
-            FROM (
-                SELECT job_id, attempt, series, argMax(kind, step) AS latest_kind,
-                       max(step) AS onset_step
-                FROM changepoints FINAL
-                GROUP BY job_id, attempt, series
-            )
-            WHERE latest_kind = 'onset'
+            FROM episodes FINAL
+            WHERE state = 'open'
             GROUP BY job_id, attempt
         ) AS e ON e.job_id = s.job_id AND e.attempt = s.attempt
+        LEFT JOIN (
+            SELECT job_id, attempt,
+                   argMax(concat('dp ', toString(dp_rank), ', pp ', toString(pp_rank)),
+                          gpu_seconds_lost) AS verified_worker,
+                   argMax(node_name, gpu_seconds_lost) AS verified_node
+            FROM ({VERIFIED_SQL})
+            GROUP BY job_id, attempt
+        ) AS v ON v.job_id = s.job_id AND v.attempt = s.attempt
         LEFT JOIN (
             SELECT job_id, attempt,
                    argMax(concat('dp ', toString(dp_rank), ', pp ', toString(pp_rank)),
@@ -132,9 +158,11 @@ def fleet() -> BuiltDashboard:
             .title(all_jobs)
             .description(
                 "One row per job attempt with steps in the time range. latest_S: slowdown of "
-                "its latest step; current_episode: series whose latest change point is an "
-                "onset; top_node: where the top worker runs (empty until the job's rank "
-                "identity is stored); last_step_age_s: seconds since its last step."
+                "its latest step; current_episode: its open straggler episodes (worker, node, "
+                "op, since when); top_worker: the costliest worker an episode verified in the "
+                "range, else the highest worker score S_w, labelled as a score; top_node: "
+                "where it runs (empty until the job's rank identity is stored); "
+                "last_step_age_s: seconds since its last step."
             )
             .with_target(
                 q.query(
@@ -272,29 +300,49 @@ def nodes() -> BuiltDashboard:
             table.Panel()
             .title(ranking)
             .description(
+                "Nodes with verified straggler episodes first (how many, and the GPU-hours "
+                "they cost), then by their workers' scores: "
                 f"straggling_share: share of the node's worker-steps with S_w >= "
                 f"{STRAGGLING_S_W}; excess_per_step: mean of max(S_w - 1, 0), how often and "
-                "how much in one number (the ranking); jobs_straggling: jobs in which a "
-                "worker on the node straggled."
+                "how much in one number; jobs_straggling: jobs in which a worker on the node "
+                "scored as straggling."
             )
             .with_target(
                 q.query(
                     ranking,
                     f"""
-                    SELECT node, uniqExact(job_id) AS jobs,
-                           uniqExactIf(job_id, S_w >= {STRAGGLING_S_W}) AS jobs_straggling,
-                           count() AS worker_steps,
-                           countIf(S_w >= {STRAGGLING_S_W}) / count() AS straggling_share,
-                           sum(greatest(S_w - 1, 0)) / count() AS excess_per_step,
-                           max(S_w) AS max_S_w
-                    FROM ({joined})
-                    GROUP BY node
-                    ORDER BY excess_per_step DESC, node
+                    SELECT n.node AS node, ifNull(v.episodes, 0) AS verified_episodes,
+                           ifNull(v.gpu_hours_lost, 0) AS verified_gpu_hours_lost,
+                           n.jobs AS jobs, n.jobs_straggling AS jobs_straggling,
+                           n.worker_steps AS worker_steps,
+                           n.straggling_share AS straggling_share,
+                           n.excess_per_step AS excess_per_step, n.max_S_w AS max_S_w
+                    FROM (
+                        SELECT node, uniqExact(job_id) AS jobs,
+                               uniqExactIf(job_id, S_w >= {STRAGGLING_S_W}) AS jobs_straggling,
+                               count() AS worker_steps,
+                               countIf(S_w >= {STRAGGLING_S_W}) / count() AS straggling_share,
+                               sum(greatest(S_w - 1, 0)) / count() AS excess_per_step,
+                               max(S_w) AS max_S_w
+                        FROM ({joined})
+                        GROUP BY node
+                    ) AS n
+                    LEFT JOIN (
+                        SELECT node_name AS node, count() AS episodes,
+                               sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
+                        FROM ({VERIFIED_SQL})
+                        WHERE node_name != ''
+                        GROUP BY node
+                    ) AS v ON v.node = n.node
+                    ORDER BY verified_episodes DESC, verified_gpu_hours_lost DESC,
+                             excess_per_step DESC, node
                     LIMIT 50
                     """,
                     Expect(
                         {
                             "node": "string",
+                            "verified_episodes": "number",
+                            "verified_gpu_hours_lost": "number",
                             "jobs": "number",
                             "jobs_straggling": "number",
                             "worker_steps": "number",

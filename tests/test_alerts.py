@@ -107,17 +107,18 @@ def test_every_rule_query_runs_on_the_demo_store(demo_sink, uid: str) -> None:
         assert not rule.firing(rows)
 
 
-def test_demo_straggler_onset_fires_the_episode_rule(demo_sink) -> None:
-    rule = BY_UID["lagscope-episode-onset"]
-    rows = _rows(demo_sink, rule)
-    assert rows, "the demo's injected slow worker leaves change points"
-    # Its slow worker recovers before the end: a series whose latest change is a recovery
-    # must not fire; one whose latest change is an onset must.
-    latest = demo_sink.client.query(
-        "SELECT series, argMax(kind, step) AS latest FROM changepoints FINAL GROUP BY series"
-    ).named_results()
-    expected = {r["series"] for r in latest if r["latest"] == "onset"}
-    assert {r["series"] for r in rule.firing(rows)} == expected
+def test_the_demo_straggler_is_an_episode_that_recovered_so_its_alert_is_quiet(demo_sink):
+    """The demo's slow worker (dp 5, pp 2) is an episode in the store, closed at its
+    recovery: the alert on open episodes does not fire after the straggler has gone, and
+    no other worker (nor a stage that looked faster meanwhile) is an episode."""
+    episodes = list(
+        demo_sink.client.query(
+            "SELECT dp_rank, pp_rank, state, onset_step, recovery_step FROM episodes FINAL"
+        ).named_results()
+    )
+    assert [(e["dp_rank"], e["pp_rank"], e["state"]) for e in episodes] == [(5, 2, "closed")]
+    rule = BY_UID["lagscope-episode-open"]
+    assert not rule.firing(_rows(demo_sink, rule))
 
 
 # -- made to fire or to stay quiet ----------------------------------------------------------
@@ -125,10 +126,11 @@ def test_demo_straggler_onset_fires_the_episode_rule(demo_sink) -> None:
 
 @pytest.fixture(scope="module")
 def crafted(chdb_dir: Path):
-    """Four jobs built to make the rules decide: `sick` (slow for 12 minutes, MFU fallen,
-    rank 5 gone, an onset, rising dead letters), `healthy` (all fine, an episode that
-    recovered, a steady trickle of dead letters), `stalled` (stopped 8 minutes ago) and
-    `finished-long-ago` (stopped 3 hours ago)."""
+    """Five jobs built to make the rules decide: `sick` (slow for 12 minutes, MFU fallen,
+    rank 5 gone, an open episode, rising dead letters), `healthy` (all fine, an episode
+    that recovered, a steady trickle of dead letters), `stalled` (stopped 8 minutes ago,
+    its episode left open), `finished-long-ago` (stopped 3 hours ago) and `noisy` (S 1.3,
+    all of it its own noise floor)."""
     from lagscope.stream_app.sink import ClickHouseSink
 
     sink = ClickHouseSink(f"chdb://{chdb_dir}?database=alerts_crafted")
@@ -176,12 +178,40 @@ def crafted(chdb_dir: Path):
 
     dead_letters("sick", [900, 400, 300, 200, 100])
     dead_letters("healthy", [1000, 800, 500, 200])
+
+    def episode(job: str, episode_id: int, onset_age_s: int, last_age_s: int, open_: bool):
+        state, recovery = ("open", "NULL") if open_ else ("closed", f"now64(3) - {last_age_s}")
+        sink.command(
+            f"""INSERT INTO episodes (job_id, attempt, episode_id, state, onset_step,
+                recovery_step, onset_ts, recovery_ts, last_step, last_ts, cause, optype,
+                dp_rank, pp_rank, workers, node, host, gpu, share, lost_s, gpu_seconds_lost,
+                first_seen_step, final, summary, evidence, advice, updated_at, version)
+            VALUES ('{job}', 0, {episode_id}, '{state}', 100, {"NULL" if open_ else 130},
+                    now64(3) - {onset_age_s}, {recovery}, 140, now64(3) - {last_age_s},
+                    'slow_host', 'host', 1, 0, ['(dp 1, pp 0)'], 'node-3', 'node-3', 5, 0.8,
+                    12.0, 96.0, 104, false, 'the host of worker (dp 1, pp 0) stalls', '{{}}',
+                    '{{}}', now64(3), 280)"""
+        )
+
+    episode("sick", 1, 600, 10, open_=True)
+    episode("healthy", 1, 900, 300, open_=False)
+    # Open when its job stopped reporting 20 minutes ago: "Job silent" speaks for it.
+    episode("stalled", 1, 1500, 1200, open_=True)
+    # A healthy job on a busy machine: S 1.3 for 12 minutes, all of it its own jitter.
+    steps("noisy", 720, 0, "1.3", "0.45", no_rank)
+    sink.command(
+        """INSERT INTO diagnoses (job_id, attempt, step, ts, cause, evidence, advice,
+            predicted_speedup, version)
+        VALUES ('noisy', 0, 72, now64(3), 'none',
+                '{"summary": "no straggling beyond noise", "slowdown": 1.3, "noise_floor": 1.28}',
+                '{}', NULL, 144)"""
+    )
     return sink
 
 
 EXPECTED_FIRING = {
     "lagscope-slowdown-sustained": {"sick"},
-    "lagscope-episode-onset": {"sick"},
+    "lagscope-episode-open": {"sick"},
     "lagscope-job-silent": {"stalled"},
     "lagscope-rank-silent": {"sick"},
     "lagscope-mfu-below-baseline": {"sick"},
@@ -197,8 +227,17 @@ def test_rule_fires_on_the_sick_job_and_stays_quiet_on_the_rest(crafted, uid: st
     assert {r["job_id"] for r in firing} == EXPECTED_FIRING[uid], json.dumps(rows, default=str)
     if uid == "lagscope-rank-silent":
         assert [r["rank"] for r in firing] == ["5"]
-    if uid == "lagscope-episode-onset":
-        assert [r["series"] for r in firing] == ["stage 3"]
+    if uid == "lagscope-episode-open":
+        # The annotation's facts are the alert's labels: who, where, in what, since when.
+        ((alert),) = firing
+        assert (alert["worker"], alert["node"], alert["gpu"], alert["op"]) == (
+            "(dp 1, pp 0)",
+            "node-3",
+            "5",
+            "host",
+        )
+        assert (alert["onset_step"], alert["first_seen_step"]) == ("100", "104")
+        assert alert["value"] == pytest.approx(96.0 / 3600)
 
 
 def test_readme_on_call_explains_every_rule() -> None:
