@@ -31,6 +31,9 @@ class StoreSettings(BaseModel):
     #: (and the offsets uncommitted) until a later write succeeds.
     write_attempts: int = Field(default=5, ge=1)
     write_retry_max_wait_s: float = Field(default=2.0, gt=0)
+    #: Keep every raw op in `ops` for the timeline drill-down (as `lagscope run` does): a
+    #: large job writes ~27 bytes per op before compression, so it is off by default.
+    raw_ops: bool = False
 
     def resolved_dsn(self) -> str:
         return self.dsn or os.environ.get(DSN_ENV) or DEFAULT_DSN

@@ -413,7 +413,13 @@ class WorkerCore:
     def _new_core(self, clock: LatenessClock | None = None,
                   processor: StepProcessor | None = None) -> HostCore:  # fmt: skip
         clock = clock or LatenessClock()
-        return HostCore(self.config.processor, self.records, clock=clock, processor=processor)
+        return HostCore(
+            self.config.processor,
+            self.records,
+            clock=clock,
+            processor=processor,
+            store_raw_ops=self.config.store.raw_ops,
+        )
 
     def _from_snapshot(self, number: int, blob: bytes, where: str) -> _Partition:
         """A partition resumed from a snapshot payload; SnapshotError when it is not one."""

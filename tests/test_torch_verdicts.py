@@ -101,6 +101,29 @@ def test_ddp_straggler_named_with_its_first_and_last_step(
     assert f"slow in {slow_in}" in episode.diagnosis.summary
 
 
+@pytest.mark.parametrize(
+    ("target", "knobs", "rank", "worker"),
+    [
+        (pipeline_1f1b.worker, PIPELINE, 2, (1, 0)),
+        (ddp.worker, DDP, 1, (1, 0)),
+    ],
+    ids=["1f1b", "ddp"],
+)
+def test_a_stalling_host_is_named_a_slow_host(
+    tmp_path: Path, target: object, knobs: dict, rank: int, worker: tuple[int, int]
+) -> None:
+    """A worker whose host stalls after its forward and backward return (slow Python, a
+    busy CPU) for steps 15-29: its recorded ops keep their durations, the gaps between them
+    grow. Named as a slow host (not an input-starved rank, not GC) with its bounds, and
+    the run's verdict says the same."""
+    _, job = _job(tmp_path, target, **knobs, **WINDOW, slow_rank=rank, slow_phase="host")
+    episode = _the_window_episode(job, worker)
+    assert episode.diagnosis.cause == "slow_host", episode.diagnosis.summary
+    assert "stalls between its ops" in episode.diagnosis.summary
+    assert job.diagnosis.cause == "slow_host", job.diagnosis.summary
+    assert _first_named(job.diagnosis.summary) == worker
+
+
 def test_ddp_clean_run_is_quiet(tmp_path: Path) -> None:
     _, job = _job(tmp_path, ddp.worker, **DDP, steps=60)
     _healthy(job)

@@ -203,3 +203,53 @@ def start_store_server(data_dir: Path, *, timeout_s: float = 60.0) -> StoreServe
             process.wait()
             raise AssertionError(f"the store server did not start:\n{text[-3000:]}")
         time.sleep(0.05)
+
+
+def topic_env(topics: dict[str, str]) -> dict[str, str]:
+    """The environment that points a lagscope command at one test's topics."""
+    return {
+        "LAGSCOPE_KAFKA__TOPIC_OPS": topics["topic_ops"],
+        "LAGSCOPE_KAFKA__TOPIC_JOBS": topics["topic_jobs"],
+        "LAGSCOPE_KAFKA__TOPIC_DEADLETTER": topics["topic_deadletter"],
+        "LAGSCOPE_KAFKA__TOPIC_RESULTS": results_topic(topics),
+    }
+
+
+def start_streamer(
+    bootstrap: str,
+    topics: dict[str, str],
+    log_dir: Path,
+    work_dir: Path,
+    *,
+    idle_exit_s: float | None = 3.0,
+    log_name: str = "stream.log",
+) -> WorkerProcess:
+    """`lagscope stream` (the sidecar) over `log_dir`, its checkpoint under `work_dir`."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "lagscope.stream_app.cli", "stream", "--log-dir", str(log_dir),
+        "--bootstrap-servers", bootstrap, "--checkpoint", str(work_dir / "stream-checkpoint.json"),
+    ]  # fmt: skip
+    if idle_exit_s is not None:
+        command += ["--idle-exit-s", str(idle_exit_s)]
+    log_path = work_dir / log_name
+    with open(log_path, "wb") as log:
+        # The sidecar has no results topic: a setting it does not know is an error.
+        env = {k: v for k, v in topic_env(topics).items() if not k.endswith("TOPIC_RESULTS")}
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+    return WorkerProcess(process, log_path)
+
+
+def query_dsn(dsn: str, sql: str) -> list[dict[str, Any]]:
+    """Rows of `sql` against any store, through `lagscope query` in a process of its own
+    (a chDB directory opens in one process at a time)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lagscope.stream_app.cli", "query", "--dsn", dsn,
+         "--format", "json", sql],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise AssertionError(f"query failed: {done.stderr}")
+    return json.loads(done.stdout)

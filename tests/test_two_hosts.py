@@ -1,0 +1,102 @@
+"""One pipeline, two hosts: the same rank logs through `lagscope run` (embedded) and through
+`lagscope stream` -> Kafka -> `lagscope worker` give the same rows in every table, row for
+row, timestamps of processing aside.
+
+Everything is real and runs as a user runs it: each command a process of its own, the
+local broker, a chDB store per host read back through `lagscope query`.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lagscope.producers.events import JobInfo
+from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.stream_app.commands.run import write_logs_with_timers
+from tests.worker_util import create_topics, query_dsn, start_streamer, start_worker
+
+pytestmark = pytest.mark.slow
+
+#: Every table a host writes, the columns that order its rows, and the columns that say
+#: when a host did something (they differ by design).
+TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "jobs": ("job_id, attempt", ("started",)),
+    "rank_identity": ("job_id, attempt, rank", ()),
+    "steps": ("job_id, attempt, step", ("processed_at",)),
+    "attribution": ("job_id, attempt, kind, name, step", ()),
+    "worker_slowdown": ("job_id, attempt, step, pp_rank, dp_rank", ()),
+    "changepoints": ("job_id, attempt, series, step, kind", ()),
+    "episodes": ("job_id, attempt, episode_id", ("updated_at",)),
+    "diagnoses": ("job_id, attempt, step, cause, version", ()),
+    "ops": ("job_id, attempt, step, rank, start, optype, seq", ()),
+    "dead_letters": ("job_id, reason", ("ts", "source")),
+}
+
+
+def _job(log_dir: Path) -> None:
+    """A DP 4 x PP 2 job placed on two nodes, worker (dp 2, pp 1) 1.8x slower in its
+    computes for steps 25-44 of 70, written through the real timer API."""
+    spec = JobSpec(
+        name="two-hosts", dp=4, pp=2, microbatches=4, steps=70, seed=11,
+        stragglers=(SlowWorker(dp=2, stage=1, factor=1.8, start_step=25, end_step=45),),
+    )  # fmt: skip
+    job = generate_job(spec)
+    info = JobInfo.from_meta(job.meta, job_id="two-hosts")
+    total_s = float(job.truth.t_injected.sum())
+    write_logs_with_timers(
+        job.trace, info, log_dir, time.time_ns() - int(total_s * 1e9), gpus_per_node=4
+    )
+
+
+def _rows(dsn: str, table: str) -> list[dict[str, Any]]:
+    order, skip = TABLES[table]
+    rows = query_dsn(dsn, f"SELECT * FROM {table} FINAL ORDER BY {order}")
+    return [{k: v for k, v in row.items() if k not in skip} for row in rows]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    return a == b
+
+
+def test_the_same_logs_give_the_same_rows_through_either_host(
+    kafka_bootstrap: str, kafka_topics: dict[str, str], tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    _job(logs)
+    embedded_dsn = f"chdb://{tmp_path / 'embedded'}"
+    ran = subprocess.run(
+        [sys.executable, "-m", "lagscope.stream_app.cli", "run", "--log-dir", str(logs),
+         "--dsn", embedded_dsn],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+
+    create_topics(kafka_bootstrap, kafka_topics)
+    streamer = start_streamer(kafka_bootstrap, kafka_topics, logs, tmp_path / "stream")
+    assert streamer.wait(180) == 0, streamer.log()[-3000:]
+    worker = start_worker(
+        kafka_bootstrap, kafka_topics, tmp_path / "worker", group="two-hosts",
+        env={"LAGSCOPE_STORE__RAW_OPS": "true"},
+    )  # fmt: skip
+    assert worker.wait(300) == 0, worker.log()[-4000:]
+    worker_dsn = f"chdb://{tmp_path / 'worker' / 'chdb'}"
+
+    episodes = _rows(embedded_dsn, "episodes")
+    assert [(e["dp_rank"], e["pp_rank"], e["state"]) for e in episodes] == [(2, 1, "closed")]
+    for table in TABLES:
+        embedded, distributed = _rows(embedded_dsn, table), _rows(worker_dsn, table)
+        assert len(embedded) == len(distributed), (table, len(embedded), len(distributed))
+        if table != "dead_letters":
+            assert embedded, f"{table}: no rows"
+        for mine, theirs in zip(embedded, distributed, strict=True):
+            differing = [k for k in mine if not _same(mine[k], theirs[k])]
+            assert not differing, (table, {k: (mine[k], theirs[k]) for k in differing})
