@@ -84,6 +84,7 @@ class EmbeddedRunner:
         settings: ProcessorSettings | None = None,
         *,
         write_every_steps: int = 32,
+        write_interval_s: float = 0.5,
         store_raw_ops: bool = True,
         clock: Callable[[], float] = time.time,
         live_report: LiveReport | None = None,
@@ -105,6 +106,8 @@ class EmbeddedRunner:
         )
         self.processor = self.core.processor
         self.write_every_steps = write_every_steps
+        self.write_interval_s = write_interval_s
+        self._last_write = time.monotonic()
         self.report = RunReport()
         #: Per job, the latest step each rank's log delivered (the log's own progress).
         self._progress: dict[tuple[str, int], dict[str, int]] = {}
@@ -224,12 +227,19 @@ class EmbeddedRunner:
 
     # -- output -------------------------------------------------------------------------
     def _write(self, *, force: bool = False) -> None:
-        if force or len(self.core.pending) >= self.write_every_steps or self.core.conclusions:
-            written = self.core.write(self.sink)
-            self.report.steps += len(written.outputs)
-        elif self.core.dead or self.core.records.pending:
-            # Job records and dead letters go to the store as soon as they are read.
-            self.core.records.write(self.sink)
+        """Write what is pending: at once when forced, when `write_every_steps` steps wait
+        (a backlog is written in batches), or `write_interval_s` after the last write (a
+        job followed live shows in the store within that)."""
+        now = time.monotonic()
+        due = (
+            force
+            or len(self.core.pending) >= self.write_every_steps
+            or bool(self.core.conclusions)
+            or (self.core.has_pending and now - self._last_write >= self.write_interval_s)
+        )
+        if due:
+            self.core.write(self.sink)
+            self._last_write = now
 
     def _progress_report(self) -> RunReport:
         self.report.ops = self.core.counters["ops"]

@@ -53,12 +53,16 @@ class FaustWorker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        check_kafka_login(config.kafka)  # a rejected login: one line, not a retry loop
+        # A rejected login or a setting librdkafka refuses: one line, not a retry loop. A
+        # broker that does not answer yet is waited for (`wait_for_broker`).
+        check_kafka_login(config.kafka, broker_required=False)
         #: The state directory, and whether this worker made it (and so removes it).
         self.data_dir, self._own_data_dir = state_directory(config.worker.data_dir)
         self.sink = ClickHouseSink(config.store.resolved_dsn(), retry=config.store.retry_policy())
         self.sink.ensure_schema(ops_ttl_days=config.store.ops_ttl_days)
-        self._producer = self._make_producer()
+        #: The producer of `lagscope.results`: made once a broker answers (`run`), so a
+        #: worker waiting for Kafka does not have librdkafka log every failed connect.
+        self._producer: Any = None
         self.core = WorkerCore(config, self.sink, self._publish, flush_results=self._flush_results)
         # One thread does all processing: keeps the event loop (heartbeats) responsive and
         # the core single-threaded.
@@ -430,46 +434,56 @@ class FaustWorker:
     def wait_for_broker(self) -> None:
         """Return once a Kafka broker answers; until then, one line per attempt (the
         worker cannot consume without one, and a broker that comes up later is the
-        common case of a cluster starting)."""
+        common case of a cluster starting). With `exit_when_idle_s`, a broker that has not
+        answered within it is a ConfigError (one line), as `lagscope stream` gives up."""
         from confluent_kafka import KafkaException
         from confluent_kafka.admin import AdminClient
 
         config = self.config.kafka.client_config()
+        servers = config.get("bootstrap.servers")
         admin = kafka_client(AdminClient, {**config, "log_level": 0})
         retry_s = self.config.worker.broker_retry_s
+        give_up_s = self.config.worker.exit_when_idle_s
+        began = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
             try:
                 admin.list_topics(timeout=retry_s)
                 if attempt > 1:
-                    log.info("Kafka at %s answers: starting", config.get("bootstrap.servers"))
+                    log.info("Kafka at %s answers: starting", servers)
                 return
             except KafkaException as exc:
                 error = exc.args[0] if exc.args else exc
-                reason = error.str() if hasattr(error, "str") else str(error)
-                log.warning(
-                    "%s",
-                    scrub(
-                        f"Kafka at {config.get('bootstrap.servers')} does not answer "
-                        f"({reason}); attempt {attempt}, retrying every {retry_s:g} s",
-                        secret_values(config),
-                    ),
+                reason = scrub(
+                    error.str() if hasattr(error, "str") else str(error), secret_values(config)
                 )
-                time.sleep(retry_s)
+            waited = time.monotonic() - began
+            if give_up_s is not None and waited >= give_up_s:
+                raise ConfigError(
+                    f"no Kafka broker answers at {scrub(str(servers), secret_values(config))} "
+                    f"after {waited:.0f} s ({reason}); nothing was consumed"
+                )
+            log.warning(
+                "Kafka at %s does not answer (%s); attempt %d, retrying every %g s",
+                scrub(str(servers), secret_values(config)), reason, attempt, retry_s,
+            )  # fmt: skip
+            time.sleep(retry_s)
 
     def run(self) -> None:
         from faust.worker import Worker
 
-        try:
-            self.serve_metrics()
-            self.wait_for_broker()
-            Worker(
-                self.app, loglevel=logging.getLogger().level or logging.INFO
-            ).execute_from_commandline()
-        finally:
-            if self._own_data_dir:
-                shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.serve_metrics()
+        self.wait_for_broker()
+        self._producer = self._make_producer()
+        Worker(
+            self.app, loglevel=logging.getLogger().level or logging.INFO
+        ).execute_from_commandline()
+
+    def close(self) -> None:
+        """Remove the state directory this worker made for itself (none it was given)."""
+        if self._own_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
 def state_directory(configured: Path | None) -> tuple[Path, bool]:

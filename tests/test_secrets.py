@@ -70,9 +70,12 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
             ["query", "SELECT 1", "--dsn", f"chdb://u:{SECRET}@/{tmp}/store"],
             {},
         ),
-        "worker --dsn": (["worker", "--dsn", DSN, "--bootstrap-servers", "127.0.0.1:9"], {}),
+        "worker --dsn": (
+            ["worker", "--dsn", DSN, "--bootstrap-servers", "127.0.0.1:9", "--idle-exit-s", "2"],
+            {},
+        ),
         "worker, store DSN from the environment": (
-            ["worker", "--bootstrap-servers", "127.0.0.1:9"],
+            ["worker", "--bootstrap-servers", "127.0.0.1:9", "--idle-exit-s", "2"],
             {"LAGSCOPE_STORE__DSN": DSN},
         ),
         "worker, chdb DSN with a login": (
@@ -82,11 +85,21 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
                 f"chdb://u:{SECRET}@/{tmp}/store",
                 "--bootstrap-servers",
                 "127.0.0.1:9",
+                "--idle-exit-s",
+                "2",
             ],
             {},
         ),
         "worker, SASL settings in the config file and no broker": (
-            ["worker", "--dsn", "chdb://memory", "--config", str(tmp / "sasl.yaml")],
+            [
+                "worker",
+                "--dsn",
+                "chdb://memory",
+                "--config",
+                str(tmp / "sasl.yaml"),
+                "--idle-exit-s",
+                "2",
+            ],
             {},
         ),
         "worker, misspelt client option in the config file": (

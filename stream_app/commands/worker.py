@@ -113,9 +113,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"lagscope worker: error: metrics endpoint: {exc}", file=sys.stderr)
         return 2
     try:
+        worker.wait_for_broker()
         worker.run()
+    except ConfigError as exc:
+        print(f"lagscope worker: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # Ctrl-C while waiting for Kafka (faust handles its own signals once started).
         print("lagscope worker: interrupted", file=sys.stderr)
         return 130
+    finally:
+        worker.close()
     return 0
