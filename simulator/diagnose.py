@@ -31,6 +31,7 @@ from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
 from lagscope.simulator.noise import noise_floor, persistent_excess, slow_in, stage_excess
+from lagscope.simulator.online_episodes import HOST, worker_signals
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.verdict import of_the_slowdown
 from lagscope.simulator.verdict import share as clamped_share
@@ -423,6 +424,91 @@ def _gc_explains(
     return explained >= cfg.explains_share and coincidence >= cfg.explains_share
 
 
+def _slow_host(
+    result: WhatIfResult,
+    prepared: PreparedTrace,
+    compiled: CompiledModel,
+    evidence: dict[str, Any],
+    cfg: DiagnosisSettings,
+) -> tuple[str, tuple[Advice, ...]] | None:
+    """A worker whose host stalls between its ops through the steps analysed: its ops take
+    their usual time, the gaps before them (their launch delays) do not. Named when the
+    launch delays cost the job a margin of its ideal step, the worker's own launch delays
+    are persistently above its peers' by half (in the median step, as a straggler's
+    own work must be), they are not the wait for its input (a rank starved of input also
+    starts its next forward late), and replaying the job with only its launch delays
+    explains most of what the launch delays add."""
+    t_ideal = float(result.t_ideal.mean())
+    launch_excess = float(np.mean(result.t_actual - result.t_nodelay))
+    if t_ideal <= 0 or launch_excess < cfg.floor_margin * t_ideal:
+        return None
+    signals = worker_signals(prepared, [HOST, ot.INPUT_WAIT])  # [step, kind, stage, dp]
+    own, waits = signals[:, 0], signals[:, 1]
+    peers, peer_waits = _peers_median(own), _peers_median(waits)
+    with np.errstate(all="ignore"):
+        ratio = np.nanmedian(own / np.where(peers > 0, peers, np.nan), axis=0)
+    if not np.isfinite(ratio).any():
+        return None
+    stage, dp = np.unravel_index(int(np.nanargmax(ratio)), ratio.shape)
+    extra = float(np.median(own[:, stage, dp] - peers[:, stage, dp]))
+    waited = float(np.median(waits[:, stage, dp] - peer_waits[:, stage, dp]))
+    if ratio[stage, dp] < 1.5 or extra <= 0 or waited >= 0.5 * extra:
+        return None
+    analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
+    (alone,) = analysis.run(
+        [Variant("measured", swap=analysis.worker_rows([(int(dp), int(stage))]), delay="swap")]
+    )
+    added = float(np.mean(alone - result.t_nodelay))
+    share = added / launch_excess
+    if share < cfg.explains_share:
+        return None
+    who = f"(dp {dp}, pp {stage})"
+    evidence["slow_host"] = {
+        "dp": int(dp), "stage": int(stage), "launch_ratio": float(ratio[stage, dp]),
+        "extra_s": extra, "share_of_launch_delays": share,
+        "launch_slowdown": result.launch_slowdown,
+    }  # fmt: skip
+    evidence["named_workers"] = [{"dp": int(dp), "stage": int(stage)}]
+    evidence["verified_workers"] = [
+        {"dp": int(dp), "stage": int(stage), "share": share, "slow_in": {HOST: extra}}
+    ]
+    speedup = float(result.t_actual.mean() / max(result.t_actual.mean() - added, 1e-12))
+    summary = (
+        f"the host of worker {who} stalls between its ops: {extra * 1e3:.1f} ms more per "
+        f"step than its peers' ({ratio[stage, dp]:.1f}x), {clamped_share(share)} of the time "
+        f"launch delays add to the job's steps (launch slowdown {result.launch_slowdown:.2f}); "
+        f"its ops take their usual time"
+    )
+    advice = (
+        Advice(
+            "relieve the straggler's host",
+            f"look at the host of {who}: other processes on its CPUs, CPU throttling, Python "
+            f"work between ops (logging, metrics, data prepared outside the loader)",
+            speedup,
+        ),
+        Advice("remove the straggler", f"restart without {who} (spare node or smaller DP)",
+               speedup),
+    )  # fmt: skip
+    return summary, advice
+
+
+def _peers_median(values: np.ndarray) -> np.ndarray:
+    """[step, stage, dp]: the median of each worker's peers in each step: the other DP
+    ranks of its stage, else the other stages."""
+    n_stages, n_dp = values.shape[1], values.shape[2]
+    out = np.full_like(values, np.nan)
+    for stage in range(n_stages):
+        for dp in range(n_dp):
+            if n_dp > 1:
+                others = np.delete(values[:, stage, :], dp, axis=1)
+            elif n_stages > 1:
+                others = np.delete(values[:, :, 0], stage, axis=1)
+            else:
+                continue
+            out[:, stage, dp] = np.median(others, axis=1)
+    return out
+
+
 def _few_verified_workers(
     result: WhatIfResult,
     prepared: PreparedTrace,
@@ -776,6 +862,12 @@ def diagnose(
 
     floor = noise_floor(prepared, result.ideal_cost, compiled)
     evidence["noise_floor"] = floor
+    # A stalling host leaves S (ops replayed without their launch delays) alone: it is
+    # named from the launch delays, before S is judged.
+    host = _slow_host(result, prepared, compiled, evidence, cfg)
+    if host is not None:
+        summary, host_advice = host
+        return Diagnosis("slow_host", summary, evidence, host_advice, ladder("slow_host"))
     if result.slowdown < cfg.slowdown_threshold:
         return Diagnosis(
             "none",

@@ -124,6 +124,17 @@ def test_a_stalling_host_is_named_a_slow_host(
     assert _first_named(job.diagnosis.summary) == worker
 
 
+def test_a_host_stalling_from_the_start_is_the_runs_slow_host(tmp_path: Path) -> None:
+    """A host that stalls between its worker's ops from the first step has no episode
+    (there is no level before to rise from): the run's diagnosis names it from the launch
+    delays, not from S, which its ops' usual durations leave alone."""
+    _, job = _job(tmp_path, pipeline_1f1b.worker, **PIPELINE, steps=40, slow_rank=2,
+                  slow_phase="host")  # fmt: skip
+    assert job.diagnosis.cause == "slow_host", job.diagnosis.summary
+    assert _first_named(job.diagnosis.summary) == (1, 0), job.diagnosis.summary
+    assert job.diagnosis.advice[0].action == "relieve the straggler's host"
+
+
 def test_ddp_clean_run_is_quiet(tmp_path: Path) -> None:
     _, job = _job(tmp_path, ddp.worker, **DDP, steps=60)
     _healthy(job)
