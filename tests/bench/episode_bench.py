@@ -1,0 +1,130 @@
+"""How soon an on-call engineer sees a straggler: real torch jobs followed live by both
+hosts (`lagscope run --follow`, and `lagscope stream` -> Kafka -> two `lagscope worker`s),
+the shared store polled every quarter second (tests/live_run.py).
+
+Per host, over the straggler runs (1F1B: forward, backward, input, host; DDP: forward,
+host; each worker 2x slower for steps 15-44 of 60):
+
+- detection latency in steps: the job's last closed step when the store first showed the
+  episode, minus the true onset (what the on-call sees, the pipeline's lag included), and
+  first_seen_step minus the onset (the detector's own evidence);
+- detection latency in seconds: from the start of the onset step to the poll that first
+  showed it;
+- stragglers named with the right worker and cause, and episodes on the healthy runs.
+
+`LAGSCOPE_BENCH_LIVE_REPEAT` (default 1) runs each job that many times. Before these hosts
+found episodes live, an episode existed only at the end of `lagscope run` (45 steps after
+this onset at best) and the worker found none.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import uuid
+from pathlib import Path
+
+from tests.live_run import first_named, follow_live
+
+SLOW_START, SLOW_END = 15, 45
+#: (job module, slow rank, worker of it, phase, cause expected).
+CASES = (
+    ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "forward", "slow_workers"),
+    ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "backward", "slow_workers"),
+    ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "input", "slow_input"),
+    ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "host", "slow_host"),
+    ("tests.torch_jobs.ddp", 1, (1, 0), "forward", "slow_workers"),
+    ("tests.torch_jobs.ddp", 1, (1, 0), "host", "slow_host"),
+)
+HEALTHY = ("tests.torch_jobs.pipeline_1f1b", "tests.torch_jobs.ddp")
+#: The emulated-device sizes of the verdict tests (tests/test_torch_verdicts.py).
+DDP_KNOBS = ["--layers", "6", "--hidden", "256", "--batch", "32", "--bucket-mb", "0.3"]
+
+
+def _topics() -> dict[str, str]:
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    return {name: f"{prefix}.{name.removeprefix('topic_')}"
+            for name in ("topic_ops", "topic_jobs", "topic_deadletter")}  # fmt: skip
+
+
+def _knobs(module: str) -> list[str]:
+    return DDP_KNOBS if module.endswith("ddp") else []
+
+
+def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
+    found: dict[str, list[tuple[int, int, float]]] = {"embedded": [], "kafka": []}
+    right: dict[str, int] = {"embedded": 0, "kafka": 0}
+    healthy_episodes: dict[str, int] = {"embedded": 0, "kafka": 0}
+    runs = 0
+    for index in range(repeat):
+        for module, rank, worker, phase, cause in CASES:
+            runs += 1
+            job = f"bench-{phase}-{module.rsplit('.', 1)[1]}-{index}"
+            knobs = [*_knobs(module), "--slow-rank", str(rank), "--slow-phase", phase,
+                     "--slow-steps", f"{SLOW_START}-{SLOW_END - 1}"]  # fmt: skip
+            seen = follow_live(work / job, bootstrap, _topics(), job, knobs, module=module)
+            for host, polled in seen.items():
+                first = first_named(polled, worker)
+                if first is None:
+                    continue
+                last, at, episode = first
+                right[host] += episode["cause"] == cause
+                onset_at = polled.step_starts.get(SLOW_START)
+                seconds = at - onset_at if onset_at is not None else float("nan")
+                found[host].append(
+                    (last - SLOW_START, episode["first_seen_step"] - SLOW_START, seconds)
+                )
+        for module in HEALTHY:
+            job = f"bench-healthy-{module.rsplit('.', 1)[1]}-{index}"
+            seen = follow_live(work / job, bootstrap, _topics(), job, _knobs(module),
+                               module=module)  # fmt: skip
+            for host, polled in seen.items():
+                named = {e["episode_id"] for _, episodes in polled.polls for e in episodes}
+                healthy_episodes[host] += len(named)
+    rows = []
+    for host, latencies in found.items():
+        if latencies:
+            stored = [float(x[0]) for x in latencies]
+            evidence = [float(x[1]) for x in latencies]
+            seconds = [x[2] for x in latencies]
+            target = "<= 5 typical, never > 10"
+            rows += [
+                _median_row(f"live {host}: in the store, steps after onset", stored, "steps",
+                            target),
+                _median_row(f"live {host}: first_seen_step - onset", evidence, "steps",
+                            target),
+                _median_row(f"live {host}: in the store, seconds after onset", seconds, "s",
+                            "a few steps' time"),
+            ]  # fmt: skip
+        rows.append({"benchmark": f"live {host}: stragglers named right (worker and cause)",
+                     "value": f"{right[host]}/{runs}", "unit": "runs",
+                     "target": "all"})  # fmt: skip
+        rows.append({"benchmark": f"live {host}: episodes on healthy runs",
+                     "value": healthy_episodes[host], "unit": "episodes", "target": "0",
+                     "runs": repeat * len(HEALTHY)})  # fmt: skip
+    return rows
+
+
+def _median_row(name: str, values: list[float], unit: str, target: str) -> dict:
+    return {
+        "benchmark": name,
+        "value": statistics.median(values),
+        "unit": unit,
+        "target": target,
+        "spread": [min(values), max(values)],
+        "runs": len(values),
+    }
+
+
+def run() -> list[dict]:
+    from lagscope.deploy.kafka_local import KafkaBroker
+
+    repeat = int(os.environ.get("LAGSCOPE_BENCH_LIVE_REPEAT", "1"))
+    with tempfile.TemporaryDirectory(prefix="lagscope-episode-bench-") as tmp:
+        work = Path(tmp)
+        bootstrap = os.environ.get("LAGSCOPE_KAFKA_BOOTSTRAP")
+        if bootstrap:
+            return _measure(bootstrap, work, repeat)
+        with KafkaBroker(work / "kafka", initial_rebalance_delay_ms=3000) as broker:
+            return _measure(broker.bootstrap, work, repeat)

@@ -1,0 +1,177 @@
+"""Following a real torch job live with both hosts, as an on-call engineer meets it: the job
+runs, `lagscope run --follow` and `lagscope stream` -> the real broker -> two `lagscope
+worker`s analyse its logs while it writes them, into one shared store (the ClickHouse HTTP
+interface over chDB, `tests.chdb_http_server`), and the store is polled as Grafana would,
+every quarter second. Used by tests/test_live.py and the episode bench."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lagscope.dashboards.alerts import RULES
+from lagscope.stream_app.sink import ClickHouseSink
+from tests.worker_util import (
+    WorkerProcess,
+    create_topics,
+    start_store_server,
+    start_streamer,
+    start_worker,
+)
+
+EPISODE_RULE = next(rule for rule in RULES if rule.uid == "lagscope-episode-open")
+#: The hosts start before the job and exit this long after its last record (a job's
+#: processes take several seconds to start).
+_HOSTS_IDLE_EXIT_S = 20.0
+
+
+@dataclass
+class Seen:
+    """What one host's store showed over the run."""
+
+    #: (last closed step, episodes rows) at each poll.
+    polls: list[tuple[int, list[dict[str, Any]]]] = field(default_factory=list)
+    #: Last closed step at each poll where the episode alert fired, and its rows.
+    fired: list[tuple[int, list[dict[str, Any]]]] = field(default_factory=list)
+    #: Wall-clock time of each poll (epoch seconds), in the order of `polls`.
+    poll_times: list[float] = field(default_factory=list)
+    #: When each step began (epoch seconds), read from the store at the end.
+    step_starts: dict[int, float] = field(default_factory=dict)
+    #: The job's verdict at the end: cause and summary.
+    verdict: tuple[str, str] = ("", "")
+    #: At the end, the uids of the alert rules that fire for the job.
+    rules_firing: list[str] = field(default_factory=list)
+
+
+def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
+    try:
+        _, rows = sink.query(
+            "SELECT max(step) FROM steps WHERE job_id = {job:String}", {"job": job}
+        )
+        last = int(rows[0][0]) if rows and rows[0][0] is not None else -1
+        names, rows = sink.query(
+            "SELECT episode_id, state, dp_rank, pp_rank, cause, optype, node, onset_step, "
+            "recovery_step, first_seen_step FROM episodes FINAL WHERE job_id = {job:String}",
+            {"job": job},
+        )
+        episodes = [dict(zip(names, row, strict=True)) for row in rows]
+        names, rows = sink.query(EPISODE_RULE.sql)
+        alerts = [dict(zip(names, row, strict=True)) for row in rows]
+    except Exception:  # the tables appear when a host first writes
+        return
+    seen.polls.append((last, episodes))
+    seen.poll_times.append(time.time())
+    firing = [a for a in EPISODE_RULE.firing(alerts) if a["job_id"] == job]
+    if firing:
+        seen.fired.append((last, firing))
+
+
+def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str,
+                knobs: list[str], *, module: str = "tests.torch_jobs.pipeline_1f1b",
+                steps: int = 60) -> dict[str, Seen]:  # fmt: skip
+    """Run the job, both hosts following it, polling the store; returns what each host's
+    database showed."""
+    server = start_store_server(tmp_path / "store")
+    processes: list[WorkerProcess] = []
+    try:
+        databases = {"embedded": server.dsn("live_embedded"), "kafka": server.dsn("live_kafka")}
+        sinks = {name: ClickHouseSink(dsn) for name, dsn in databases.items()}
+        for sink in sinks.values():
+            sink.ensure_schema()
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        create_topics(bootstrap, topics)
+        # The hosts first, as on a cluster where they run before any job: the workers
+        # joined their group and the followers wait for the job's logs.
+        for index in range(2):
+            processes.append(
+                start_worker(
+                    bootstrap,
+                    topics,
+                    tmp_path / f"worker-{index}",
+                    group=job,
+                    exit_when_idle_s=_HOSTS_IDLE_EXIT_S,
+                    dsn=databases["kafka"],
+                )
+            )
+        deadline = time.monotonic() + 120
+        while not all("newly assigned partitions" in p.log() for p in processes):
+            assert all(p.process.poll() is None for p in processes), processes[0].log()[-3000:]
+            assert time.monotonic() < deadline, "the workers joined no group in 120 s"
+            time.sleep(0.2)
+        streaming = start_streamer(
+            bootstrap, topics, logs, tmp_path / "stream", idle_exit_s=_HOSTS_IDLE_EXIT_S
+        )
+        processes.append(streaming)
+        with open(tmp_path / "run.log", "wb") as run_log:
+            following = subprocess.Popen(
+                [sys.executable, "-m", "lagscope.stream_app.cli", "run", "--log-dir",
+                 str(logs), "--follow", "--idle-exit-s", str(_HOSTS_IDLE_EXIT_S), "--dsn",
+                 databases["embedded"]],
+                stdout=run_log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        processes.append(WorkerProcess(following, tmp_path / "run.log"))
+        with open(tmp_path / "job.log", "wb") as job_log:
+            training = subprocess.Popen(
+                [sys.executable, "-m", module, "--log-dir", str(logs), "--job-id", job,
+                 "--steps", str(steps), "--block-ms", "2", *knobs],
+                stdout=job_log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        seen = {name: Seen() for name in databases}
+        while training.poll() is None or any(p.process.poll() is None for p in processes):
+            for name, sink in sinks.items():
+                _poll(sink, job, seen[name])
+            assert time.monotonic() < deadline + 300, "the live run did not end"
+            time.sleep(0.25)
+        assert training.returncode == 0, (tmp_path / "job.log").read_text()[-3000:]
+        for process in processes:
+            assert process.wait(30) == 0, process.log()[-3000:]
+        for name, sink in sinks.items():
+            _poll(sink, job, seen[name])
+            seen[name].verdict = _verdict(sink, job)
+            _, rows = sink.query(
+                "SELECT step, toUnixTimestamp64Milli(ts) / 1000 FROM steps FINAL "
+                "WHERE job_id = {job:String}",
+                {"job": job},
+            )
+            seen[name].step_starts = {int(step): float(at) for step, at in rows}
+            seen[name].rules_firing = _rules_firing(sink, job)
+        return seen
+    finally:
+        for process in processes:
+            if process.process.poll() is None:
+                process.process.kill()
+        server.stop()
+
+
+def _verdict(sink: ClickHouseSink, job: str) -> tuple[str, str]:
+    _, rows = sink.query(
+        "SELECT cause, JSONExtractString(evidence, 'summary') FROM diagnoses FINAL "
+        "WHERE job_id = {job:String} ORDER BY step DESC, version DESC LIMIT 1",
+        {"job": job},
+    )
+    return rows[0]
+
+
+def _rules_firing(sink: ClickHouseSink, job: str) -> list[str]:
+    firing = []
+    for rule in RULES:
+        names, rows = sink.query(rule.sql)
+        found = [dict(zip(names, row, strict=True)) for row in rows]
+        if any(r.get("job_id") == job for r in rule.firing(found)):
+            firing.append(rule.uid)
+    return firing
+
+
+def first_named(seen: Seen, worker: tuple[int, int]) -> tuple[int, float, dict] | None:
+    """The first poll at which an episode named `worker`: the job's last closed step then,
+    the poll's wall-clock time, and the episode's row; None if it never was."""
+    for (last, episodes), at in zip(seen.polls, seen.poll_times, strict=True):
+        for episode in episodes:
+            if (episode["dp_rank"], episode["pp_rank"]) == worker:
+                return last, at, episode
+    return None
