@@ -25,18 +25,24 @@ time
   `onset_z` standard errors (a noisy series needs a larger rise).
 
 A weaker rise, clear of the noise by `confirm_z` only, opens the episode once it has lasted
-`confirm_steps`. Of the kinds that rose at once, the episode is the one that cost most (a
-rank starved of input also waits between its ops: that is the same episode). It stays open
-while the worker is slow and closes at the first of `recovery_steps` steps back below the
-middle of its two levels; the recovery step is the first of those.
+`confirm_steps`; a job whose workers jump that much in more than `quiet_spike_rate` of
+their steps (ranks that lose shared cores in runs of up to 10 steps look like stragglers
+for that long) opens none before `confirm_steps`, and above `busy_spike_rate` none before
+`noisy_steps`. The evidence begins where the worker rose (its first step is past the middle
+of its two levels), and the baselines leave out every episode's steps (a straggler changes
+what its peers do too). Of the kinds that rose at once, the episode is the one that cost
+most (a rank starved of input also starts its next forward late: one episode). It stays
+open while the worker is slow and closes at the first of `recovery_steps` steps back below
+the middle of its two levels; the recovery step is the first of those.
 
-Measured on 88 real 4-rank torch jobs on a shared 2-core machine (DDP and 1F1B pipelines,
-on an emulated accelerator and on real CPU compute; a rank 2x slower in its forward,
-backward, input or host for steps 15-29; tests/data/recorded holds some): 26 healthy runs
-without an episode, 56 of 62 stragglers named with the right kind, onset and recovery
-within 3 steps, 47 of them 4 steps after their onset (the first step it could be seen
-in the store), the rest by 7; the misses are real-CPU DDP ranks whose 2x slower compute
-reads 1.3-1.6x beside the contention of three other ranks on two cores.
+Measured on 183 real 4-rank torch jobs on a shared 2-core machine (DDP and DP 2 x PP 2 1F1B
+pipelines, on an emulated accelerator and on real CPU compute, some with a CPU burner
+beside them; a rank 2x slower in its forward, backward, input or host for steps 15-29;
+tests/data/recorded keeps the 15 hardest): none of the 58 healthy runs has an episode; 115
+of 125 stragglers are named with the right kind (112 with onset and recovery within 3
+steps), 72 of them 4 steps after their onset (the first step they could be), 99 within 7,
+all but one within 10. The misses are real-CPU ranks whose 2x slower ops of a few ms read
+1.3-1.6x beside the contention of three other ranks on two cores.
 
 State (`state_dict` / `from_state`) is plain arrays and numbers: a host snapshots it with
 the rest of its step processor.
@@ -72,7 +78,8 @@ class OnlineEpisodeSettings:
     """When an episode opens and closes. Every value was measured on the 88 real runs of
     the module docstring; a change must be measured there again (`make bench`)."""
 
-    #: Steps of evidence that open a clear episode: 4 opened 4 of 26 healthy runs, 5 none.
+    #: Steps of evidence that open a clear episode: 4 opened an episode on 4 of the first
+    #: 26 healthy runs, 5 on none.
     onset_steps: int = 5
     #: ... and a weaker one (clear of the noise by `confirm_z` only): a 2x slower compute
     #: beside busy peers reads 1.5x; 8 steps keep the healthy runs quiet.

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 
 from lagscope.producers.events import JobInfo, RankIdentity
 from lagscope.simulator.diagnose import Diagnosis
-from lagscope.simulator.episodes import Episode
 from lagscope.stream_app.schema import RANK_IDENTITY_TABLE
 from lagscope.stream_app.sink import SinkBatch
 
@@ -107,11 +106,3 @@ def name_machines(diagnosis: Diagnosis, machines: Mapping[tuple[int, int], str])
     )
     return dataclasses.replace(diagnosis, summary=_WORKER.sub(named, diagnosis.summary),
                                advice=advice)  # fmt: skip
-
-
-def name_episode_machines(
-    episodes: list[Episode], machines: Mapping[tuple[int, int], str]
-) -> list[Episode]:
-    """`name_machines` applied to each episode's diagnosis."""
-    return [dataclasses.replace(e, diagnosis=name_machines(e.diagnosis, machines))
-            for e in episodes]  # fmt: skip

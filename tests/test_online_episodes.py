@@ -1,0 +1,136 @@
+"""Online episodes: planted stragglers found with their bounds a few steps after their onset,
+noise and machine-wide slowdowns left alone, state saved and restored mid-episode, and the
+decisions unchanged by the units the seconds are in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lagscope.simulator.fields import FieldErrors
+from lagscope.simulator.online_episodes import (
+    HOST,
+    OnlineEpisodes,
+    OnlineEpisodeSettings,
+)
+
+KINDS = ("backward-compute", "forward-compute", "input-wait", HOST)
+N_STAGES, N_DP, N_STEPS = 2, 4, 60
+LEVELS = np.array([0.060, 0.030, 0.002, 0.040])  # seconds per step of each kind
+
+
+def _job(seed: int, jitter: float = 0.03) -> np.ndarray:
+    """[step, kind, stage, dp] own seconds of a healthy job: each worker at its kind's
+    level, log-normal jitter, a rare lost core (a single step 2x slower)."""
+    rng = np.random.default_rng(seed)
+    shape = (N_STEPS, len(KINDS), N_STAGES, N_DP)
+    values = LEVELS[None, :, None, None] * rng.lognormal(0.0, jitter, shape)
+    lost = rng.random((N_STEPS, 1, N_STAGES, N_DP)) < 0.02
+    return np.where(lost, 2 * values, values)
+
+
+def _run(values: np.ndarray, settings_: OnlineEpisodeSettings | None = None) -> OnlineEpisodes:
+    detector = OnlineEpisodes(KINDS, N_STAGES, N_DP, settings_)
+    step_time = values.sum(axis=(1, 3)).max(axis=1)
+    for step in range(values.shape[0]):
+        detector.update(step, values[step], float(step_time[step]))
+    return detector
+
+
+@pytest.mark.parametrize("kind", range(len(KINDS)))
+@pytest.mark.parametrize("seed", range(3))
+def test_a_planted_straggler_is_found_with_its_bounds_four_steps_after_its_onset(
+    kind: int, seed: int
+) -> None:
+    values = _job(seed)
+    factor = 2.0 if KINDS[kind] != "input-wait" else 15.0
+    values[20:35, kind, 1, 2] *= factor  # worker (dp 2, pp 1), steps 20-34
+    detector = _run(values)
+    (episode,) = detector.episodes
+    assert (episode.dp, episode.stage, episode.kind) == (2, 1, KINDS[kind])
+    assert episode.onset == 20 and episode.recovery == 35
+    assert episode.first_seen == 24  # 5 steps of evidence: the onset's and 4 more
+    assert episode.level_inside == pytest.approx(factor * episode.level_before, rel=0.1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_healthy_job_has_no_episode(seed: int) -> None:
+    assert _run(_job(seed, jitter=0.08)).episodes == []
+
+
+def test_the_whole_machine_slowing_down_is_no_one_s_episode() -> None:
+    values = _job(7)
+    values[25:40] *= 2.0  # every worker, every kind: the machine's load
+    assert _run(values).episodes == []
+
+
+def test_a_worker_that_loses_its_core_now_and_then_is_no_straggler() -> None:
+    values = _job(8)
+    # Every other step of 20, the worker's forward 2x slower: quick again in between.
+    values[20:40:2, 1, 0, 1] *= 2.0
+    assert _run(values).episodes == []
+
+
+def test_a_short_stretch_of_a_noisy_job_waits_for_more_evidence() -> None:
+    """A job whose workers jump often (shared cores) needs `noisy_steps` of evidence: a
+    9-step stretch as slow as a straggler is no episode there, on a quiet job it is."""
+    stretch = slice(30, 39)
+    quiet = _job(9)
+    quiet[stretch, 1, 0, 0] *= 2.0
+    assert len(_run(quiet).episodes) == 1
+    noisy = _job(9)
+    rng = np.random.default_rng(9)
+    jumps = rng.random(noisy.shape) < 0.3
+    noisy = np.where(jumps, 2.0 * noisy, noisy)
+    noisy[stretch, 1, 0, 0] = 2.0 * _job(9)[stretch, 1, 0, 0]
+    assert _run(noisy).episodes == []
+
+
+def test_the_costliest_kind_of_a_worker_is_its_one_episode() -> None:
+    """An input-starved rank also starts its next forward late (its host time rises):
+    one episode, of the kind that cost the most."""
+    values = _job(10)
+    values[20:35, 2, 0, 3] += 0.050  # input wait: +50 ms
+    values[20:35, 3, 0, 3] += 0.030  # host: +30 ms
+    (episode,) = _run(values).episodes
+    assert episode.kind == "input-wait"
+
+
+def test_state_round_trips_mid_episode() -> None:
+    values = _job(11)
+    values[20:35, 0, 0, 0] *= 2.0
+    whole = _run(values)
+    first = OnlineEpisodes(KINDS, N_STAGES, N_DP)
+    step_time = values.sum(axis=(1, 3)).max(axis=1)
+    for step in range(27):
+        first.update(step, values[step], float(step_time[step]))
+    resumed = OnlineEpisodes.from_state(first.state_dict())
+    assert resumed.open_episodes() and resumed.open_episodes()[0].onset == 20
+    for step in range(27, N_STEPS):
+        resumed.update(step, values[step], float(step_time[step]))
+    assert resumed.episodes == whole.episodes
+
+
+@settings(max_examples=20, deadline=None)
+@given(scale=st.floats(0.001, 1000.0))
+def test_decisions_do_not_depend_on_the_unit_of_time(scale: float) -> None:
+    values = _job(12)
+    values[15:30, 1, 1, 0] *= 2.0
+    baseline = [(e.dp, e.stage, e.kind, e.onset, e.recovery) for e in _run(values).episodes]
+    scaled = [(e.dp, e.stage, e.kind, e.onset, e.recovery) for e in _run(values * scale).episodes]
+    assert scaled == baseline
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(FieldErrors, match="onset_steps: must be at least 2"):
+        OnlineEpisodeSettings(onset_steps=1)
+    with pytest.raises(FieldErrors, match="confirm_steps: must be at least onset_steps"):
+        OnlineEpisodeSettings(onset_steps=6, confirm_steps=5)
+
+
+def test_signals_of_another_shape_are_refused() -> None:
+    detector = OnlineEpisodes(KINDS, N_STAGES, N_DP)
+    with pytest.raises(ValueError, match="shape"):
+        detector.update(0, np.zeros((len(KINDS), N_STAGES, N_DP + 1)), 0.1)
