@@ -391,8 +391,9 @@ def report_data(
         episode_worker_slowdown=episode_scores,
         refresh_s=refresh_s,
         last_step=job.last_step,
-        last_step_closed_at=time.time(),
+        last_step_closed_at=job.last_step_closed_at,
         last_step_started_at=totals.last_step_start_ns / 1e9 if totals.last_step_start_ns else None,
+        worker_machines=job.machines,
     )
 
 

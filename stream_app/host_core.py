@@ -186,6 +186,10 @@ class JobReport:
     episode_states: list[EpisodeState]
     changes: list[DetectedChange]
     incomplete_steps: list[tuple[int, tuple[tuple[int, int], ...]]]
+    #: The machine of each (dp, pp) worker, where its rank's record said.
+    machines: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: When this host closed the job's last step (epoch seconds).
+    last_step_closed_at: float | None = None
 
     @property
     def steps(self) -> int:
@@ -250,8 +254,10 @@ class HostCore:
         #: Per job, what summaries and reports show beyond the processor's own state.
         self.changes: dict[tuple[str, int], list[DetectedChange]] = {}
         self.incomplete: dict[tuple[str, int], list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
-        #: Per job, when its last step closed (this host's clock), for idle conclusions.
+        #: Per job, when its last step closed (this host's clock), for idle conclusions,
+        #: and in wall-clock time, for a report's "last step closed at".
         self.last_closed_at: dict[tuple[str, int], float] = {}
+        self.last_closed_wall: dict[tuple[str, int], float] = {}
         #: Per job, the last step a conclusion covered.
         self.concluded_step: dict[tuple[str, int], int] = {}
         self.counters: dict[str, int] = {"ops": 0, "steps_written": 0, "steps_already_stored": 0}
@@ -348,6 +354,7 @@ class HostCore:
         for out in outputs:
             key = (out.job_id, out.attempt)
             self.last_closed_at[key] = now
+            self.last_closed_wall[key] = time.time()
             if out.changes:
                 changes = self.changes.setdefault(key, [])
                 changes.extend(out.changes)
@@ -515,6 +522,8 @@ class HostCore:
             states,
             list(self.changes.get(key, [])),
             list(self.incomplete.get(key, [])),
+            dict(machines),
+            self.last_closed_wall.get(key),
         )
 
     # -- state --------------------------------------------------------------------------
