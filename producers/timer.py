@@ -22,17 +22,28 @@ derived from start times when the step is sealed, so call sites never pass it.
 Hot path (host mode): `op()` looks the name up in a dict, takes a scope object from a
 free list, and the scope appends one 6-tuple of ints to a list on exit (measured the
 cheapest container: `list.append` of a tuple costs ~20 ns, `array.extend` with the same
-tuple several hundred); no lock, no I/O. `step(s)` hands the step's
-buffer to a background thread, which converts `perf_counter_ns` stamps to wall-clock ns
-(`time.time_ns` anchor taken at start and refreshed at every seal), derives seq ids, encodes
-one rank-step batch per step (producers.events) and appends it to the local log
-(producers.log), whose own thread writes it. `list.append` is atomic under the GIL, so
-ops recorded from other threads (or the GC callback) never interleave fields. The one
-per-op allocation is that tuple (it also counts toward gen-0 GC thresholds: one cheap
-young collection per ~700 ops, which the GC probe reports like any other).
+tuple several hundred); no lock, no I/O. `step(s)` hands the steps recorded so far to
+the one background thread, the sealer, which converts `perf_counter_ns` stamps to
+wall-clock ns (`time.time_ns` anchor taken at start and refreshed at every seal), derives
+seq ids, encodes one rank-step batch per step (the bytes of producers.events'
+`encode_batch`) and writes them to the local log (producers.log) in one `write`.
+`list.append` is atomic under the GIL, so ops recorded from other threads (or the GC
+callback) never interleave fields. The one per-op allocation is that tuple (it also counts
+toward gen-0 GC thresholds: one cheap young collection per ~700 ops, which the GC probe
+reports like any other).
+
+The sealer's CPU is the monitor's cost beyond the hot path, so it is kept to a wake and a
+write per seal plus the steps' encoding (`make bench`: ~15-35 us per rank-step of ~20 ops,
+on a shared 2-core box): short steps are handed over ~20 at a time (the log lags the job by
+at most 2 s, twice that while the node's cores are all busy), and a step whose ops repeat
+an earlier step's sequence reuses everything but its times (`_SealEncoder`). The sealer
+keeps the job's own scheduling priority: a lower one (nice 19, SCHED_IDLE) slowed the job
+down on a saturated machine, as the low-priority thread, preempted while it held the
+interpreter lock, kept the training thread waiting for it (`make bench`, torch module).
 
 `mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
-names are still checked (a typo fails on every rank alike), nothing is timed or written.
+names are still checked (a typo fails on every rank alike), nothing is timed or written,
+and no thread is started.
 
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
@@ -81,20 +92,25 @@ Megatron-LM integration (megatron/core, which call sites map to which op types):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
-import itertools
 import logging
 import operator
-import queue
+import os
+import struct
 import threading
 import time
+import zlib
+from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from lagscope.producers.events import JobInfo, StepEncoder
+from lagscope.producers.events import _HEADER as _BATCH_HEADER
+from lagscope.producers.events import _TRAILER as _BATCH_TRAILER
+from lagscope.producers.events import BATCH_MAGIC, BATCH_VERSION, JobInfo, StepEncoder
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
 from lagscope.simulator.optypes import GC_PAUSE, KNOWN_OPTYPES
 
@@ -171,8 +187,22 @@ def _wall_minus_perf_ns() -> int:
     return best[1]
 
 
-#: How long the sealer waits for a step to end before it takes the steps that did end.
+#: How long the sealer waits for a step to end before it takes the steps that did end (at
+#: least; twice the seal interval when that is longer).
 _STALL_SEAL_S = 1.0
+#: Short steps are handed to the sealer this many at a time: each hand-over wakes it, and a
+#: seal costs a wake and a write besides its steps' encoding (on the shared 2-core box of
+#: `make bench`: a thread wake 15-80 us of CPU, a 22-op step ~13 us to encode and frame).
+_STEPS_PER_SEAL = 20
+#: ... but the log never lags the job by more than this (the live analysis reads it; its
+#: lateness timeout is 30 s by default).
+_MAX_SEAL_INTERVAL_S = 2.0
+#: While every core of the node is busy, seals are rarer still (this many times fewer
+#: wakes, and as many times the lag): each wake is a thread the scheduler has to fit
+#: between the job's.
+_SATURATED_STRETCH = 2
+#: How often the sealer looks at the node's load (`os.getloadavg`).
+_LOAD_CHECK_S = 5.0
 
 
 class _NullScope:
@@ -248,30 +278,48 @@ class OpTimer:
             job_id=job_id, attempt=attempt, rank=rank, dp_rank=dp_rank, pp_rank=pp_rank,
             tp_rank=tp_rank, cp_rank=cp_rank, optype_names=self.optype_names,
         )  # fmt: skip
-        self._writer = LogWriter(log_dir, rank, flush_interval_s=flush_interval_s)
+        self._seal_encoder = _SealEncoder(self._encoder, len(self.optype_names))
+        # No writer thread: the sealer thread writes what it encoded (one wake per seal).
+        self._writer = LogWriter(log_dir, rank, background=False)
         if job_info is not None:
             self._writer.append(KIND_JOB, job_info.model_dump_json().encode())
+            self._writer.flush()  # at start-up, on the caller's thread: not the hot path
         self._current_step = 0
         self._buffer: list[tuple[tuple[int, int, int, int], int, int]] = []
         self._free_scopes: list[_OpScope] = []
         self._free_scopes.extend(_OpScope(self) for _ in range(8))
         self._wall_offset_ns = _wall_minus_perf_ns()
-        # seq counters per (step, code), kept for the steps still being sealed.
-        self._seq_counters: dict[tuple[int, int], int] = {}
+        # seq counters per step (one count per op type code), kept for the steps still
+        # being sealed.
+        self._seq_counts: dict[int, tuple[int, ...]] = {}
+        #: Held while ops are encoded and written (the sealer, flush(), the CUDA resolver).
         self._lock = threading.Lock()
         self._closed = False
         self.batches_written = 0
-        # Steps' ops travel to the sealer thread, which encodes and writes them (one list
-        # per seal; None stops it): the training thread pays a list copy and a put per
-        # hand-over (every step, or every few short ones).
-        self._sealing: queue.Queue[list[Any] | None] = queue.Queue()
+        #: Rounds of the sealer that wrote something (a seal: every few short steps).
+        self.seals = 0
+        # Steps' ops travel to the sealer thread, which encodes and writes them: the
+        # training thread pays a list copy, an append and a lock release per hand-over
+        # (every step, or every few short ones), and the sealer wakes once per hand-over.
+        self._pending: deque[list[_Op]] = deque()
+        #: Released to wake the sealer (a lock as a binary semaphore: waking a thread
+        #: blocked on a plain lock costs less CPU than a Condition or a Queue).
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self._stopping = False
+        self._min_seal_interval_s = flush_interval_s
         self._seal_interval_s = flush_interval_s
+        #: Set by the sealer while the node's cores are all busy (see `_check_load`).
+        self.saturated = False
         self._handed_over_at = time.monotonic()
+        self._paced_step = 0
         self._hand_over_lock = threading.Lock()
-        self._sealer = threading.Thread(
-            target=self._seal_loop, name=f"lagscope-sealer-{rank}", daemon=True
-        )
-        self._sealer.start()
+        self._sealer: threading.Thread | None = None
+        if mode != "off":
+            self._sealer = threading.Thread(
+                target=self._seal_loop, name=f"lagscope-sealer-{rank}", daemon=True
+            )
+            self._sealer.start()
         self._cuda: _CudaTimer | None = None
         if mode == "cuda" or (mode == "auto" and _cuda_available()):
             self._cuda = _CudaTimer(self, calibrate_every_s)
@@ -423,23 +471,35 @@ class OpTimer:
         to the log."""
         if not 0 <= step < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT)
-        # Steps shorter than the log's flush interval are handed over a few at a time: each
-        # hand-over wakes the sealer, whose Python work then competes with the training
-        # thread for the interpreter and the cores, and the log would hold the steps until
-        # its next flush anyway.
-        if time.monotonic() - self._handed_over_at >= self._seal_interval_s:
+        # Short steps are handed over several at a time: each hand-over wakes the sealer,
+        # whose work then competes with the training thread for the interpreter and the
+        # cores.
+        now = time.monotonic()
+        elapsed = now - self._handed_over_at
+        if elapsed >= self._seal_interval_s:
+            self._handed_over_at = now
+            self._pace(step, elapsed)
             self._hand_over()
         self._current_step = step
+
+    def _pace(self, step: int, elapsed: float) -> None:
+        """The next hand-over's interval: `_STEPS_PER_SEAL` steps at the pace of the steps
+        since the last one, at least `flush_interval_s`, at most `_MAX_SEAL_INTERVAL_S`;
+        `_SATURATED_STRETCH` times both while the node's cores are all busy."""
+        steps = max(1, step - self._paced_step)
+        self._paced_step = step
+        stretch = _SATURATED_STRETCH if self.saturated else 1
+        interval = min(_MAX_SEAL_INTERVAL_S, elapsed / steps * _STEPS_PER_SEAL) * stretch
+        self._seal_interval_s = max(self._min_seal_interval_s, interval)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Seal everything recorded so far and wait until it is in the log file."""
+        """Seal everything recorded so far and write it to the log file (on this thread)."""
         if self._cuda is not None:
             self._cuda.drain()
-        self._hand_over()
-        self._sealing.join()
-        self._writer.flush()
+        self._hand_over(wake=False)
+        self._seal_pending()
 
     def close(self) -> None:
         if self._closed:
@@ -450,8 +510,11 @@ class OpTimer:
         if self._cuda is not None:
             self._cuda.stop()
         self._closed = True
-        self._sealing.put(None)
-        self._sealer.join()
+        self._stopping = True
+        if self._sealer is not None:
+            self._wake_sealer()
+            self._sealer.join()
+        self.flush()  # what other threads (a comm callback) recorded meanwhile
         self._writer.close()
 
     def __enter__(self) -> OpTimer:
@@ -480,7 +543,7 @@ class OpTimer:
             self._buffer.append((head, self._gc_start, end - self._gc_start))
             self._gc_start = 0
 
-    def _hand_over(self, finished_steps_only: bool = False) -> None:
+    def _hand_over(self, finished_steps_only: bool = False, wake: bool = True) -> None:
         """Give what was recorded so far to the sealer thread (with `finished_steps_only`,
         the leading ops of steps before the current one).
 
@@ -500,84 +563,214 @@ class OpTimer:
                 if not taken:
                     return
             del buffer[: len(taken)]
-            self._handed_over_at = time.monotonic()
-        self._sealing.put(taken)
+            self._pending.append(taken)
+        if wake:
+            self._wake_sealer()
+
+    def _wake_sealer(self) -> None:
+        # Awake already (released): it takes everything pending before it sleeps again.
+        with contextlib.suppress(RuntimeError):
+            self._wake.release()
 
     def _seal_loop(self) -> None:
+        last_load_check = -_LOAD_CHECK_S  # at the first wake: a job starts on a busy node too
         while True:
+            # Woken by a hand-over; else, after a while, by no step ending (a hung job, or
+            # long steps): the steps that did end must reach the log, not wait in memory.
+            stall_s = max(_STALL_SEAL_S, 2 * self._seal_interval_s)
+            if not self._wake.acquire(timeout=stall_s) and not self._stopping:
+                self._hand_over(finished_steps_only=True, wake=False)
             try:
-                taken = self._sealing.get(timeout=_STALL_SEAL_S)
-            except queue.Empty:
-                # No step ended for a while (a job hung, or very long steps): the steps that
-                # did end must reach the log, not wait in memory for the next step.
-                self._hand_over(finished_steps_only=True)
-                continue
-            try:
-                if taken is None:
-                    return
-                with self._lock:
-                    self._write_batches(taken)
-                    self._wall_offset_ns = _wall_minus_perf_ns()
+                self._seal_pending()
             except Exception:
-                # A batch that cannot be encoded is lost, never the thread: later steps
+                # A batch that cannot be written is lost, never the thread: later steps
                 # and flush() must keep working.
                 log.exception("lagscope timer on rank %d could not write a batch", self.rank)
-            finally:
-                self._sealing.task_done()
+            if self._stopping:
+                return
+            now = time.monotonic()
+            if now - last_load_check >= _LOAD_CHECK_S:
+                last_load_check = now
+                self.saturated = _node_saturated()
 
-    def _write_batches(self, ops: list[_Op]) -> None:
+    def _seal_pending(self) -> None:
+        """Encode the ops handed over and write them to the log, on this thread."""
+        with self._lock:
+            if not self._pending:
+                return
+            while self._pending:
+                taken = self._pending.popleft()
+                try:
+                    self._write_batches(taken)
+                except Exception:
+                    log.exception("lagscope timer on rank %d could not encode a batch", self.rank)
+            self._writer.flush()
+            self.seals += 1
+            self._wall_offset_ns = _wall_minus_perf_ns()
+
+    def _write_batches(self, ops: Sequence[_Op]) -> None:
         """Encode `ops` into one batch per step (more where a step exceeds
-        MAX_OPS_PER_BATCH) and append them to the log.
+        MAX_OPS_PER_BATCH) and append them to the log (written at the next flush).
 
-        Plain Python, no numpy: this runs beside the training thread on the same cores,
-        and a step's few dozen ops cost less as list work than as array calls, whose code
-        the training's own work has evicted from the caches by the next step.
+        Plain Python, no numpy, and column-wise: the ops are put in (step, start) order
+        and split into columns by C-level calls (`sorted` with a C key, `zip`), and a step
+        whose op types come in the same order as an earlier step's reuses that step's seq
+        ids (`_SealEncoder`): the only Python code per op adds the wall-clock offset.
+        This runs beside the training thread on the same cores, and a step's few dozen
+        ops cost less as list work than as array calls, whose code the training's own work
+        has evicted from the caches by the next step.
         """
-        # (step, start) order: seq is the order of starts within (step, op type).
-        ops = sorted(ops, key=_step_and_start)
-        counters = self._seq_counters
+        n = len(ops)
+        if not n:
+            return
+        # (step, start) order: seq is the order of starts within (step, op type). Ops are
+        # appended when they end, so nested or asynchronous ones arrive out of order; a
+        # later step's ops start later, but for ops given their step explicitly.
+        heads, starts, durations = zip(*sorted(ops, key=_START), strict=True)
+        codes, steps, microbatches, chunks = zip(*heads, strict=True)
+        if not _ascending(steps):
+            pick = operator.itemgetter(*sorted(range(n), key=steps.__getitem__))  # stable
+            codes, steps, microbatches = pick(codes), pick(steps), pick(microbatches)
+            chunks, starts, durations = pick(chunks), pick(starts), pick(durations)
         offset = self._wall_offset_ns
-        for step, in_step in itertools.groupby(ops, key=_step_of):
-            step_ops = list(in_step)
-            for part in range(0, len(step_ops), MAX_OPS_PER_BATCH):
-                codes, microbatches, chunks, seqs, starts, durations = [], [], [], [], [], []
-                for (code, _, microbatch, chunk), start, duration in step_ops[
-                    part : part + MAX_OPS_PER_BATCH
-                ]:
-                    key = (step, code)
-                    seq = counters.get(key, 0)
-                    counters[key] = seq + 1
-                    codes.append(code)
-                    microbatches.append(microbatch)
-                    chunks.append(chunk)
-                    seqs.append(seq)
-                    starts.append(start + offset)
-                    durations.append(duration)
-                encoded = self._encoder.encode(
-                    step, codes, microbatches, chunks, seqs, starts, durations
-                )
-                self._writer.append(KIND_BATCH, encoded)
+        starts = [start + offset for start in starts]  # perf_counter ns -> wall-clock ns
+        counts_by_step = self._seq_counts
+        encode = self._seal_encoder.encode
+        append = self._writer.append
+        limit = MAX_OPS_PER_BATCH
+        low = 0
+        while low < n:
+            step = steps[low]
+            high = bisect_right(steps, step, low)
+            for part in range(low, high, limit):
+                end = min(high, part + limit)
+                encoded, counts_by_step[step] = encode(
+                    step, codes[part:end], microbatches[part:end], chunks[part:end],
+                    starts[part:end], durations[part:end], counts_by_step.get(step),
+                )  # fmt: skip
+                append(KIND_BATCH, encoded)
                 self.batches_written += 1
+            low = high
         # Forget counters of steps well behind the current one (bounded memory).
-        if len(counters) > 4096:
+        if len(counts_by_step) > 64:
             horizon = self._current_step - 16
-            self._seq_counters = {k: v for k, v in counters.items() if k[0] >= horizon}
+            self._seq_counts = {k: v for k, v in counts_by_step.items() if k >= horizon}
 
 
 #: An op as the hot path appends it: ((code, step, microbatch, chunk), start, duration).
 _Op = tuple[tuple[int, int, int, int], int, int]
 
 
-def _step_and_start(op: _Op) -> tuple[int, int]:
-    return op[0][1], op[1]
+def _node_saturated() -> bool:
+    """Whether every core of the node is busy: the 1-minute load average at least the
+    number of cores (False where the platform has no load average)."""
+    try:
+        return os.getloadavg()[0] >= (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
-def _step_of(op: _Op) -> int:
-    return op[0][1]
+def _ascending(values: Sequence[int]) -> bool:
+    # A C-level sort of sorted values is one comparison each: 3x cheaper than a
+    # pairwise `all(map(operator.le, ...))`.
+    return list(values) == sorted(values)
 
 
-def owner_lock(timer: OpTimer) -> threading.Lock:
-    return timer._lock
+#: An op's start (`_Op`), as a C-level sort key.
+_START = operator.itemgetter(1)
+
+
+#: How the ops of one step are encoded but for their times (`_SealEncoder._plan`): the
+#: op type counts after them, the job id + dictionary + padding, the number of names, the
+#: columns that follow the times (seq, micro-batch, chunk, wire op type codes) as bytes, and
+#: the Struct that packs the times.
+_Plan = tuple[tuple[int, ...], bytes, int, bytes, struct.Struct]
+
+
+class _SealEncoder:
+    """One step's ops as the bytes `StepEncoder.encode` (and `encode_batch`) gives them
+    (tests/test_timer.py checks that byte for byte), for several times less CPU.
+
+    The batch layout is producers.events' (its header and trailer structs, its magic and
+    version). What differs is how the bytes are made. A job's steps repeat one sequence of
+    ops (a schedule: the same op types, micro-batches and chunks in the same order), and
+    everything but the times follows from that sequence alone: each op's seq id, the op type
+    dictionary of the codes used with the padding after it, and the seq, micro-batch, chunk
+    and op type columns. That is worked out once per sequence and kept (`_plan`), so a step
+    packs only its start and duration columns (one `struct` pack) and joins them with the
+    header and the kept bytes.
+    """
+
+    def __init__(self, encoder: StepEncoder, n_codes: int) -> None:
+        # The identity and the names StepEncoder checked and prepared.
+        self._job = encoder._job
+        self._identity = encoder._identity
+        self._entries = encoder._entries
+        self._name_order = encoder._name_order
+        self._no_counts = (0,) * n_codes
+        self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
+        self._times: dict[int, struct.Struct] = {}
+
+    def _plan(
+        self,
+        codes: tuple[int, ...],
+        microbatch: tuple[int, ...],
+        chunk: tuple[int, ...],
+        counts: tuple[int, ...],
+    ) -> _Plan:
+        seqs = []
+        after = list(counts)
+        for code in codes:
+            seqs.append(after[code])
+            after[code] += 1
+        used = sorted(set(codes), key=self._name_order.__getitem__)
+        table = bytearray(256)
+        for place, code in enumerate(used):
+            table[code] = place
+        names = b"".join(self._entries[code] for code in used)
+        size = _BATCH_HEADER.size + len(self._job) + len(names)
+        n = len(codes)
+        times = self._times.get(n)
+        if times is None:
+            # Little-endian whatever the platform, as the wire's columns.
+            times = struct.Struct(f"<{2 * n}q")
+            if len(self._times) < 256:
+                self._times[n] = times
+        rest = struct.pack(f"<{2 * n}i{n}h", *seqs, *microbatch, *chunk)
+        return (tuple(after), self._job + names + bytes(-size % 8), len(used),
+                rest + bytes(codes).translate(table), times)  # fmt: skip
+
+    def encode(
+        self,
+        step: int,
+        codes: tuple[int, ...],
+        microbatch: tuple[int, ...],
+        chunk: tuple[int, ...],
+        start_ns: Sequence[int],
+        duration_ns: tuple[int, ...],
+        counts: tuple[int, ...] | None = None,
+    ) -> tuple[bytes, tuple[int, ...]]:
+        """One step's batch, and the op type counts after it (pass them back as `counts`
+        for a later batch of the same step: its seq ids continue from them). `codes` index
+        the timer's op type names; a value out of its column's range raises struct.error."""
+        if counts is None:  # the step's first batch: the common case, planned once
+            key = (codes, microbatch, chunk)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan(codes, microbatch, chunk, self._no_counts)
+                if len(self._plans) < 256:  # a job has a few schedules: bounded anyway
+                    self._plans[key] = plan
+        else:
+            plan = self._plan(codes, microbatch, chunk, counts)
+        after, tail, n_names, rest, times = plan
+        body = b"".join((
+            _BATCH_HEADER.pack(BATCH_MAGIC, BATCH_VERSION, 0, len(codes), *self._identity,
+                               step, len(self._job), n_names),
+            tail,
+            times.pack(*start_ns, *duration_ns),
+            rest,
+        ))  # fmt: skip
+        return body + _BATCH_TRAILER.pack(zlib.crc32(body)), after
 
 
 def _cuda_available() -> bool:
@@ -691,8 +884,8 @@ class _CudaTimer:
         if not done:
             return
         self._resolved = [op for op in resolved if cutoff is not None and op[0][1] >= cutoff]
-        with owner_lock(self._owner):
-            self._owner._write_batches(done)
+        self._owner._pending.append(done)
+        self._owner._seal_pending()  # on this thread: the sealer is not woken for it
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait (off the hot path: at flush/close) for pending events; write everything."""

@@ -7,6 +7,7 @@ import os
 import struct
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,6 +64,36 @@ def test_resume_from_any_position_yields_exactly_the_rest(tmp_path: Path) -> Non
         while batch := reader.read(max_bytes=1000):
             rest.extend(batch)
         assert _records(rest) == payloads[cut + 1 :]
+
+
+def test_a_writer_without_its_thread_writes_on_flush_in_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`background=False` (the timer's sealer writes itself): nothing reaches the file until
+    flush(), which writes every queued record in one `write` call, on the caller's thread;
+    a failed write is raised by that flush and every later one."""
+    import threading
+
+    threads = threading.active_count()
+    writer = LogWriter(tmp_path, rank=4, background=False)
+    assert threading.active_count() == threads
+    payloads = _payloads(5)
+    for p in payloads:
+        writer.append(KIND_BATCH, p)
+    assert list(read_all(rank_dir(tmp_path, 4))) == []
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: (writes.append(fd), real_write(fd, data))[1])
+    writer.flush()
+    assert len(writes) == 1
+    assert _records(list(read_all(rank_dir(tmp_path, 4)))) == payloads
+    os.close(writer._fd)  # type: ignore[arg-type]
+    writer.append(KIND_BATCH, b"lost")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="failed") as failed:
+            writer.flush()
+        assert isinstance(failed.value.__cause__, OSError)
+    writer._fd = None
 
 
 def test_tailing_sees_records_as_they_are_appended(tmp_path: Path) -> None:

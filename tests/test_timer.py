@@ -8,10 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lagscope.producers.events import JobInfo, decode_batch
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, Record, rank_dir, read_all
 from lagscope.producers.timer import OpTimer, UnknownOpTypeError
+from lagscope.simulator.optypes import KNOWN_OPTYPES
 
 
 def _batches(log_dir: Path, rank: int):
@@ -207,9 +210,6 @@ def test_short_steps_are_sealed_together_and_a_stalled_job_still_gets_its_steps_
     finished are in the log within seconds, and the unfinished one is not."""
     timer = _timer(tmp_path, flush_interval_s=0.5)
     try:
-        seals = []
-        put = timer._sealing.put
-        timer._sealing.put = lambda item: (seals.append(item), put(item))  # type: ignore[method-assign]
         for step in range(30):
             timer.step(step)
             for mb in range(2):
@@ -218,7 +218,7 @@ def test_short_steps_are_sealed_together_and_a_stalled_job_still_gets_its_steps_
         timer.step(30)
         with timer.op("forward-compute", microbatch=0):
             pass
-        assert len(seals) < 10  # 30 steps of ~2 ms: sealed a few times, not 30
+        assert timer.seals < 10  # 30 steps of ~2 ms: sealed a few times, not 30
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             steps = [b.step for b in _batches(tmp_path, 3)]
@@ -230,6 +230,50 @@ def test_short_steps_are_sealed_together_and_a_stalled_job_still_gets_its_steps_
     finally:
         timer.close()
     assert [b.step for b in _batches(tmp_path, 3)][-1] == 30
+
+
+def test_one_background_thread_writes_the_log_and_off_ranks_start_none(tmp_path: Path) -> None:
+    """The sealer encodes and writes (a second thread, a log writer, would cost a second
+    wake per seal); a rank in "off" mode records nothing and starts no thread."""
+    import threading
+
+    def ours() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("lagscope-"))
+
+    before = ours()
+    info = JobInfo(job_id="job", dp_size=2, pp_size=4, world_size=8)
+    with _timer(tmp_path, job_info=info) as timer:
+        assert ours() == sorted([*before, "lagscope-sealer-3"])
+        # The job record is in the file at once, not at the first seal.
+        records = [r for r in read_all(rank_dir(tmp_path, 3)) if isinstance(r, Record)]
+        assert [r.kind for r in records] == [KIND_JOB]
+        timer.step(0)
+        with timer.op("forward-compute"):
+            pass
+    assert ours() == before
+    with _timer(tmp_path / "off", mode="off", job_info=info) as off:
+        assert ours() == before
+        off.step(0)
+    assert ours() == before
+
+
+def test_seals_follow_the_step_pace_and_stretch_on_a_saturated_node(tmp_path: Path) -> None:
+    """20 steps per seal at the steps' own pace, within [flush_interval_s, 2 s]; twice that
+    while the node's cores are all busy."""
+    with _timer(tmp_path, flush_interval_s=0.2) as timer:
+        timer._pace(10, 1.0)  # 10 steps of 0.1 s
+        assert timer._seal_interval_s == pytest.approx(2.0)
+        timer._pace(20, 0.2)  # 10 steps of 0.02 s
+        assert timer._seal_interval_s == pytest.approx(0.4)
+        timer._pace(21, 0.001)  # shorter than the flush interval allows
+        assert timer._seal_interval_s == pytest.approx(0.2)
+        timer._pace(22, 30.0)  # one long step: each step handed over as it ends
+        assert timer._seal_interval_s == pytest.approx(2.0)
+        timer.saturated = True
+        timer._pace(32, 1.0)
+        assert timer._seal_interval_s == pytest.approx(4.0)
+        timer._pace(42, 0.2)
+        assert timer._seal_interval_s == pytest.approx(0.8)
 
 
 def test_off_mode_checks_names_but_writes_nothing(tmp_path: Path) -> None:
@@ -372,3 +416,103 @@ class TestValidation:
             pass
         timer.close()
         assert timer.batches_written == 1
+
+
+# -- the sealer's encoding: byte for byte the reference's ---------------------------------
+
+_IDENTITY = dict(job_id="job-é", attempt=2, rank=3, dp_rank=1, pp_rank=2, tp_rank=0, cp_rank=0)
+_OFFSET = 1_700_000_000_000_000_000
+
+
+def _reference(names: tuple[str, ...], seals: list[list]) -> list[bytes]:
+    """What the timer wrote before its sealer was made cheaper: ops in (step, start) order,
+    seq counted per (step, op type) across seals, one StepEncoder batch per step and seal
+    (StepEncoder writes encode_batch's bytes: tests/test_events.py)."""
+    import itertools
+
+    from lagscope.producers.events import StepEncoder
+
+    encoder = StepEncoder(**_IDENTITY, optype_names=names)
+    counters: dict[tuple[int, int], int] = {}
+    out = []
+    for ops in seals:
+        ordered = sorted(ops, key=lambda op: (op[0][1], op[1]))
+        for step, in_step in itertools.groupby(ordered, key=lambda op: op[0][1]):
+            columns: list[list[int]] = [[], [], [], [], [], []]
+            for (code, _, microbatch, chunk), start, duration in in_step:
+                seq = counters.get((step, code), 0)
+                counters[(step, code)] = seq + 1
+                for column, value in zip(
+                    columns, (code, microbatch, chunk, seq, start + _OFFSET, duration), strict=True
+                ):
+                    column.append(value)
+            out.append(encoder.encode(step, *columns))
+    return out
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+
+    def append(self, kind: int, payload: bytes) -> None:
+        assert kind == KIND_BATCH
+        self.payloads.append(payload)
+
+
+def _sealed(tmp_path: Path, seals: list[list]) -> tuple[tuple[str, ...], list[bytes]]:
+    timer = _timer(tmp_path, **_IDENTITY)
+    try:
+        timer._wall_offset_ns = _OFFSET
+        collect = _Collect()
+        timer._writer, writer = collect, timer._writer  # type: ignore[assignment]
+        for ops in seals:
+            timer._write_batches(ops)
+        timer._writer = writer
+        return timer.optype_names, collect.payloads
+    finally:
+        timer.close()
+
+
+#: Each example writes its own timer's log under the one tmp_path: nothing is shared.
+_TMP_PATH_IS_REUSED = [HealthCheck.function_scoped_fixture]
+_ops = st.tuples(
+    st.tuples(
+        st.integers(0, len(KNOWN_OPTYPES) - 1),  # code
+        st.integers(0, 4),  # step: few, so that steps recur across seals
+        st.integers(-1, 2**31 - 1),  # micro-batch
+        st.integers(0, 2**15 - 1),  # chunk
+    ),
+    st.integers(0, 2**60),  # start (perf_counter ns)
+    st.integers(0, 2**62),  # duration
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
+@given(seals=st.lists(st.lists(_ops, max_size=30), min_size=1, max_size=4))
+def test_the_sealer_writes_the_reference_bytes_in_any_order(tmp_path: Path, seals: list) -> None:
+    """Ops in any append order, steps split over several seals (seq ids continue), ties in
+    start time (kept in append order): the bytes are the reference encoder's."""
+    names, written = _sealed(tmp_path, seals)
+    assert written == _reference(names, seals)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
+@given(
+    schedule=st.lists(_ops, min_size=1, max_size=25),
+    steps=st.integers(2, 6),
+    data=st.data(),
+)
+def test_steps_that_repeat_a_schedule_write_the_reference_bytes(
+    tmp_path: Path, schedule: list, steps: int, data: st.DataObject
+) -> None:
+    """A job's steps repeat one sequence of ops (what the sealer plans once and reuses): each
+    step is the schedule again with its own times, some steps sealed in two parts."""
+    seals: list[list] = [[]]
+    for step in range(steps):
+        base = step * 2**61 // 8
+        for i, ((code, _, microbatch, chunk), _, duration) in enumerate(schedule):
+            seals[-1].append(((code, step, microbatch, chunk), base + i, duration + step))
+            if data.draw(st.integers(0, 20)) == 0:
+                seals.append([])  # a hand-over in the middle of a step
+    names, written = _sealed(tmp_path, seals)
+    assert written == _reference(names, seals)
