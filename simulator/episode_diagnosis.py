@@ -37,9 +37,11 @@ from lagscope.simulator.prepare import PreparedTrace
 #: The cause of an episode by the kind of own time that rose (compute: slow_workers).
 CAUSE_OF_KIND = {ot.INPUT_WAIT: "slow_input", HOST: "slow_host"}
 
-#: How far (steps) a refined bound may move from the live one: the detector places an
-#: onset within its evidence window and a recovery within `recovery_steps`.
-_REFINE_SLACK = 3
+#: How far (steps) a refined onset may move from the live one: the detector's evidence
+#: (up to `noisy_steps` long) may begin on a noisy step or two before the rise.
+_ONSET_SLACK = 8
+#: ... and a refined recovery: the detector closes after `recovery_steps` back.
+_RECOVERY_SLACK = 4
 
 
 def cause_of(kind: str) -> str:
@@ -175,8 +177,8 @@ def refined_bounds(episode: WorkerEpisode, prepared: PreparedTrace) -> tuple[int
         return episode.onset, episode.recovery
     fitted = square_wave(
         series,
-        max(0, live_onset - _REFINE_SLACK),
-        min(steps.size - 1, live_onset + _REFINE_SLACK),
+        max(0, live_onset - _ONSET_SLACK),
+        min(steps.size - 1, live_onset + _ONSET_SLACK),
     )
     if fitted is None:
         return episode.onset, episode.recovery
@@ -184,6 +186,6 @@ def refined_bounds(episode: WorkerEpisode, prepared: PreparedTrace) -> tuple[int
     recovery = episode.recovery
     if episode.recovery is not None and end is not None:
         live_end = int(np.searchsorted(steps, episode.recovery))
-        if abs(end - live_end) <= _REFINE_SLACK:
+        if abs(end - live_end) <= _RECOVERY_SLACK:
             recovery = int(steps[end])
     return int(steps[onset]), recovery

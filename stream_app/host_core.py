@@ -130,7 +130,9 @@ class JobRecords:
             self.infos[key] = (info, at_s)
             if not problem:
                 batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}")
-                batch.add("jobs", job_rows(info.job_id, info.attempt, info.to_meta(), at_s))
+                rows = job_rows(info.job_id, info.attempt, info.to_meta(), at_s,
+                                record=info.model_dump_json(exclude={"rank_identity"}))  # fmt: skip
+                batch.add("jobs", rows)
                 self.pending.append(batch)
         if problem:
             self._dead(DeadLetter(source, problem, payload, info.job_id, at_s))

@@ -111,9 +111,17 @@ def rows_from_result(
 
 
 def job_rows(
-    job_id: str, attempt: int, meta: JobMeta, started: float, *, version: int = 0
+    job_id: str,
+    attempt: int,
+    meta: JobMeta,
+    started: float,
+    *,
+    version: int = 0,
+    record: str | None = None,
 ) -> dict[str, list]:
-    """The `jobs` row of a job attempt (add it to a batch with `batch.add("jobs", ...)`)."""
+    """The `jobs` row of a job attempt (add it to a batch with `batch.add("jobs", ...)`);
+    `record`: the job record as it came (JSON), kept whole in `meta` so that the fields of
+    a newer writer and its schema version reach the store too."""
     return {
         "job_id": [job_id],
         "attempt": [attempt],
@@ -126,7 +134,7 @@ def job_rows(
         "model_flops_per_step": [meta.model_flops_per_step],
         "gpu_peak_flops": [meta.gpu_peak_flops],
         "started": [started],
-        "meta": [json.dumps(meta.as_dict())],
+        "meta": [record if record is not None else json.dumps(meta.as_dict())],
         "version": [version],
     }
 

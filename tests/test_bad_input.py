@@ -104,7 +104,7 @@ def test_inconsistent_meta(reference_dir, tmp_path, capsys):
 
     meta.write_text("trial_name: ST\ndp_size: 1\npp_size: 4\nworld_size: 4\n")
     err = cli_error(reference_dir / "trace-ST.parquet", meta, capsys)
-    assert "dp_rank up to 1" in err and "dp_size=1" in err
+    assert "the trace has 2 DP ranks (dp_rank 0-1)" in err and "says dp_size 1" in err
 
     meta.write_text("dp_size: [1, 2]\n")
     with pytest.raises(TraceError, match="dp_size"):

@@ -178,6 +178,10 @@ def test_stream_and_worker_carry_a_newer_producers_records(
     assert steps == [{"n": counts["steps"] - 1}]
     rejected = query_store(tmp_path / "w", "SELECT count() AS n FROM dead_letters")
     assert rejected == [{"n": 0}]
+    # The job record reaches the store whole: the newer writer's fields and its version.
+    (job,) = query_store(tmp_path / "w", "SELECT meta FROM jobs FINAL")
+    stored = json.loads(job["meta"])
+    assert stored["accelerator"]["kind"] == "H200" and stored["schema_version"] == NEWER
 
 
 def _query(dsn: str, sql: str) -> list[dict[str, Any]]:
