@@ -107,7 +107,7 @@ def iter_step_batches(
 
 
 class ProgressSink(Protocol):
-    """Where replay reports progress (`lagscope.stream_app.progress.Progress` fits)."""
+    """Where replay reports progress (`lagscope.cli.progress.Progress` fits)."""
 
     def update(self, done: int, *, total: int | None = None, note: str = "") -> None: ...
 

@@ -24,12 +24,12 @@ def fill_demo_store(
     `missing_worker_at_last_step` (dp, pp) never reports the last step (one incomplete
     step); `garbage_record` appends bytes that are no log record (one dead letter).
     """
-    from lagscope.simulator.generate import generate_job
-    from lagscope.stream_app.commands.run import (
+    from lagscope.cli.demo import (
         demo_job_info,
         demo_spec,
         write_logs_with_timers,
     )
+    from lagscope.simulator.generate import generate_job
     from lagscope.stream_app.embedded import EmbeddedRunner
     from lagscope.stream_app.processor import ProcessorSettings
     from lagscope.stream_app.sink import ClickHouseSink

@@ -19,8 +19,8 @@ from typing import Any
 
 from clickhouse_connect.driver.exceptions import OperationalError
 
+from lagscope.cli import main
 from lagscope.stream_app import worker
-from lagscope.stream_app.cli import main
 
 FAULT_ENV = "LAGSCOPE_TEST_STORE_FAULT"
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lagscope.cli.demo import write_logs_with_timers
 from lagscope.producers.events import JobInfo, RankStepBatch, encode_batch
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, frame_record
 from lagscope.simulator.generate import JobSpec, generate_job
-from lagscope.stream_app.commands.run import write_logs_with_timers
 
 GOOD_JOB = "good"
 GOOD_SPEC = JobSpec(dp=2, pp=2, microbatches=2, steps=6, name=GOOD_JOB, seed=5)

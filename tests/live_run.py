@@ -109,7 +109,7 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
         processes.append(streaming)
         with open(tmp_path / "run.log", "wb") as run_log:
             following = subprocess.Popen(
-                [sys.executable, "-m", "lagscope.stream_app.cli", "run", "--log-dir",
+                [sys.executable, "-m", "lagscope.cli", "run", "--log-dir",
                  str(logs), "--follow", "--idle-exit-s", str(_HOSTS_IDLE_EXIT_S), "--dsn",
                  databases["embedded"]],
                 stdout=run_log, stderr=subprocess.STDOUT,

@@ -22,7 +22,7 @@ def test_analyze_imports_no_validation_framework_no_yaml_no_remote_filesystems(
     script = textwrap.dedent(
         """
         import sys
-        from lagscope.stream_app.cli import main
+        from lagscope.cli import main
         sys.argv = ["lagscope", "analyze", "--trace", sys.argv[1], "--meta", sys.argv[2],
                     "--json", sys.argv[3]]
         try:

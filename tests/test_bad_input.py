@@ -7,11 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lagscope.cli import main
 from lagscope.producers.reference_format import load_meta, load_trace, write_trace
 from lagscope.simulator.prepare import prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import analyze
-from lagscope.stream_app.cli import main
 from tests.conftest import load_reference
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lagscope.stream_app.cli import main
+from lagscope.cli import main
 
 
 def st_analyze(reference_dir) -> list[str]:
@@ -121,7 +121,7 @@ def test_console_script_exit_code(reference_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "lagscope.stream_app.cli",
+            "lagscope.cli",
             "analyze",
             "--trace",
             str(tmp_path / "missing.parquet"),
@@ -133,7 +133,7 @@ def test_console_script_exit_code(reference_dir, tmp_path):
         check=False,
     )
     # A missing input is bad data for a well-formed command line: exit 1 (see
-    # stream_app/cli_conventions.py for the rule).
+    # lagscope/cli/conventions.py for the rule).
     assert proc.returncode == 1
     assert "missing.parquet: no such file" in proc.stderr
 

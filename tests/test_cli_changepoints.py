@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lagscope.stream_app.cli import main
+from lagscope.cli import main
 
 
 def write_csv(path: Path, rows: list[tuple[str, int, float]]) -> Path:

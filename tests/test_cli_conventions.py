@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from lagscope import __version__
-from lagscope.stream_app.cli import main
+from lagscope.cli import main
 from tests.conftest import REFERENCE_TRACES
 
-LAGSCOPE = [sys.executable, "-m", "lagscope.stream_app.cli"]
+LAGSCOPE = [sys.executable, "-m", "lagscope.cli"]
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from lagscope.cli import main
 from lagscope.producers.reference_format import load_meta, load_trace
 from lagscope.simulator.prepare import prepare
 from lagscope.simulator.whatif import analyze
-from lagscope.stream_app.cli import main
 
 
 def test_generate_then_analyze(tmp_path):

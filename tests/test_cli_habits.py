@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from lagscope.cli import build_parser, main
+from lagscope.cli.conventions import EXAMPLES_HEADING
 from lagscope.simulator.defaults import BOCD_WARMUP
-from lagscope.stream_app.cli import build_parser, main
-from lagscope.stream_app.cli_conventions import EXAMPLES_HEADING
 from tests.conftest import REFERENCE_TRACES
 
-LAGSCOPE = [sys.executable, "-m", "lagscope.stream_app.cli"]
+LAGSCOPE = [sys.executable, "-m", "lagscope.cli"]
 ST_TRACE = str(REFERENCE_TRACES / "trace-ST.parquet")
 ST_META = str(REFERENCE_TRACES / "meta-ST.yaml")
 

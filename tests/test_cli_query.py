@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lagscope.stream_app.cli import main
+from lagscope.cli import main
 from lagscope.stream_app.sink import ClickHouseSink
 
 

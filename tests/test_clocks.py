@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from lagscope.cli import main
 from lagscope.producers.reference_format import write_meta, write_trace
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.clocks import (
@@ -17,7 +18,6 @@ from lagscope.simulator.clocks import (
 from lagscope.simulator.generate import JobSpec, SlowLink, SlowWorker, generate_job
 from lagscope.simulator.prepare import apply_clock_offsets, prepare
 from lagscope.simulator.timeline import trace_events
-from lagscope.stream_app.cli import main
 
 #: The acceptance bound: 10 % of the transfer time or 50 us, whichever is larger.
 FLOOR_S = 50e-6

@@ -124,7 +124,7 @@ def test_replay_paces_steps_by_speed(tmp_path: Path, reference) -> None:
 
 def test_replay_cli_writes_logs_and_plain_progress_off_a_terminal(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "lagscope.stream_app.cli", "replay",
+        [sys.executable, "-m", "lagscope.cli", "replay",
          "--trace", str(REFERENCE_TRACES / "trace-ST.parquet"),
          "--meta", str(REFERENCE_TRACES / "meta-ST.yaml"), "--log-dir", str(tmp_path)],
         cwd=REPO_ROOT, capture_output=True, text=True, check=False,

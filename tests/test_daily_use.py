@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from lagscope.cli.conventions import OUTPUT_MARK
 from lagscope.producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
 from lagscope.producers.events import JobInfo
 from lagscope.producers.streamer import Streamer
 from lagscope.producers.timer import OpTimer
-from lagscope.stream_app.cli_conventions import OUTPUT_MARK
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference-traces"
 ST_TRACE, ST_META = REFERENCE / "trace-ST.parquet", REFERENCE / "meta-ST.yaml"

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lagscope.cli import main
+from lagscope.dashboards.build import GENERATED_DIR
 from lagscope.dashboards.clickhouse_query import (
     PLUGIN_ID,
     ClickHouseQuery,
@@ -22,10 +24,8 @@ from lagscope.dashboards.clickhouse_query import (
     datasource_ref,
     register_clickhouse_query,
 )
-from lagscope.dashboards.commands import GENERATED_DIR
 from lagscope.dashboards.definitions import BuiltDashboard, Expect, build_all, sdk_round_trip
 from lagscope.dashboards.macros import MacroError, QueryContext, expand_macros, render_sql
-from lagscope.stream_app.cli import main
 from tests.demo_store import DEMO_JOB, fill_demo_store
 
 JOB = DEMO_JOB

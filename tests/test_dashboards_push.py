@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from lagscope.cli import main
 from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
 from lagscope.dashboards.fleet import FLEET_UID, NODES_UID
 from lagscope.dashboards.push import datasource_definition
-from lagscope.stream_app.cli import main
 from tests.grafana_stub import GrafanaStub
 
 TOKEN = "glsa_test"

@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from lagscope import __version__
+from lagscope.cli import build_parser
 from lagscope.producers.config import LagscopeConfig
-from lagscope.stream_app.cli import build_parser
 from lagscope.stream_app.sink import parse_dsn
 from lagscope.stream_app.store_location import DSN_ENV
 

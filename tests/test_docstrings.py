@@ -20,7 +20,7 @@ PACKAGES = (
     "lagscope.producers",
     "lagscope.simulator",
     "lagscope.stream_app",
-    "lagscope.stream_app.commands",
+    "lagscope.cli",
     "lagscope.dashboards",
     "lagscope.deploy",
 )

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from lagscope.cli.demo import demo_spec, write_logs_with_timers
 from lagscope.producers.events import JobInfo
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
-from lagscope.stream_app.commands.run import demo_spec, write_logs_with_timers
 from lagscope.stream_app.embedded import EmbeddedRunner
 from lagscope.stream_app.processor import ProcessorSettings
 from lagscope.stream_app.sink import ClickHouseSink

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from lagscope.stream_app.cli import build_parser
-from lagscope.stream_app.cli_conventions import EXAMPLES_HEADING
+from lagscope.cli import build_parser
+from lagscope.cli.conventions import EXAMPLES_HEADING
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

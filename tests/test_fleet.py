@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lagscope.dashboards.commands import GENERATED_DIR
+from lagscope.dashboards.build import GENERATED_DIR
 from lagscope.dashboards.definitions import BuiltDashboard, sdk_round_trip
 from lagscope.dashboards.fleet import build_fleet
 from lagscope.dashboards.macros import QueryContext, render_sql

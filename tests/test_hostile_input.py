@@ -13,11 +13,11 @@ from confluent_kafka import Producer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lagscope.cli import main
+from lagscope.cli.demo import write_logs_with_timers
 from lagscope.producers.log import KIND_JOB, list_rank_dirs
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import generate_job
-from lagscope.stream_app.cli import main
-from lagscope.stream_app.commands.run import write_logs_with_timers
 from lagscope.stream_app.embedded import EmbeddedRunner
 from lagscope.stream_app.processor import ProcessorSettings
 from lagscope.stream_app.sink import ClickHouseSink

@@ -112,7 +112,7 @@ def test_a_wrong_password_stops_with_one_line(secured_broker, tmp_path, command)
     }[command]
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "lagscope.stream_app.cli", command, *arguments],
+        [sys.executable, "-m", "lagscope.cli", command, *arguments],
         capture_output=True,
         text=True,
         env=env,

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from lagscope.cli.demo import write_logs_with_timers
 from lagscope.producers.events import JobInfo
 from lagscope.simulator.generate import JobSpec, generate_job
-from lagscope.stream_app.commands.run import write_logs_with_timers
 from tests.test_report_browser import chromium_path
 
-LAGSCOPE = [sys.executable, "-m", "lagscope.stream_app.cli"]
+LAGSCOPE = [sys.executable, "-m", "lagscope.cli"]
 STEPS, CHUNK = 30, 6
 
 

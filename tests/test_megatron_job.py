@@ -190,7 +190,7 @@ def test_gradient_finalisation_and_optimizer_end_every_step(job: dict[str, Any])
 def _analyse_every_step(job: dict[str, Any], steps: int) -> None:
     out: Path = job["out"]
     dsn = f"chdb://{out / 'chdb'}"
-    lagscope = [sys.executable, "-m", "lagscope.stream_app.cli"]
+    lagscope = [sys.executable, "-m", "lagscope.cli"]
     run = subprocess.run(
         [*lagscope, "run", "--logs", str(out / "logs"), "--dsn", dsn, "--idle-exit-s", "1"],
         capture_output=True,

@@ -98,7 +98,7 @@ def test_a_step_larger_than_the_budget_keeps_one(job_steps):
 
 
 def test_a_backlog_is_read_no_faster_than_its_steps_close(chdb_dir, tmp_path):
-    from lagscope.stream_app.commands.run import write_logs_with_timers
+    from lagscope.cli.demo import write_logs_with_timers
     from lagscope.stream_app.embedded import EmbeddedRunner
     from lagscope.stream_app.sink import ClickHouseSink
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from lagscope.cli import main
 from lagscope.simulator.diagnose import Advice, Diagnosis, DiagnosisSettings, escalation
 from lagscope.simulator.verdict import MEANINGS, escalation_text, verdict_of
-from lagscope.stream_app.cli import main
 
 #: The paper's reading of the reference traces, and the first fix each calls for.
 EXPECTED = {
@@ -175,7 +175,7 @@ def demo(tmp_path_factory) -> tuple[str, str]:
     """`lagscope demo` once for this module, in its own process (chDB opens one data
     directory per process): its printed summary and its report."""
     out = tmp_path_factory.mktemp("demo")
-    command = [sys.executable, "-m", "lagscope.stream_app.cli", "demo", "--out", str(out)]
+    command = [sys.executable, "-m", "lagscope.cli", "demo", "--out", str(out)]
     proc = subprocess.run(
         [*command, "--steps", "40"],
         capture_output=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lagscope.stream_app.cli import COMMAND_MODULE, EXTRA_OF_MODULE
+from lagscope.cli import COMMAND_MODULE, EXTRA_OF_MODULE
 
 REPO = Path(__file__).resolve().parents[1]
 

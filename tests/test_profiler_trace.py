@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lagscope.cli import main
 from lagscope.producers.profiler_trace import load_profiler_traces
 from lagscope.producers.reference_format import write_meta
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.errors import TraceError
 from lagscope.simulator.trace import JobMeta
-from lagscope.stream_app.cli import main
 from tests.torch_profiler.pipeline_job import DP, PP, record
 
 STEPS = 4

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lagscope.cli import main
 from lagscope.dashboards.colour_scale import colour_scale
-from lagscope.stream_app.cli import main
 from tests.conftest import REPO_ROOT, analyzed_reference
 
 ARTIFACTS = REPO_ROOT / "out" / "test-artifacts"
@@ -209,7 +209,7 @@ def test_demo_report_renders(tmp_path):
         [
             sys.executable,
             "-m",
-            "lagscope.stream_app.cli",
+            "lagscope.cli",
             "demo",
             "--out",
             str(out),
@@ -254,9 +254,9 @@ HOSTILE = (
 def test_a_hostile_job_id_is_text(tmp_path, chdb_dsn, reference_dir):
     """Through the embedded host (its final report of a job whose id is hostile) and
     `lagscope analyze` (a trial name): no script runs, the text shows literally."""
+    from lagscope.cli.demo import write_logs_with_timers
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import JobSpec, generate_job
-    from lagscope.stream_app.commands.run import write_logs_with_timers
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
     from lagscope.stream_app.processor import ProcessorSettings
     from lagscope.stream_app.sink import ClickHouseSink

@@ -23,7 +23,7 @@ def lagscope(
     *args: str, env: dict[str, str] | None = None, cwd: Path
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lagscope.stream_app.cli", *args],
+        [sys.executable, "-m", "lagscope.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

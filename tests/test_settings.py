@@ -132,7 +132,7 @@ def test_stream_reads_the_password_from_a_secrets_dir_and_never_prints_it(
     (secrets / "kafka__security_protocol").write_text("SASL_NOPE")
     (tmp_path / "logs").mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "lagscope.stream_app.cli", "stream", "--log-dir",
+        [sys.executable, "-m", "lagscope.cli", "stream", "--log-dir",
          str(tmp_path / "logs"), "--bootstrap-servers", "127.0.0.1:9"],
         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=False,
         env={**os.environ, "LAGSCOPE_SECRETS_DIR": str(secrets)},

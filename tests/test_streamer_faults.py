@@ -28,7 +28,7 @@ START_NS = 1_760_000_000_000_000_000
 
 def _stream_cmd(log_dir: Path, bootstrap: str, topics: dict[str, str], idle_s: float) -> list[str]:
     return [
-        sys.executable, "-m", "lagscope.stream_app.cli", "stream", "--log-dir", str(log_dir),
+        sys.executable, "-m", "lagscope.cli", "stream", "--log-dir", str(log_dir),
         "--bootstrap-servers", bootstrap, "--topic-ops", topics["topic_ops"],
         "--topic-deadletter", topics["topic_deadletter"], "--topic-jobs", topics["topic_jobs"],
         "--idle-exit-s", str(idle_s),

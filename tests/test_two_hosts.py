@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from lagscope.cli.demo import write_logs_with_timers
 from lagscope.producers.events import JobInfo
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
-from lagscope.stream_app.commands.run import write_logs_with_timers
 from tests.worker_util import create_topics, query_dsn, start_streamer, start_worker
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_the_same_logs_give_the_same_rows_through_either_host(
     _job(logs)
     embedded_dsn = f"chdb://{tmp_path / 'embedded'}"
     ran = subprocess.run(
-        [sys.executable, "-m", "lagscope.stream_app.cli", "run", "--log-dir", str(logs),
+        [sys.executable, "-m", "lagscope.cli", "run", "--log-dir", str(logs),
          "--dsn", embedded_dsn],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip

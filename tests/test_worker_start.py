@@ -18,7 +18,7 @@ from tests.worker_util import create_topics, kafka_config, query_store, topic_en
 def _worker(args: list[str], cwd: Path, env: dict[str, str] | None = None,
             timeout_s: float = 180) -> subprocess.CompletedProcess:  # fmt: skip
     return subprocess.run(
-        [sys.executable, "-m", "lagscope.stream_app.cli", "worker", *args],
+        [sys.executable, "-m", "lagscope.cli", "worker", *args],
         cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
         timeout=timeout_s, check=False,
     )  # fmt: skip

@@ -79,7 +79,7 @@ def start_worker(
     exit_when_idle_s: float | None = 3.0,
     env: dict[str, str] | None = None,
     log_name: str = "worker.log",
-    module: str = "lagscope.stream_app.cli",
+    module: str = "lagscope.cli",
     dsn: str | None = None,
     extra_args: tuple[str, ...] = (),
 ) -> WorkerProcess:
@@ -138,7 +138,7 @@ def query_store(work_dir: Path, sql: str) -> list[dict[str, Any]]:
         [
             sys.executable,
             "-m",
-            "lagscope.stream_app.cli",
+            "lagscope.cli",
             "query",
             "--dsn",
             f"chdb://{work_dir / 'chdb'}",
@@ -227,7 +227,7 @@ def start_streamer(
     """`lagscope stream` (the sidecar) over `log_dir`, its checkpoint under `work_dir`."""
     work_dir.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "lagscope.stream_app.cli", "stream", "--log-dir", str(log_dir),
+        sys.executable, "-m", "lagscope.cli", "stream", "--log-dir", str(log_dir),
         "--bootstrap-servers", bootstrap, "--checkpoint", str(work_dir / "stream-checkpoint.json"),
     ]  # fmt: skip
     if idle_exit_s is not None:
@@ -246,7 +246,7 @@ def query_dsn(dsn: str, sql: str) -> list[dict[str, Any]]:
     """Rows of `sql` against any store, through `lagscope query` in a process of its own
     (a chDB directory opens in one process at a time)."""
     done = subprocess.run(
-        [sys.executable, "-m", "lagscope.stream_app.cli", "query", "--dsn", dsn,
+        [sys.executable, "-m", "lagscope.cli", "query", "--dsn", dsn,
          "--format", "json", sql],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip

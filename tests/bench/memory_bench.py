@@ -39,9 +39,9 @@ def _child(*args: str) -> str:
 
 
 def _write_logs(steps: int, log_dir: Path) -> None:
+    from lagscope.cli.demo import write_logs_with_timers
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import JobSpec, generate_job
-    from lagscope.stream_app.commands.run import write_logs_with_timers
 
     job = generate_job(JobSpec(dp=16, pp=8, tp=1, microbatches=16, steps=steps, seed=1))
     info = JobInfo.from_meta(job.meta, job_id="burst")

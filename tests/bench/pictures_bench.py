@@ -27,7 +27,7 @@ RUNS = 3
 #: (GPUs, dp, pp, tp); tp ranks share their (dp, pp) worker.
 SIZES = ((128, 8, 4, 4), (1024, 32, 4, 8), (12288, 192, 8, 8))
 STEPS = 20
-LAGSCOPE = [sys.executable, "-m", "lagscope.stream_app.cli"]
+LAGSCOPE = [sys.executable, "-m", "lagscope.cli"]
 
 
 def _process(command: list[str]) -> tuple[float, float]:

@@ -71,7 +71,7 @@ def _best_alternating(runs: int, *commands: Callable[[], float]) -> list[float]:
 
 def _lagscope() -> list[str]:
     script = Path(sys.executable).with_name("lagscope")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "lagscope.stream_app.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lagscope.cli"]
 
 
 def _wia_python() -> str:

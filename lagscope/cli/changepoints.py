@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lagscope.cli.conventions import STDOUT, UsageError, examples, write_output
 from lagscope.simulator import defaults
 from lagscope.simulator.errors import TraceError
-from lagscope.stream_app.cli_conventions import STDOUT, UsageError, examples, write_output
 
 if TYPE_CHECKING:
     import numpy as np

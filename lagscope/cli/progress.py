@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from lagscope.stream_app.embedded import RunReport
 
 
 class Progress:
@@ -76,6 +80,17 @@ class Progress:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def pipeline_progress(total_ops: int | None) -> tuple[Progress, Callable[[RunReport], None]]:
+    """A progress display of the embedded host (`run`, `demo`), and the callback that feeds
+    it."""
+    display = Progress("pipeline", unit="op", total=total_ops)
+
+    def show(report: RunReport) -> None:
+        display.update(report.ops, note=f"{report.steps:,} steps")
+
+    return display, show
 
 
 def _is_terminal(stream: TextIO) -> bool:

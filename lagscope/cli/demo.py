@@ -1,105 +1,32 @@
-"""`lagscope run` (logs -> step processor -> chDB, one process) and `lagscope demo` (the
-README's main job: a generated 3D-parallel job with stragglers, timed through the real
-timer API into per-rank logs, analysed by the embedded pipeline, summarised and reported).
+"""`lagscope demo`: the README's main job. A generated 128-GPU job with stragglers, timed
+through the real timer API into per-rank logs, analysed by the embedded host (the one
+`lagscope run` drives) into a chDB store of its own, summarised and reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lagscope.stream_app.cli_conventions import (
-    STDOUT,
-    UsageError,
-    add_old_name,
-    check_one_stdout,
-    claim_output_dir,
-    examples,
-    write_output,
-)
-from lagscope.stream_app.commands.job_summary import print_job_summary
-from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
+from lagscope.cli.conventions import claim_output_dir, examples
+from lagscope.cli.job_summary import print_job_summary
+from lagscope.cli.progress import pipeline_progress
 
 if TYPE_CHECKING:
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import GeneratedJob, JobSpec
     from lagscope.simulator.trace import Trace
-    from lagscope.stream_app.embedded import RunReport
-    from lagscope.stream_app.progress import Progress
 
-# The pipeline, numpy and the store are imported by the handlers when they run, so that
-# registering these commands (and `lagscope --help`) stays cheap.
+# The generator, the pipeline and the store are imported by the handler when it runs, so
+# that registering the command (and `lagscope --help`) stays cheap.
 
 H100_BF16_PEAK_FLOPS = 989e12
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    run = subparsers.add_parser(
-        "run",
-        help="analyse per-rank logs in one process (no Kafka) into the store",
-        description="Reads every rank's log under --log-dir, analyses each step as it closes "
-        "and writes the results to ClickHouse (embedded chDB by default). With --follow it "
-        "keeps tailing until the logs are idle; Ctrl-C stops it after closing the open "
-        "steps and printing the summary (exit 130).",
-        epilog=examples(
-            "lagscope run --log-dir /local/lagscope",
-            "lagscope run --log-dir logs --follow --idle-exit-s 120 --report report.html",
-            "lagscope run --log-dir logs --follow --report report.html --report-every-s 5",
-            "lagscope run --log-dir logs --dsn http://user:pw@clickhouse:8123/lagscope",
-            'lagscope query "SELECT step, slowdown FROM steps FINAL ORDER BY step"   # after',
-        ),
-    )
-    # A required option with an old name: argparse counts either name as given only
-    # through a required group of the two.
-    log_dir_names = run.add_mutually_exclusive_group(required=True)
-    log_dir = log_dir_names.add_argument(
-        "--log-dir",
-        type=Path,
-        metavar="DIR",
-        help="directory of the ranks' rank-NNNNNN/ log directories",
-    )
-    add_old_name(log_dir_names, "--logs", log_dir)
-    run.add_argument("--dsn", help=DSN_HELP)
-    run.add_argument(
-        "--follow", action="store_true", help="keep tailing the logs until they are idle"
-    )
-    run.add_argument(
-        "--idle-exit-s",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="with --follow: exit after this long without new records",
-    )
-    run.add_argument(
-        "--lateness-s",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="close a step this long after its first batch even if ranks miss",
-    )
-    run.add_argument(
-        "--report",
-        metavar="PATH",
-        help="write the HTML report here ('-': stdout, at the end only); a file is kept "
-        "current while the run goes on (a page that refreshes itself) and made final at the "
-        "end",
-    )
-    run.add_argument(
-        "--report-every-s",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="with --report PATH: rewrite the live report at most this often while steps "
-        "close, and have the page refresh itself as often",
-    )
-    run.set_defaults(handler=run_logs_command, extra="demo")
-
     demo = subparsers.add_parser(
         "demo",
         help="the whole pipeline on a generated job with stragglers (under a minute)",
@@ -121,88 +48,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--steps", type=int, default=120, help="training steps to generate")
     demo.add_argument("--seed", type=int, default=7, help="random seed of the generated job")
     demo.set_defaults(handler=demo_command, extra="demo")
-
-
-def _progress(total_ops: int | None) -> tuple[Progress, Callable[[RunReport], None]]:
-    """A progress display of the embedded pipeline, and the callback that feeds it."""
-    from lagscope.stream_app.progress import Progress
-
-    display = Progress("pipeline", unit="op", total=total_ops)
-
-    def show(report: RunReport) -> None:
-        display.update(report.ops, note=f"{report.steps:,} steps")
-
-    return display, show
-
-
-def run_logs_command(args: argparse.Namespace) -> int:
-    from lagscope.dashboards.report import render_report
-    from lagscope.producers.log import list_rank_dirs
-    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, report_data
-    from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.run_outcome import no_rank_logs_message, nothing_analysed
-    from lagscope.stream_app.sink import ClickHouseSink, parse_dsn
-
-    # Before the store opens: a mistyped directory must not leave an empty store behind.
-    dsn = resolve_dsn(args.dsn)
-    parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at
-    if not args.log_dir.is_dir():
-        what = "is not a directory" if args.log_dir.exists() else "does not exist"
-        raise UsageError(f"--log-dir {args.log_dir}: {what}")
-    # A job that starts later may still create its rank logs while --follow waits.
-    if not args.follow and not list_rank_dirs(args.log_dir):
-        raise UsageError(no_rank_logs_message(args.log_dir))
-    check_one_stdout(args, "report")
-    if args.report and args.report != STDOUT and Path(args.report).is_dir():
-        raise UsageError(
-            f"--report {args.report}: is a directory; give the report's file name, e.g. "
-            f"{Path(args.report) / 'report.html'}"
-        )
-    if args.report_every_s <= 0:
-        raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
-    live = None
-    if args.report and args.report != STDOUT:
-        live = LiveReport(Path(args.report), every_s=args.report_every_s)
-        try:
-            live.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(
-                f"--report {live.path}: cannot write ({exc.strerror or exc})"
-            ) from None
-    sink = ClickHouseSink(dsn)
-    sink.ensure_schema()
-    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s), live_report=live)
-    display, show = _progress(None)
-    interrupted = False
-    try:
-        report = runner.run_logs(
-            args.log_dir, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=show
-        )
-    except KeyboardInterrupt:
-        # Ctrl-C is how a user stops `--follow`: what was read is analysed and kept.
-        interrupted = True
-        report = runner.close_open_steps()
-    display.close()
-    # Success on nothing would read as a healthy job: say what was found instead.
-    problem = None if interrupted else nothing_analysed(args.log_dir, report)
-    if problem is not None:
-        print(f"lagscope run: error: {problem}", file=sys.stderr)
-        return 1
-    say = print if args.report != STDOUT else functools.partial(print, file=sys.stderr)
-    for key, job in report.jobs.items():
-        print_job_summary(job, say=say)
-        if job.rollup is None:
-            continue
-        if live is not None:
-            say(f"  report written to {runner.report_path(*key)}")
-        elif args.report:
-            where = write_output(args.report, render_report(report_data(job)), option="--report")
-            say(f"  report written to {where}")
-    say(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
-    if interrupted:
-        print("lagscope run: interrupted", file=sys.stderr)
-        return 130
-    return 0
 
 
 def write_logs_with_timers(
@@ -374,7 +219,7 @@ def demo_command(args: argparse.Namespace) -> int:
     runner = EmbeddedRunner(
         sink, ProcessorSettings(lateness_s=5.0), live_report=LiveReport(report_path)
     )
-    display, show = _progress(n_ops)
+    display, show = pipeline_progress(n_ops)
     report = runner.run_logs(out / "logs", progress=show)
     display.close()
     print(f"  2. embedded pipeline: {report.ops:,} ops in {report.seconds:.1f} s into {dsn}")

@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from lagscope.stream_app.cli_conventions import add_old_name, examples
+from lagscope.cli.conventions import add_old_name, examples
 from lagscope.stream_app.store_location import DSN_HELP
 
 

@@ -1,5 +1,8 @@
-"""The `lagscope` command line: one entry point, sub-commands registered by the modules
-that own them (each module exposes `register(subparsers)` and stays a thin adapter).
+"""The `lagscope` command line, all of it in this package: the entry point (here), the
+conventions every command shares (`conventions.py`, `progress.py`), and one module per
+command, which exposes `register(subparsers)` and stays a thin adapter over the stages it
+drives (`producers`, `simulator`, `stream_app`, `store`, `dashboards`). No stage imports
+the command line.
 
 Registering a command imports nothing heavy: each handler imports what it needs when it
 runs, so `lagscope --help` costs little more than the interpreter's own start. A handler
@@ -7,7 +10,7 @@ whose optional dependencies are not installed ends with one line naming the extr
 install (`pip install 'lagscope[store]'`), never a traceback.
 
 Exit codes (0 done, 1 bad input data, 2 bad command line or settings, 130 interrupted,
-141 reader gone) and the shared option habits live in `stream_app/cli_conventions.py`.
+141 reader gone) and the shared option habits live in `lagscope/cli/conventions.py`.
 """
 
 from __future__ import annotations
@@ -21,22 +24,22 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from lagscope import __version__
+from lagscope.cli.conventions import HelpFormatter, UsageError
 from lagscope.simulator.errors import TraceError
-from lagscope.stream_app.cli_conventions import HelpFormatter, UsageError
 
 #: The module that registers each sub-command, in the order `lagscope --help` lists them.
 #: A command line that names one command imports only that command's module.
 COMMAND_MODULE: dict[str, str] = {
-    "analyze": "lagscope.stream_app.commands.analyze",
-    "generate": "lagscope.stream_app.commands.generate",
-    "changepoints": "lagscope.stream_app.commands.changepoints",
-    "query": "lagscope.stream_app.commands.query",
-    "run": "lagscope.stream_app.commands.run",
-    "demo": "lagscope.stream_app.commands.run",
-    "worker": "lagscope.stream_app.commands.worker",
-    "stream": "lagscope.producers.commands",
-    "replay": "lagscope.producers.commands",
-    "dashboards": "lagscope.dashboards.commands",
+    "analyze": "lagscope.cli.analyze",
+    "generate": "lagscope.cli.generate",
+    "changepoints": "lagscope.cli.changepoints",
+    "query": "lagscope.cli.query",
+    "run": "lagscope.cli.run",
+    "demo": "lagscope.cli.demo",
+    "worker": "lagscope.cli.worker",
+    "stream": "lagscope.cli.stream",
+    "replay": "lagscope.cli.replay",
+    "dashboards": "lagscope.cli.dashboards",
 }
 COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMAND_MODULE.values()))
 
@@ -70,8 +73,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every command, or of `command` alone (a module registers all of its
-    commands, so its siblings come along)."""
+    """The parser of every command, or of `command` alone (only its module is imported)."""
     parser = _Parser(
         prog="lagscope",
         description="Find stragglers in large-scale LLM training: what-if analysis, "
@@ -176,7 +178,7 @@ def _handled(args: argparse.Namespace) -> int:
         return EXIT_BAD_DATA if isinstance(exc, TraceError) else EXIT_USAGE
 
 
-#: A well-formed command line whose input data cannot be used (see cli_conventions).
+#: A well-formed command line whose input data cannot be used (see conventions.py).
 EXIT_BAD_DATA = 1
 #: A wrong command line or wrong settings; argparse's own code for usage errors.
 EXIT_USAGE = 2

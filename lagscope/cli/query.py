@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from lagscope.stream_app.cli_conventions import examples
+from lagscope.cli.conventions import examples
 from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
 
 #: chDB's answer to a streamed statement that is not a query (DROP, INSERT, ...).

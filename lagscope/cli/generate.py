@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lagscope.cli.conventions import UsageError, claim_output_dir, examples
 from lagscope.simulator.errors import TraceError, describe_validation_error
-from lagscope.stream_app.cli_conventions import UsageError, claim_output_dir, examples
 
 #: What `generate` writes into --out, and all it ever replaces there.
 GENERATED_FILES = ("trace.parquet", "meta.yaml", "truth.json", "spec.json")

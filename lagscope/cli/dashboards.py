@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from lagscope.stream_app.cli_conventions import examples
+from lagscope.cli.conventions import examples
+from lagscope.dashboards.build import GENERATED_DIR
 
-GENERATED_DIR = Path(__file__).resolve().parent / "generated"
 GRAFANA_URL_ENV = "GRAFANA_URL"
 GRAFANA_TOKEN_ENV = "GRAFANA_TOKEN"
 #: Password of the read-only ClickHouse user the data source connects as.
@@ -125,18 +125,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_command(args: argparse.Namespace) -> int:
-    from lagscope.dashboards.alerts import ALERTS_FILE, provisioning_file
-    from lagscope.dashboards.definitions import build_all
-    from lagscope.dashboards.fleet import build_fleet
+    from lagscope.dashboards.build import built_files
 
     out: Path = args.out
-    built = {out / f"{name}.json": item.to_json() for name, item in build_all().items()}
-    # Fleet-wide dashboards have no job variable; they live in a folder of their own,
-    # which Grafana's file provider reads with the rest.
-    built.update(
-        {out / "fleet" / f"{name}.json": item.to_json() for name, item in build_fleet().items()}
-    )
-    built[args.alerts_out or ALERTS_FILE] = provisioning_file()
+    built = built_files(out, args.alerts_out)
     if args.check:
         stale = [
             str(path)

@@ -9,18 +9,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lagscope.simulator.defaults import (
-    DEFAULT_DECOMPOSE_THRESHOLD,
-    TIMELINE_DP_RANKS,
-    TIMELINE_MAX_SLICES,
-    TIMELINE_MIN_STEPS,
-)
-from lagscope.stream_app.cli_conventions import (
+from lagscope.cli.conventions import (
     STDOUT,
     UsageError,
     check_one_stdout,
     examples,
     write_output,
+)
+from lagscope.simulator.defaults import (
+    DEFAULT_DECOMPOSE_THRESHOLD,
+    TIMELINE_DP_RANKS,
+    TIMELINE_MAX_SLICES,
+    TIMELINE_MIN_STEPS,
 )
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def select_steps(spec: str, available: np.ndarray, option: str = "--steps") -> n
     >>> select_steps("7", np.array([15, 16]))
     Traceback (most recent call last):
     ...
-    lagscope.stream_app.cli_conventions.UsageError: --steps: no step of the trace in '7'
+    lagscope.cli.conventions.UsageError: --steps: no step of the trace in '7'
     """
     import numpy as np
 

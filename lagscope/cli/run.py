@@ -1,0 +1,157 @@
+"""`lagscope run`: per-rank logs -> the embedded host -> the store (chDB by default), in one
+process, with an optional HTML report kept current while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+from lagscope.cli.conventions import (
+    STDOUT,
+    UsageError,
+    add_old_name,
+    check_one_stdout,
+    examples,
+    write_output,
+)
+from lagscope.cli.job_summary import print_job_summary
+from lagscope.cli.progress import pipeline_progress
+from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
+
+# The pipeline, numpy and the store are imported by the handler when it runs, so that
+# registering the command (and `lagscope --help`) stays cheap.
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser(
+        "run",
+        help="analyse per-rank logs in one process (no Kafka) into the store",
+        description="Reads every rank's log under --log-dir, analyses each step as it closes "
+        "and writes the results to ClickHouse (embedded chDB by default). With --follow it "
+        "keeps tailing until the logs are idle; Ctrl-C stops it after closing the open "
+        "steps and printing the summary (exit 130).",
+        epilog=examples(
+            "lagscope run --log-dir /local/lagscope",
+            "lagscope run --log-dir logs --follow --idle-exit-s 120 --report report.html",
+            "lagscope run --log-dir logs --follow --report report.html --report-every-s 5",
+            "lagscope run --log-dir logs --dsn http://user:pw@clickhouse:8123/lagscope",
+            'lagscope query "SELECT step, slowdown FROM steps FINAL ORDER BY step"   # after',
+        ),
+    )
+    # A required option with an old name: argparse counts either name as given only
+    # through a required group of the two.
+    log_dir_names = run.add_mutually_exclusive_group(required=True)
+    log_dir = log_dir_names.add_argument(
+        "--log-dir",
+        type=Path,
+        metavar="DIR",
+        help="directory of the ranks' rank-NNNNNN/ log directories",
+    )
+    add_old_name(log_dir_names, "--logs", log_dir)
+    run.add_argument("--dsn", help=DSN_HELP)
+    run.add_argument(
+        "--follow", action="store_true", help="keep tailing the logs until they are idle"
+    )
+    run.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with --follow: exit after this long without new records",
+    )
+    run.add_argument(
+        "--lateness-s",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a step this long after its first batch even if ranks miss",
+    )
+    run.add_argument(
+        "--report",
+        metavar="PATH",
+        help="write the HTML report here ('-': stdout, at the end only); a file is kept "
+        "current while the run goes on (a page that refreshes itself) and made final at the "
+        "end",
+    )
+    run.add_argument(
+        "--report-every-s",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --report PATH: rewrite the live report at most this often while steps "
+        "close, and have the page refresh itself as often",
+    )
+    run.set_defaults(handler=run_logs_command, extra="demo")
+
+
+def run_logs_command(args: argparse.Namespace) -> int:
+    from lagscope.cli.run_outcome import no_rank_logs_message, nothing_analysed
+    from lagscope.dashboards.report import render_report
+    from lagscope.producers.log import list_rank_dirs
+    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, report_data
+    from lagscope.stream_app.processor import ProcessorSettings
+    from lagscope.stream_app.sink import ClickHouseSink, parse_dsn
+
+    # Before the store opens: a mistyped directory must not leave an empty store behind.
+    dsn = resolve_dsn(args.dsn)
+    parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at
+    if not args.log_dir.is_dir():
+        what = "is not a directory" if args.log_dir.exists() else "does not exist"
+        raise UsageError(f"--log-dir {args.log_dir}: {what}")
+    # A job that starts later may still create its rank logs while --follow waits.
+    if not args.follow and not list_rank_dirs(args.log_dir):
+        raise UsageError(no_rank_logs_message(args.log_dir))
+    check_one_stdout(args, "report")
+    if args.report and args.report != STDOUT and Path(args.report).is_dir():
+        raise UsageError(
+            f"--report {args.report}: is a directory; give the report's file name, e.g. "
+            f"{Path(args.report) / 'report.html'}"
+        )
+    if args.report_every_s <= 0:
+        raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
+    live = None
+    if args.report and args.report != STDOUT:
+        live = LiveReport(Path(args.report), every_s=args.report_every_s)
+        try:
+            live.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"--report {live.path}: cannot write ({exc.strerror or exc})"
+            ) from None
+    sink = ClickHouseSink(dsn)
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s), live_report=live)
+    display, show = pipeline_progress(None)
+    interrupted = False
+    try:
+        report = runner.run_logs(
+            args.log_dir, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=show
+        )
+    except KeyboardInterrupt:
+        # Ctrl-C is how a user stops `--follow`: what was read is analysed and kept.
+        interrupted = True
+        report = runner.close_open_steps()
+    display.close()
+    # Success on nothing would read as a healthy job: say what was found instead.
+    problem = None if interrupted else nothing_analysed(args.log_dir, report)
+    if problem is not None:
+        print(f"lagscope run: error: {problem}", file=sys.stderr)
+        return 1
+    say = print if args.report != STDOUT else functools.partial(print, file=sys.stderr)
+    for key, job in report.jobs.items():
+        print_job_summary(job, say=say)
+        if job.rollup is None:
+            continue
+        if live is not None:
+            say(f"  report written to {runner.report_path(*key)}")
+        elif args.report:
+            where = write_output(args.report, render_report(report_data(job)), option="--report")
+            say(f"  report written to {where}")
+    say(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
+    if interrupted:
+        print("lagscope run: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,143 @@
+"""`lagscope stream`: the sidecar on training nodes that ships the ranks' logs to Kafka."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from lagscope.cli.conventions import examples
+from lagscope.cli.kafka_options import add_kafka_options, kafka_config
+
+# The streamer and Kafka are imported when the command runs: registering it must stay
+# cheap.
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    stream = subparsers.add_parser(
+        "stream",
+        help="ship the ranks' local logs to Kafka (sidecar; resumes after crashes)",
+        description="Tails every rank's local log under --log-dir and produces its batches "
+        "to Kafka, checkpointing what Kafka confirmed. Settings: defaults < --config file "
+        "(or $LAGSCOPE_CONFIG) < LAGSCOPE_<SECTION>__<FIELD> environment < flags. When no "
+        "Kafka answers, it retries with a growing pause and says so once.",
+        epilog=examples(
+            "lagscope stream --log-dir /local/lagscope --bootstrap-servers kafka:9092",
+            "lagscope stream --log-dir logs --idle-exit-s 30   # a backfill that ends",
+            "LAGSCOPE_KAFKA__BOOTSTRAP_SERVERS=kafka:9092 lagscope stream --log-dir logs",
+        ),
+    )
+    add_kafka_options(stream)
+    stream.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="directory of rank-NNNNNN/ log directories (waited for until the job creates it)",
+    )
+    stream.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="checkpoint file (default <log-dir>/.streamer-checkpoint.json)",
+    )
+    stream.add_argument(
+        "--compression",
+        choices=["zstd", "lz4", "gzip", "snappy", "none"],
+        help="Kafka message compression (default zstd)",
+    )
+    stream.add_argument(
+        "--torn-grace-s",
+        type=float,
+        metavar="SECONDS",
+        help="how long a half-written record at a log's end may stay unfinished before it "
+        "is a dead letter (default 30)",
+    )
+    stream.add_argument(
+        "--idle-exit-s",
+        type=float,
+        metavar="SECONDS",
+        help="exit after this long with nothing to ship, or, when Kafka has not answered "
+        "once since the start, after this long in any case: what was not shipped stays in "
+        "the logs (backfills, tests; default: run until stopped)",
+    )
+    stream.add_argument(
+        "--delete-shipped",
+        action="store_true",
+        default=None,
+        help="delete log files once Kafka confirmed everything in them",
+    )
+    stream.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (address: "
+        "streamer.metrics_addr; default: no endpoint)",
+    )
+    stream.set_defaults(handler=run_stream, extra="sidecar")
+
+
+def run_stream(args: argparse.Namespace) -> int:
+    import signal
+    from pathlib import Path
+
+    from lagscope.cli.conventions import UsageError
+    from lagscope.producers.config import ConfigError
+    from lagscope.producers.redact import redact_url
+    from lagscope.producers.streamer import Streamer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # A directory not there yet is waited for (the sidecar may start first); a file is a
+    # mistake.
+    if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        raise UsageError(f"--log-dir {args.log_dir}: is not a directory")
+    try:
+        config = kafka_config(
+            args,
+            {
+                "log_dir": args.log_dir,
+                "checkpoint_path": args.checkpoint,
+                "compression": args.compression,
+                "torn_grace_s": args.torn_grace_s,
+                "idle_exit_s": args.idle_exit_s,
+                "delete_shipped": args.delete_shipped,
+                "metrics_port": args.metrics_port,
+            },
+        )
+        streamer = Streamer(config)
+    except (ConfigError, ValueError) as exc:
+        print(f"lagscope stream: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        streamer.serve_metrics()
+    except OSError as exc:
+        print(f"lagscope stream: error: metrics endpoint: {exc}", file=sys.stderr)
+        return 2
+    # SIGTERM (an orchestrator stopping the sidecar) is a normal end: exit 0. Ctrl-C ends
+    # it the same clean way (what Kafka confirmed is checkpointed, the rest stays in the
+    # logs) and then says "interrupted" with 130, as every lagscope command does.
+    interrupted: list[bool] = []
+
+    def on_sigint(*_: object) -> None:
+        interrupted.append(True)
+        streamer.stop()
+
+    signal.signal(signal.SIGTERM, lambda *_: streamer.stop())
+    signal.signal(signal.SIGINT, on_sigint)
+    streamer.ensure_topics()
+    stats = streamer.run()
+    # What the logs hold past Kafka's confirmations decides the exit status: a sidecar that
+    # leaves data behind must not look done, or its pod (and an emptyDir with the logs)
+    # would be cleaned up as if everything had been shipped.
+    unshipped = streamer.unshipped_bytes()
+    print(json.dumps({**stats.as_dict(), "unshipped_bytes": unshipped}))
+    if unshipped:
+        print(
+            f"lagscope stream: error: {unshipped:,} bytes of the logs under {streamer.log_dir} "
+            f"were not delivered to Kafka at {redact_url(config.kafka.bootstrap_servers)}; "
+            f"they stay in the logs and the next run sends them (checkpoint "
+            f"{streamer.checkpoint_path})",
+            file=sys.stderr,
+        )
+    if interrupted:
+        print("lagscope stream: interrupted", file=sys.stderr)
+        return 130
+    return 1 if unshipped else 0
