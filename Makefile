@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 # start: compile them once, as pip does for a regular install. Stale files are recompiled
 # on import as usual.
 bytecode:
-	@$(BIN)/python -m compileall -q lagscope producers simulator stream_app dashboards deploy >/dev/null
+	@$(BIN)/python -m compileall -q lagscope producers simulator stream_app store dashboards deploy >/dev/null
 
 # The main job: a generated 128-GPU job with stragglers through timers, logs, the embedded
 # pipeline and chDB, ending in a summary and out/demo/report.html.

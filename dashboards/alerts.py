@@ -36,7 +36,7 @@ from grafana_foundation_sdk.models import expr as expr_model
 
 from lagscope.dashboards.clickhouse_query import ClickHouseQueryBuilder, datasource_ref
 from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
-from lagscope.stream_app.schema import EPISODES_TABLE
+from lagscope.store.schema import EPISODES_TABLE
 
 FOLDER_UID = "lagscope"
 RULE_GROUP = "lagscope"

@@ -29,7 +29,7 @@ from lagscope.dashboards.definitions import (
     _Collector,
     _slowdown_thresholds,
 )
-from lagscope.stream_app.schema import RANK_IDENTITY_TABLE
+from lagscope.store.schema import RANK_IDENTITY_TABLE
 
 FLEET_UID = "lagscope-fleet"
 NODES_UID = "lagscope-nodes"

@@ -1,7 +1,7 @@
 """The one record of input set aside: what it was, where it came from, and why.
 
 Every stage that rejects input keeps it this way instead of dropping it: a host storing it
-in the `dead_letters` table (`stream_app/rows.py`), whatever the input's origin, a
+in the `dead_letters` table (`store/rows.py`), whatever the input's origin, a
 rank's log file (`rank-000003/000000.lglog@4096`) or a Kafka record
 (`lagscope.ops[2]@1789`).
 """

@@ -38,9 +38,9 @@ from lagscope.producers.log import DeadLetter as SkippedSpan
 from lagscope.simulator.episodes import Episode
 from lagscope.simulator.prepare import PreparedTrace, concat_steps
 from lagscope.simulator.whatif import analyze
+from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.host_core import HostCore, JobRecords, JobReport, LatenessClock
 from lagscope.stream_app.processor import ProcessorSettings
-from lagscope.stream_app.sink import ClickHouseSink
 
 if TYPE_CHECKING:
     from lagscope.dashboards.report import ReportData

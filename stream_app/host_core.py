@@ -13,30 +13,35 @@ refined, the final diagnosis.
 The drivers differ only in how records arrive (rank logs, Kafka partitions), how time
 passes for the lateness timeout (`LatenessClock`, fed with the records' own times), and
 how progress is checkpointed (the worker snapshots the core's state with the offset it
-covers, `stream_app/checkpoints.py`; the embedded host re-reads its logs).
+covers, `store/checkpoints.py`; the embedded host re-reads its logs).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from lagscope.producers.dead_letters import DeadLetter
 from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, batch_id_of, decode_batch
 from lagscope.simulator.episodes import Episode
 from lagscope.simulator.whatif import WhatIfResult
-from lagscope.stream_app.admission import job_conflict, job_problem
-from lagscope.stream_app.identity import (
-    MachineBook,
-    name_machines,
+from lagscope.store.rows import (
+    dead_letter_batch,
+    diagnosis_rows,
+    episode_rows,
+    episode_version,
+    job_rows,
+    joined_rows,
     rank_identity_batch,
+    raw_op_rows,
+    rows_from_outputs,
 )
+from lagscope.store.sink import ClickHouseSink, SinkBatch
+from lagscope.stream_app.admission import job_conflict, job_problem
+from lagscope.stream_app.identity import MachineBook, name_machines
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, JobTotals
 from lagscope.stream_app.processor import (
     DetectedChange,
@@ -45,15 +50,6 @@ from lagscope.stream_app.processor import (
     StepOutput,
     StepProcessor,
 )
-from lagscope.stream_app.rows import (
-    dead_letter_rows,
-    diagnosis_rows,
-    episode_rows,
-    episode_version,
-    job_rows,
-    rows_from_outputs,
-)
-from lagscope.stream_app.sink import ClickHouseSink, SinkBatch
 
 log = logging.getLogger("lagscope.host")
 
@@ -154,17 +150,6 @@ class JobRecords:
         if self.dead:
             sink.write(dead_letter_batch(self.dead))
             self.dead = []
-
-
-def dead_letter_batch(letters: Sequence[DeadLetter]) -> SinkBatch:
-    """Dead letters as one idempotent write (the token names them: a replay stores them
-    once)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for letter in letters:
-        digest.update(f"{letter.job_id}\0{letter.source}\0{letter.reason}\0".encode())
-    batch = SinkBatch(f"dead/{digest.hexdigest()}/{len(letters)}")
-    batch.add("dead_letters", dead_letter_rows(letters))
-    return batch
 
 
 @dataclass
@@ -290,7 +275,7 @@ class HostCore:
             if batch is not None:
                 windowed.append(batch)
                 if self.store_raw_ops and batch.tp_rank == 0 and batch.cp_rank == 0:
-                    self._raw_ops.append(_raw_op_rows(batch, batch_id_of(payload)))
+                    self._raw_ops.append(raw_op_rows(batch, batch_id_of(payload)))
         if windowed:
             try:
                 outputs = self.processor.on_batches(windowed)
@@ -411,7 +396,8 @@ class HostCore:
         written = Written()
         if self.pending:
             outputs = self.pending
-            stored = sink.retry.call(_stored_steps, sink, outputs, what="steps lookup")
+            keys = sorted({(o.job_id, o.attempt, o.step) for o in outputs})
+            stored = sink.retry.call(sink.stored_steps, keys, what="steps lookup")
             fresh = [o for o in outputs if (o.job_id, o.attempt, o.step) not in stored]
             self.counters["steps_already_stored"] += len(outputs) - len(fresh)
             by_job: dict[tuple[str, int], list[StepOutput]] = {}
@@ -421,7 +407,7 @@ class HostCore:
                 batch = rows_from_outputs(job_outputs)
                 self._add_live_rows(batch, job_id, attempt, job_outputs)
                 if self._raw_ops:
-                    batch.add("ops", _join_rows(self._raw_ops))
+                    batch.add("ops", joined_rows(self._raw_ops))
                     self._raw_ops = []
                 sink.write(batch)
                 self.counters["steps_written"] += len(job_outputs)
@@ -432,7 +418,7 @@ class HostCore:
             written.outputs = fresh
         if self._raw_ops:
             batch = SinkBatch(f"ops/{self._writes}/{len(self._raw_ops)}")
-            batch.add("ops", _join_rows(self._raw_ops))
+            batch.add("ops", joined_rows(self._raw_ops))
             sink.write(batch)
             self._raw_ops = []
         while self.conclusions:
@@ -536,46 +522,3 @@ class HostCore:
             "concluded_step": [[*key, step] for key, step in self.concluded_step.items()],
             "event_time_s": self.clock.newest_record_s,
         }
-
-
-def _stored_steps(sink: ClickHouseSink, outputs: list[StepOutput]) -> set[tuple[str, int, int]]:
-    keys = sorted({(o.job_id, o.attempt, o.step) for o in outputs})
-    _, rows = sink.query(
-        "SELECT DISTINCT job_id, attempt, step FROM steps "
-        "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
-        {"keys": keys},
-    )
-    return {(j, int(a), int(s)) for j, a, s in rows}
-
-
-def _raw_op_rows(batch: RankStepBatch, batch_id: str) -> dict[str, Any]:
-    n = batch.n_ops
-    names = np.array(batch.optype_names, dtype=object)
-    return {
-        "job_id": [batch.job_id] * n,
-        "attempt": np.full(n, batch.attempt, np.uint32),
-        "step": np.full(n, batch.step, np.uint64),
-        "rank": np.full(n, batch.rank, np.uint32),
-        "dp_rank": np.full(n, batch.dp_rank, np.uint32),
-        "pp_rank": np.full(n, batch.pp_rank, np.uint32),
-        "tp_rank": np.full(n, batch.tp_rank, np.uint32),
-        "cp_rank": np.full(n, batch.cp_rank, np.uint32),
-        "optype": names[batch.optype].tolist(),
-        "seq": batch.seq.astype(np.uint32),
-        "microbatch": np.maximum(batch.microbatch, 0).astype(np.uint32),
-        "chunk": np.maximum(batch.chunk, 0).astype(np.uint32),
-        "start": batch.start_ns.astype("datetime64[ns]"),
-        "duration_ns": batch.duration_ns.astype(np.uint64),
-        "batch_id": [batch_id] * n,
-    }
-
-
-def _join_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    joined: dict[str, Any] = {}
-    for name in parts[0]:
-        values = [p[name] for p in parts]
-        if isinstance(values[0], np.ndarray):
-            joined[name] = np.concatenate(values)
-        else:
-            joined[name] = [v for part in values for v in part]
-    return joined

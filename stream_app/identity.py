@@ -16,42 +16,8 @@ from collections.abc import Mapping
 
 from lagscope.producers.events import JobInfo, RankIdentity
 from lagscope.simulator.diagnose import Diagnosis
-from lagscope.stream_app.schema import RANK_IDENTITY_TABLE
-from lagscope.stream_app.sink import SinkBatch
 
 _WORKER = re.compile(r"\(dp (\d+), pp (\d+)\)")
-
-
-def rank_identity_rows(info: JobInfo, *, version: int = 0) -> dict[str, list]:
-    """The `rank_identity` row of the rank whose job record `info` is (it must carry one)."""
-    who = info.rank_identity
-    if who is None:
-        raise ValueError(f"job record {info.key} carries no rank identity")
-    return {
-        "job_id": [info.job_id],
-        "attempt": [info.attempt],
-        "rank": [who.rank],
-        "local_rank": [who.local_rank],
-        "dp_rank": [who.dp_rank],
-        "pp_rank": [who.pp_rank],
-        "tp_rank": [who.tp_rank],
-        "cp_rank": [who.cp_rank],
-        "host": [who.host],
-        "node": [who.node or ""],
-        "pod": [who.pod or ""],
-        "gpu": [who.gpu],
-        "pci_bus_id": [who.pci_bus_id or ""],
-        "version": [version],
-    }
-
-
-def rank_identity_batch(info: JobInfo) -> SinkBatch:
-    """A sink batch with `info`'s rank identity row (its token: job, attempt and rank)."""
-    who = info.rank_identity
-    rank = who.rank if who is not None else -1
-    batch = SinkBatch(f"rank-identity/{info.job_id}/{info.attempt}/{rank}")
-    batch.add(RANK_IDENTITY_TABLE, rank_identity_rows(info))
-    return batch
 
 
 def machine_label(who: RankIdentity) -> str:

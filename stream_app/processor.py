@@ -47,9 +47,9 @@ from lagscope.simulator.online_episodes import OnlineEpisodeSettings
 from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
+from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app import admission
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, LiveJob
-from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, encode_state
 
 log = logging.getLogger("lagscope.processor")
 
@@ -253,7 +253,7 @@ _STEP_INPUTS = (
 
 def encode_step_inputs(prepared: PreparedTrace) -> bytes:
     """A retained step's inputs, without the job's model (hosts persist these once), in the
-    safe state format (`stream_app.snapshot_format`: no pickle)."""
+    safe state format (`store.snapshot_format`: no pickle)."""
     return encode_state(_step_inputs(prepared))
 
 

@@ -40,7 +40,7 @@ from lagscope.producers.events import SchemaError, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.metrics import MetricsServer
 from lagscope.producers.redact import scrub, secret_values
-from lagscope.stream_app.sink import ClickHouseSink
+from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 

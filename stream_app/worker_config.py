@@ -10,9 +10,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from lagscope.producers.config import KafkaSettings, LagscopeConfig
+from lagscope.store.dsn import DEFAULT_DSN, DSN_ENV
+from lagscope.store.sink import RetryPolicy
 from lagscope.stream_app.processor import ProcessorSettings
-from lagscope.stream_app.sink import RetryPolicy
-from lagscope.stream_app.store_location import DEFAULT_DSN, DSN_ENV
 
 
 class WorkerKafkaSettings(KafkaSettings):

@@ -11,7 +11,7 @@ same numbers as an uninterrupted run):
 1. *Snapshots aligned with offsets.* Per partition, the worker periodically writes a
    snapshot of its core (the processor's windows, running ideals, detectors, episodes and
    totals, the ids of the retained steps) together with `next_offset`, the first offset
-   the snapshot has not consumed (`stream_app/checkpoints.py`). Before a snapshot is
+   the snapshot has not consumed (`store/checkpoints.py`). Before a snapshot is
    written, every step the core closed so far is durably in the store and its results are
    flushed to `lagscope.results`.
 2. *Offsets follow snapshots.* The host gets the ops topic one fetched run at a time and
@@ -56,7 +56,11 @@ from typing import Any
 import numpy as np
 
 from lagscope.producers.metrics import SecondsHistogram
-from lagscope.stream_app.checkpoints import CheckpointStore
+from lagscope.store.checkpoints import CheckpointStore
+from lagscope.store.errors import StoreError
+from lagscope.store.rows import episode_version
+from lagscope.store.sink import ClickHouseSink
+from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app.host_core import (
     HostCore,
     JobRecords,
@@ -69,9 +73,6 @@ from lagscope.stream_app.processor import (
     StepProcessor,
     encode_step_inputs,
 )
-from lagscope.stream_app.rows import episode_version
-from lagscope.stream_app.sink import ClickHouseSink, StoreError
-from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app.worker_config import WorkerConfig
 
 log = logging.getLogger("lagscope.worker")
@@ -561,7 +562,7 @@ def conclusion_result(conclusion: JobConclusion) -> dict[str, Any]:
         n_steps=len(rollup.steps),
         slowdown=rollup.slowdown,
         waste=rollup.waste,
-        noise_floor=(found.run.evidence or {}).get("noise_floor"),
+        noise_floor=found.run.evidence.noise_floor,
         cause=found.verdict.cause,
         summary=found.verdict.summary,
     )

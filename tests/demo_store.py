@@ -30,9 +30,9 @@ def fill_demo_store(
         write_logs_with_timers,
     )
     from lagscope.simulator.generate import generate_job
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink
 
     job = generate_job(demo_spec(steps, seed=7))
     info = demo_job_info(job, DEMO_JOB)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lagscope.dashboards.alerts import RULES
-from lagscope.stream_app.sink import ClickHouseSink
+from lagscope.store.sink import ClickHouseSink
 from tests.worker_util import (
     WorkerProcess,
     create_topics,

@@ -131,7 +131,7 @@ def crafted(chdb_dir: Path):
     that recovered, a steady trickle of dead letters), `stalled` (stopped 8 minutes ago,
     its episode left open), `finished-long-ago` (stopped 3 hours ago) and `noisy` (S 1.3,
     all of it its own noise floor)."""
-    from lagscope.stream_app.sink import ClickHouseSink
+    from lagscope.store.sink import ClickHouseSink
 
     sink = ClickHouseSink(f"chdb://{chdb_dir}?database=alerts_crafted")
     sink.ensure_schema()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lagscope.cli import main
-from lagscope.stream_app.sink import ClickHouseSink
+from lagscope.store.sink import ClickHouseSink
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from lagscope.stream_app.rows import job_rows, rows_from_result, worker_slowdown_per_step
-from lagscope.stream_app.sink import ClickHouseSink
+from lagscope.store.rows import job_rows, rows_from_result, worker_slowdown_per_step
+from lagscope.store.sink import ClickHouseSink
 from tests.conftest import analyzed_reference, load_reference
 
 T0 = 1_700_000_000.0

@@ -8,8 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from lagscope.stream_app import schema
-from lagscope.stream_app.sink import ClickHouseSink, SinkBatch, StoreError, parse_dsn
+from lagscope.store import migrations, schema
+from lagscope.store.dsn import parse_dsn
+from lagscope.store.errors import StoreError
+from lagscope.store.sink import ClickHouseSink, SinkBatch
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC, a minute boundary + 20 s
 
@@ -121,7 +123,7 @@ def stored_steps(store: ClickHouseSink) -> tuple:
 
 # -- schema ---------------------------------------------------------------------------
 def test_schema_is_versioned_and_idempotent(store: ClickHouseSink) -> None:
-    latest = schema.migrations()[-1].version
+    latest = migrations.migrations()[-1].version
     assert store.schema_version() == latest
     assert store.ensure_schema() == []  # nothing pending: a no-op
     _, rows = store.query(
@@ -149,9 +151,9 @@ def test_migrations_resume_after_a_partial_run(chdb_dsn: str) -> None:
     """A migration interrupted after some statements is re-run as a whole, safely."""
     with ClickHouseSink(chdb_dsn) as sink:
         sink._use_database(create=True)
-        schema.current_version(sink)
-        sink.command(schema.migrations()[0].statements[1])  # only `steps` exists
-        every = [m.version for m in schema.migrations()]
+        migrations.current_version(sink)
+        sink.command(migrations.migrations()[0].statements[1])  # only `steps` exists
+        every = [m.version for m in migrations.migrations()]
         assert sink.ensure_schema() == every
         assert sink.ensure_schema() == []
         _, rows = sink.query("SELECT count() FROM schema_version FINAL")
@@ -163,7 +165,7 @@ def test_ops_ttl_is_configurable(store: ClickHouseSink) -> None:
     store.ensure_schema(ops_ttl_days=30)
     assert store.ops_ttl_days() == 30
     with pytest.raises(ValueError, match="ops_ttl_days"):
-        schema.migrations(ops_ttl_days=0)
+        migrations.migrations(ops_ttl_days=0)
 
 
 # -- idempotent writes ------------------------------------------------------------------

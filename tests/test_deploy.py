@@ -24,8 +24,7 @@ import yaml
 from lagscope import __version__
 from lagscope.cli import build_parser
 from lagscope.producers.config import LagscopeConfig
-from lagscope.stream_app.sink import parse_dsn
-from lagscope.stream_app.store_location import DSN_ENV
+from lagscope.store.dsn import DSN_ENV, parse_dsn
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"

@@ -20,6 +20,7 @@ PACKAGES = (
     "lagscope.producers",
     "lagscope.simulator",
     "lagscope.stream_app",
+    "lagscope.store",
     "lagscope.cli",
     "lagscope.dashboards",
     "lagscope.deploy",

@@ -11,9 +11,9 @@ import pytest
 from lagscope.cli.demo import demo_spec, write_logs_with_timers
 from lagscope.producers.events import JobInfo
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.embedded import EmbeddedRunner
 from lagscope.stream_app.processor import ProcessorSettings
-from lagscope.stream_app.sink import ClickHouseSink
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ def shared_bad_node(chdb_dir: Path):
     """Jobs `a` and `b`, 2 dp x 2 pp each, 30 steps in the last 10 minutes. In `a` worker
     (dp 1, pp 0) is slow, in `b` worker (dp 0, pp 1): different ranks, one machine,
     `gpu-07`. A third job's worker on `c-node-3` has a single bad step."""
-    from lagscope.stream_app.sink import ClickHouseSink
+    from lagscope.store.sink import ClickHouseSink
 
     sink = ClickHouseSink(f"chdb://{chdb_dir}?database=fleet_nodes")
     sink.ensure_schema()

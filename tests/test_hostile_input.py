@@ -18,9 +18,9 @@ from lagscope.cli.demo import write_logs_with_timers
 from lagscope.producers.log import KIND_JOB, list_rank_dirs
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import generate_job
+from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.embedded import EmbeddedRunner
 from lagscope.stream_app.processor import ProcessorSettings
-from lagscope.stream_app.sink import ClickHouseSink
 from tests.hostile import (
     GOOD_JOB,
     GOOD_SPEC,

@@ -10,8 +10,8 @@ import pytest
 from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.store.snapshot_format import decode_state, encode_state
 from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
-from lagscope.stream_app.snapshot_format import decode_state, encode_state
 from tests.conftest import assert_same_result
 
 SPEC = JobSpec(
@@ -99,8 +99,8 @@ def test_a_step_larger_than_the_budget_keeps_one(job_steps):
 
 def test_a_backlog_is_read_no_faster_than_its_steps_close(chdb_dir, tmp_path):
     from lagscope.cli.demo import write_logs_with_timers
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
-    from lagscope.stream_app.sink import ClickHouseSink
 
     job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=120, seed=2))
     info = JobInfo.from_meta(job.meta, job_id="burst")

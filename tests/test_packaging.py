@@ -82,7 +82,7 @@ def test_wheel_has_one_top_level_import_name(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     # The stages of the data's journey are subpackages; data files travel with them.
-    for package in ("producers", "simulator", "stream_app", "dashboards", "deploy"):
+    for package in ("producers", "simulator", "stream_app", "store", "dashboards", "deploy"):
         assert f"lagscope/{package}/__init__.py" in names
     for data_file in (
         "generated/job-overview.json",

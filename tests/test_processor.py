@@ -10,8 +10,8 @@ import pytest
 from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import default_job_id, iter_step_batches
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.store.snapshot_format import decode_state, encode_state
 from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
-from lagscope.stream_app.snapshot_format import decode_state, encode_state
 from tests.conftest import analyzed_reference, assert_same_result, load_reference
 
 

@@ -7,8 +7,12 @@ import time
 from pathlib import Path
 
 from lagscope.producers.events import JobInfo, RankIdentity
-from lagscope.simulator.diagnose import Advice, Diagnosis
-from lagscope.stream_app.identity import MachineBook, name_machines, rank_identity_rows
+from lagscope.simulator.advice import Advice
+from lagscope.simulator.causes import Cause
+from lagscope.simulator.diagnose import Diagnosis
+from lagscope.simulator.evidence import Evidence
+from lagscope.store.rows import rank_identity_rows
+from lagscope.stream_app.identity import MachineBook, name_machines
 
 
 def _record(rank: int, dp: int, pp: int, tp: int = 0, **machine: object) -> JobInfo:
@@ -25,9 +29,9 @@ def test_a_named_worker_reads_with_its_node_and_gpu() -> None:
     assert book.add(_record(0, 0, 0, host="h0"))
     assert not book.add(JobInfo(job_id="j", dp_size=2, pp_size=2, tp_size=2, world_size=8))
     diagnosis = Diagnosis(
-        "slow_workers",
+        Cause.SLOW_WORKERS,
         "worker(s) (dp 1, pp 0), (dp 0, pp 0) explain 80% of the slowdown",
-        {},
+        Evidence(),
         (Advice("remove the straggler", "restart without (dp 1, pp 0), (dp 1, pp 1)", 1.2),),
     )
     named = name_machines(diagnosis, book.machines("j", 0))

@@ -257,9 +257,9 @@ def test_a_hostile_job_id_is_text(tmp_path, chdb_dsn, reference_dir):
     from lagscope.cli.demo import write_logs_with_timers
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import JobSpec, generate_job
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink
 
     job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=10, name="hostile", seed=3))
     info = JobInfo.from_meta(job.meta, job_id=HOSTILE)

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from lagscope.producers.replay import replay
-from lagscope.stream_app.sink import ClickHouseSink, StoreError
+from lagscope.store.errors import StoreError
+from lagscope.store.sink import ClickHouseSink
 from tests.conftest import load_reference
 from tests.worker_util import (
     StoreServer,

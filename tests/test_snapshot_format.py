@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lagscope.stream_app.schema import WORKER_STATE_TABLE
-from lagscope.stream_app.sink import ClickHouseSink
-from lagscope.stream_app.snapshot_format import SnapshotError, decode_state, encode_state
+from lagscope.store.schema import WORKER_STATE_TABLE
+from lagscope.store.sink import ClickHouseSink
+from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import SNAPSHOT_VERSION, WorkerCore
 

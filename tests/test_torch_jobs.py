@@ -262,9 +262,9 @@ def test_every_rank_identity_is_stored_by_the_embedded_host(
 ) -> None:
     """Each of the 4 ranks' job records becomes its `rank_identity` row; none is taken for
     a conflicting second job record (each names another rank and machine by design)."""
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink
 
     log_dir, _ = one_f_one_b
     sink = ClickHouseSink(f"chdb://{tmp_path / 'chdb'}")

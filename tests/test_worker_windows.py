@@ -10,8 +10,8 @@ import time
 from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, generate_job
+from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.processor import ProcessorSettings
-from lagscope.stream_app.sink import ClickHouseSink
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 

@@ -188,7 +188,7 @@ EXIT_USAGE = 2
 #: modules are not imported here, since `--help` must stay cheap.
 _USER_ERRORS = (
     ("lagscope.producers.config", "ConfigError"),
-    ("lagscope.stream_app.sink", "StoreError"),
+    ("lagscope.store.errors", "StoreError"),
 )
 
 

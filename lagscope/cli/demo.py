@@ -165,9 +165,9 @@ def demo_spec(steps: int, seed: int) -> JobSpec:
 
 def demo_command(args: argparse.Namespace) -> int:
     from lagscope.simulator.generate import generate_job
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink
 
     began = time.monotonic()
     out: Path = args.out

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lagscope.cli.conventions import examples
-from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
+from lagscope.store.dsn import DSN_HELP, resolve_dsn
 
 #: chDB's answer to a streamed statement that is not a query (DROP, INSERT, ...).
 STREAMING_UNSUPPORTED = "Streaming query is not supported"
@@ -66,7 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
-    from lagscope.stream_app.sink import ClickHouseSink, StoreError
+    from lagscope.store.errors import StoreError
+    from lagscope.store.sink import ClickHouseSink
 
     count = statement_count(args.sql)
     if count != 1:

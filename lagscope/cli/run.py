@@ -19,7 +19,7 @@ from lagscope.cli.conventions import (
 )
 from lagscope.cli.job_summary import print_job_summary
 from lagscope.cli.progress import pipeline_progress
-from lagscope.stream_app.store_location import DSN_HELP, resolve_dsn
+from lagscope.store.dsn import DSN_HELP, resolve_dsn
 
 # The pipeline, numpy and the store are imported by the handler when it runs, so that
 # registering the command (and `lagscope --help`) stays cheap.
@@ -91,9 +91,10 @@ def run_logs_command(args: argparse.Namespace) -> int:
     from lagscope.cli.run_outcome import no_rank_logs_message, nothing_analysed
     from lagscope.dashboards.report import render_report
     from lagscope.producers.log import list_rank_dirs
+    from lagscope.store.dsn import parse_dsn
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, report_data
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink, parse_dsn
 
     # Before the store opens: a mistyped directory must not leave an empty store behind.
     dsn = resolve_dsn(args.dsn)

@@ -4,7 +4,7 @@ Configuration is `stream_app.worker_config.WorkerConfig`: defaults < `--config` 
 $LAGSCOPE_CONFIG) < `LAGSCOPE_<SECTION>__<FIELD>` environment (e.g.
 `LAGSCOPE_WORKER__GROUP_ID`, `LAGSCOPE_STORE__DSN`, `LAGSCOPE_PROCESSOR__LATENESS_S`) <
 flags. The store, when none of them names one, is the shared default of
-`stream_app/store_location.py`.
+`store/dsn.py`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from lagscope.cli.conventions import add_old_name, examples
-from lagscope.stream_app.store_location import DSN_HELP
+from lagscope.store.dsn import DSN_HELP
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lagscope.producers.config import ConfigError, load_config
-    from lagscope.stream_app.sink import StoreError
+    from lagscope.store.errors import StoreError
     from lagscope.stream_app.worker import FaustWorker
     from lagscope.stream_app.worker_config import WorkerConfig
 

@@ -51,8 +51,8 @@ def _write_logs(steps: int, log_dir: Path) -> None:
 def _run_logs(log_dir: str, store: str) -> dict:
     import resource
 
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
-    from lagscope.stream_app.sink import ClickHouseSink
 
     sink = ClickHouseSink(f"chdb://{store}?database=burst")
     sink.ensure_schema()

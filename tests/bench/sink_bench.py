@@ -41,7 +41,7 @@ def run() -> list[dict]:
 
 
 def ops_batch(index: int, t0_ns: int):
-    from lagscope.stream_app.sink import SinkBatch
+    from lagscope.store.sink import SinkBatch
 
     n = OPS_BATCH_ROWS
     rng = np.random.default_rng(index)
@@ -72,7 +72,7 @@ def ops_batch(index: int, t0_ns: int):
 
 def result_batch(step: int, t0: float):
     """What `rows_from_result` builds for one step of the 1,024-GPU job."""
-    from lagscope.stream_app.sink import SinkBatch
+    from lagscope.store.sink import SinkBatch
 
     rng = np.random.default_rng(step)
     slowdown = 1 + rng.exponential(0.05)
@@ -155,7 +155,7 @@ DASHBOARD_QUERIES = {
 
 
 def _measure() -> list[dict]:
-    from lagscope.stream_app.sink import ClickHouseSink
+    from lagscope.store.sink import ClickHouseSink
 
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="lagscope-sink-bench-") as tmp:

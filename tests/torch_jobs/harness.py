@@ -367,9 +367,9 @@ def job_records(log_dir: str | Path) -> list[Any]:
 
 def analyse(log_dir: str | Path, store: str | Path | None = None) -> Any:
     """`lagscope run --logs` in-process: the embedded host into chDB; its RunReport."""
+    from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
     from lagscope.stream_app.processor import ProcessorSettings
-    from lagscope.stream_app.sink import ClickHouseSink
 
     store = Path(store) if store is not None else Path(log_dir).parent / "chdb"
     sink = ClickHouseSink(f"chdb://{store}")

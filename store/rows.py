@@ -1,5 +1,6 @@
-"""Rows of the store from a what-if analysis: `steps`, `attribution`, `worker_slowdown`
-(and `jobs`), as one `SinkBatch`.
+"""Rows of every table of the store, as `SinkBatch`es or columns to add to one: `steps`,
+`attribution`, `worker_slowdown` and `changepoints` from the analysis of closed steps,
+`jobs`, `diagnoses`, `episodes`, `dead_letters`, `rank_identity` and raw `ops`.
 
 Figures per step (slowdown S = simulated / ideal, the what-if slowdown without launch
 delays, as `lagscope analyze` reports it):
@@ -11,27 +12,111 @@ delays, as `lagscope analyze` reports it):
 - sim_discrepancy = |simulated - actual| / actual; trusted when it is at most 5 %.
 - A step that could not be analysed is stored with `analysed = false`, NaN figures and the
   reason (`complete` still says only whether every rank reported).
+
+The hosts' own records (a closed step, an episode's state, the machines of a job) are
+read through the protocols below, which name what a row is made of: the store knows the
+tables, the hosts (`stream_app`) know how they found what goes in them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from lagscope.simulator.diagnose import Diagnosis
 from lagscope.simulator.trace import JobMeta
 from lagscope.simulator.whatif import Attribution, WhatIfResult
-from lagscope.stream_app.sink import SinkBatch
+from lagscope.store.schema import RANK_IDENTITY_TABLE
+from lagscope.store.sink import SinkBatch
 
 if TYPE_CHECKING:
     from lagscope.producers.dead_letters import DeadLetter
-    from lagscope.stream_app.identity import MachineBook
-    from lagscope.stream_app.job_analysis import EpisodeState
-    from lagscope.stream_app.processor import StepOutput
+    from lagscope.producers.events import JobInfo, RankIdentity, RankStepBatch
+    from lagscope.simulator.episode_cost import EpisodeCost
+    from lagscope.simulator.online_episodes import WorkerEpisode
+
+
+class DetectedChangeRecord(Protocol):
+    """A change point found at a step: one `changepoints` row."""
+
+    @property
+    def series(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def before_mean(self) -> float: ...
+    @property
+    def after_mean(self) -> float: ...
+    @property
+    def probability(self) -> float: ...
+
+
+class ClosedStepRecord(Protocol):
+    """A closed step of the step processor (`stream_app.processor.StepOutput`): one `steps`
+    row, with its `attribution`, `worker_slowdown` and `changepoints` rows."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def start_ns(self) -> int: ...
+    @property
+    def complete(self) -> bool: ...
+    @property
+    def missing(self) -> tuple[tuple[int, int], ...]: ...
+    @property
+    def result(self) -> WhatIfResult | None: ...
+    @property
+    def info(self) -> JobInfo: ...
+    @property
+    def changes(self) -> Sequence[DetectedChangeRecord]: ...
+    @property
+    def analysed_dp_ranks(self) -> tuple[int, ...]: ...
+    @property
+    def reason(self) -> str: ...
+
+
+class EpisodeStateRecord(Protocol):
+    """An episode as it stands after a step (`stream_app.job_analysis.EpisodeState`): one
+    `episodes` row."""
+
+    @property
+    def episode(self) -> WorkerEpisode: ...
+    @property
+    def cost(self) -> EpisodeCost: ...
+    @property
+    def diagnosis(self) -> Diagnosis: ...
+    @property
+    def at_step(self) -> int: ...
+    @property
+    def onset_ns(self) -> int: ...
+    @property
+    def recovery_ns(self) -> int: ...
+    @property
+    def last_ns(self) -> int: ...
+    @property
+    def final(self) -> bool: ...
+    @property
+    def gpu_seconds_lost(self) -> float: ...
+
+
+class MachineLookup(Protocol):
+    """The machine a worker of a job attempt runs on (`stream_app.identity.MachineBook`)."""
+
+    def identity(
+        self, job_id: str, attempt: int, worker: tuple[int, int]
+    ) -> RankIdentity | None: ...
+
 
 #: attribution.kind of each attribution of a result.
 ATTRIBUTION_KINDS: tuple[tuple[str, str], ...] = (
@@ -199,7 +284,7 @@ def _worker_rows(
     }
 
 
-def rows_from_outputs(outputs: Sequence[StepOutput], *, version: int = 0) -> SinkBatch:
+def rows_from_outputs(outputs: Sequence[ClosedStepRecord], *, version: int = 0) -> SinkBatch:
     """Closed steps of the step processor (any jobs, complete or not) as one batch.
 
     Incomplete steps are stored with `complete = false` and the global ranks that never
@@ -264,7 +349,7 @@ def _concat(parts: list) -> list | np.ndarray:
     return [v for p in parts for v in (p.tolist() if isinstance(p, np.ndarray) else p)]
 
 
-def _unanalysed_step(out: StepOutput, ts: np.ndarray, version: int) -> dict[str, Any]:
+def _unanalysed_step(out: ClosedStepRecord, ts: np.ndarray, version: int) -> dict[str, Any]:
     nan = np.array([np.nan])
     return {
         "job_id": [out.job_id],
@@ -305,13 +390,14 @@ def diagnosis_rows(
         "ts": [start_ns / 1e9],
         "cause": [diagnosis.cause],
         "evidence": [
-            json.dumps({"summary": diagnosis.summary, **diagnosis.evidence}, default=float)
+            json.dumps({"summary": diagnosis.summary, **diagnosis.evidence.as_dict()},
+                       default=float)  # fmt: skip
         ],
         "advice": [
             json.dumps(
                 {
                     "advice": [a.as_dict() for a in diagnosis.advice],
-                    "escalation": diagnosis.escalation,
+                    "escalation": _escalation(diagnosis),
                 },
                 default=float,
             )
@@ -319,6 +405,11 @@ def diagnosis_rows(
         "predicted_speedup": [best],
         "version": [version],
     }
+
+
+def _escalation(diagnosis: Diagnosis) -> dict[str, Any]:
+    """The escalation as stored ({} when the diagnosis has none)."""
+    return diagnosis.escalation.as_dict() if diagnosis.escalation is not None else {}
 
 
 def episode_version(at_step: int, final: bool) -> int:
@@ -329,10 +420,13 @@ def episode_version(at_step: int, final: bool) -> int:
 
 
 def episode_rows(
-    job_id: str, attempt: int, states: Sequence[EpisodeState], machines: MachineBook
+    job_id: str,
+    attempt: int,
+    states: Sequence[EpisodeStateRecord],
+    machines: MachineLookup,
 ) -> dict[str, list]:
     """The `episodes` rows of episode states (at most one per episode: its latest)."""
-    latest: dict[int, EpisodeState] = {}
+    latest: dict[int, EpisodeStateRecord] = {}
     for state in states:
         latest[state.episode.episode_id] = state
     rows: dict[str, list] = {name: [] for name in _EPISODE_COLUMNS}
@@ -355,8 +449,7 @@ def episode_rows(
             "optype": episode.kind,
             "dp_rank": episode.dp,
             "pp_rank": episode.stage,
-            "workers": [f"(dp {w['dp']}, pp {w['stage']})"
-                        for w in diagnosis.evidence.get("named_workers", [])],
+            "workers": [w.label() for w in diagnosis.evidence.named_workers],
             "node": (who.node or who.host) if who is not None else "",
             "host": who.host if who is not None else "",
             "gpu": who.gpu if who is not None else None,
@@ -366,10 +459,10 @@ def episode_rows(
             "first_seen_step": episode.first_seen,
             "final": state.final,
             "summary": diagnosis.summary,
-            "evidence": json.dumps(diagnosis.evidence, default=float),
+            "evidence": json.dumps(diagnosis.evidence.as_dict(), default=float),
             "advice": json.dumps(
                 {"advice": [a.as_dict() for a in diagnosis.advice],
-                 "escalation": diagnosis.escalation},
+                 "escalation": _escalation(diagnosis)},
                 default=float,
             ),
             "updated_at": now,
@@ -398,3 +491,81 @@ def dead_letter_rows(letters: Sequence[DeadLetter]) -> dict[str, list]:
         "reason": [d.reason for d in letters],
         "payload": [d.payload.hex() for d in letters],
     }
+
+
+def dead_letter_batch(letters: Sequence[DeadLetter]) -> SinkBatch:
+    """Dead letters as one idempotent write (the token names them: a replay stores them
+    once)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for letter in letters:
+        digest.update(f"{letter.job_id}\0{letter.source}\0{letter.reason}\0".encode())
+    batch = SinkBatch(f"dead/{digest.hexdigest()}/{len(letters)}")
+    batch.add("dead_letters", dead_letter_rows(letters))
+    return batch
+
+
+def rank_identity_rows(info: JobInfo, *, version: int = 0) -> dict[str, list]:
+    """The `rank_identity` row of the rank whose job record `info` is (it must carry one)."""
+    who = info.rank_identity
+    if who is None:
+        raise ValueError(f"job record {info.key} carries no rank identity")
+    return {
+        "job_id": [info.job_id],
+        "attempt": [info.attempt],
+        "rank": [who.rank],
+        "local_rank": [who.local_rank],
+        "dp_rank": [who.dp_rank],
+        "pp_rank": [who.pp_rank],
+        "tp_rank": [who.tp_rank],
+        "cp_rank": [who.cp_rank],
+        "host": [who.host],
+        "node": [who.node or ""],
+        "pod": [who.pod or ""],
+        "gpu": [who.gpu],
+        "pci_bus_id": [who.pci_bus_id or ""],
+        "version": [version],
+    }
+
+
+def rank_identity_batch(info: JobInfo) -> SinkBatch:
+    """A sink batch with `info`'s rank identity row (its token: job, attempt and rank)."""
+    who = info.rank_identity
+    rank = who.rank if who is not None else -1
+    batch = SinkBatch(f"rank-identity/{info.job_id}/{info.attempt}/{rank}")
+    batch.add(RANK_IDENTITY_TABLE, rank_identity_rows(info))
+    return batch
+
+
+def raw_op_rows(batch: RankStepBatch, batch_id: str) -> dict[str, Any]:
+    """The `ops` rows of a rank-step batch (`batch_id`: its id, `batch_id_of`)."""
+    n = batch.n_ops
+    names = np.array(batch.optype_names, dtype=object)
+    return {
+        "job_id": [batch.job_id] * n,
+        "attempt": np.full(n, batch.attempt, np.uint32),
+        "step": np.full(n, batch.step, np.uint64),
+        "rank": np.full(n, batch.rank, np.uint32),
+        "dp_rank": np.full(n, batch.dp_rank, np.uint32),
+        "pp_rank": np.full(n, batch.pp_rank, np.uint32),
+        "tp_rank": np.full(n, batch.tp_rank, np.uint32),
+        "cp_rank": np.full(n, batch.cp_rank, np.uint32),
+        "optype": names[batch.optype].tolist(),
+        "seq": batch.seq.astype(np.uint32),
+        "microbatch": np.maximum(batch.microbatch, 0).astype(np.uint32),
+        "chunk": np.maximum(batch.chunk, 0).astype(np.uint32),
+        "start": batch.start_ns.astype("datetime64[ns]"),
+        "duration_ns": batch.duration_ns.astype(np.uint64),
+        "batch_id": [batch_id] * n,
+    }
+
+
+def joined_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows of one table, given in parts, as one set of columns."""
+    joined: dict[str, Any] = {}
+    for name in parts[0]:
+        values = [p[name] for p in parts]
+        if isinstance(values[0], np.ndarray):
+            joined[name] = np.concatenate(values)
+        else:
+            joined[name] = [v for part in values for v in part]
+    return joined

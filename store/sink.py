@@ -1,22 +1,15 @@
-"""The ClickHouse sink: one DSN, idempotent columnar writes, parameter-bound queries.
+"""The ClickHouse sink: one DSN (`store/dsn.py`), idempotent columnar writes,
+parameter-bound queries.
 
-DSN forms (one setting, `LAGSCOPE_CLICKHOUSE_DSN`):
-
-- `chdb:///abs/dir`, `chdb://./rel/dir`, `chdb://memory`: the embedded chDB engine (no
-  server) keeping its data in that directory; `?database=name` picks a database (default
-  `default`). chDB opens one directory per process: every sink of a process must name the
-  same one.
-- `http://user:pass@host:8123/db`, `https://...:8443/db`: a ClickHouse server.
-
-Both go through clickhouse-connect (1.12+ drives chDB in-process behind the same client
-interface), so the sink has one code path. Writes follow the idempotence design of
-`stream_app.schema`: every insert carries a deterministic `insert_deduplication_token`
-derived from the batch's `dedup_token`, a step already stored at the same or a newer
-version is skipped, and a superseded version is retracted from the minute rollup first
-and its attribution / worker_slowdown rows are deleted. Because of that, a write that failed
-half-way is safe to repeat: `write` retries a failed write with bounded exponential back-off
-(`RetryPolicy`) before it gives up with a StoreError; a batch that does not fit the schema
-(`BatchError`) is not retried.
+An embedded chDB store and a ClickHouse server both go through clickhouse-connect (1.12+
+drives chDB in-process behind the same client interface), so the sink has one code path.
+Writes follow the idempotence design of `store/schema.py`: every insert carries a
+deterministic `insert_deduplication_token` derived from the batch's `dedup_token`, a step
+already stored at the same or a newer version is skipped, and a superseded version is
+retracted from the minute rollup first and its attribution / worker_slowdown rows are
+deleted. Because of that, a write that failed half-way is safe to repeat: `write` retries a
+failed write with bounded exponential back-off (`RetryPolicy`) before it gives up with a
+StoreError; a batch that does not fit the schema (`BatchError`) is not retried.
 """
 
 from __future__ import annotations
@@ -28,14 +21,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
 
-from lagscope.producers.redact import MASK, redact_url, scrub
-from lagscope.stream_app import schema
-from lagscope.stream_app.store_location import DEFAULT_DSN
+from lagscope.producers.redact import scrub
+from lagscope.store import migrations, schema
+from lagscope.store.dsn import DEFAULT_DSN, parse_dsn
+from lagscope.store.errors import BatchError, StoreError
 
 log = logging.getLogger("lagscope.sink")
 
@@ -64,15 +58,6 @@ SUPERSEDED_WITH_STEPS: tuple[str, ...] = ("attribution", "worker_slowdown")
 _DATETIME64 = re.compile(r"^(?:Nullable\()?DateTime64\((\d)")
 _NULLABLE_FLOAT = re.compile(r"^Nullable\(Float(32|64)\)$")
 _ARROW_TIME_UNITS = {0: "s", 3: "ms", 6: "us", 9: "ns"}
-
-
-class StoreError(Exception):
-    """A problem with the store: a bad DSN, an unreachable server, a failed statement, or
-    a batch that does not fit the schema. The message names what and where."""
-
-
-class BatchError(StoreError):
-    """A batch that does not fit the schema: writing it again cannot succeed."""
 
 
 @dataclass(frozen=True)
@@ -143,91 +128,6 @@ class WriteReport:
     steps_skipped: int
     #: Superseded step versions retracted from the minute rollup.
     steps_retracted: int
-
-
-@dataclass(frozen=True)
-class ParsedDsn:
-    kind: str  # "chdb" or "http"
-    path: str | None = None  # chdb data directory; None keeps data in memory
-    database: str | None = None
-    url: str | None = None  # http(s) DSN for clickhouse-connect
-
-    @property
-    def shown(self) -> str:
-        """The DSN without its password, for messages."""
-        if self.kind == "chdb":
-            return f"chdb://{self.path or 'memory'}" + (
-                f"?database={self.database}" if self.database else ""
-            )
-        parts = urlsplit(self.url or "")
-        netloc = parts.hostname or ""
-        if parts.port:
-            netloc += f":{parts.port}"
-        if parts.username:
-            netloc = f"{parts.username}:{MASK}@{netloc}"
-        return f"{parts.scheme}://{netloc}{parts.path}"
-
-
-def parse_dsn(dsn: str) -> ParsedDsn:
-    """Split a DSN into what the client needs; a DSN of another form is a StoreError, whose
-    message shows the DSN without its password (`shown_dsn`)."""
-    if not isinstance(dsn, str) or not dsn.strip():
-        raise StoreError("ClickHouse DSN is empty; expected chdb:///dir or http://host:8123/db")
-    dsn = dsn.strip()
-    if dsn.startswith("chdb://"):
-        rest, _, query = dsn.removeprefix("chdb://").partition("?")
-        if "@" in rest.partition("/")[0]:
-            # chdb://user:pw@/dir would otherwise be a directory named after the password.
-            raise StoreError(
-                f"DSN {shown_dsn(dsn)}: an embedded chDB store has no user or password; "
-                "write chdb:///path/to/dir"
-            )
-        options = parse_qs(query, keep_blank_values=True)
-        unknown = sorted(set(options) - {"database"})
-        if unknown:
-            raise StoreError(
-                f"DSN {shown_dsn(dsn)}: unknown option(s) {', '.join(unknown)} "
-                "(a chDB DSN takes only ?database=NAME)"
-            )
-        path = unquote(rest)
-        database = options.get("database", [None])[0]
-        in_memory = path in ("", "memory", ":memory:")
-        return ParsedDsn("chdb", path=None if in_memory else path, database=database)
-    try:
-        parts = urlsplit(dsn)
-        hostname, _ = parts.hostname, parts.port
-    except ValueError as exc:  # a port that is no number, a broken IPv6 address
-        raise StoreError(
-            f"DSN {shown_dsn(dsn)}: not a valid URL ({redact_url(str(exc))})"
-        ) from None
-    if parts.scheme in ("http", "https") and hostname:
-        if parts.query:
-            names = ", ".join(sorted(parse_qs(parts.query, keep_blank_values=True))) or "?"
-            raise StoreError(
-                f"DSN {shown_dsn(dsn)}: unknown option(s) {names} (a server DSN takes none: "
-                "write http(s)://user:password@host:8123/database)"
-            )
-        database = parts.path.strip("/") or None
-        return ParsedDsn("http", database=database, url=dsn)
-    raise StoreError(
-        f"DSN {shown_dsn(dsn)} is not supported: use chdb:///path/to/dir (embedded) "
-        "or http(s)://user:pass@host:8123/db (server)"
-    )
-
-
-def shown_dsn(dsn: str) -> str:
-    """A DSN as a message may show it: no password, no secret option, and nothing before
-    an `@` of a DSN without a scheme (`user:pw@host`).
-
-    >>> shown_dsn("chdb://user:pw@/data?password=pw")
-    'chdb://user:***@/data?password=***'
-    >>> shown_dsn("user:pw@clickhouse:8123")
-    '***@clickhouse:8123'
-    """
-    shown = redact_url(dsn)
-    if "://" not in shown and "@" in shown:
-        shown = f"{MASK}@{shown.rpartition('@')[2]}"
-    return shown
 
 
 class ClickHouseSink:
@@ -313,7 +213,7 @@ class ClickHouseSink:
         returns the migration versions applied."""
         self._use_database(create=True)
         try:
-            applied = schema.apply_migrations(self, ops_ttl_days=ops_ttl_days)
+            applied = migrations.apply_migrations(self, ops_ttl_days=ops_ttl_days)
         finally:
             self._column_types.clear()
         if self.ops_ttl_days() != ops_ttl_days:
@@ -329,7 +229,7 @@ class ClickHouseSink:
         return int(found) if found else None
 
     def schema_version(self) -> int:
-        return schema.current_version(self)
+        return migrations.current_version(self)
 
     # -- statements ---------------------------------------------------------------------
     def command(
@@ -372,6 +272,16 @@ class ClickHouseSink:
                 f"{self.dsn.shown}: query failed: {self.error_text(exc, first_line=True)}"
             ) from None
         return list(result.column_names), list(result.result_rows)
+
+    def stored_steps(self, keys: Sequence[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
+        """Which of these (job, attempt, step) keys are stored, at any version: a host leaves
+        a re-processed step out with all its rows."""
+        _, rows = self.query(
+            "SELECT DISTINCT job_id, attempt, step FROM steps "
+            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
+            {"keys": list(keys)},
+        )
+        return {(j, int(a), int(s)) for j, a, s in rows}
 
     def insert_rows(
         self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], token: str

@@ -3,7 +3,7 @@ offset it has not consumed (`worker_state`), and the inputs of the steps it reta
 its jobs' roll-ups (`worker_retained`), each step written once, when the first snapshot
 that retains it is written, so a snapshot costs what changed, not the whole window.
 
-Snapshots are data, never code (`stream_app/snapshot_format.py`: JSON and numpy arrays
+Snapshots are data, never code (`store/snapshot_format.py`: JSON and numpy arrays
 read with `allow_pickle=False`), so whoever can write the store cannot run code in the
 worker. Every statement goes through the sink (`ClickHouseSink.insert_rows`, `.query`):
 bound parameters, retried writes, deduplicated by a token naming the content.
@@ -14,8 +14,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 
-from lagscope.stream_app.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
-from lagscope.stream_app.sink import ClickHouseSink
+from lagscope.store.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
+from lagscope.store.sink import ClickHouseSink
 
 
 class CheckpointStore:
