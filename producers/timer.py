@@ -33,13 +33,14 @@ toward gen-0 GC thresholds: one cheap young collection per ~700 ops, which the G
 reports like any other).
 
 The sealer's CPU is the monitor's cost beyond the hot path, so it is kept to a wake and a
-write per seal plus the steps' encoding (`make bench`: ~15-35 us per rank-step of ~20 ops,
-on a shared 2-core box): short steps are handed over ~20 at a time (the log lags the job by
-at most 2 s, twice that while the node's cores are all busy), and a step whose ops repeat
-an earlier step's sequence reuses everything but its times (`_SealEncoder`). The sealer
-keeps the job's own scheduling priority: a lower one (nice 19, SCHED_IDLE) slowed the job
-down on a saturated machine, as the low-priority thread, preempted while it held the
-interpreter lock, kept the training thread waiting for it (`make bench`, torch module).
+write per seal plus the steps' encoding (`make bench`: ~30 us per rank-step of ~20 ops on
+a shared 2-core box, 12 of them the encoding itself): short steps are handed over ~20 at
+a time (the log lags the job by at most 2 s, twice that while the node's cores are all
+busy), and a step whose ops repeat an earlier step's sequence reuses everything but its
+times (`_SealEncoder`). The sealer keeps the job's own scheduling priority: a lower one
+(nice 19, SCHED_IDLE) slowed the job down on a saturated machine, as the low-priority
+thread, preempted while it held the interpreter lock, kept the training thread waiting
+for it (`make bench`, torch module).
 
 `mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
 names are still checked (a typo fails on every rank alike), nothing is timed or written,
@@ -48,8 +49,8 @@ and no thread is started.
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
 and exit (the current stream, or `stream=`); nothing on the hot path waits on the device.
-A resolver thread polls `event.query()` for completed ops every `flush_interval_s` (the
-pace at which host-clock ops are handed over and the log is written), computes the start as
+A resolver thread polls `event.query()` for completed ops at the pace host-clock ops are
+handed over (every ~20 steps, from `flush_interval_s` to 2 s apart), computes the start as
 `reference.elapsed_time(start_event)` after a reference event whose wall-clock time is
 known, and returns events to the pool. The reference is re-calibrated every
 `calibrate_every_s` from the resolver thread: it records an event on a private idle
@@ -466,9 +467,9 @@ class OpTimer:
         )
 
     def step(self, step: int) -> None:
-        """Start step `step`: ops recorded so far go to the sealer thread (at most every
-        `flush_interval_s`), which encodes them into their steps' batches and appends those
-        to the log."""
+        """Start step `step`: ops recorded so far go to the sealer thread (every ~20 steps,
+        from `flush_interval_s` to 2 s apart: `_pace`), which encodes them into their steps'
+        batches and writes those to the log."""
         if not 0 <= step < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT)
         # Short steps are handed over several at a time: each hand-over wakes the sealer,

@@ -413,7 +413,7 @@ def _priority_row(load: float) -> dict:
     """Busy only: why the monitor's thread keeps the job's priority (a helper that holds the
     interpreter lock ~2 % of the time, 10x the sealer's share, to show the mechanism)."""
     ratios = []
-    for round_ in range(4):
+    for round_ in range(6):
         order = (0, 19) if round_ % 2 == 0 else (19, 0)
         steps = {nice: _helper_thread_step_s(nice, 2.0) for nice in order}
         ratios.append((steps[19] / steps[0] - 1) * 100)
@@ -457,11 +457,14 @@ def _sealer_row(tmp: Path) -> dict:
     """The sealer's encoding alone, warm, on its thread clock: 20 steps of the 1F1B stage 0
     rank's 22 ops per seal (the steady part of the in-job figure, without wakes or the
     caches the job's own work evicts)."""
+    from lagscope.producers.log import frame_record
     from lagscope.producers.timer import OpTimer
 
     class Discard:
+        """Frames the records as the log does, and writes nothing."""
+
         def append(self, kind: int, payload: bytes) -> None:
-            pass
+            frame_record(kind, payload)
 
         def flush(self) -> None:
             pass
