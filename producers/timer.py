@@ -297,7 +297,8 @@ class OpTimer:
         self._lock = threading.Lock()
         self._closed = False
         self.batches_written = 0
-        #: Rounds of the sealer that wrote something (a seal: every few short steps).
+        #: Seals so far: hand-overs encoded and written together (by the sealer, or by
+        #: flush() and the CUDA resolver on their own threads).
         self.seals = 0
         # Steps' ops travel to the sealer thread, which encodes and writes them: the
         # training thread pays a list copy, an append and a lock release per hand-over
