@@ -10,7 +10,9 @@ idle), every job is concluded: its episodes' bounds refined, its final diagnosis
 
 With a `LiveReport` the host keeps each job's HTML report current while it runs, for a
 user without Grafana: rewritten (atomically) from the steps closed so far at most every
-few seconds, the page refreshing itself, and a final one at the end.
+few seconds, the page refreshing itself, and a final one at the end. What the page looks
+like is not the host's business: the command that starts the host passes the renderer
+(`lagscope/cli/job_page.py`), so the hosts never import the dashboards.
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import numpy as np
 
 from lagscope.producers.dead_letters import DeadLetter
 from lagscope.producers.log import (
@@ -35,15 +34,10 @@ from lagscope.producers.log import (
     list_rank_dirs,
 )
 from lagscope.producers.log import DeadLetter as SkippedSpan
-from lagscope.simulator.episodes import Episode
-from lagscope.simulator.prepare import PreparedTrace, concat_steps
-from lagscope.simulator.whatif import analyze
+from lagscope.simulator.prepare import PreparedTrace
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.host_core import HostCore, JobRecords, JobReport, LatenessClock
 from lagscope.stream_app.processor import ProcessorSettings
-
-if TYPE_CHECKING:
-    from lagscope.dashboards.report import ReportData
 
 
 @dataclass
@@ -57,16 +51,23 @@ class RunReport:
     seconds: float = 0.0
 
 
+#: Renders a job's HTML page: the job as it stands, the steps retained for its roll-up,
+#: and how often a live page refreshes itself (None: the final page, which does not).
+PageRenderer = Callable[[JobReport, Sequence[PreparedTrace], float | None], str]
+
+
 @dataclass(frozen=True)
 class LiveReport:
-    """Where the embedded host keeps each job's HTML report current while it runs, and how
-    often: at most every `every_s` seconds while steps close (and never more often than
-    keeps rendering under a fifth of the host's time: an interval of at least four
-    renders), the page refreshing itself every `every_s` seconds; a final page, which does
-    not refresh, at the end. The first job reported writes `path`; any other job of the
-    same logs a file beside it named after the job (`report-<job>-<attempt>.html`)."""
+    """Where the embedded host keeps each job's HTML report current while it runs, how it
+    renders it, and how often: at most every `every_s` seconds while steps close (and
+    never more often than keeps rendering under a fifth of the host's time: an interval of
+    at least four renders), the page refreshing itself every `every_s` seconds; a final
+    page, which does not refresh, at the end. The first job reported writes `path`; any
+    other job of the same logs a file beside it named after the job
+    (`report-<job>-<attempt>.html`)."""
 
     path: Path
+    render: PageRenderer
     every_s: float = 10.0
 
 
@@ -316,19 +317,11 @@ class EmbeddedRunner:
     def _write_report(self, job_id: str, attempt: int, *, final: bool) -> Path:
         """Render a job's report and replace its file atomically: a reader sees the old
         page or the new one, never a part."""
-        from lagscope.dashboards.report import render_report
-
         assert self.live_report is not None
         job = self.core.job_report(job_id, attempt)
         assert job is not None
-        retained = self.processor.jobs[job_id, attempt].retained
-        page = render_report(
-            report_data(
-                job,
-                refresh_s=None if final else self.live_report.every_s,
-                retained=list(retained),
-            )
-        )
+        retained = list(self.processor.jobs[job_id, attempt].retained)
+        page = self.live_report.render(job, retained, None if final else self.live_report.every_s)
         path = self.report_path(job_id, attempt)
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(
@@ -343,69 +336,3 @@ class EmbeddedRunner:
             Path(temporary).unlink(missing_ok=True)
             raise
         return path
-
-
-def report_data(
-    job: JobReport,
-    *,
-    refresh_s: float | None = None,
-    retained: list[PreparedTrace] | None = None,
-) -> ReportData:
-    """What the HTML report shows of one job (`refresh_s`: a live page; `retained`: the
-    steps kept for the roll-up, for the episodes' own worker scores)."""
-    from lagscope.dashboards.report import ReportData
-
-    assert job.rollup is not None
-    info = job.info
-    totals = job.totals
-    episode_scores: list[np.ndarray | None] = [None] * len(job.episodes)
-    if retained:
-        prepared = concat_steps(sorted(retained, key=lambda p: int(p.steps[0])))
-        episode_scores = [
-            _episode_worker_slowdown(prepared, e, job.rollup.ideal_cost) for e in job.episodes
-        ]
-    return ReportData(
-        title=f"lagscope: {info.job_id} (attempt {info.attempt})",
-        subtitle=f"{info.world_size} GPUs: dp {info.dp_size} x pp {info.pp_size} x tp "
-        f"{info.tp_size} x cp {info.dsp_size}, vpp {info.vpp_size}",
-        result=job.rollup,
-        diagnosis=job.diagnosis,
-        step_ids=list(totals.step_ids),
-        step_slowdown=list(totals.step_slowdown),
-        changes=[
-            {
-                "step": c.step,
-                "kind": c.kind,
-                "series": c.series,
-                "before_mean": c.before_mean,
-                "after_mean": c.after_mean,
-            }
-            for c in job.changes
-        ],
-        gpu_hours=totals.gpu_seconds / 3600,
-        gpu_hours_wasted=totals.gpu_seconds_above_ideal / 3600,
-        mfu_actual=totals.mfu_actual,
-        mfu_ideal=totals.mfu_ideal,
-        incomplete_steps=totals.incomplete_steps,
-        episodes=[(e.onset, e.recovery, e.diagnosis) for e in job.episodes],
-        episode_worker_slowdown=episode_scores,
-        refresh_s=refresh_s,
-        last_step=job.last_step,
-        last_step_closed_at=job.last_step_closed_at,
-        last_step_started_at=totals.last_step_start_ns / 1e9 if totals.last_step_start_ns else None,
-        worker_machines=job.machines,
-    )
-
-
-def _episode_worker_slowdown(
-    prepared: PreparedTrace, episode: Episode, ideal: dict[str, float]
-) -> np.ndarray | None:
-    """S_w of every worker over an episode's own steps, with the whole run's ideal (as the
-    episode was diagnosed); None when it has no retained step."""
-    end = episode.recovery if episode.recovery is not None else np.inf
-    inside = (prepared.steps >= episode.onset) & (prepared.steps < end)
-    if not inside.any():
-        return None
-    # S_w needs the attributions only: no explanation passes, no launch decomposition.
-    part = prepared.select_steps(inside)
-    return analyze(part, ideal=ideal, decompose_threshold=np.inf, explain=False).worker_slowdown

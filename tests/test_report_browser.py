@@ -255,6 +255,7 @@ def test_a_hostile_job_id_is_text(tmp_path, chdb_dsn, reference_dir):
     """Through the embedded host (its final report of a job whose id is hostile) and
     `lagscope analyze` (a trial name): no script runs, the text shows literally."""
     from lagscope.cli.demo import write_logs_with_timers
+    from lagscope.cli.job_page import render_job_page
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.generate import JobSpec, generate_job
     from lagscope.store.sink import ClickHouseSink
@@ -268,7 +269,9 @@ def test_a_hostile_job_id_is_text(tmp_path, chdb_dsn, reference_dir):
     sink.ensure_schema()
     report = tmp_path / "hostile.html"
     runner = EmbeddedRunner(
-        sink, ProcessorSettings(lateness_s=5.0), live_report=LiveReport(report, every_s=1.0)
+        sink,
+        ProcessorSettings(lateness_s=5.0),
+        live_report=LiveReport(report, render_job_page, every_s=1.0),
     )
     runner.run_logs(tmp_path / "logs")
     assert runner.report_path(HOSTILE, 0) == report

@@ -164,6 +164,7 @@ def demo_spec(steps: int, seed: int) -> JobSpec:
 
 
 def demo_command(args: argparse.Namespace) -> int:
+    from lagscope.cli.job_page import render_job_page
     from lagscope.simulator.generate import generate_job
     from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
@@ -217,7 +218,9 @@ def demo_command(args: argparse.Namespace) -> int:
     report_path = out / "report.html"
     # The report is kept current while the pipeline runs: open it and watch.
     runner = EmbeddedRunner(
-        sink, ProcessorSettings(lateness_s=5.0), live_report=LiveReport(report_path)
+        sink,
+        ProcessorSettings(lateness_s=5.0),
+        live_report=LiveReport(report_path, render_job_page),
     )
     display, show = pipeline_progress(n_ops)
     report = runner.run_logs(out / "logs", progress=show)

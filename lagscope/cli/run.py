@@ -88,12 +88,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_logs_command(args: argparse.Namespace) -> int:
+    from lagscope.cli.job_page import render_job_page
     from lagscope.cli.run_outcome import no_rank_logs_message, nothing_analysed
-    from lagscope.dashboards.report import render_report
     from lagscope.producers.log import list_rank_dirs
     from lagscope.store.dsn import parse_dsn
     from lagscope.store.sink import ClickHouseSink
-    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, report_data
+    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
     from lagscope.stream_app.processor import ProcessorSettings
 
     # Before the store opens: a mistyped directory must not leave an empty store behind.
@@ -115,7 +115,7 @@ def run_logs_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
     live = None
     if args.report and args.report != STDOUT:
-        live = LiveReport(Path(args.report), every_s=args.report_every_s)
+        live = LiveReport(Path(args.report), render_job_page, every_s=args.report_every_s)
         try:
             live.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -149,7 +149,7 @@ def run_logs_command(args: argparse.Namespace) -> int:
         if live is not None:
             say(f"  report written to {runner.report_path(*key)}")
         elif args.report:
-            where = write_output(args.report, render_report(report_data(job)), option="--report")
+            where = write_output(args.report, render_job_page(job), option="--report")
             say(f"  report written to {where}")
     say(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
     if interrupted:
