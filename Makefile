@@ -39,9 +39,11 @@ bytecode:
 demo: install
 	$(BIN)/lagscope demo --out out/demo
 
+# ruff, and the folders' import contracts (.importlinter) checked by import-linter.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m tests.import_layers
 
 test: install lint
 	$(BIN)/python -m pytest
