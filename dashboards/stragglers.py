@@ -10,10 +10,14 @@ such, and leaves the rest unverified.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lagscope.simulator.evidence import Evidence
 
 Kind = Literal["verified", "crossing", "unverified"]
 
@@ -34,20 +38,23 @@ class RankedWorker:
         return text
 
 
-def verified_workers(evidence: dict[str, Any] | None) -> list[tuple[int, int]]:
+def verified_workers(evidence: Evidence | None) -> list[tuple[int, int]]:
     """(dp, stage) of the workers the diagnosis verified, best first."""
-    found = (evidence or {}).get("verified_workers") or []
-    return [(int(w["dp"]), int(w["stage"])) for w in found]
+    if evidence is None:
+        return []
+    return [(w.dp, w.stage) for w in evidence.verified_workers]
 
 
 def verified_in_run(
-    evidence: dict[str, Any] | None, episode_evidence: list[dict[str, Any]]
+    evidence: Evidence | None, episode_evidence: Sequence[Evidence]
 ) -> list[tuple[int, int]]:
     """The workers verified over the whole run, then those verified in its episodes: a
     straggler that came and went is verified on its episode's steps, and the whole run's
     scores still light up its crossings.
 
-    >>> verified_in_run({}, [{"verified_workers": [{"dp": 5, "stage": 2}]}])
+    >>> from lagscope.simulator.evidence import Evidence, Finding, VerifiedWorker, Worker
+    >>> episode = Evidence(finding=Finding(verified=(VerifiedWorker(Worker(5, 2), 0.9),)))
+    >>> verified_in_run(Evidence(), [episode])
     [(5, 2)]
     """
     found = verified_workers(evidence)

@@ -28,14 +28,17 @@ from __future__ import annotations
 import numpy as np
 
 from lagscope.simulator import optypes as ot
-from lagscope.simulator.diagnose import Advice, Diagnosis, DiagnosisSettings, escalation
+from lagscope.simulator.advice import Advice, escalation
+from lagscope.simulator.causes import Cause
+from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
 from lagscope.simulator.episode_cost import EpisodeCost
 from lagscope.simulator.episodes import square_wave
+from lagscope.simulator.evidence import EpisodeFacts, Evidence, Finding, VerifiedWorker, Worker
 from lagscope.simulator.online_episodes import HOST, WorkerEpisode, worker_signals
 from lagscope.simulator.prepare import PreparedTrace
 
 #: The cause of an episode by the kind of own time that rose (compute: slow_workers).
-CAUSE_OF_KIND = {ot.INPUT_WAIT: "slow_input", HOST: "slow_host"}
+CAUSE_OF_KIND = {ot.INPUT_WAIT: Cause.SLOW_INPUT, HOST: Cause.SLOW_HOST}
 
 #: How far (steps) a refined onset may move from the live one: the detector's evidence
 #: (up to `noisy_steps` long) may begin on a noisy step or two before the rise.
@@ -44,18 +47,13 @@ _ONSET_SLACK = 8
 _RECOVERY_SLACK = 4
 
 
-def cause_of(kind: str) -> str:
+def cause_of(kind: str) -> Cause:
     """The cause an episode of `kind` names.
 
-    >>> cause_of("forward-compute"), cause_of("input-wait"), cause_of("host")
-    ('slow_workers', 'slow_input', 'slow_host')
+    >>> [str(cause_of(kind)) for kind in ("forward-compute", "input-wait", "host")]
+    ['slow_workers', 'slow_input', 'slow_host']
     """
-    return CAUSE_OF_KIND.get(kind, "slow_workers")
-
-
-def worker_label(dp: int, stage: int) -> str:
-    """How every output names a worker (the machine is added after it where known)."""
-    return f"(dp {dp}, pp {stage})"
+    return CAUSE_OF_KIND.get(kind, Cause.SLOW_WORKERS)
 
 
 def episode_diagnosis(
@@ -72,11 +70,12 @@ def episode_diagnosis(
     >>> episode = WorkerEpisode(3, 1, 0, "host", 15, 19, None, 0.05, 0.2, 4.1, 1.0, 22)
     >>> d = episode_diagnosis(episode, EpisodeCost(lost_s=1.2, excess_s=1.5,
     ...     measured_s=2.8, steps=8), n_gpus=4)
-    >>> d.cause, d.summary
+    >>> str(d.cause), d.summary
     ('slow_host', "the host of worker (dp 1, pp 0) stalls between its ops since step 15 (ongoing): 50.0 -> 200.0 ms per step (4.0x its own level before), 4.1x its peers'; its ops take their usual time; costs the job 80% of its slowdown over these steps, 1.20 s (4.8 GPU-s)")
     """  # noqa: E501
     cfg = settings or DiagnosisSettings()
-    who = worker_label(episode.dp, episode.stage)
+    worker = Worker(episode.dp, episode.stage)
+    who = worker.label()
     cause = cause_of(episode.kind)
     until = f"to step {episode.recovery - 1}" if episode.recovery is not None else "(ongoing)"
     how = (
@@ -88,7 +87,7 @@ def episode_diagnosis(
         f"costs the job {cost.share:.0%} of its slowdown over these steps, "
         f"{cost.lost_s:.2f} s ({cost.lost_s * n_gpus:,.1f} GPU-s)"
     )
-    if cause == "slow_host":
+    if cause == Cause.SLOW_HOST:
         summary = (
             f"the host of worker {who} stalls between its ops since step {episode.onset} "
             f"{until}: {how}; its ops take their usual time; {costs}"
@@ -98,33 +97,30 @@ def episode_diagnosis(
             f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: "
             f"{how}; {costs}"
         )
-    worker = {"dp": episode.dp, "stage": episode.stage}
-    evidence = {
-        "named_workers": [worker],
-        "verified_workers": [
-            {**worker, "share": cost.share, "slow_in": {episode.kind: episode.extra_s}}
-        ],
-        "episode": {
-            "id": episode.episode_id,
-            "kind": episode.kind,
-            "onset": episode.onset,
-            "recovery": episode.recovery,
-            "first_seen": episode.first_seen,
-            "level_before_s": episode.level_before,
-            "level_inside_s": episode.level_inside,
-            "ratio_inside": episode.ratio_inside,
-            "ratio_before": episode.ratio_before,
-            "lost_s": cost.lost_s,
-            "share": cost.share,
-            "steps": cost.steps,
-        },
-    }
+    facts = EpisodeFacts(
+        id=episode.episode_id,
+        kind=episode.kind,
+        onset=episode.onset,
+        recovery=episode.recovery,
+        first_seen=episode.first_seen,
+        level_before_s=episode.level_before,
+        level_inside_s=episode.level_inside,
+        ratio_inside=episode.ratio_inside,
+        ratio_before=episode.ratio_before,
+        lost_s=cost.lost_s,
+        share=cost.share,
+        steps=cost.steps,
+    )
+    refuted = ("re-split micro-batches",) if cause == Cause.SLOW_WORKERS and resplit is None else ()
+    finding = Finding(
+        named=(worker,),
+        verified=(VerifiedWorker(worker, cost.share, {episode.kind: episode.extra_s}),),
+        episode=facts,
+        refuted_actions=refuted,
+    )
     advice = _advice(cause, episode, who, cost, resplit)
-    refuted = ("re-split micro-batches",) if cause == "slow_workers" and resplit is None else ()
     ladder = escalation(cost.lost_s * n_gpus, n_gpus, cfg, cause, refuted)
-    if refuted:
-        evidence["refuted_actions"] = list(refuted)
-    return Diagnosis(cause, summary, evidence, advice, ladder)
+    return Diagnosis(cause, summary, Evidence(finding=finding), advice, ladder)
 
 
 def _times(value: float, level: float) -> str:
@@ -135,13 +131,13 @@ def _times(value: float, level: float) -> str:
 
 
 def _advice(
-    cause: str, episode: WorkerEpisode, who: str, cost: EpisodeCost, resplit: Advice | None
+    cause: Cause, episode: WorkerEpisode, who: str, cost: EpisodeCost, resplit: Advice | None
 ) -> tuple[Advice, ...]:
     speedup = cost.speedup
     remove = Advice(
         "remove the straggler", f"restart without {who} (spare node or smaller DP)", speedup
     )
-    if cause == "slow_host":
+    if cause == Cause.SLOW_HOST:
         first = Advice(
             "relieve the straggler's host",
             f"look at the host of {who}: other processes on its CPUs, CPU throttling, "
@@ -149,7 +145,7 @@ def _advice(
             speedup,
         )
         return (first, remove)
-    if cause == "slow_input":
+    if cause == Cause.SLOW_INPUT:
         first = Advice(
             "speed up the straggler's input",
             f"the data loader of {who} keeps it waiting: more loader workers, prefetching, "

@@ -22,14 +22,14 @@ healthy job never reads as wasting a third of its GPU time.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 
+from lagscope.simulator.causes import WORKER_CAUSES, Cause
 from lagscope.simulator.diagnose import Diagnosis
-from lagscope.simulator.verdict import WORKER_CAUSES
+from lagscope.simulator.evidence import EpisodeBrief, RunBrief, Worker
 from lagscope.simulator.whatif import WhatIfResult
 
 #: The costliest episode is the run's verdict when it cost at least this share of what the
@@ -37,56 +37,51 @@ from lagscope.simulator.whatif import WhatIfResult
 DOMINANT_SHARE = 0.5
 
 
-def _first_named(diagnosis: Diagnosis) -> tuple[int, int] | None:
-    evidence = diagnosis.evidence or {}
-    named = evidence.get("named_workers") or evidence.get("verified_workers") or []
-    return (int(named[0]["dp"]), int(named[0]["stage"])) if named else None
+def _first_named(diagnosis: Diagnosis) -> Worker | None:
+    named = diagnosis.evidence.named_workers
+    return named[0] if named else None
 
 
-def _lost_s(diagnosis: Diagnosis) -> float:
-    return float((diagnosis.evidence or {}).get("episode", {}).get("lost_s", 0.0))
-
-
-def episode_brief(diagnosis: Diagnosis) -> dict[str, Any]:
+def episode_brief(diagnosis: Diagnosis) -> EpisodeBrief:
     """What a run's verdict lists of one of its episodes."""
-    episode = (diagnosis.evidence or {}).get("episode", {})
-    return {
-        "id": episode.get("id"),
-        "cause": diagnosis.cause,
-        "kind": episode.get("kind"),
-        "onset": episode.get("onset"),
-        "recovery": episode.get("recovery"),
-        "workers": (diagnosis.evidence or {}).get("named_workers", []),
-        "lost_s": episode.get("lost_s", 0.0),
-        "summary": diagnosis.summary,
-    }
+    facts = diagnosis.evidence.finding.episode
+    return EpisodeBrief(
+        id=facts.id if facts else None,
+        cause=diagnosis.cause,
+        kind=facts.kind if facts else None,
+        onset=facts.onset if facts else None,
+        recovery=facts.recovery if facts else None,
+        workers=diagnosis.evidence.finding.named,
+        lost_s=diagnosis.evidence.lost_s,
+        summary=diagnosis.summary,
+    )
 
 
 def run_story(
-    run: Diagnosis, episodes: Sequence[Diagnosis], rollup: WhatIfResult | None = None
+    run: Diagnosis,
+    episodes: Sequence[Diagnosis],
+    rollup: WhatIfResult | None = None,
+    *,
+    dominant_share: float = DOMINANT_SHARE,
 ) -> Diagnosis:
     """The run's verdict: `run` (the diagnosis of its retained steps) or its dominant
     episode, as the module docstring says; `episodes` costliest first. The evidence keeps
     both: the run's own under `run`, every episode under `episodes`.
 
+    >>> from lagscope.simulator.causes import Cause
     >>> from lagscope.simulator.diagnose import Diagnosis
-    >>> healthy = Diagnosis("none", "no straggling beyond noise", {"slowdown": 1.2})
-    >>> slow = Diagnosis("slow_input", "worker(s) (dp 1, pp 0) slow in input-wait",
-    ...     {"named_workers": [{"dp": 1, "stage": 0}], "episode": {"id": 1, "lost_s": 2.0}})
+    >>> from lagscope.simulator.evidence import Evidence, Finding, Worker
+    >>> healthy = Diagnosis(Cause.NONE, "no straggling beyond noise")
+    >>> slow = Diagnosis(Cause.SLOW_INPUT, "worker(s) (dp 1, pp 0) slow in input-wait",
+    ...     Evidence(finding=Finding(named=(Worker(1, 0),))))
     >>> run_story(healthy, [slow]).cause
-    'slow_input'
+    <Cause.SLOW_INPUT: 'slow_input'>
     >>> run_story(healthy, []).cause
-    'none'
+    <Cause.NONE: 'none'>
     """
-    briefs = [episode_brief(e) for e in episodes]
-    run_brief = {
-        "cause": run.cause,
-        "summary": run.summary,
-        "slowdown": (run.evidence or {}).get("slowdown"),
-        "noise_floor": (run.evidence or {}).get("noise_floor"),
-    }
+    briefs = tuple(episode_brief(e) for e in episodes)
     chosen = run
-    dominant = next((e for e in episodes if e.cause != "none"), None)
+    dominant = next((e for e in episodes if e.cause != Cause.NONE), None)
     if dominant is not None:
         excess = (
             float(np.clip(rollup.t_nodelay - rollup.t_ideal, 0.0, None).sum())
@@ -94,20 +89,18 @@ def run_story(
             else 0.0
         )
         if (
-            run.cause in ("none", "unattributed")
+            run.cause in (Cause.NONE, Cause.UNATTRIBUTED)
             or (run.cause in WORKER_CAUSES and _first_named(run) == _first_named(dominant))
-            or (excess > 0 and _lost_s(dominant) >= DOMINANT_SHARE * excess)
+            or (excess > 0 and dominant.evidence.lost_s >= dominant_share * excess)
         ):
             chosen = dominant
-    evidence = {**(chosen.evidence or {}), "episodes": briefs}
+    run_brief = None
     if chosen is not run:
-        evidence["run"] = run_brief
-    # Whichever speaks, the run's slowdown and its noise floor stay where readers (the
-    # alert on sustained slowdown, the summary) look for them.
-    for name in ("slowdown", "noise_floor"):
-        if run_brief[name] is not None:
-            evidence[name] = run_brief[name]
-    return dataclasses.replace(chosen, evidence=evidence)
+        run_brief = RunBrief(
+            run.cause, run.summary, run.evidence.slowdown, run.evidence.noise_floor
+        )
+    evidence = replace(chosen.evidence, episodes=briefs, run=run_brief)
+    return replace(chosen, evidence=evidence)
 
 
 def noise_headline(

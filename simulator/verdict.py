@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lagscope.simulator.causes import WORKER_CAUSES, Cause
+from lagscope.simulator.evidence import Escalation
+
 if TYPE_CHECKING:
     from lagscope.simulator.diagnose import Diagnosis
 
@@ -91,16 +94,12 @@ def of_the_slowdown(value: float, name: str = "the raw share", digits: int = 0) 
     return f"{clamped} of the slowdown{raw_note(value, name, digits)}"
 
 
-#: Causes that name workers: slow in their compute, starved of input, or on a slow host.
-WORKER_CAUSES = ("slow_workers", "slow_input", "slow_host")
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What every output says about one analysis (a job or one of its slow episodes)."""
 
-    #: The diagnosis' cause: slow_workers, last_stage_imbalance, sequence_imbalance, ...
-    cause: str
+    #: The diagnosis' cause.
+    cause: Cause
     #: One sentence: what is wrong, with the share it explains.
     headline: str
     #: The (dp, stage) workers it names, if any.
@@ -120,7 +119,7 @@ class Verdict:
     def line(self) -> str:
         """The verdict in one line: "cause: headline".
 
-        >>> Verdict("none", "no significant straggling").line()
+        >>> Verdict(Cause.NONE, "no significant straggling").line()
         'none: no significant straggling'
         """
         return f"{self.cause}: {self.headline}"
@@ -130,11 +129,11 @@ class Verdict:
         loss so far has climbed past it (so that the escalation never reads as another
         story).
 
-        >>> Verdict("x", "y", action="balance sequence lengths", predicted_speedup=1.064).action_line()
+        >>> Verdict(Cause.SLOW_WORKERS, "y", action="balance sequence lengths", predicted_speedup=1.064).action_line()
         'balance sequence lengths (predicted speed-up 1.064x)'
-        >>> Verdict("x", "y", action="re-split micro-batches", now="re-arrange topology").action_line()
+        >>> Verdict(Cause.SLOW_WORKERS, "y", action="re-split micro-batches", now="re-arrange topology").action_line()
         're-split micro-batches first; the loss so far has escalated to: re-arrange topology'
-        >>> Verdict("x", "y", action="remove the straggler", recovered_at=30).action_line()
+        >>> Verdict(Cause.SLOW_WORKERS, "y", action="remove the straggler", recovered_at=30).action_line()
         'none now (recovered at step 30); if it comes back: remove the straggler'
         """  # noqa: E501
         text = self.action
@@ -159,30 +158,23 @@ class Verdict:
         }
 
 
-def _workers(found: Any) -> tuple[tuple[int, int], ...]:
-    return tuple((int(w["dp"]), int(w["stage"])) for w in found or ())
-
-
 def verdict_of(diagnosis: Diagnosis, recovered_at: int | None = None) -> Verdict:
     """THE verdict of an analysis, from its diagnosis: its cause and summary, the workers
     or stage it names, and the escalation ladder's first fix as the action (the ladder is
     built for the same cause, so the two cannot disagree). `recovered_at`: the step a slow
     episode ended at, when it has."""
-    evidence = diagnosis.evidence or {}
+    evidence = diagnosis.evidence
     workers: tuple[tuple[int, int], ...] = ()
-    stage: int | None = None
     if diagnosis.cause in WORKER_CAUSES:
-        workers = _workers(
-            evidence.get("named_workers")
-            or evidence.get("verified_workers")
-            or evidence.get("mw_workers")
+        named = evidence.named_workers or (
+            evidence.figures.mw_workers if evidence.figures is not None else ()
         )
-    elif diagnosis.cause == "last_stage_imbalance" and evidence.get("stage_excess"):
-        stage = len(evidence["stage_excess"]) - 1
-    ladder = (diagnosis.escalation or {}).get("ladder") or []
+        workers = tuple((w.dp, w.stage) for w in named)
+    stage = evidence.finding.stage if diagnosis.cause == Cause.LAST_STAGE_IMBALANCE else None
+    ladder = diagnosis.escalation.ladder if diagnosis.escalation is not None else ()
     if len(ladder) > 1:
-        action = str(ladder[1]["action"])
-    elif diagnosis.advice and diagnosis.cause != "none":
+        action = ladder[1].action
+    elif diagnosis.advice and diagnosis.cause != Cause.NONE:
         action = diagnosis.advice[0].action
     else:
         action = "ignore"
@@ -194,37 +186,34 @@ def verdict_of(diagnosis: Diagnosis, recovered_at: int | None = None) -> Verdict
         stage=stage,
         action=action,
         predicted_speedup=speedup,
-        now=str((diagnosis.escalation or {}).get("action", "ignore")),
+        now=diagnosis.escalation.action if diagnosis.escalation is not None else "ignore",
         recovered_at=recovered_at,
     )
 
 
-def escalation_text(escalation: dict[str, Any]) -> str:
+def escalation_text(escalation: Escalation) -> str:
     """The escalation ladder's step in one line: where the loss so far puts it (past the
     cost of that step), and the next step with the loss at which to take it.
 
-    >>> escalation_text({"action": "re-arrange topology", "accumulated_loss_s": 1005.0,
-    ...     "next_action": None, "ladder": [{"action": "re-arrange topology", "at_loss_s": 600}]})
+    >>> from lagscope.simulator.evidence import LadderStep
+    >>> escalation_text(Escalation(None, 1005.0, "re-arrange topology", None, None,
+    ...     (LadderStep("re-arrange topology", 600),)))
     're-arrange topology: 1,005 s of job time lost so far, past the 600 s it costs'
 
-    >>> escalation_text({"action": "ignore", "accumulated_loss_s": 10.5,
-    ...     "next_action": "move layers off the last stage", "next_action_at_loss_s": 1800.0})
+    >>> escalation_text(Escalation(None, 10.5, "ignore", "move layers off the last stage",
+    ...     1800.0, ()))
     'ignore for now: 10 s of job time lost so far; next: move layers off the last stage once the loss reaches 1,800 s'
     """  # noqa: E501
-    action = str(escalation.get("action", "ignore"))
-    upcoming = escalation.get("next_action")
+    action = escalation.action
+    upcoming = escalation.next_action
     now = f"{action} for now" if action == "ignore" and upcoming else action
-    loss = float(escalation.get("accumulated_loss_s", 0.0))
-    text = f"{now}: {loss:,.0f} s of job time lost so far"
-    cost = next(
-        (r["at_loss_s"] for r in escalation.get("ladder") or () if r["action"] == action), 0.0
-    )
+    text = f"{now}: {escalation.accumulated_loss_s:,.0f} s of job time lost so far"
+    cost = next((s.at_loss_s for s in escalation.ladder if s.action == action), 0.0)
     if cost > 0:
         text += f", past the {cost:,.0f} s it costs"
     if upcoming:
-        text += (
-            f"; next: {upcoming} once the loss reaches {escalation['next_action_at_loss_s']:,.0f} s"
-        )
+        at = escalation.next_action_at_loss_s or 0.0
+        text += f"; next: {upcoming} once the loss reaches {at:,.0f} s"
     elif action == "ignore":
         text += " (nothing on the ladder for this cause)"
     return text

@@ -390,8 +390,9 @@ def diagnosis_rows(
         "ts": [start_ns / 1e9],
         "cause": [diagnosis.cause],
         "evidence": [
-            json.dumps({"summary": diagnosis.summary, **diagnosis.evidence.as_dict()},
-                       default=float)  # fmt: skip
+            json.dumps(
+                {"summary": diagnosis.summary, **diagnosis.evidence.as_dict()}, default=float
+            )
         ],
         "advice": [
             json.dumps(

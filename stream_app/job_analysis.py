@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from lagscope.producers.events import JobInfo
-from lagscope.simulator.diagnose import Advice, Diagnosis, advise_resplit, diagnose
+from lagscope.simulator.advice import Advice, advise_resplit
+from lagscope.simulator.diagnose import Diagnosis, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
 from lagscope.simulator.episode_diagnosis import episode_diagnosis, refined_bounds
 from lagscope.simulator.online_episodes import (

@@ -11,13 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lagscope.simulator.diagnose import (
-    DiagnosisSettings,
-    balanced_microbatches,
-    diagnose,
-    escalation,
-    slow_comm_groups,
-)
+from lagscope.simulator.advice import balanced_microbatches, consolidated_placement, escalation
+from lagscope.simulator.diagnose import DiagnosisSettings, diagnose
 from lagscope.simulator.generate import (
     CostModel,
     GcPauses,
@@ -28,6 +23,7 @@ from lagscope.simulator.generate import (
     SlowWorker,
     generate_job,
 )
+from lagscope.simulator.measures import slow_comm_groups
 from lagscope.simulator.prepare import prepare
 from lagscope.simulator.whatif import analyze
 
@@ -149,7 +145,7 @@ def test_a_resplit_that_would_not_help_is_neither_advice_nor_the_next_step(
     assert all(a.predicted_speedup > 1 for a in diagnosis.advice)
     assert bool(resplit) == resplit_helps
     expected = "re-split micro-batches" if resplit_helps else "re-arrange topology"
-    assert diagnosis.escalation["next_action"] == expected
+    assert diagnosis.escalation.next_action == expected
 
 
 def test_planned_gc_predicts_the_job_without_pauses():
@@ -163,13 +159,13 @@ def test_layer_move_and_packing_advice_predict_a_gain():
     assert last.advice[0].action == "move layers off the last stage"
     assert last.advice[0].predicted_speedup > 1.05
     _, _, seq = diagnosed((SequenceImbalance(),), seed=0)
-    assert seq.evidence["fwd_bwd_correlation"] > 0.9
+    assert seq.evidence.figures.fwd_bwd_correlation > 0.9
     assert seq.advice[0].predicted_speedup > 1.05
 
 
 def test_correlation_is_near_zero_without_sequence_imbalance():
     _, _, diagnosis = diagnosed((), seed=3)
-    assert abs(diagnosis.evidence["fwd_bwd_correlation"]) < 0.3
+    assert abs(diagnosis.evidence.figures.fwd_bwd_correlation) < 0.3
 
 
 @settings(max_examples=40, deadline=None)
@@ -194,11 +190,11 @@ def test_balanced_microbatches_scales_to_512_ranks():
 
 def test_ski_rental_escalation():
     cfg = DiagnosisSettings(resplit_cost_s=60, rearrange_cost_s=600, restart_cost_s=1800)
-    assert escalation(0.0, 8, cfg)["action"] == "ignore"
+    assert escalation(0.0, 8, cfg).action == "ignore"
     step = escalation(8 * 100.0, 8, cfg)
-    assert step["action"] == "re-split micro-batches"
-    assert step["next_action"] == "re-arrange topology" and step["next_action_at_loss_s"] == 600
-    assert escalation(8 * 2000.0, 8, cfg)["action"].startswith("checkpoint and restart")
+    assert step.action == "re-split micro-batches"
+    assert step.next_action == "re-arrange topology" and step.next_action_at_loss_s == 600
+    assert escalation(8 * 2000.0, 8, cfg).action.startswith("checkpoint and restart")
 
 
 @pytest.mark.parametrize(
@@ -217,8 +213,6 @@ def test_reference_traces_get_the_papers_diagnosis(reference_dir, name, cause):
 
 
 def test_consolidating_two_stragglers_into_one_pipeline():
-    from lagscope.simulator.diagnose import consolidated_placement
-
     assert consolidated_placement(((1, 0), (6, 2)), n_stages=4, n_dp=8) == {(6, 2): (1, 2)}
     assert consolidated_placement(((1, 0), (6, 0)), n_stages=4, n_dp=8) == {}
     job = generate_job(
@@ -240,7 +234,7 @@ def test_consolidating_two_stragglers_into_one_pipeline():
     # S_w = min(S_dp, S_stage) also lights up the "ghosts" (1, 2) and (6, 0) at the
     # crossings of the two stragglers' replicas and stages; re-simulating each candidate
     # alone names the real ones.
-    verified = {(w["dp"], w["stage"]) for w in diagnosis.evidence["verified_workers"]}
+    verified = {(w.dp, w.stage) for w in diagnosis.evidence.verified_workers}
     assert verified == {(1, 0), (6, 2)}
     consolidate = next(a for a in diagnosis.advice if a.action == "consolidate stragglers")
     resplit = next(a for a in diagnosis.advice if a.action == "re-split micro-batches")
@@ -254,9 +248,9 @@ def test_escalation_of_negative_or_unknown_waste_is_ignore(wasted):
     """A real run can waste negative GPU-seconds (steps faster than their running ideal):
     nothing was lost, so the ladder stays at its first rung instead of failing."""
     step = escalation(wasted, 4, DiagnosisSettings())
-    assert step["action"] == "ignore"
-    assert step["accumulated_loss_s"] == 0.0
-    assert step["next_action"] == "re-split micro-batches"
+    assert step.action == "ignore"
+    assert step.accumulated_loss_s == 0.0
+    assert step.next_action == "re-split micro-batches"
 
 
 NOISY = CostModel(first_stage_extra=0.0, last_stage_extra=0.0, noise_cv=0.15)
@@ -279,7 +273,7 @@ def test_a_noisy_healthy_job_is_healthy_and_its_floor_is_stated(seed):
     assert result.slowdown >= 1.03  # the premise: the old gate alone would diagnose it
     assert diagnosis.cause == "none", diagnosis.summary
     assert "floor" in diagnosis.summary
-    assert diagnosis.evidence["noise_floor"] == pytest.approx(result.slowdown, abs=0.03)
+    assert diagnosis.evidence.noise_floor == pytest.approx(result.slowdown, abs=0.03)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -288,5 +282,5 @@ def test_true_causes_stand_out_of_the_same_noise(seed):
     assert heavy.cause == "last_stage_imbalance", heavy.summary
     _, slow = _noisy((SlowWorker(dp=1, stage=0, factor=1.6),), seed)
     assert slow.cause == "slow_workers", slow.summary
-    assert [(w["dp"], w["stage"]) for w in slow.evidence["verified_workers"]][:1] == [(1, 0)]
+    assert [(w.dp, w.stage) for w in slow.evidence.verified_workers][:1] == [(1, 0)]
     assert "slow in backward-compute" in slow.summary

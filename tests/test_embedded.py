@@ -10,6 +10,7 @@ import pytest
 
 from lagscope.cli.demo import demo_spec, write_logs_with_timers
 from lagscope.producers.events import JobInfo
+from lagscope.simulator.evidence import Worker
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.embedded import EmbeddedRunner
@@ -77,7 +78,7 @@ def test_change_points_and_episode_diagnosis(demo_run):
     assert abs(rows[0][1] - onset) <= 3 and abs(rows[1][1] - recovery) <= 3
     (episode,) = report.jobs["emb", 0].episodes
     assert episode.diagnosis.cause == "slow_workers"
-    assert episode.diagnosis.evidence["named_workers"] == [{"dp": slow.dp, "stage": slow.stage}]
+    assert episode.diagnosis.evidence.named_workers == (Worker(slow.dp, slow.stage),)
     assert abs(episode.onset - onset) <= 3 and abs(episode.recovery - recovery) <= 3
     # Only the slow worker is named, not the heavy last stage's workers.
     assert episode.diagnosis.summary.startswith(f"worker(s) (dp {slow.dp}, pp {slow.stage}) ")

@@ -53,8 +53,8 @@ def test_a_worker_slow_for_a_window_is_named_while_slow_and_bounded_at_the_end(s
     assert abs(final.episode.onset - 15) <= 3 and abs(final.episode.recovery - 30) <= 3
     # The run's verdict is the episode's: the job's noise hides nothing it names.
     assert conclusion.diagnosis.verdict.cause == "slow_workers"
-    first = conclusion.diagnosis.verdict.evidence["named_workers"][0]
-    assert (first["dp"], first["stage"]) == (1, 0)
+    first = conclusion.diagnosis.verdict.evidence.named_workers[0]
+    assert (first.dp, first.stage) == (1, 0)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -112,12 +112,12 @@ def test_gc_is_named_from_recorded_pauses_and_never_without_the_probe():
     prepared = prepare(job.trace, job.meta)
     diagnosis = diagnose(analyze(prepared), prepared)
     assert diagnosis.cause == "gc_pauses", diagnosis.summary
-    assert diagnosis.evidence["gc_coincidence"] > 0.9
+    assert diagnosis.evidence.figures.gc.coincidence > 0.9
     probe_off = prepare(_without_pauses(job.trace), job.meta)
     assert probe_off.gc_pause is None
     off = diagnose(analyze(probe_off), probe_off)
     assert off.cause != "gc_pauses"
-    assert off.evidence["gc_recorded"] is False
+    assert off.evidence.figures.gc.recorded is False
 
 
 def test_pauses_that_do_not_coincide_with_the_slowdown_are_not_the_cause():
@@ -140,4 +140,4 @@ def test_pauses_that_do_not_coincide_with_the_slowdown_are_not_the_cause():
     assert prepared.gc_pause is not None and np.count_nonzero(prepared.gc_pause) > 0
     diagnosis = diagnose(analyze(prepared), prepared)
     assert diagnosis.cause == "last_stage_imbalance", diagnosis.summary
-    assert diagnosis.evidence["gc_explained"] < 0.2
+    assert diagnosis.evidence.figures.gc.explained < 0.2

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from lagscope.cli import main
-from lagscope.simulator.diagnose import Advice, Diagnosis, DiagnosisSettings, escalation
+from lagscope.simulator.advice import Advice, escalation
+from lagscope.simulator.causes import Cause
+from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
+from lagscope.simulator.evidence import Escalation, Evidence
 from lagscope.simulator.verdict import MEANINGS, escalation_text, verdict_of
 
 #: The paper's reading of the reference traces, and the first fix each calls for.
@@ -110,10 +113,11 @@ def test_analyze_tells_one_story(reference_dir: Path, tmp_path: Path, capsys, na
     assert escalation["ladder"][0]["action"] == "ignore"
     assert escalation["ladder"][1]["action"] == action
     assert verdict["now"] == escalation["action"]
-    assert f"  escalation          {escalation_text(escalation)}\n" in printed
-    assert boxes[0]["escalation"] == escalation_text(escalation)
+    ladder_text = escalation_text(Escalation.from_dict(escalation))
+    assert f"  escalation          {ladder_text}\n" in printed
+    assert boxes[0]["escalation"] == ladder_text
     if cause != "slow_workers":
-        assert "re-split" not in escalation_text(escalation)
+        assert "re-split" not in ladder_text
 
     # Shares are shares; each symbol says what it means, in the summary and the report.
     assert_shares_are_shares(printed, f"{name} summary")
@@ -158,16 +162,16 @@ def test_every_cause_climbs_its_own_ladder(cause: str, fix: str | None):
     """The escalation's first fix is the cause's own (the advice the diagnosis gives for
     it), so the verdict's action and the escalation never name different fixes; a job
     with no cause to act on has nothing to climb, however much time its noise costs."""
-    ladder = escalation(8 * 5000.0, 8, DiagnosisSettings(), cause)
-    assert ladder["cause"] == cause
-    assert [r["action"] for r in ladder["ladder"]][:2] == (["ignore", fix] if fix else ["ignore"])
+    ladder = escalation(8 * 5000.0, 8, DiagnosisSettings(), Cause(cause))
+    assert ladder.cause == cause
+    assert [r.action for r in ladder.ladder][:2] == (["ignore", fix] if fix else ["ignore"])
     advice = (Advice(fix, "", 1.1),) if fix else ()
-    story = verdict_of(Diagnosis(cause, "headline", {}, advice, ladder))
+    story = verdict_of(Diagnosis(Cause(cause), "headline", Evidence(), advice, ladder))
     assert story.action == (fix or "ignore")
     assert story.predicted_speedup == (1.1 if fix else None)
-    assert story.now == ladder["action"]
+    assert story.now == ladder.action
     if fix is None:
-        assert ladder["action"] == "ignore" and ladder["next_action"] is None
+        assert ladder.action == "ignore" and ladder.next_action is None
 
 
 @pytest.fixture(scope="module")

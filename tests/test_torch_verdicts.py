@@ -60,8 +60,8 @@ def _healthy(job: object) -> None:
     # S is the job's own noise: near 1, and near the floor it states. (A DDP job's S sits a
     # few hundredths above its floor: its gradient buckets share one op type whose ideal is
     # one median over buckets of different sizes, a persistent excess no fluctuation has.)
-    assert diagnosis.evidence["slowdown"] < 1.35, diagnosis.summary
-    assert diagnosis.evidence["slowdown"] < diagnosis.evidence["noise_floor"] + 0.1
+    assert diagnosis.evidence.slowdown < 1.35, diagnosis.summary
+    assert diagnosis.evidence.slowdown < diagnosis.evidence.noise_floor + 0.1
 
 
 def test_a_slow_worker_is_named_first_with_onset_and_recovery(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
         say("    nothing could be analysed")
         return
     r = job.rollup
-    floor = (job.run_diagnosis.evidence or {}).get("noise_floor") if job.run_diagnosis else None
+    floor = job.run_diagnosis.evidence.noise_floor if job.run_diagnosis else None
     say(
         f"    {noise_headline(r.slowdown, floor, job.straggler_gpu_seconds, job.gpu_seconds)}"
         f" - S: {MEANINGS['S']}"
