@@ -35,7 +35,8 @@ from grafana_foundation_sdk.models import alerting as alerting_model
 from grafana_foundation_sdk.models import expr as expr_model
 
 from lagscope.dashboards.clickhouse_query import ClickHouseQueryBuilder, datasource_ref
-from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
+from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
+from lagscope.dashboards.pipeline_health import PIPELINE_HEALTH_UID
 from lagscope.store.schema import EPISODES_TABLE
 
 FOLDER_UID = "lagscope"

@@ -12,7 +12,7 @@
   rank.
 
 Neither has template variables: the time range is the only input, so no user-supplied
-text reaches the SQL. Built with the helpers of `definitions.py` (same query collector,
+text reaches the SQL. Built with the helpers of `panels.py` (same query collector,
 same expectations, same SDK round trip), so the tests run these queries like the others.
 """
 
@@ -22,13 +22,8 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.models import dashboard as model
 
-from lagscope.dashboards.definitions import (
-    JOB_OVERVIEW_UID,
-    BuiltDashboard,
-    Expect,
-    _Collector,
-    _slowdown_thresholds,
-)
+from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
+from lagscope.dashboards.panels import BuiltDashboard, Collector, Expect, slowdown_thresholds
 from lagscope.store.schema import RANK_IDENTITY_TABLE
 
 FLEET_UID = "lagscope-fleet"
@@ -68,76 +63,98 @@ JOB_LINK = (
 )
 
 
-def fleet() -> BuiltDashboard:
-    q = _Collector()
-    all_jobs = "All jobs now"
-    wasted_today = "GPU-hours wasted today, all jobs"
-    slowdown_series = "Slowdown per job"
-
-    jobs_sql = f"""
-        SELECT s.job_id AS job_id, s.attempt AS attempt, s.latest_S AS latest_S,
-               s.wasted_gpu_h_today AS wasted_gpu_h_today,
-               e.current_episode AS current_episode,
-               if(v.verified_worker != '', concat(v.verified_worker, ' (verified)'),
-                  concat(w.top_worker, ' (score only)')) AS top_worker,
-               w.top_worker_S_w AS top_worker_S_w,
-               if(v.verified_worker != '', v.verified_node, w.top_node) AS top_node,
-               s.last_step_age_s AS last_step_age_s
+#: One row per job attempt with steps in the time range (the "All jobs now" table).
+JOBS_SQL = f"""
+    SELECT s.job_id AS job_id, s.attempt AS attempt, s.latest_S AS latest_S,
+           s.wasted_gpu_h_today AS wasted_gpu_h_today,
+           e.current_episode AS current_episode,
+           if(v.verified_worker != '', concat(v.verified_worker, ' (verified)'),
+              concat(w.top_worker, ' (score only)')) AS top_worker,
+           w.top_worker_S_w AS top_worker_S_w,
+           if(v.verified_worker != '', v.verified_node, w.top_node) AS top_node,
+           s.last_step_age_s AS last_step_age_s
+    FROM (
+        SELECT job_id, attempt, argMax(slowdown, step) AS latest_S,
+               sumIf(gpu_seconds_wasted,
+                     ts >= toStartOfDay(now()) AND isFinite(gpu_seconds_wasted))
+                 / 3600 AS wasted_gpu_h_today,
+               dateDiff('second', max(ts), now()) AS last_step_age_s
+        FROM steps FINAL
+        WHERE $__timeFilter(ts)
+        GROUP BY job_id, attempt
+    ) AS s
+    LEFT JOIN (
+        SELECT job_id, attempt,
+               arrayStringConcat(
+                   groupArray(concat(arrayStringConcat(workers, ', '),
+                                     if(node != '', concat(' on ', node), ''),
+                                     ' slow in ', optype, ' since step ',
+                                     toString(onset_step))), '; '
+               ) AS current_episode
+        FROM episodes FINAL
+        WHERE state = 'open'
+        GROUP BY job_id, attempt
+    ) AS e ON e.job_id = s.job_id AND e.attempt = s.attempt
+    LEFT JOIN (
+        SELECT job_id, attempt,
+               argMax(concat('dp ', toString(dp_rank), ', pp ', toString(pp_rank)),
+                      gpu_seconds_lost) AS verified_worker,
+               argMax(node_name, gpu_seconds_lost) AS verified_node
+        FROM ({VERIFIED_SQL})
+        GROUP BY job_id, attempt
+    ) AS v ON v.job_id = s.job_id AND v.attempt = s.attempt
+    LEFT JOIN (
+        SELECT job_id, attempt,
+               argMax(concat('dp ', toString(dp_rank), ', pp ', toString(pp_rank)),
+                      mean_S_w) AS top_worker,
+               max(mean_S_w) AS top_worker_S_w,
+               argMax(node_name, mean_S_w) AS top_node
         FROM (
-            SELECT job_id, attempt, argMax(slowdown, step) AS latest_S,
-                   sumIf(gpu_seconds_wasted,
-                         ts >= toStartOfDay(now()) AND isFinite(gpu_seconds_wasted))
-                     / 3600 AS wasted_gpu_h_today,
-                   dateDiff('second', max(ts), now()) AS last_step_age_s
-            FROM steps FINAL
-            WHERE $__timeFilter(ts)
-            GROUP BY job_id, attempt
-        ) AS s
-        LEFT JOIN (
-            SELECT job_id, attempt,
-                   arrayStringConcat(
-                       groupArray(concat(arrayStringConcat(workers, ', '),
-                                         if(node != '', concat(' on ', node), ''),
-                                         ' slow in ', optype, ' since step ',
-                                         toString(onset_step))), '; '
-                   ) AS current_episode
-            FROM episodes FINAL
-            WHERE state = 'open'
-            GROUP BY job_id, attempt
-        ) AS e ON e.job_id = s.job_id AND e.attempt = s.attempt
-        LEFT JOIN (
-            SELECT job_id, attempt,
-                   argMax(concat('dp ', toString(dp_rank), ', pp ', toString(pp_rank)),
-                          gpu_seconds_lost) AS verified_worker,
-                   argMax(node_name, gpu_seconds_lost) AS verified_node
-            FROM ({VERIFIED_SQL})
-            GROUP BY job_id, attempt
-        ) AS v ON v.job_id = s.job_id AND v.attempt = s.attempt
-        LEFT JOIN (
-            SELECT job_id, attempt,
-                   argMax(concat('dp ', toString(dp_rank), ', pp ', toString(pp_rank)),
-                          mean_S_w) AS top_worker,
-                   max(mean_S_w) AS top_worker_S_w,
-                   argMax(node_name, mean_S_w) AS top_node
+            SELECT w.job_id AS job_id, w.attempt AS attempt, w.dp_rank AS dp_rank,
+                   w.pp_rank AS pp_rank, w.mean_S_w AS mean_S_w,
+                   i.node_name AS node_name
             FROM (
-                SELECT w.job_id AS job_id, w.attempt AS attempt, w.dp_rank AS dp_rank,
-                       w.pp_rank AS pp_rank, w.mean_S_w AS mean_S_w,
-                       i.node_name AS node_name
-                FROM (
-                    SELECT job_id, attempt, dp_rank, pp_rank, avg(slowdown) AS mean_S_w
-                    FROM worker_slowdown FINAL
-                    WHERE $__timeFilter(ts)
-                    GROUP BY job_id, attempt, dp_rank, pp_rank
-                ) AS w
-                LEFT JOIN ({IDENTITY_SQL}) AS i
-                    ON i.job_id = w.job_id AND i.attempt = w.attempt
-                    AND i.dp_rank = w.dp_rank AND i.pp_rank = w.pp_rank
-            )
-            GROUP BY job_id, attempt
-        ) AS w ON w.job_id = s.job_id AND w.attempt = s.attempt
-        ORDER BY wasted_gpu_h_today DESC, job_id, attempt
-    """
+                SELECT job_id, attempt, dp_rank, pp_rank, avg(slowdown) AS mean_S_w
+                FROM worker_slowdown FINAL
+                WHERE $__timeFilter(ts)
+                GROUP BY job_id, attempt, dp_rank, pp_rank
+            ) AS w
+            LEFT JOIN ({IDENTITY_SQL}) AS i
+                ON i.job_id = w.job_id AND i.attempt = w.attempt
+                AND i.dp_rank = w.dp_rank AND i.pp_rank = w.pp_rank
+        )
+        GROUP BY job_id, attempt
+    ) AS w ON w.job_id = s.job_id AND w.attempt = s.attempt
+    ORDER BY wasted_gpu_h_today DESC, job_id, attempt
+"""
+
+#: Every worker-step in the time range with the node its worker runs on.
+WORKER_NODE_SQL = f"""
+    SELECT w.job_id AS job_id, w.ts AS ts, w.slowdown AS S_w, i.node_name AS node
+    FROM (
+        SELECT job_id, attempt, dp_rank, pp_rank, ts, slowdown
+        FROM worker_slowdown FINAL
+        WHERE $__timeFilter(ts) AND isFinite(slowdown)
+    ) AS w
+    INNER JOIN ({IDENTITY_SQL}) AS i
+        ON i.job_id = w.job_id AND i.attempt = w.attempt
+        AND i.dp_rank = w.dp_rank AND i.pp_rank = w.pp_rank
+"""
+
+
+def fleet() -> BuiltDashboard:
+    q = Collector()
     builder = (
+        _fleet_dashboard()
+        .with_panel(_all_jobs(q))
+        .with_panel(_wasted_today(q))
+        .with_panel(_slowdown_per_job(q))
+    )
+    return BuiltDashboard(FLEET_UID, builder.build(), q.expectations)
+
+
+def _fleet_dashboard() -> dash.Dashboard:
+    return (
         dash.Dashboard("lagscope: fleet")
         .uid(FLEET_UID)
         .description(
@@ -153,134 +170,139 @@ def fleet() -> BuiltDashboard:
             .tags(["lagscope"])
             .keep_time(True)
         )
-        .with_panel(
-            table.Panel()
-            .title(all_jobs)
-            .description(
-                "One row per job attempt with steps in the time range. latest_S: slowdown of "
-                "its latest step; current_episode: its open straggler episodes (worker, node, "
-                "op, since when); top_worker: the costliest worker an episode verified in the "
-                "range, else the highest worker score S_w, labelled as a score; top_node: "
-                "where it runs (empty until the job's rank identity is stored); "
-                "last_step_age_s: seconds since its last step."
-            )
-            .with_target(
-                q.query(
-                    all_jobs,
-                    jobs_sql,
-                    Expect(
-                        {
-                            "job_id": "string",
-                            "attempt": "number",
-                            "latest_S": "number",
-                            "wasted_gpu_h_today": "number",
-                            "current_episode": "string",
-                            "top_worker": "string",
-                            "top_worker_S_w": "number",
-                            "top_node": "string",
-                            "last_step_age_s": "number",
-                        }
-                    ),
-                    time_series=False,
-                )
-            )
-            .override_by_name(
-                "job_id",
-                [
-                    model.DynamicConfigValue(
-                        id_val="links",
-                        value=[{"title": "Job overview", "url": JOB_LINK}],
-                    )
-                ],
-            )
-            .override_by_name(
-                "last_step_age_s",
-                [
-                    model.DynamicConfigValue(id_val="unit", value="s"),
-                    model.DynamicConfigValue(
-                        id_val="custom.cellOptions", value={"type": "color-background"}
-                    ),
-                    model.DynamicConfigValue(
-                        id_val="thresholds",
-                        value={
-                            "mode": "absolute",
-                            "steps": [
-                                {"color": "green", "value": None},
-                                {"color": "red", "value": 300},
-                            ],
-                        },
-                    ),
-                ],
-            )
-            .thresholds(_slowdown_thresholds())
-            .decimals(3)
-            .span(24)
-            .height(10)
-        )
-        .with_panel(
-            stat.Panel()
-            .title(wasted_today)
-            .description("GPU-hours lost to stragglers since midnight, summed over jobs.")
-            .with_target(
-                q.query(
-                    wasted_today,
-                    """
-                    SELECT sum(gpu_seconds_wasted) / 3600 AS `GPU-hours wasted`
-                    FROM steps_1m
-                    WHERE minute >= toStartOfDay(now())
-                    """,
-                    Expect({"GPU-hours wasted": "number"}),
-                    time_series=False,
-                )
-            )
-            .decimals(2)
-            .span(6)
-            .height(8)
-        )
-        .with_panel(
-            timeseries.Panel()
-            .title(slowdown_series)
-            .description("Mean slowdown S of each job attempt per minute.")
-            .with_target(
-                q.query(
-                    slowdown_series,
-                    """
-                    SELECT minute AS time, concat(job_id, '/', toString(attempt)) AS job,
-                           sum(slowdown_sum) / sum(slowdown_count) AS S
-                    FROM steps_1m
-                    WHERE $__timeFilter(minute)
-                    GROUP BY job_id, attempt, minute
-                    HAVING sum(slowdown_count) > 0
-                    ORDER BY time
-                    """,
-                    Expect({"time": "time", "job": "string", "S": "number"}),
-                    time_series=True,
-                )
-            )
-            .thresholds(_slowdown_thresholds())
-            .span(18)
-            .height(8)
-        )
     )
-    return BuiltDashboard(FLEET_UID, builder.build(), q.expectations)
+
+
+def _all_jobs(q: Collector) -> table.Panel:
+    title = "All jobs now"
+    return (
+        table.Panel()
+        .title(title)
+        .description(
+            "One row per job attempt with steps in the time range. latest_S: slowdown of "
+            "its latest step; current_episode: its open straggler episodes (worker, node, "
+            "op, since when); top_worker: the costliest worker an episode verified in the "
+            "range, else the highest worker score S_w, labelled as a score; top_node: "
+            "where it runs (empty until the job's rank identity is stored); "
+            "last_step_age_s: seconds since its last step."
+        )
+        .with_target(
+            q.query(
+                title,
+                JOBS_SQL,
+                Expect(
+                    {
+                        "job_id": "string",
+                        "attempt": "number",
+                        "latest_S": "number",
+                        "wasted_gpu_h_today": "number",
+                        "current_episode": "string",
+                        "top_worker": "string",
+                        "top_worker_S_w": "number",
+                        "top_node": "string",
+                        "last_step_age_s": "number",
+                    }
+                ),
+                time_series=False,
+            )
+        )
+        .override_by_name(
+            "job_id",
+            [
+                model.DynamicConfigValue(
+                    id_val="links",
+                    value=[{"title": "Job overview", "url": JOB_LINK}],
+                )
+            ],
+        )
+        .override_by_name(
+            "last_step_age_s",
+            [
+                model.DynamicConfigValue(id_val="unit", value="s"),
+                model.DynamicConfigValue(
+                    id_val="custom.cellOptions", value={"type": "color-background"}
+                ),
+                model.DynamicConfigValue(
+                    id_val="thresholds",
+                    value={
+                        "mode": "absolute",
+                        "steps": [
+                            {"color": "green", "value": None},
+                            {"color": "red", "value": 300},
+                        ],
+                    },
+                ),
+            ],
+        )
+        .thresholds(slowdown_thresholds())
+        .decimals(3)
+        .span(24)
+        .height(10)
+    )
+
+
+def _wasted_today(q: Collector) -> stat.Panel:
+    title = "GPU-hours wasted today, all jobs"
+    return (
+        stat.Panel()
+        .title(title)
+        .description("GPU-hours lost to stragglers since midnight, summed over jobs.")
+        .with_target(
+            q.query(
+                title,
+                """
+                SELECT sum(gpu_seconds_wasted) / 3600 AS `GPU-hours wasted`
+                FROM steps_1m
+                WHERE minute >= toStartOfDay(now())
+                """,
+                Expect({"GPU-hours wasted": "number"}),
+                time_series=False,
+            )
+        )
+        .decimals(2)
+        .span(6)
+        .height(8)
+    )
+
+
+def _slowdown_per_job(q: Collector) -> timeseries.Panel:
+    title = "Slowdown per job"
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description("Mean slowdown S of each job attempt per minute.")
+        .with_target(
+            q.query(
+                title,
+                """
+                SELECT minute AS time, concat(job_id, '/', toString(attempt)) AS job,
+                       sum(slowdown_sum) / sum(slowdown_count) AS S
+                FROM steps_1m
+                WHERE $__timeFilter(minute)
+                GROUP BY job_id, attempt, minute
+                HAVING sum(slowdown_count) > 0
+                ORDER BY time
+                """,
+                Expect({"time": "time", "job": "string", "S": "number"}),
+                time_series=True,
+            )
+        )
+        .thresholds(slowdown_thresholds())
+        .span(18)
+        .height(8)
+    )
 
 
 def nodes() -> BuiltDashboard:
-    q = _Collector()
-    ranking = "Nodes by straggling, across jobs"
-    over_time = "Straggling nodes over time"
-    joined = f"""
-        SELECT w.job_id AS job_id, w.ts AS ts, w.slowdown AS S_w, i.node_name AS node
-        FROM (
-            SELECT job_id, attempt, dp_rank, pp_rank, ts, slowdown
-            FROM worker_slowdown FINAL
-            WHERE $__timeFilter(ts) AND isFinite(slowdown)
-        ) AS w
-        INNER JOIN ({IDENTITY_SQL}) AS i
-            ON i.job_id = w.job_id AND i.attempt = w.attempt
-            AND i.dp_rank = w.dp_rank AND i.pp_rank = w.pp_rank
-    """
+    q = Collector()
     builder = (
+        _nodes_dashboard().with_panel(_node_ranking(q)).with_panel(_straggling_nodes_over_time(q))
+    )
+    return BuiltDashboard(NODES_UID, builder.build(), q.expectations)
+
+
+def _nodes_dashboard() -> dash.Dashboard:
+    return (
         dash.Dashboard("lagscope: nodes")
         .uid(NODES_UID)
         .description(
@@ -296,95 +318,102 @@ def nodes() -> BuiltDashboard:
             .tags(["lagscope"])
             .keep_time(True)
         )
-        .with_panel(
-            table.Panel()
-            .title(ranking)
-            .description(
-                "Nodes with verified straggler episodes first (how many, and the GPU-hours "
-                "they cost), then by their workers' scores: "
-                f"straggling_share: share of the node's worker-steps with S_w >= "
-                f"{STRAGGLING_S_W}; excess_per_step: mean of max(S_w - 1, 0), how often and "
-                "how much in one number; jobs_straggling: jobs in which a worker on the node "
-                "scored as straggling."
-            )
-            .with_target(
-                q.query(
-                    ranking,
-                    f"""
-                    SELECT n.node AS node, ifNull(v.episodes, 0) AS verified_episodes,
-                           ifNull(v.gpu_hours_lost, 0) AS verified_gpu_hours_lost,
-                           n.jobs AS jobs, n.jobs_straggling AS jobs_straggling,
-                           n.worker_steps AS worker_steps,
-                           n.straggling_share AS straggling_share,
-                           n.excess_per_step AS excess_per_step, n.max_S_w AS max_S_w
-                    FROM (
-                        SELECT node, uniqExact(job_id) AS jobs,
-                               uniqExactIf(job_id, S_w >= {STRAGGLING_S_W}) AS jobs_straggling,
-                               count() AS worker_steps,
-                               countIf(S_w >= {STRAGGLING_S_W}) / count() AS straggling_share,
-                               sum(greatest(S_w - 1, 0)) / count() AS excess_per_step,
-                               max(S_w) AS max_S_w
-                        FROM ({joined})
-                        GROUP BY node
-                    ) AS n
-                    LEFT JOIN (
-                        SELECT node_name AS node, count() AS episodes,
-                               sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
-                        FROM ({VERIFIED_SQL})
-                        WHERE node_name != ''
-                        GROUP BY node
-                    ) AS v ON v.node = n.node
-                    ORDER BY verified_episodes DESC, verified_gpu_hours_lost DESC,
-                             excess_per_step DESC, node
-                    LIMIT 50
-                    """,
-                    Expect(
-                        {
-                            "node": "string",
-                            "verified_episodes": "number",
-                            "verified_gpu_hours_lost": "number",
-                            "jobs": "number",
-                            "jobs_straggling": "number",
-                            "worker_steps": "number",
-                            "straggling_share": "number",
-                            "excess_per_step": "number",
-                            "max_S_w": "number",
-                        }
-                    ),
-                    time_series=False,
-                )
-            )
-            .decimals(3)
-            .span(24)
-            .height(10)
-        )
-        .with_panel(
-            timeseries.Panel()
-            .title(over_time)
-            .description("Mean excess worker slowdown per node over time (the 10 worst).")
-            .with_target(
-                q.query(
-                    over_time,
-                    f"""
-                    SELECT $__timeInterval(ts) AS time, node,
-                           avg(greatest(S_w - 1, 0)) AS excess_S_w
-                    FROM ({joined})
-                    WHERE node IN (
-                        SELECT node FROM ({joined})
-                        GROUP BY node ORDER BY sum(greatest(S_w - 1, 0)) DESC LIMIT 10
-                    )
-                    GROUP BY time, node
-                    ORDER BY time
-                    """,
-                    Expect({"time": "time", "node": "string", "excess_S_w": "number"}),
-                    time_series=True,
-                )
-            )
-            .span(24)
-            .height(9)
-        )
     )
-    return BuiltDashboard(NODES_UID, builder.build(), q.expectations)
+
+
+def _node_ranking(q: Collector) -> table.Panel:
+    title = "Nodes by straggling, across jobs"
+    return (
+        table.Panel()
+        .title(title)
+        .description(
+            "Nodes with verified straggler episodes first (how many, and the GPU-hours "
+            "they cost), then by their workers' scores: "
+            f"straggling_share: share of the node's worker-steps with S_w >= "
+            f"{STRAGGLING_S_W}; excess_per_step: mean of max(S_w - 1, 0), how often and "
+            "how much in one number; jobs_straggling: jobs in which a worker on the node "
+            "scored as straggling."
+        )
+        .with_target(
+            q.query(
+                title,
+                f"""
+                SELECT n.node AS node, ifNull(v.episodes, 0) AS verified_episodes,
+                       ifNull(v.gpu_hours_lost, 0) AS verified_gpu_hours_lost,
+                       n.jobs AS jobs, n.jobs_straggling AS jobs_straggling,
+                       n.worker_steps AS worker_steps,
+                       n.straggling_share AS straggling_share,
+                       n.excess_per_step AS excess_per_step, n.max_S_w AS max_S_w
+                FROM (
+                    SELECT node, uniqExact(job_id) AS jobs,
+                           uniqExactIf(job_id, S_w >= {STRAGGLING_S_W}) AS jobs_straggling,
+                           count() AS worker_steps,
+                           countIf(S_w >= {STRAGGLING_S_W}) / count() AS straggling_share,
+                           sum(greatest(S_w - 1, 0)) / count() AS excess_per_step,
+                           max(S_w) AS max_S_w
+                    FROM ({WORKER_NODE_SQL})
+                    GROUP BY node
+                ) AS n
+                LEFT JOIN (
+                    SELECT node_name AS node, count() AS episodes,
+                           sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
+                    FROM ({VERIFIED_SQL})
+                    WHERE node_name != ''
+                    GROUP BY node
+                ) AS v ON v.node = n.node
+                ORDER BY verified_episodes DESC, verified_gpu_hours_lost DESC,
+                         excess_per_step DESC, node
+                LIMIT 50
+                """,
+                Expect(
+                    {
+                        "node": "string",
+                        "verified_episodes": "number",
+                        "verified_gpu_hours_lost": "number",
+                        "jobs": "number",
+                        "jobs_straggling": "number",
+                        "worker_steps": "number",
+                        "straggling_share": "number",
+                        "excess_per_step": "number",
+                        "max_S_w": "number",
+                    }
+                ),
+                time_series=False,
+            )
+        )
+        .decimals(3)
+        .span(24)
+        .height(10)
+    )
+
+
+def _straggling_nodes_over_time(q: Collector) -> timeseries.Panel:
+    title = "Straggling nodes over time"
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description("Mean excess worker slowdown per node over time (the 10 worst).")
+        .with_target(
+            q.query(
+                title,
+                f"""
+                SELECT $__timeInterval(ts) AS time, node,
+                       avg(greatest(S_w - 1, 0)) AS excess_S_w
+                FROM ({WORKER_NODE_SQL})
+                WHERE node IN (
+                    SELECT node FROM ({WORKER_NODE_SQL})
+                    GROUP BY node ORDER BY sum(greatest(S_w - 1, 0)) DESC LIMIT 10
+                )
+                GROUP BY time, node
+                ORDER BY time
+                """,
+                Expect({"time": "time", "node": "string", "excess_S_w": "number"}),
+                time_series=True,
+            )
+        )
+        .span(24)
+        .height(9)
+    )
 
 
 #: The fleet-wide dashboards, by file name stem (written to generated/fleet/).

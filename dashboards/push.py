@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from lagscope.dashboards.definitions import BuiltDashboard, build_all
+from lagscope.dashboards.definitions import build_all
+from lagscope.dashboards.panels import BuiltDashboard
 from lagscope.producers.redact import redact_url, scrub, secret_values
 
 PROVISIONING_DIR = Path(__file__).resolve().parent / "provisioning"

@@ -24,8 +24,9 @@ from lagscope.dashboards.clickhouse_query import (
     datasource_ref,
     register_clickhouse_query,
 )
-from lagscope.dashboards.definitions import BuiltDashboard, Expect, build_all, sdk_round_trip
+from lagscope.dashboards.definitions import build_all
 from lagscope.dashboards.macros import MacroError, QueryContext, expand_macros, render_sql
+from lagscope.dashboards.panels import BuiltDashboard, Expect, sdk_round_trip
 from tests.demo_store import DEMO_JOB, fill_demo_store
 
 JOB = DEMO_JOB

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from lagscope.cli import main
-from lagscope.dashboards.definitions import JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID
 from lagscope.dashboards.fleet import FLEET_UID, NODES_UID
+from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
+from lagscope.dashboards.pipeline_health import PIPELINE_HEALTH_UID
 from lagscope.dashboards.push import datasource_definition
 from tests.grafana_stub import GrafanaStub
 

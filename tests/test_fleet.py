@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from lagscope.dashboards.build import GENERATED_DIR
-from lagscope.dashboards.definitions import BuiltDashboard, sdk_round_trip
 from lagscope.dashboards.fleet import build_fleet
 from lagscope.dashboards.macros import QueryContext, render_sql
+from lagscope.dashboards.panels import BuiltDashboard, sdk_round_trip
 from tests.demo_store import DEMO_JOB, fill_demo_store
 
 #: The demo's injected straggler (dp, pp); nodes hold 8 GPUs (`demo_node_of`).

@@ -1,0 +1,332 @@
+"""The pipeline health dashboard (uid `lagscope-pipeline`): is the pipeline keeping up, and is
+it losing or rejecting anything? `job` and `attempt` variables (several of each) filled
+from the `jobs` table. Rows, top to bottom: Throughput, Completeness, Rejected input,
+Latency and lag; one function per row and per panel.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import table, text, timeseries
+from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models import text as text_model
+
+from lagscope.dashboards.panels import (
+    SELECTED_ATTEMPTS,
+    BuiltDashboard,
+    Collector,
+    Expect,
+    attempt_variable,
+    job_variable,
+)
+
+PIPELINE_HEALTH_UID = "lagscope-pipeline"
+
+
+def pipeline_health() -> BuiltDashboard:
+    q = Collector()
+    builder = _latency_and_lag(
+        _rejected_input(_completeness(_throughput(_dashboard(), q), q), q), q
+    )
+    return BuiltDashboard(PIPELINE_HEALTH_UID, builder.build(), q.expectations)
+
+
+def _dashboard() -> dash.Dashboard:
+    """The dashboard's settings, variables and links."""
+    return (
+        dash.Dashboard("lagscope: pipeline health")
+        .uid(PIPELINE_HEALTH_UID)
+        .description("Is the pipeline keeping up, and is it losing or rejecting anything?")
+        .tags(["lagscope", "pipeline"])
+        .time("now-6h", "now")
+        .refresh("1m")
+        .with_variable(job_variable(multi=True))
+        .with_variable(attempt_variable(multi=True))
+        .link(
+            dash.DashboardLink("Job overview")
+            .type(model.DashboardLinkType.DASHBOARDS)
+            .tags(["lagscope"])
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
+
+
+def _throughput(builder: dash.Dashboard, q: Collector) -> dash.Dashboard:
+    return (
+        builder.with_row(dash.Row("Throughput"))
+        .with_panel(_ingest_rate(q))
+        .with_panel(_steps_rate(q))
+    )
+
+
+def _completeness(builder: dash.Dashboard, q: Collector) -> dash.Dashboard:
+    return (
+        builder.with_row(dash.Row("Completeness"))
+        .with_panel(_incomplete_rate(q))
+        .with_panel(_incomplete_steps(q))
+    )
+
+
+def _rejected_input(builder: dash.Dashboard, q: Collector) -> dash.Dashboard:
+    return (
+        builder.with_row(dash.Row("Rejected input"))
+        .with_panel(_dead_letter_rate(q))
+        .with_panel(_latest_dead_letters(q))
+    )
+
+
+def _latency_and_lag(builder: dash.Dashboard, q: Collector) -> dash.Dashboard:
+    return (
+        builder.with_row(dash.Row("Latency and lag"))
+        .with_panel(_sink_latency(q))
+        .with_panel(_kafka_lag_note())
+    )
+
+
+# -- the panels ---------------------------------------------------------------------------
+
+
+def _ingest_rate(q: Collector) -> timeseries.Panel:
+    title = "Ingest rate: ops per minute"
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description(
+            "Raw ops stored per minute, by op start time (the store keeps one TP/CP rank "
+            "per (dp, pp) worker, so this is ops analysed, not ops timed)."
+        )
+        .with_target(
+            q.query(
+                title,
+                f"""
+                SELECT $__timeInterval(start) AS time, job_id,
+                       count() * 60 / $__interval_s AS ops_per_minute
+                FROM ops
+                WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(start)
+                GROUP BY time, job_id
+                ORDER BY time, job_id
+                """,
+                Expect({"time": "time", "job_id": "string", "ops_per_minute": "number"}),
+                time_series=True,
+            )
+        )
+        .display_name("${__field.labels.job_id}")
+        .span(12)
+        .height(8)
+    )
+
+
+def _steps_rate(q: Collector) -> timeseries.Panel:
+    title = "Steps analysed per minute"
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description("Closed steps per minute (complete or not), from the minute rollup.")
+        .with_target(
+            q.query(
+                title,
+                f"""
+                SELECT minute AS time, job_id, sum(steps) AS steps
+                FROM steps_1m
+                WHERE {SELECTED_ATTEMPTS}
+                  AND $__timeFilter(minute)
+                GROUP BY time, job_id
+                ORDER BY time, job_id
+                """,
+                Expect({"time": "time", "job_id": "string", "steps": "number"}),
+                time_series=True,
+            )
+        )
+        .display_name("${__field.labels.job_id}")
+        .span(12)
+        .height(8)
+    )
+
+
+def _incomplete_rate(q: Collector) -> timeseries.Panel:
+    title = "Late or incomplete steps"
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description(
+            "Steps closed by the lateness timeout before every (dp, pp) worker reported: "
+            "a dead or lagging rank, or a streamer that stopped."
+        )
+        .with_target(
+            q.query(
+                title,
+                f"""
+                SELECT $__timeInterval(ts) AS time, job_id, countIf(NOT complete) AS incomplete
+                FROM steps FINAL
+                WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(ts)
+                GROUP BY time, job_id
+                ORDER BY time, job_id
+                """,
+                Expect({"time": "time", "job_id": "string", "incomplete": "number"}),
+                time_series=True,
+            )
+        )
+        .display_name("${__field.labels.job_id}")
+        .span(12)
+        .height(8)
+    )
+
+
+def _incomplete_steps(q: Collector) -> table.Panel:
+    title = "Incomplete steps and their missing ranks"
+    return (
+        table.Panel()
+        .title(title)
+        .description("Global ranks that never delivered their batch for the step.")
+        .with_target(
+            q.query(
+                title,
+                f"""
+                SELECT ts AS time, job_id, attempt, step,
+                       length(missing_ranks) AS missing,
+                       -- not aliased `missing_ranks`: ClickHouse would read the alias,
+                       -- not the column, in length(missing_ranks) above
+                       arrayStringConcat(arrayMap(r -> toString(r), missing_ranks), ', ')
+                           AS missing_global_ranks
+                FROM steps FINAL
+                WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(ts) AND NOT complete
+                ORDER BY time DESC
+                LIMIT 200
+                """,
+                Expect(
+                    {
+                        "time": "time",
+                        "job_id": "string",
+                        "step": "number",
+                        "missing": "number",
+                        "missing_global_ranks": "string",
+                    }
+                ),
+                time_series=False,
+            )
+        )
+        .span(12)
+        .height(8)
+    )
+
+
+def _dead_letter_rate(q: Collector) -> timeseries.Panel:
+    title = "Dead letters by reason"
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description(
+            "Input kept aside with its reason (torn or garbage log records, undecodable "
+            "batches, bad metadata). Not filtered by job: a record that cannot be decoded "
+            "has no job."
+        )
+        .with_target(
+            q.query(
+                title,
+                """
+                SELECT $__timeInterval(ts) AS time,
+                       substring(splitByChar(':', reason)[1], 1, 60) AS reason,
+                       count() AS letters
+                FROM dead_letters FINAL
+                WHERE $__timeFilter(ts)
+                GROUP BY time, reason
+                ORDER BY time, reason
+                """,
+                Expect({"time": "time", "reason": "string", "letters": "number"}),
+                time_series=True,
+            )
+        )
+        .display_name("${__field.labels.reason}")
+        .span(12)
+        .height(8)
+    )
+
+
+def _latest_dead_letters(q: Collector) -> table.Panel:
+    title = "Latest dead letters"
+    return (
+        table.Panel()
+        .title(title)
+        .with_target(
+            q.query(
+                title,
+                """
+                SELECT ts AS time, job_id, source, reason,
+                       substring(payload, 1, 200) AS payload_start
+                FROM dead_letters FINAL
+                WHERE $__timeFilter(ts)
+                ORDER BY time DESC
+                LIMIT 100
+                """,
+                Expect(
+                    {
+                        "time": "time",
+                        "source": "string",
+                        "reason": "string",
+                        "payload_start": "string",
+                    }
+                ),
+                time_series=False,
+            )
+        )
+        .span(12)
+        .height(8)
+    )
+
+
+def _sink_latency(q: Collector) -> timeseries.Panel:
+    title = "Sink latency (processed_at - ts)"
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description(
+            "From the step's start (ts) to its row being written (processed_at): the step "
+            "itself, the wait for the last rank (lateness), analysis and the write."
+        )
+        .with_target(
+            q.query(
+                title,
+                f"""
+                SELECT $__timeInterval(processed_at) AS time,
+                       quantile(0.5)(latency_s) AS p50, quantile(0.99)(latency_s) AS p99,
+                       max(latency_s) AS max
+                FROM (
+                    SELECT processed_at,
+                           (toUnixTimestamp64Milli(processed_at)
+                            - toUnixTimestamp64Milli(ts)) / 1000 AS latency_s
+                    FROM steps FINAL
+                    WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(processed_at)
+                )
+                GROUP BY time
+                ORDER BY time
+                """,
+                Expect({"time": "time", "p50": "number", "p99": "number", "max": "number"}),
+                time_series=True,
+            )
+        )
+        .unit("s")
+        .span(12)
+        .height(8)
+    )
+
+
+def _kafka_lag_note() -> text.Panel:
+    """Where the consumer lag is to be read: it is not in the store."""
+    return (
+        text.Panel()
+        .title("Kafka consumer lag per job")
+        .description(
+            "Not available from the store: consumer-group offsets are not written to ClickHouse."
+        )
+        .mode(text_model.TextMode.MARKDOWN)
+        .content(
+            "**Kafka lag is not in the store yet.** The workers' consumer-group lag on "
+            "`lagscope.ops` (partitioned by job id) is not written to ClickHouse, so this "
+            "dashboard cannot chart it. Read it from the broker "
+            "(`kafka-consumer-groups.sh --describe --group <workers' group>`) or a Kafka "
+            "exporter; a job whose partition lags shows here as rising sink latency."
+        )
+        .span(12)
+        .height(8)
+    )
