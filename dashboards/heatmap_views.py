@@ -112,30 +112,20 @@ def grid_chart(
     # Every k-th column is named, k a 1-2-5 step wide enough for a name and a space.
     every = 1 if every_column_named else max(1, int(nice_step((name_width + 8) / cell)))
     top = 4
-    cells = []
-    for r in range(n_rows):
-        for c in range(n_columns):
-            value = float(values[r, c])
-            x, y = left + c * cell, top + r * row
-            text = scale.label(value) if np.isfinite(value) else None
-            fits = text is not None and text_width(text, CELL_FONT) + 4 <= cell - 1
-            kind = kinds[r][c]
-            cells.append(
-                {
-                    "x": x,
-                    "y": y,
-                    "fill": fill(value, scale),
-                    "value": f"{value:.6f}",
-                    "kind": kind,
-                    "stroke": max(1.5, min(3.0, cell / 12)),
-                    "title": titles[r][c],
-                    "text": text if fits and row >= CELL_FONT + 4 else None,
-                    "text_x": x + (cell - 1) / 2,
-                    "text_y": round(y + (row - 1) / 2 + CELL_FONT * 0.35, 1),
-                    "light": scale.position(value) > 0.6,
-                    "href": links[c] if links else None,
-                }
-            )
+    cells = [
+        _cell(
+            float(values[r, c]),
+            left + c * cell,
+            top + r * row,
+            (cell, row),
+            scale,
+            kind=kinds[r][c],
+            title=titles[r][c],
+            href=links[c] if links else None,
+        )
+        for r in range(n_rows)
+        for c in range(n_columns)
+    ]
     ticks_y = top + n_rows * row + AXIS_FONT + 2
     ticks = [
         {"x": left + c * cell + (cell - 1) / 2, "y": ticks_y, "text": column_names[c]}
@@ -161,6 +151,38 @@ def grid_chart(
         "axis_title": axis_title,
         "axis_x": left + n_columns * cell / 2,
         "axis_y": ticks_y + AXIS_FONT + 5,
+    }
+
+
+def _cell(
+    value: float,
+    x: float,
+    y: float,
+    size: tuple[int, int],
+    scale: ColourScale,
+    *,
+    kind: str,
+    title: str,
+    href: str | None,
+) -> dict[str, Any]:
+    """One cell of a grid chart at (x, y), `size` (width, height) with its gap: its value
+    written in it only where it fits."""
+    cell, row = size
+    text = scale.label(value) if np.isfinite(value) else None
+    fits = text is not None and text_width(text, CELL_FONT) + 4 <= cell - 1
+    return {
+        "x": x,
+        "y": y,
+        "fill": fill(value, scale),
+        "value": f"{value:.6f}",
+        "kind": kind,
+        "stroke": max(1.5, min(3.0, cell / 12)),
+        "title": title,
+        "text": text if fits and row >= CELL_FONT + 4 else None,
+        "text_x": x + (cell - 1) / 2,
+        "text_y": round(y + (row - 1) / 2 + CELL_FONT * 0.35, 1),
+        "light": scale.position(value) > 0.6,
+        "href": href,
     }
 
 
@@ -320,16 +342,7 @@ def heatmap_view(
         "top_workers": [],
         "groups": [],
     }
-    top_workers = [
-        {
-            "dp": w.dp,
-            "stage": w.stage,
-            "value": scale.label(w.worker_slowdown),
-            "kind": w.kind,
-            "machine": machines.get((w.dp, w.stage), ""),
-        }
-        for w in ranked_workers(worker_slowdown, list(verified), top=TOP_WORKERS)
-    ]
+    top_workers = _top_workers(worker_slowdown, verified, scale, machines)
     view["show_machines"] = bool(machines)
     if not grid.binned:
         view["chart"] = _full_chart(
@@ -339,26 +352,86 @@ def heatmap_view(
         if any(c["text"] is None for c in view["chart"]["cells"]):
             view["top_workers"] = top_workers
         return view
+    view["top_workers"] = top_workers
+    parts = _binned_parts(
+        chart_id,
+        worker_slowdown,
+        verified,
+        grid,
+        kinds,
+        scale,
+        max_width,
+        machines,
+        left,
+        drill_down=drill_down,
+    )
+    view.update(parts)
+    return view
+
+
+def _binned_parts(
+    chart_id: str,
+    worker_slowdown: np.ndarray,
+    verified: Sequence[tuple[int, int]],
+    grid: WorkerGrid,
+    kinds: np.ndarray,
+    scale: ColourScale,
+    max_width: int,
+    machines: Mapping[tuple[int, int], str],
+    left: float,
+    *,
+    drill_down: bool,
+) -> dict[str, Any]:
+    """What a binned job's heatmap shows beside the binned overview: the worst DP replicas
+    worker by worker, and (`drill_down`) every bin's own DP ranks."""
+    n_stages, n_dp = worker_slowdown.shape
+    parts: dict[str, Any] = {}
     columns = grid.values.shape[1]
     links: list[str | None] | None = None
     if drill_down:
         # To the group's chart, inside its <details>: the browser opens the ancestors of
         # the target of a link.
         links = [f"#{chart_id}-dp-{grid.dp_span(c)[0]}-chart" for c in range(columns)]
-    view["chart"] = _binned_chart(chart_id, grid, kinds, scale, max_width, links)
-    view["binning"] = (
+    parts["chart"] = _binned_chart(chart_id, grid, kinds, scale, max_width, links)
+    parts["binning"] = (
         f"{n_dp:,} DP ranks x {n_stages} stages: each cell is the worst worker of "
         f"{grid.dp_per_bin} consecutive DP ranks"
         + (f" and {grid.stages_per_bin} stages" if grid.stages_per_bin > 1 else "")
         + (", and opens their own heatmap" if drill_down else "")
     )
+    # As many of the worst DP replicas as their names fit across the width.
     name_width = text_width(str(n_dp - 1), AXIS_FONT) + 8
     fit = int((max_width - left - 12) // max(name_width, CELL_MIN))
     worst = worst_dp_ranks(worker_slowdown, min(WORST_DP, fit), [dp for dp, _ in verified])
-    view["worst_heading"] = (
+    parts["worst_heading"] = (
         f"The {len(worst)} DP replicas with the highest S_w, every worker (worst first)"
     )
-    view["worst"] = _full_chart(
+    parts["worst"] = _worst_replicas_chart(
+        chart_id, worker_slowdown, worst, kinds, scale, max_width, machines
+    )
+    if drill_down:
+        parts["groups_heading"] = (
+            f"Every worker: {columns} groups of {grid.dp_per_bin} DP ranks (open one, or "
+            "click its column above)"
+        )
+        parts["groups"] = [
+            _dp_group(chart_id, worker_slowdown, grid.dp_span(c), kinds, scale, max_width, machines)
+            for c in range(columns)
+        ]
+    return parts
+
+
+def _worst_replicas_chart(
+    chart_id: str,
+    worker_slowdown: np.ndarray,
+    worst: list[int],
+    kinds: np.ndarray,
+    scale: ColourScale,
+    max_width: int,
+    machines: Mapping[tuple[int, int], str],
+) -> dict[str, Any]:
+    """Every worker of the worst DP replicas, each column named."""
+    return _full_chart(
         f"{chart_id}-worst",
         worker_slowdown,
         worst,
@@ -369,36 +442,57 @@ def heatmap_view(
         axis_title="DP rank",
         every_column_named=True,
     )
-    view["top_workers"] = top_workers
-    if drill_down:
-        view["groups_heading"] = (
-            f"Every worker: {columns} groups of {grid.dp_per_bin} DP ranks (open one, or "
-            "click its column above)"
-        )
-        for c in range(columns):
-            d0, d1 = grid.dp_span(c)
-            block = worker_slowdown[:, d0 : d1 + 1]
-            if np.isfinite(block).any():
-                stage, offset = np.unravel_index(np.nanargmax(block), block.shape)
-            else:
-                stage, offset = 0, 0
-            dp, stage = d0 + int(offset), int(stage)
-            kind = kinds[stage, dp]
-            view["groups"].append(
-                {
-                    "id": f"{chart_id}-dp-{d0}",
-                    "summary": f"dp {_span_text(d0, d1)}: worst S_w "
-                    f"{scale.label(float(block[stage, offset]))} (dp {dp}, pp {stage})"
-                    + ("" if kind == "unverified" else f", {kind}"),
-                    "chart": _full_chart(
-                        f"{chart_id}-dp-{d0}-chart",
-                        worker_slowdown,
-                        list(range(d0, d1 + 1)),
-                        kinds,
-                        scale,
-                        max_width,
-                        machines,
-                    ),
-                }
-            )
-    return view
+
+
+def _top_workers(
+    worker_slowdown: np.ndarray,
+    verified: Sequence[tuple[int, int]],
+    scale: ColourScale,
+    machines: Mapping[tuple[int, int], str],
+) -> list[dict[str, Any]]:
+    """The table of the top workers, verified ones first, each with its machine."""
+    return [
+        {
+            "dp": w.dp,
+            "stage": w.stage,
+            "value": scale.label(w.worker_slowdown),
+            "kind": w.kind,
+            "machine": machines.get((w.dp, w.stage), ""),
+        }
+        for w in ranked_workers(worker_slowdown, list(verified), top=TOP_WORKERS)
+    ]
+
+
+def _dp_group(
+    chart_id: str,
+    worker_slowdown: np.ndarray,
+    dp_span: tuple[int, int],
+    kinds: np.ndarray,
+    scale: ColourScale,
+    max_width: int,
+    machines: Mapping[tuple[int, int], str],
+) -> dict[str, Any]:
+    """The drill-down of one bin of DP ranks: its worst worker named, every worker drawn."""
+    d0, d1 = dp_span
+    block = worker_slowdown[:, d0 : d1 + 1]
+    if np.isfinite(block).any():
+        stage, offset = np.unravel_index(np.nanargmax(block), block.shape)
+    else:
+        stage, offset = 0, 0
+    dp, stage = d0 + int(offset), int(stage)
+    kind = kinds[stage, dp]
+    return {
+        "id": f"{chart_id}-dp-{d0}",
+        "summary": f"dp {_span_text(d0, d1)}: worst S_w "
+        f"{scale.label(float(block[stage, offset]))} (dp {dp}, pp {stage})"
+        + ("" if kind == "unverified" else f", {kind}"),
+        "chart": _full_chart(
+            f"{chart_id}-dp-{d0}-chart",
+            worker_slowdown,
+            list(range(d0, d1 + 1)),
+            kinds,
+            scale,
+            max_width,
+            machines,
+        ),
+    }

@@ -230,16 +230,44 @@ def _span(onset: int, recovery: int | None) -> str:
 
 def render_report(data: ReportData) -> str:
     r = data.result
-    verified = verified_in_run(
-        data.diagnosis.evidence if data.diagnosis else None,
-        [diagnosis.evidence for _, _, diagnosis in data.episodes],
-    )
     steps = data.step_ids if data.step_ids is not None else [int(s) for s in r.steps]
     slowdowns = (
         data.step_slowdown
         if data.step_slowdown is not None
         else [float(v) for v in r.step_slowdown]
     )
+    episode_heatmaps = _episode_heatmaps(data)
+    top = 8
+    context = {
+        "title": data.title,
+        "subtitle": data.subtitle,
+        "updated": _updated_view(data, steps),
+        "tiles": _tiles(data, len(steps)),
+        "verdict": verdict_view(data.diagnosis),
+        "diagnoses": _diagnosis_views(data),
+        "meanings": MEANINGS,
+        "run_heatmap": _run_heatmap(data, steps, beside_episodes=bool(episode_heatmaps)),
+        "episode_heatmaps": episode_heatmaps,
+        "step_chart": line_view(steps, slowdowns, data.changes),
+        "changes": [_change_view(c) for c in data.changes],
+        "above_s": ", ".join(_above_s(r)),
+        "above_s_reason": ABOVE_S,
+        "slowdown": f"{r.slowdown:.3f}",
+        "top": top,
+        "bars": {
+            "optype": bars_view(r.by_optype.ranked()[:top], "by-optype"),
+            "stage": bars_view(r.by_stage.ranked()[:top], "by-stage"),
+            "dp": bars_view(r.by_dp_rank.ranked()[:top], "by-dp"),
+        },
+        "timeline_file": data.timeline_file,
+        "timeline_note": data.timeline_note,
+    }
+    return _environment().get_template("report.html.j2").render(context)
+
+
+def _tiles(data: ReportData, n_steps: int) -> list[dict[str, str]]:
+    """The headline figures: slowdown, waste, GPU-hours, MFU, M_W, M_S, steps."""
+    r = data.result
     tiles: list[dict[str, str]] = [
         {"key": "slowdown S", "value": f"{r.slowdown:.3f}", "meaning": f"S: {MEANINGS['S']}"},
         {"key": "waste", "value": percent(r.waste, 1)},
@@ -268,22 +296,32 @@ def render_report(data: ReportData) -> str:
     tiles.append(
         {
             "key": "steps",
-            "value": f"{len(steps)}"
+            "value": f"{n_steps}"
             + (f" ({data.incomplete_steps} incomplete)" if data.incomplete_steps else ""),
         }
     )
     for tile in tiles:
         tile.setdefault("meaning", "")
-    diagnoses = []
-    if data.diagnosis is not None:
-        diagnoses.append(_diagnosis_view(data.diagnosis, "whole run (verdict above): advice"))
-        for onset, recovery, episode in data.episodes:
-            diagnoses.append(
-                _diagnosis_view(
-                    episode, f"slow episode, {_span(onset, recovery)}", True, recovered_at=recovery
-                )
+    return tiles
+
+
+def _diagnosis_views(data: ReportData) -> list[dict[str, Any]]:
+    """The run's advice, then each episode's."""
+    if data.diagnosis is None:
+        return []
+    views = [_diagnosis_view(data.diagnosis, "whole run (verdict above): advice")]
+    for onset, recovery, episode in data.episodes:
+        views.append(
+            _diagnosis_view(
+                episode, f"slow episode, {_span(onset, recovery)}", True, recovered_at=recovery
             )
-    episode_heatmaps = []
+        )
+    return views
+
+
+def _episode_heatmaps(data: ReportData) -> list[dict[str, Any]]:
+    """A heatmap of the worker scores over each episode's own steps, where known."""
+    views = []
     for i, ((onset, recovery, episode), worker_slowdown) in enumerate(
         zip(data.episodes, data.episode_worker_slowdown, strict=False), start=1
     ):
@@ -298,52 +336,41 @@ def render_report(data: ReportData) -> str:
         )
         view["heading"] = f"slow episode, {_span(onset, recovery)}"
         view["onset"] = onset
-        episode_heatmaps.append(view)
-    run_heatmap = heatmap_view(
-        r.worker_slowdown,
+        views.append(view)
+    return views
+
+
+def _run_heatmap(data: ReportData, steps: list[int], *, beside_episodes: bool) -> dict[str, Any]:
+    """The whole run's heatmap, the verified workers marked; narrower beside episodes'."""
+    verified = verified_in_run(
+        data.diagnosis.evidence if data.diagnosis else None,
+        [diagnosis.evidence for _, _, diagnosis in data.episodes],
+    )
+    view = heatmap_view(
+        data.result.worker_slowdown,
         verified,
-        max_width=440 if episode_heatmaps else 900,
+        max_width=440 if beside_episodes else 900,
         machines=data.worker_machines,
         drill_down=True,
     )
-    run_heatmap["heading"] = f"whole run, {_span(steps[0], steps[-1])}" if steps else "whole run"
-    top = 8
-    above_s = [
+    view["heading"] = f"whole run, {_span(steps[0], steps[-1])}" if steps else "whole run"
+    return view
+
+
+def _above_s(r: WhatIfResult) -> list[str]:
+    """The groups whose S_X is above S (the rest of the job, idealised, runs slower)."""
+    return [
         f"{prefix}{ranked[0][0]}"
         for att, prefix in ((r.by_optype, ""), (r.by_stage, "pp "), (r.by_dp_rank, "dp "))
         if (ranked := att.ranked()) and ranked[0][1] > r.slowdown + 5e-4
     ]
-    context = {
-        "title": data.title,
-        "subtitle": data.subtitle,
-        "updated": _updated_view(data, steps),
-        "tiles": tiles,
-        "verdict": verdict_view(data.diagnosis),
-        "diagnoses": diagnoses,
-        "meanings": MEANINGS,
-        "run_heatmap": run_heatmap,
-        "episode_heatmaps": episode_heatmaps,
-        "step_chart": line_view(steps, slowdowns, data.changes),
-        "changes": [
-            {
-                "step": c["step"],
-                "kind": c["kind"],
-                "series": str(c["series"]),
-                "before": f"{c.get('before_mean', float('nan')):.4g}",
-                "after": f"{c.get('after_mean', float('nan')):.4g}",
-            }
-            for c in data.changes
-        ],
-        "above_s": ", ".join(above_s),
-        "above_s_reason": ABOVE_S,
-        "slowdown": f"{r.slowdown:.3f}",
-        "top": top,
-        "bars": {
-            "optype": bars_view(r.by_optype.ranked()[:top], "by-optype"),
-            "stage": bars_view(r.by_stage.ranked()[:top], "by-stage"),
-            "dp": bars_view(r.by_dp_rank.ranked()[:top], "by-dp"),
-        },
-        "timeline_file": data.timeline_file,
-        "timeline_note": data.timeline_note,
+
+
+def _change_view(change: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "step": change["step"],
+        "kind": change["kind"],
+        "series": str(change["series"]),
+        "before": f"{change.get('before_mean', float('nan')):.4g}",
+        "after": f"{change.get('after_mean', float('nan')):.4g}",
     }
-    return _environment().get_template("report.html.j2").render(context)
