@@ -206,39 +206,34 @@ def _all_jobs(q: Collector) -> table.Panel:
                 time_series=False,
             )
         )
-        .override_by_name(
-            "job_id",
-            [
-                model.DynamicConfigValue(
-                    id_val="links",
-                    value=[{"title": "Job overview", "url": JOB_LINK}],
-                )
-            ],
-        )
-        .override_by_name(
-            "last_step_age_s",
-            [
-                model.DynamicConfigValue(id_val="unit", value="s"),
-                model.DynamicConfigValue(
-                    id_val="custom.cellOptions", value={"type": "color-background"}
-                ),
-                model.DynamicConfigValue(
-                    id_val="thresholds",
-                    value={
-                        "mode": "absolute",
-                        "steps": [
-                            {"color": "green", "value": None},
-                            {"color": "red", "value": 300},
-                        ],
-                    },
-                ),
-            ],
-        )
+        .override_by_name("job_id", _job_overview_link())
+        .override_by_name("last_step_age_s", _age_in_seconds_red_after_5_minutes())
         .thresholds(slowdown_thresholds())
         .decimals(3)
         .span(24)
         .height(10)
     )
+
+
+def _job_overview_link() -> list[model.DynamicConfigValue]:
+    return [
+        model.DynamicConfigValue(id_val="links", value=[{"title": "Job overview", "url": JOB_LINK}])
+    ]
+
+
+def _age_in_seconds_red_after_5_minutes() -> list[model.DynamicConfigValue]:
+    """A stale row is not a healthy one: its age turns red after five minutes."""
+    return [
+        model.DynamicConfigValue(id_val="unit", value="s"),
+        model.DynamicConfigValue(id_val="custom.cellOptions", value={"type": "color-background"}),
+        model.DynamicConfigValue(
+            id_val="thresholds",
+            value={
+                "mode": "absolute",
+                "steps": [{"color": "green", "value": None}, {"color": "red", "value": 300}],
+            },
+        ),
+    ]
 
 
 def _wasted_today(q: Collector) -> stat.Panel:
@@ -321,6 +316,37 @@ def _nodes_dashboard() -> dash.Dashboard:
     )
 
 
+#: Nodes by verified episodes, then by how often and how much their workers straggle.
+NODE_RANKING_SQL = f"""
+    SELECT n.node AS node, ifNull(v.episodes, 0) AS verified_episodes,
+           ifNull(v.gpu_hours_lost, 0) AS verified_gpu_hours_lost,
+           n.jobs AS jobs, n.jobs_straggling AS jobs_straggling,
+           n.worker_steps AS worker_steps,
+           n.straggling_share AS straggling_share,
+           n.excess_per_step AS excess_per_step, n.max_S_w AS max_S_w
+    FROM (
+        SELECT node, uniqExact(job_id) AS jobs,
+               uniqExactIf(job_id, S_w >= {STRAGGLING_S_W}) AS jobs_straggling,
+               count() AS worker_steps,
+               countIf(S_w >= {STRAGGLING_S_W}) / count() AS straggling_share,
+               sum(greatest(S_w - 1, 0)) / count() AS excess_per_step,
+               max(S_w) AS max_S_w
+        FROM ({WORKER_NODE_SQL})
+        GROUP BY node
+    ) AS n
+    LEFT JOIN (
+        SELECT node_name AS node, count() AS episodes,
+               sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
+        FROM ({VERIFIED_SQL})
+        WHERE node_name != ''
+        GROUP BY node
+    ) AS v ON v.node = n.node
+    ORDER BY verified_episodes DESC, verified_gpu_hours_lost DESC,
+             excess_per_step DESC, node
+    LIMIT 50
+"""
+
+
 def _node_ranking(q: Collector) -> table.Panel:
     title = "Nodes by straggling, across jobs"
     return (
@@ -337,34 +363,7 @@ def _node_ranking(q: Collector) -> table.Panel:
         .with_target(
             q.query(
                 title,
-                f"""
-                SELECT n.node AS node, ifNull(v.episodes, 0) AS verified_episodes,
-                       ifNull(v.gpu_hours_lost, 0) AS verified_gpu_hours_lost,
-                       n.jobs AS jobs, n.jobs_straggling AS jobs_straggling,
-                       n.worker_steps AS worker_steps,
-                       n.straggling_share AS straggling_share,
-                       n.excess_per_step AS excess_per_step, n.max_S_w AS max_S_w
-                FROM (
-                    SELECT node, uniqExact(job_id) AS jobs,
-                           uniqExactIf(job_id, S_w >= {STRAGGLING_S_W}) AS jobs_straggling,
-                           count() AS worker_steps,
-                           countIf(S_w >= {STRAGGLING_S_W}) / count() AS straggling_share,
-                           sum(greatest(S_w - 1, 0)) / count() AS excess_per_step,
-                           max(S_w) AS max_S_w
-                    FROM ({WORKER_NODE_SQL})
-                    GROUP BY node
-                ) AS n
-                LEFT JOIN (
-                    SELECT node_name AS node, count() AS episodes,
-                           sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
-                    FROM ({VERIFIED_SQL})
-                    WHERE node_name != ''
-                    GROUP BY node
-                ) AS v ON v.node = n.node
-                ORDER BY verified_episodes DESC, verified_gpu_hours_lost DESC,
-                         excess_per_step DESC, node
-                LIMIT 50
-                """,
+                NODE_RANKING_SQL,
                 Expect(
                     {
                         "node": "string",

@@ -7,12 +7,12 @@ annotated only where the label fits, and ticks are thinned so that none overlap.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from lagscope.dashboards.colour_scale import colour_scale
-from lagscope.dashboards.worker_grid import bin_workers, nice_step
+from lagscope.dashboards.colour_scale import ColourScale, colour_scale
+from lagscope.dashboards.worker_grid import WorkerGrid, bin_workers, nice_step
 
 #: The most columns and rows drawn; wider jobs are binned.
 MAX_COLUMNS, MAX_ROWS = 64, 64
@@ -55,19 +55,42 @@ def draw_worker_heatmap(
         interpolation="nearest",
     )
     if cols <= MAX_ANNOTATED_COLUMNS:
-        for row in range(rows):
-            for col in range(cols):
-                value = grid.values[row, col]
-                if np.isfinite(value):
-                    ax.text(
-                        col,
-                        row,
-                        scale.label(value),
-                        ha="center",
-                        va="center",
-                        fontsize=FONT_PT if cols <= 16 else FONT_PT - 2,
-                        color="white" if scale.position(value) > 0.6 else "black",
-                    )
+        _annotate_cells(ax, grid.values, scale)
+    _label_axes(ax, grid, width_in, n_dp)
+    ax.set_title(f"{title}\n{scale.fixed_text()}; {scale.job_text()}", fontsize=10)
+    bar = fig.colorbar(image, ax=ax, fraction=0.03)
+    bar.set_ticks(np.round(np.arange(scale.low, scale.high + 1e-9, 0.1), 1))
+    if np.isfinite(scale.job_low):
+        # The job's own range, bracketed on the colour bar.
+        for value in (scale.job_low, scale.job_high):
+            bar.ax.axhline(min(max(value, scale.low), scale.high), color="black", linewidth=1.5)
+    fig.tight_layout()
+    target = Path(path) if isinstance(path, str | Path) else path
+    fig.savefig(target, dpi=DPI, format=image_format)
+    plt.close(fig)
+
+
+def _annotate_cells(ax: Any, values: np.ndarray, scale: ColourScale) -> None:
+    """Each cell's S_w written in it, white on the dark ones."""
+    rows, cols = values.shape
+    for row in range(rows):
+        for col in range(cols):
+            value = values[row, col]
+            if np.isfinite(value):
+                ax.text(
+                    col,
+                    row,
+                    scale.label(value),
+                    ha="center",
+                    va="center",
+                    fontsize=FONT_PT if cols <= 16 else FONT_PT - 2,
+                    color="white" if scale.position(value) > 0.6 else "black",
+                )
+
+
+def _label_axes(ax: Any, grid: WorkerGrid, width_in: float, n_dp: int) -> None:
+    """DP ranks along x (thinned so no two overlap), stages along y."""
+    rows, cols = grid.values.shape
     # A tick label is at most len(str(n)) digits; every k-th column is named so that the
     # names (about 0.6 em a digit) keep a gap between them.
     cell_pt = (width_in - 2.5) * 72 / cols
@@ -85,17 +108,6 @@ def draw_worker_heatmap(
         )
     )
     ax.set_ylabel("PP rank")
-    ax.set_title(f"{title}\n{scale.fixed_text()}; {scale.job_text()}", fontsize=10)
-    bar = fig.colorbar(image, ax=ax, fraction=0.03)
-    bar.set_ticks(np.round(np.arange(scale.low, scale.high + 1e-9, 0.1), 1))
-    if np.isfinite(scale.job_low):
-        # The job's own range, bracketed on the colour bar.
-        for value in (scale.job_low, scale.job_high):
-            bar.ax.axhline(min(max(value, scale.low), scale.high), color="black", linewidth=1.5)
-    fig.tight_layout()
-    target = Path(path) if isinstance(path, str | Path) else path
-    fig.savefig(target, dpi=DPI, format=image_format)
-    plt.close(fig)
 
 
 def _span(first: int, last: int) -> str:

@@ -139,19 +139,24 @@ def grid_chart(
         "cell_width": cell - 1,
         "cell_height": row - 1,
         "cells": cells,
-        "rows": [
-            {
-                "x": left - 6,
-                "y": round(top + r * row + (row - 1) / 2 + AXIS_FONT * 0.35, 1),
-                "text": name,
-            }
-            for r, name in enumerate(row_names)
-        ],
+        "rows": _row_labels(row_names, left, top, row),
         "ticks": ticks,
         "axis_title": axis_title,
         "axis_x": left + n_columns * cell / 2,
         "axis_y": ticks_y + AXIS_FONT + 5,
     }
+
+
+def _row_labels(row_names: list[str], left: int, top: int, row: int) -> list[dict[str, Any]]:
+    """Each row's name, right-aligned before the row, centred on it."""
+    return [
+        {
+            "x": left - 6,
+            "y": round(top + r * row + (row - 1) / 2 + AXIS_FONT * 0.35, 1),
+            "text": name,
+        }
+        for r, name in enumerate(row_names)
+    ]
 
 
 def _cell(

@@ -586,6 +586,40 @@ def _worker_slowdown_per_step(q: Collector) -> heatmap.Panel:
     )
 
 
+#: Workers an episode verified first, then the highest worker scores, in range.
+TOP_STRAGGLERS_SQL = f"""
+    SELECT w.dp AS dp, w.stage AS stage,
+           if(e.episodes > 0,
+              concat('verified: episode ', e.ids, ' (', e.causes, ')'),
+              'score only') AS evidence,
+           e.gpu_hours_lost AS gpu_hours_lost,
+           w.mean_S_w AS mean_S_w, w.max_S_w AS max_S_w,
+           w.slow_steps AS slow_steps
+    FROM (
+        SELECT dp_rank AS dp, pp_rank AS stage, avg(slowdown) AS mean_S_w,
+               max(slowdown) AS max_S_w,
+               countIf(slowdown > 1.05) AS slow_steps
+        FROM worker_slowdown FINAL
+        WHERE {IN_RANGE}
+        GROUP BY dp, stage
+    ) AS w
+    LEFT JOIN (
+        SELECT toUInt32(dp_rank) AS dp, toUInt32(pp_rank) AS stage,
+               count() AS episodes,
+               arrayStringConcat(groupArray(toString(episode_id)), ', ') AS ids,
+               arrayStringConcat(groupUniqArray(concat(cause, ' in ', optype)),
+                                 ', ') AS causes,
+               sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
+        FROM episodes FINAL
+        WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
+          AND ifNull(recovery_ts, last_ts) >= $__fromTime
+        GROUP BY dp, stage
+    ) AS e ON e.dp = w.dp AND e.stage = w.stage
+    ORDER BY e.episodes > 0 DESC, e.gpu_hours_lost DESC, w.mean_S_w DESC
+    LIMIT 10
+"""
+
+
 def _top_stragglers(q: Collector) -> table.Panel:
     title = "Top stragglers in range"
     return (
@@ -600,37 +634,7 @@ def _top_stragglers(q: Collector) -> table.Panel:
         .with_target(
             q.query(
                 title,
-                f"""
-                SELECT w.dp AS dp, w.stage AS stage,
-                       if(e.episodes > 0,
-                          concat('verified: episode ', e.ids, ' (', e.causes, ')'),
-                          'score only') AS evidence,
-                       e.gpu_hours_lost AS gpu_hours_lost,
-                       w.mean_S_w AS mean_S_w, w.max_S_w AS max_S_w,
-                       w.slow_steps AS slow_steps
-                FROM (
-                    SELECT dp_rank AS dp, pp_rank AS stage, avg(slowdown) AS mean_S_w,
-                           max(slowdown) AS max_S_w,
-                           countIf(slowdown > 1.05) AS slow_steps
-                    FROM worker_slowdown FINAL
-                    WHERE {IN_RANGE}
-                    GROUP BY dp, stage
-                ) AS w
-                LEFT JOIN (
-                    SELECT toUInt32(dp_rank) AS dp, toUInt32(pp_rank) AS stage,
-                           count() AS episodes,
-                           arrayStringConcat(groupArray(toString(episode_id)), ', ') AS ids,
-                           arrayStringConcat(groupUniqArray(concat(cause, ' in ', optype)),
-                                             ', ') AS causes,
-                           sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
-                    FROM episodes FINAL
-                    WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
-                      AND ifNull(recovery_ts, last_ts) >= $__fromTime
-                    GROUP BY dp, stage
-                ) AS e ON e.dp = w.dp AND e.stage = w.stage
-                ORDER BY e.episodes > 0 DESC, e.gpu_hours_lost DESC, w.mean_S_w DESC
-                LIMIT 10
-                """,
+                TOP_STRAGGLERS_SQL,
                 Expect(
                     {
                         "dp": "number",

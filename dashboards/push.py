@@ -8,7 +8,7 @@ group through the alerting provisioning API, replaced whole on every push.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +101,6 @@ def push(
     CA bundle to check it against). `ca_cert`: PEM text the data source trusts for the
     store's TLS. No message shows a password or the token (`producers.redact`)."""
     from grafana_client import GrafanaApi
-    from grafana_client.client import GrafanaException
 
     from lagscope.dashboards.alerts import RULE_GROUP, rule_group_dict
     from lagscope.dashboards.fleet import build_fleet
@@ -116,7 +115,33 @@ def push(
     datasource = datasource_definition(datasource_settings, ca_cert=ca_cert)
     built = dashboards if dashboards is not None else {**build_all(), **build_fleet()}
 
-    def call(what: str, fn, *args: Any) -> Any:
+    call = _grafana_call(shown_url, secrets)
+    datasource_state = _upsert_datasource(call, api, datasource)
+    folder_state = _ensure_folder(call, api)
+    urls = {item.uid: _put_dashboard(call, api, item) for item in built.values()}
+    group = alert_rule_group if alert_rule_group is not None else rule_group_dict()
+    # One PUT replaces the whole group: rules removed from the code disappear too.
+    call(
+        f"PUT alert rule group {RULE_GROUP}",
+        api.alertingprovisioning.update_rule_group,
+        FOLDER_UID,
+        RULE_GROUP,
+        group,
+    )
+    return PushReport(datasource_state, folder_state, urls, len(group["rules"]))
+
+
+#: Calls Grafana: `call(what, fn, *args)`, a failure a PushError naming `what`.
+GrafanaCall = Callable[..., Any]
+
+
+def _grafana_call(shown_url: str, secrets: list[str]) -> GrafanaCall:
+    """`call(what, fn, *args)`: `fn(*args)`, a refusal or an unreachable Grafana a
+    PushError naming the URL (without a password), `what` and the status, the secrets
+    masked in whatever Grafana said."""
+    from grafana_client.client import GrafanaException
+
+    def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
         except GrafanaException as exc:
@@ -134,43 +159,38 @@ def push(
                 f"cannot reach Grafana at {shown_url} ({what}): {scrub(str(exc), secrets)}"
             ) from None
 
+    return call
+
+
+def _upsert_datasource(call: GrafanaCall, api: Any, datasource: dict[str, Any]) -> str:
     uid = datasource["uid"]
     if _exists(call, f"GET datasource {uid}", api.datasource.get_datasource_by_uid, uid):
         call(f"PUT datasource {uid}", api.datasource.update_datasource_by_uid, uid, datasource)
-        datasource_state = "updated"
-    else:
-        call("POST datasource", api.datasource.create_datasource, datasource)
-        datasource_state = "created"
+        return "updated"
+    call("POST datasource", api.datasource.create_datasource, datasource)
+    return "created"
 
+
+def _ensure_folder(call: GrafanaCall, api: Any) -> str:
     if _exists(call, f"GET folder {FOLDER_UID}", api.folder.get_folder, FOLDER_UID):
-        folder_state = "exists"
-    else:
-        call("POST folder", api.folder.create_folder, FOLDER_TITLE, FOLDER_UID)
-        folder_state = "created"
+        return "exists"
+    call("POST folder", api.folder.create_folder, FOLDER_TITLE, FOLDER_UID)
+    return "created"
 
-    urls: dict[str, str] = {}
-    for item in built.values():
-        answer = call(
-            f"POST dashboard {item.uid}",
-            api.dashboard.update_dashboard,
-            {
-                "dashboard": item.to_dict(),
-                "folderUid": FOLDER_UID,
-                "overwrite": True,
-                "message": "lagscope dashboards push",
-            },
-        )
-        urls[item.uid] = str((answer or {}).get("url", ""))
-    group = alert_rule_group if alert_rule_group is not None else rule_group_dict()
-    # One PUT replaces the whole group: rules removed from the code disappear too.
-    call(
-        f"PUT alert rule group {RULE_GROUP}",
-        api.alertingprovisioning.update_rule_group,
-        FOLDER_UID,
-        RULE_GROUP,
-        group,
+
+def _put_dashboard(call: GrafanaCall, api: Any, item: BuiltDashboard) -> str:
+    """Create or overwrite one dashboard in lagscope's folder; returns its path."""
+    answer = call(
+        f"POST dashboard {item.uid}",
+        api.dashboard.update_dashboard,
+        {
+            "dashboard": item.to_dict(),
+            "folderUid": FOLDER_UID,
+            "overwrite": True,
+            "message": "lagscope dashboards push",
+        },
     )
-    return PushReport(datasource_state, folder_state, urls, len(group["rules"]))
+    return str((answer or {}).get("url", ""))
 
 
 def _exists(call, what: str, fn, uid: str) -> bool:
