@@ -137,55 +137,12 @@ def replay(
     stats = ReplayStats()
     begin_wall = time.time_ns() if start_wall_ns is None else start_wall_ns
     begin = time.monotonic()
-    writers: dict[int, LogWriter] = {}
-    producer = None
-    sink: Callable[[RankStepBatch, bytes], None]
+    destination: _LogDestination | _KafkaDestination
     if log_dir is not None:
-
-        def sink(batch: RankStepBatch, payload: bytes) -> None:
-            writer = writers.get(batch.rank)
-            if writer is None:
-                options = {} if max_file_bytes is None else {"max_file_bytes": max_file_bytes}
-                writer = writers[batch.rank] = LogWriter(log_dir, batch.rank, **options)
-                if not stats.batches:
-                    writer.append(KIND_JOB, info.model_dump_json().encode())
-            writer.append(KIND_BATCH, payload)
-
+        destination = _LogDestination(log_dir, info, max_file_bytes)
     else:
-        from confluent_kafka import Producer
-
         assert kafka is not None
-        producer = kafka_client(
-            Producer,
-            {
-                **kafka.kafka.client_config(),
-                "enable.idempotence": True,
-                "acks": "all",
-                "compression.type": kafka.streamer.compression,
-                "linger.ms": kafka.streamer.linger_ms,
-            },
-        )
-        producer.produce(kafka.kafka.topic_jobs, key=info.key.encode(),
-                         value=info.model_dump_json().encode())  # fmt: skip
-
-        def sink(batch: RankStepBatch, payload: bytes) -> None:
-            while True:
-                try:
-                    producer.produce(
-                        kafka.kafka.topic_ops,
-                        key=batch.job_id.encode(),
-                        value=payload,
-                        headers=[
-                            ("lagscope-schema", str(BATCH_VERSION).encode()),
-                            ("lagscope-batch-id", batch_id_of(payload).encode()),
-                            ("lagscope-rank", str(batch.rank).encode()),
-                        ],
-                    )
-                    producer.poll(0)
-                    return
-                except BufferError:
-                    producer.poll(0.1)
-
+        destination = _KafkaDestination(kafka, info)
     total_steps = int(np.unique(trace.step).size) * repeat
     begin_progress = time.monotonic()
 
@@ -201,28 +158,97 @@ def replay(
             trace, meta, job_id=job_id, attempt=attempt, start_wall_ns=begin_wall, repeat=repeat
         ):
             if speed > 0:
-                # A step's batches exist once the step has ended (that is when a live
-                # rank's timer seals them).
-                due = begin + end_offset_ns / 1e9 / speed
-                delay = due - time.monotonic()
-                if delay > 0:
-                    sleep(delay)
+                _wait_until(begin + end_offset_ns / 1e9 / speed, sleep)
             for batch in batches:
-                sink(batch, batch.encode())
+                destination.send(batch, batch.encode())
                 stats.batches += 1
                 stats.ops += batch.n_ops
             stats.steps += 1
             report_progress()
     finally:
-        for writer in writers.values():
-            writer.close()
-        if producer is not None:
-            remaining = producer.flush(60)
-            if remaining:
-                raise UndeliveredError(
-                    f"{remaining:,} message(s) were not delivered to Kafka at "
-                    f"{redact_url(kafka.kafka.bootstrap_servers)} within 60 s"
-                )
+        destination.close()
     stats.seconds = time.monotonic() - begin
     report_progress()
     return stats
+
+
+def _wait_until(due: float, sleep: Callable[[float], None]) -> None:
+    """Sleep until `due` (monotonic seconds): a step's batches exist once the step has
+    ended (that is when a live rank's timer seals them)."""
+    delay = due - time.monotonic()
+    if delay > 0:
+        sleep(delay)
+
+
+class _LogDestination:
+    """Per-rank local logs, as the ranks' timers write them; the job record goes into the
+    first log written."""
+
+    def __init__(self, log_dir: str | Path, info: JobInfo, max_file_bytes: int | None) -> None:
+        self.log_dir = log_dir
+        self.info = info
+        self.options = {} if max_file_bytes is None else {"max_file_bytes": max_file_bytes}
+        self.writers: dict[int, LogWriter] = {}
+        self.sent = 0
+
+    def send(self, batch: RankStepBatch, payload: bytes) -> None:
+        writer = self.writers.get(batch.rank)
+        if writer is None:
+            writer = self.writers[batch.rank] = LogWriter(self.log_dir, batch.rank, **self.options)
+            if not self.sent:
+                writer.append(KIND_JOB, self.info.model_dump_json().encode())
+        writer.append(KIND_BATCH, payload)
+        self.sent += 1
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+
+
+class _KafkaDestination:
+    """Kafka, as the streamer ships: the job record on the jobs topic first, each batch on
+    the ops topic keyed by its job, with the streamer's headers; idempotent, every
+    message confirmed (`close` raises UndeliveredError for those that were not)."""
+
+    def __init__(self, kafka: LagscopeConfig, info: JobInfo) -> None:
+        from confluent_kafka import Producer
+
+        self.kafka = kafka
+        self.producer = kafka_client(
+            Producer,
+            {
+                **kafka.kafka.client_config(),
+                "enable.idempotence": True,
+                "acks": "all",
+                "compression.type": kafka.streamer.compression,
+                "linger.ms": kafka.streamer.linger_ms,
+            },
+        )
+        self.producer.produce(kafka.kafka.topic_jobs, key=info.key.encode(),
+                              value=info.model_dump_json().encode())  # fmt: skip
+
+    def send(self, batch: RankStepBatch, payload: bytes) -> None:
+        while True:
+            try:
+                self.producer.produce(
+                    self.kafka.kafka.topic_ops,
+                    key=batch.job_id.encode(),
+                    value=payload,
+                    headers=[
+                        ("lagscope-schema", str(BATCH_VERSION).encode()),
+                        ("lagscope-batch-id", batch_id_of(payload).encode()),
+                        ("lagscope-rank", str(batch.rank).encode()),
+                    ],
+                )
+                self.producer.poll(0)
+                return
+            except BufferError:
+                self.producer.poll(0.1)
+
+    def close(self) -> None:
+        remaining = self.producer.flush(60)
+        if remaining:
+            raise UndeliveredError(
+                f"{remaining:,} message(s) were not delivered to Kafka at "
+                f"{redact_url(self.kafka.kafka.bootstrap_servers)} within 60 s"
+            )

@@ -155,44 +155,59 @@ def rows_from_result(
         )
     if n_steps == 0:
         raise ValueError(f"rows_from_result({job_id!r}): the result has no steps")
+    batch = SinkBatch(f"{job_id}/{attempt}/{steps.min()}-{steps.max()}/{version}")
+    batch.add(
+        "steps",
+        _steps_rows(job_id, attempt, steps, result, step_start_ts, meta, version, processed_at),
+    )
+    batch.add("attribution", _attribution_rows(job_id, attempt, result, step_start_ts, version))
+    batch.add("worker_slowdown", _worker_rows(job_id, attempt, result, step_start_ts, version))
+    return batch
+
+
+def _steps_rows(
+    job_id: str,
+    attempt: int,
+    steps: np.ndarray,
+    result: WhatIfResult,
+    step_start_ts: np.ndarray,
+    meta: JobMeta,
+    version: int,
+    processed_at: float | None,
+) -> dict[str, Any]:
+    """The `steps` rows of analysed steps."""
+    n_steps = steps.size
     world = meta.world_size
     actual = np.asarray(result.t_actual, dtype=np.float64)
     ideal = np.asarray(result.t_ideal, dtype=np.float64)
     slowdown = np.asarray(result.step_slowdown, dtype=np.float64)
     gpu_seconds = actual * world
 
-    batch = SinkBatch(f"{job_id}/{attempt}/{steps.min()}-{steps.max()}/{version}")
-    batch.add(
-        "steps",
-        {
-            "job_id": [job_id] * n_steps,
-            "attempt": np.full(n_steps, attempt, dtype=np.uint32),
-            "step": steps.astype(np.uint64),
-            "ts": step_start_ts,
-            "complete": np.ones(n_steps, dtype=bool),
-            "missing_ranks": [[] for _ in range(n_steps)],
-            "actual_s": actual,
-            "simulated_s": np.asarray(result.t_nodelay, dtype=np.float64),
-            "ideal_s": ideal,
-            "slowdown": slowdown,
-            "launch_slowdown": np.asarray(result.launch_step_slowdown, dtype=np.float64),
-            "waste": 1.0 - 1.0 / slowdown,
-            "mfu_actual": _mfu(meta, actual),
-            "mfu_ideal": _mfu(meta, ideal),
-            "n_gpus": np.full(n_steps, world, dtype=np.uint32),
-            "gpu_seconds": gpu_seconds,
-            "gpu_seconds_wasted": gpu_seconds * (1.0 - 1.0 / slowdown),
-            "analysed": np.ones(n_steps, dtype=bool),
-            "reason": [""] * n_steps,
-            "sim_discrepancy": np.asarray(result.discrepancy, dtype=np.float64),
-            "trusted": np.asarray(result.trusted, dtype=bool),
-            "processed_at": np.full(n_steps, time.time() if processed_at is None else processed_at),
-            "version": np.full(n_steps, version, dtype=np.uint64),
-        },
-    )
-    batch.add("attribution", _attribution_rows(job_id, attempt, result, step_start_ts, version))
-    batch.add("worker_slowdown", _worker_rows(job_id, attempt, result, step_start_ts, version))
-    return batch
+    return {
+        "job_id": [job_id] * n_steps,
+        "attempt": np.full(n_steps, attempt, dtype=np.uint32),
+        "step": steps.astype(np.uint64),
+        "ts": step_start_ts,
+        "complete": np.ones(n_steps, dtype=bool),
+        "missing_ranks": [[] for _ in range(n_steps)],
+        "actual_s": actual,
+        "simulated_s": np.asarray(result.t_nodelay, dtype=np.float64),
+        "ideal_s": ideal,
+        "slowdown": slowdown,
+        "launch_slowdown": np.asarray(result.launch_step_slowdown, dtype=np.float64),
+        "waste": 1.0 - 1.0 / slowdown,
+        "mfu_actual": _mfu(meta, actual),
+        "mfu_ideal": _mfu(meta, ideal),
+        "n_gpus": np.full(n_steps, world, dtype=np.uint32),
+        "gpu_seconds": gpu_seconds,
+        "gpu_seconds_wasted": gpu_seconds * (1.0 - 1.0 / slowdown),
+        "analysed": np.ones(n_steps, dtype=bool),
+        "reason": [""] * n_steps,
+        "sim_discrepancy": np.asarray(result.discrepancy, dtype=np.float64),
+        "trusted": np.asarray(result.trusted, dtype=bool),
+        "processed_at": np.full(n_steps, time.time() if processed_at is None else processed_at),
+        "version": np.full(n_steps, version, dtype=np.uint64),
+    }
 
 
 def job_rows(

@@ -41,6 +41,7 @@ from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.bocd import BocdBank, BocdConfig
 from lagscope.simulator.depmodel import DependencyModel
+from lagscope.simulator.diagnose import DiagnosisSettings
 from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.noise import series_names, step_series
 from lagscope.simulator.online_episodes import OnlineEpisodeSettings
@@ -89,6 +90,8 @@ class ProcessorSettings(BaseModel):
     diagnose_every_steps: int = Field(default=10, ge=1)
     #: When a worker's episode opens and closes (simulator/online_episodes.py).
     episodes: OnlineEpisodeSettings = OnlineEpisodeSettings()
+    #: What names a cause, and what its actions cost (simulator/diagnose.py).
+    diagnosis: DiagnosisSettings = DiagnosisSettings()
     bocd: BocdConfig = BocdConfig()
 
 
@@ -303,7 +306,9 @@ class _JobState:
         #: and came back is no onset).
         self.series_baseline: dict[str, float] = {}
         #: Totals, episodes and diagnosis, kept current step by step.
-        self.live = LiveJob(info, settings.diagnose_every_steps, settings.episodes)
+        self.live = LiveJob(
+            info, settings.diagnose_every_steps, settings.episodes, settings.diagnosis
+        )
 
     def _size_window(self, prepared: PreparedTrace) -> None:
         """Fit the retained window to the byte budget, from the job's first retained step.
@@ -597,66 +602,15 @@ class StepProcessor:
         return [done[index] for index in range(len(closing))]
 
     def _analyse_job_steps(self, items: list[tuple[int, _Closed]]) -> dict[int, StepOutput]:
+        """Analyse one job's closed steps (by their index in the closing order): prepared,
+        the running ideals taken in closing order, one engine pass per prepared trace,
+        then each step's change points, episodes and (when due) the job's diagnosis."""
         job = items[0][1].job
         outputs: dict[int, StepOutput] = {}
-        todo = list(items)
-        ready: list[tuple[int, _Closed, PreparedTrace, int]] = []
-        while job.model is None and todo:
-            # The job's first analysable step: the dependency model is inferred from it.
-            index, first = todo.pop(0)
-            try:
-                prepared = self._prepare(job, [first])
-            except TraceError as exc:
-                outputs[index] = self._failed(first, str(exc))
-                continue
-            job.model = prepared.model
-            job.compiled = job.model.compiled
-            ready.append((index, first, prepared, 0))
-        prepared_each = self._prepare_each(job, [c for _, c in todo])
-        for (index, closed), done in zip(todo, prepared_each, strict=True):
-            if isinstance(done, str):
-                outputs[index] = self._failed(closed, done)
-            else:
-                ready.append((index, closed, *done))
-        ready.sort(key=lambda r: r[0])
-
-        # Running ideals in closing order: each step sees the complete steps up to itself,
-        # and a diagnosis due at a step sees the retained steps as they were there.
-        ideals = []
-        windows: dict[int, tuple[PreparedTrace, ...]] = {}
-        since_diagnosis = job.live.since_diagnosis
+        ready = self._prepare_job_steps(job, items, outputs)
         alone = [prepared.select_steps([column]) for _, _, prepared, column in ready]
-        for position, ((_, closed, _, _), step) in enumerate(zip(ready, alone, strict=True)):
-            if closed.complete:
-                job.retain(step)
-                since_diagnosis += 1
-                if since_diagnosis >= job.live.diagnose_every_steps:
-                    windows[position] = tuple(job.retained)
-                    since_diagnosis = 0
-            ideal = job.ideal.current()
-            for optype in set(step.node_optype) - set(ideal):
-                # A first step that is incomplete: its own values are the best estimate.
-                ideal[optype] = _own_ideal(step, optype)
-            ideals.append(ideal)
-
-        # One engine pass per prepared trace (the complete steps share one).
-        passes: dict[int, tuple[PreparedTrace, list[int]]] = {}
-        for position, (_, _, prepared, _) in enumerate(ready):
-            passes.setdefault(id(prepared), (prepared, []))[1].append(position)
-        results: dict[int, WhatIfResult] = {}
-        for prepared, positions in passes.values():
-            step_ideals: list[dict[str, float]] = [{}] * prepared.n_steps
-            for position in positions:
-                step_ideals[ready[position][3]] = ideals[position]
-            analysed = analyze_each_step(
-                prepared,
-                step_ideals,
-                compiled=job.compiled,
-                decompose_threshold=self.settings.decompose_threshold,
-            )
-            for position in positions:
-                results[position] = analysed[ready[position][3]]
-
+        ideals, windows = self._running_ideals(job, ready, alone)
+        results = self._analyse_passes(job, ready, ideals)
         for position, (index, closed, _, _) in enumerate(ready):
             result = results[position]
             changes = self._detect(job, closed.step, alone[position], complete=closed.complete)
@@ -687,6 +641,85 @@ class StepProcessor:
                 diagnosis=diagnosis,
             )
         return outputs
+
+    def _prepare_job_steps(
+        self, job: _JobState, items: list[tuple[int, _Closed]], outputs: dict[int, StepOutput]
+    ) -> list[tuple[int, _Closed, PreparedTrace, int]]:
+        """(index, closed step, its prepared trace, its column there) of every step that
+        could be prepared, in closing order; the others go to `outputs` as failed. The
+        job's first analysable step gives it its dependency model."""
+        todo = list(items)
+        ready: list[tuple[int, _Closed, PreparedTrace, int]] = []
+        while job.model is None and todo:
+            index, first = todo.pop(0)
+            try:
+                prepared = self._prepare(job, [first])
+            except TraceError as exc:
+                outputs[index] = self._failed(first, str(exc))
+                continue
+            job.model = prepared.model
+            job.compiled = job.model.compiled
+            ready.append((index, first, prepared, 0))
+        prepared_each = self._prepare_each(job, [c for _, c in todo])
+        for (index, closed), done in zip(todo, prepared_each, strict=True):
+            if isinstance(done, str):
+                outputs[index] = self._failed(closed, done)
+            else:
+                ready.append((index, closed, *done))
+        ready.sort(key=lambda r: r[0])
+        return ready
+
+    def _running_ideals(
+        self,
+        job: _JobState,
+        ready: list[tuple[int, _Closed, PreparedTrace, int]],
+        alone: list[PreparedTrace],
+    ) -> tuple[list[dict[str, float]], dict[int, tuple[PreparedTrace, ...]]]:
+        """Running ideals in closing order: each step sees the complete steps up to itself,
+        and a diagnosis due at a step sees the retained steps as they were there (by
+        position in `ready`)."""
+        ideals = []
+        windows: dict[int, tuple[PreparedTrace, ...]] = {}
+        since_diagnosis = job.live.since_diagnosis
+        for position, ((_, closed, _, _), step) in enumerate(zip(ready, alone, strict=True)):
+            if closed.complete:
+                job.retain(step)
+                since_diagnosis += 1
+                if since_diagnosis >= job.live.diagnose_every_steps:
+                    windows[position] = tuple(job.retained)
+                    since_diagnosis = 0
+            ideal = job.ideal.current()
+            for optype in set(step.node_optype) - set(ideal):
+                # A first step that is incomplete: its own values are the best estimate.
+                ideal[optype] = _own_ideal(step, optype)
+            ideals.append(ideal)
+        return ideals, windows
+
+    def _analyse_passes(
+        self,
+        job: _JobState,
+        ready: list[tuple[int, _Closed, PreparedTrace, int]],
+        ideals: list[dict[str, float]],
+    ) -> dict[int, WhatIfResult]:
+        """Each step's what-if result, by position in `ready`: one engine pass per prepared
+        trace (the complete steps share one)."""
+        passes: dict[int, tuple[PreparedTrace, list[int]]] = {}
+        for position, (_, _, prepared, _) in enumerate(ready):
+            passes.setdefault(id(prepared), (prepared, []))[1].append(position)
+        results: dict[int, WhatIfResult] = {}
+        for prepared, positions in passes.values():
+            step_ideals: list[dict[str, float]] = [{}] * prepared.n_steps
+            for position in positions:
+                step_ideals[ready[position][3]] = ideals[position]
+            analysed = analyze_each_step(
+                prepared,
+                step_ideals,
+                compiled=job.compiled,
+                decompose_threshold=self.settings.decompose_threshold,
+            )
+            for position in positions:
+                results[position] = analysed[ready[position][3]]
+        return results
 
     def _prepare(self, job: _JobState, closed: list[_Closed]) -> PreparedTrace:
         """One prepared trace of closed steps that cover the same DP ranks."""

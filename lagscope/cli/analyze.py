@@ -6,8 +6,9 @@ import argparse
 import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lagscope.cli.conventions import (
     STDOUT,
@@ -57,6 +58,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--timeline-steps 40-42 --timeline-ranks 0-3,117",
         ),
     )
+    _add_inputs(parser)
+    _add_outputs(parser)
+    _add_analysis_options(parser)
+    parser.set_defaults(handler=run, extra="analyze", one_shot=True)
+
+
+def _add_inputs(parser: argparse.ArgumentParser) -> None:
+    """The trace (reference parquet or torch.profiler's) and the job's metadata."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="trace parquet file")
     source.add_argument(
@@ -68,6 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a directory holding them",
     )
     parser.add_argument("--meta", required=True, type=Path, help="job metadata yaml file")
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
+    """JSON, heatmap, timeline (and what it holds), HTML report."""
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON here")
     parser.add_argument(
         "--heatmap",
@@ -104,6 +117,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--report", metavar="PATH", help="write the self-contained HTML report here"
     )
+
+
+def _add_analysis_options(parser: argparse.ArgumentParser) -> None:
+    """Which steps are analysed, and when attributions are reported."""
     parser.add_argument(
         "--steps",
         help="analyse only these steps, e.g. '16-39,404,410' (inputs are still derived from "
@@ -123,7 +140,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--always-decompose", action="store_true", help="report attributions at any slowdown"
     )
-    parser.set_defaults(handler=run, extra="analyze", one_shot=True)
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -184,12 +200,10 @@ _WHAT = {"--steps": "step", "--timeline-steps": "analysed step", "--timeline-ran
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: registering the command must stay cheap.
-    from lagscope.producers.reference_format import load_meta, load_trace
     from lagscope.simulator.clocks import estimate_clock_offsets
     from lagscope.simulator.diagnose import diagnose
     from lagscope.simulator.prepare import prepare
-    from lagscope.simulator.summary import result_to_dict, summary_lines
-    from lagscope.simulator.verdict import verdict_of
+    from lagscope.simulator.summary import summary_lines
     from lagscope.simulator.whatif import analyze
 
     check_outputs(args)
@@ -198,16 +212,7 @@ def run(args: argparse.Namespace) -> int:
         print,
         file=sys.stderr if STDOUT in (getattr(args, o) for o in OUTPUT_OPTIONS) else sys.stdout,
     )
-    meta = load_meta(args.meta)
-    if args.profiler_trace:
-        from lagscope.producers.profiler_trace import load_profiler_traces
-
-        trace, read = load_profiler_traces(args.profiler_trace, meta)
-        source = " ".join(map(str, args.profiler_trace))
-        say(f"lagscope analyze: read {read.summary()}")
-    else:
-        trace = load_trace(args.trace, meta=meta, meta_path=args.meta)
-        source = str(args.trace)
+    meta, trace, source = _read_trace(args, say)
     prepared = prepare(trace, meta, skip_incomplete_steps=args.skip_incomplete_steps)
     # From every complete step, before --steps: more transfers, a tighter estimate.
     clocks = estimate_clock_offsets(prepared)
@@ -230,63 +235,122 @@ def run(args: argparse.Namespace) -> int:
     for line in summary_lines(result, diagnosis):
         say("  " + line)
     if args.json:
-        document = result_to_dict(result, always_decompose=args.always_decompose)
-        document["verdict"] = verdict_of(diagnosis).as_dict()
-        document["diagnosis"] = diagnosis.as_dict()
-        document["clock_offsets"] = clocks.as_dict()
-        where = write_output(args.json, json.dumps(document, indent=2), option="--json")
-        say(f"  result written to {where}")
+        _write_json(args, result, diagnosis, clocks, say)
     if args.heatmap:
-        import io
-
-        from lagscope.dashboards.heatmap import draw_worker_heatmap
-
-        image = io.BytesIO()
-        suffix = Path(args.heatmap).suffix.lower() if args.heatmap != STDOUT else ".png"
-        draw_worker_heatmap(
-            result.worker_slowdown,
-            image,
-            image_format=suffix.lstrip("."),
-            dp_size=meta.dp_size,
-            pp_size=meta.pp_size,
-            title=f"{meta.trial_name}: worker slowdown S_w",
-        )
-        where = write_output(args.heatmap, image.getvalue(), option="--heatmap")
-        say(f"  heatmap written to {where}")
+        _write_heatmap(args, result, meta, say)
     if args.report:
-        from lagscope.dashboards.report import ReportData, render_report
-
-        html = render_report(
-            ReportData(
-                title=f"lagscope: {meta.trial_name}",
-                subtitle=f"{source} — dp {meta.dp_size} x pp {meta.pp_size} x tp "
-                f"{meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size}",
-                result=result,
-                diagnosis=diagnosis,
-                timeline_file=args.timeline if args.timeline not in (None, STDOUT) else None,
-                timeline_note=window.describe(prepared.steps, prepared.n_dp) if window else None,
-            )
-        )
-        where = write_output(args.report, html, option="--report")
-        say(f"  report written to {where}")
+        _write_report(args, source, meta, result, diagnosis, prepared, window, say)
     if args.timeline:
-        from lagscope.simulator.timeline import trace_events
-        from lagscope.simulator.whatif import WhatIfAnalysis
-
         assert window is not None
-        ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
-        events = trace_events(
-            prepared.select_steps(window.steps),
-            ideal.start[:, 0],
-            ideal.end[:, 0],
-            clock_offsets_s=clocks.offset_s,
-            dp_ranks=window.dp_ranks,
-        )
-        document = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
-        say(f"  {window.describe(prepared.steps, prepared.n_dp)}")
-        where = write_output(args.timeline, document, option="--timeline")
-        say(f"  timeline written to {where} (open it in https://ui.perfetto.dev)")
+        _write_timeline(args, prepared, result, clocks, window, say)
     return 0
+
+
+def _read_trace(args: argparse.Namespace, say: Callable[..., None]) -> tuple[Any, Any, str]:
+    """The job's metadata, its trace (reference parquet or torch.profiler's), and how the
+    summary names where it came from."""
+    from lagscope.producers.reference_format import load_meta, load_trace
+
+    meta = load_meta(args.meta)
+    if args.profiler_trace:
+        from lagscope.producers.profiler_trace import load_profiler_traces
+
+        trace, read = load_profiler_traces(args.profiler_trace, meta)
+        say(f"lagscope analyze: read {read.summary()}")
+        return meta, trace, " ".join(map(str, args.profiler_trace))
+    trace = load_trace(args.trace, meta=meta, meta_path=args.meta)
+    return meta, trace, str(args.trace)
+
+
+def _write_json(
+    args: argparse.Namespace,
+    result: WhatIfResult,
+    diagnosis: Diagnosis,
+    clocks: Any,
+    say: Callable[..., None],
+) -> None:
+    from lagscope.simulator.summary import result_to_dict
+    from lagscope.simulator.verdict import verdict_of
+
+    document = result_to_dict(result, always_decompose=args.always_decompose)
+    document["verdict"] = verdict_of(diagnosis).as_dict()
+    document["diagnosis"] = diagnosis.as_dict()
+    document["clock_offsets"] = clocks.as_dict()
+    where = write_output(args.json, json.dumps(document, indent=2), option="--json")
+    say(f"  result written to {where}")
+
+
+def _write_heatmap(
+    args: argparse.Namespace, result: WhatIfResult, meta: Any, say: Callable[..., None]
+) -> None:
+    import io
+
+    from lagscope.dashboards.heatmap import draw_worker_heatmap
+
+    image = io.BytesIO()
+    suffix = Path(args.heatmap).suffix.lower() if args.heatmap != STDOUT else ".png"
+    draw_worker_heatmap(
+        result.worker_slowdown,
+        image,
+        image_format=suffix.lstrip("."),
+        dp_size=meta.dp_size,
+        pp_size=meta.pp_size,
+        title=f"{meta.trial_name}: worker slowdown S_w",
+    )
+    where = write_output(args.heatmap, image.getvalue(), option="--heatmap")
+    say(f"  heatmap written to {where}")
+
+
+def _write_report(
+    args: argparse.Namespace,
+    source: str,
+    meta: Any,
+    result: WhatIfResult,
+    diagnosis: Diagnosis,
+    prepared: PreparedTrace,
+    window: TimelineWindow | None,
+    say: Callable[..., None],
+) -> None:
+    from lagscope.dashboards.report import ReportData, render_report
+
+    html = render_report(
+        ReportData(
+            title=f"lagscope: {meta.trial_name}",
+            subtitle=f"{source} — dp {meta.dp_size} x pp {meta.pp_size} x tp "
+            f"{meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size}",
+            result=result,
+            diagnosis=diagnosis,
+            timeline_file=args.timeline if args.timeline not in (None, STDOUT) else None,
+            timeline_note=window.describe(prepared.steps, prepared.n_dp) if window else None,
+        )
+    )
+    where = write_output(args.report, html, option="--report")
+    say(f"  report written to {where}")
+
+
+def _write_timeline(
+    args: argparse.Namespace,
+    prepared: PreparedTrace,
+    result: WhatIfResult,
+    clocks: Any,
+    window: TimelineWindow,
+    say: Callable[..., None],
+) -> None:
+    from lagscope.simulator.timeline import trace_events
+    from lagscope.simulator.whatif import WhatIfAnalysis
+
+    ideal = WhatIfAnalysis(prepared, result.ideal_cost).ideal_timeline()
+    events = trace_events(
+        prepared.select_steps(window.steps),
+        ideal.start[:, 0],
+        ideal.end[:, 0],
+        clock_offsets_s=clocks.offset_s,
+        dp_ranks=window.dp_ranks,
+    )
+    document = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+    say(f"  {window.describe(prepared.steps, prepared.n_dp)}")
+    where = write_output(args.timeline, document, option="--timeline")
+    say(f"  timeline written to {where} (open it in https://ui.perfetto.dev)")
 
 
 def timeline_window(

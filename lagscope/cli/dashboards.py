@@ -30,6 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="dashboards_command", required=True, metavar="ACTION")
 
+    _add_build(actions)
+    _add_push(actions)
+
+
+def _add_build(actions: argparse._SubParsersAction) -> None:
     build = actions.add_parser(
         "build",
         help="write the dashboards' JSON (one file each)",
@@ -57,6 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     build.set_defaults(handler=build_command, extra="dashboards")
 
+
+def _add_push(actions: argparse._SubParsersAction) -> None:
     push = actions.add_parser(
         "push",
         help="create or update the ClickHouse data source and the dashboards in Grafana",
@@ -80,6 +87,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="CA bundle to check an https Grafana's certificate against (default: the system's)",
     )
+    _add_clickhouse_options(push)
+    push.add_argument(
+        "--timeout-s",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up on a Grafana request after this long",
+    )
+    push.set_defaults(handler=push_command, extra="dashboards")
+
+
+def _add_clickhouse_options(push: argparse.ArgumentParser) -> None:
+    """How the data source Grafana gets reaches the store: host, port, TLS, database, user."""
     push.add_argument(
         "--clickhouse-host", default="clickhouse", help="ClickHouse host as Grafana reaches it"
     )
@@ -114,14 +134,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push.add_argument(
         "--clickhouse-password", help=f"its password (default ${CLICKHOUSE_PASSWORD_ENV})"
     )
-    push.add_argument(
-        "--timeout-s",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="give up on a Grafana request after this long",
-    )
-    push.set_defaults(handler=push_command, extra="dashboards")
 
 
 def build_command(args: argparse.Namespace) -> int:
@@ -199,31 +211,12 @@ def push_command(args: argparse.Namespace) -> int:
     url = args.url or os.environ.get(GRAFANA_URL_ENV)
     if not url:
         return _push_error(f"no Grafana URL (--url or ${GRAFANA_URL_ENV})")
-    if (args.clickhouse_ca_cert or args.clickhouse_tls_skip_verify) and not args.clickhouse_secure:
-        option = (
-            "--clickhouse-ca-cert" if args.clickhouse_ca_cert else "--clickhouse-tls-skip-verify"
-        )
-        return _push_error(f"{option} needs --clickhouse-secure (TLS to ClickHouse)")
-    port = args.clickhouse_port or (8443 if args.clickhouse_secure else 8123)
-    if not 0 < port < 65536:
-        return _push_error(f"--clickhouse-port {port}: not a port (1-65535)")
-    ca_cert = None
-    for option, path in (
-        ("--clickhouse-ca-cert", args.clickhouse_ca_cert),
-        ("--grafana-ca-cert", args.grafana_ca_cert),
-    ):
-        if path is not None and not path.is_file():
-            return _push_error(f"{option} {path}: no such file")
-    if args.clickhouse_ca_cert is not None:
-        try:
-            ca_cert = args.clickhouse_ca_cert.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = getattr(exc, "strerror", None) or "not PEM text"
-            return _push_error(f"--clickhouse-ca-cert {args.clickhouse_ca_cert}: {reason}")
-        if "-----BEGIN CERTIFICATE-----" not in ca_cert:
-            return _push_error(
-                f"--clickhouse-ca-cert {args.clickhouse_ca_cert}: not a PEM certificate"
-            )
+    try:
+        port = _clickhouse_port(args)
+        _check_files(args)
+        ca_cert = _clickhouse_ca_cert(args)
+    except _OptionError as exc:
+        return _push_error(str(exc))
     token = args.token or os.environ.get(GRAFANA_TOKEN_ENV)
     settings = {
         "CLICKHOUSE_HOST": args.clickhouse_host,
@@ -253,6 +246,46 @@ def push_command(args: argparse.Namespace) -> int:
     for uid, path in report.dashboards.items():
         print(f"dashboard {uid}: {shown}{path}")
     return 0
+
+
+class _OptionError(Exception):
+    """An option of `dashboards push` that cannot work (exit 2, one line)."""
+
+
+def _clickhouse_port(args: argparse.Namespace) -> int:
+    """The store's port as Grafana reaches it; TLS options only with --clickhouse-secure."""
+    if (args.clickhouse_ca_cert or args.clickhouse_tls_skip_verify) and not args.clickhouse_secure:
+        option = (
+            "--clickhouse-ca-cert" if args.clickhouse_ca_cert else "--clickhouse-tls-skip-verify"
+        )
+        raise _OptionError(f"{option} needs --clickhouse-secure (TLS to ClickHouse)")
+    port = args.clickhouse_port or (8443 if args.clickhouse_secure else 8123)
+    if not 0 < port < 65536:
+        raise _OptionError(f"--clickhouse-port {port}: not a port (1-65535)")
+    return port
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    for option, path in (
+        ("--clickhouse-ca-cert", args.clickhouse_ca_cert),
+        ("--grafana-ca-cert", args.grafana_ca_cert),
+    ):
+        if path is not None and not path.is_file():
+            raise _OptionError(f"{option} {path}: no such file")
+
+
+def _clickhouse_ca_cert(args: argparse.Namespace) -> str | None:
+    """The PEM text of --clickhouse-ca-cert, checked to be a certificate."""
+    if args.clickhouse_ca_cert is None:
+        return None
+    try:
+        ca_cert = args.clickhouse_ca_cert.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or "not PEM text"
+        raise _OptionError(f"--clickhouse-ca-cert {args.clickhouse_ca_cert}: {reason}") from None
+    if "-----BEGIN CERTIFICATE-----" not in ca_cert:
+        raise _OptionError(f"--clickhouse-ca-cert {args.clickhouse_ca_cert}: not a PEM certificate")
+    return ca_cert
 
 
 def _push_error(message: str) -> int:

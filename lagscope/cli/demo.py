@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lagscope.cli.conventions import claim_output_dir, examples
 from lagscope.cli.job_summary import print_job_summary
@@ -66,13 +66,24 @@ def write_logs_with_timers(
     machine a rank runs on, so a generated job's advice names machines too."""
     import numpy as np
 
-    from lagscope.producers.events import RankIdentity
-    from lagscope.producers.timer import OpTimer
+    origin = _step_origins(trace, start_wall_ns)
+    order = np.lexsort((trace.seq_id, trace.start_ts, trace.step, trace.stage, trace.dp_rank))
+    written = 0
+    worker = np.stack([trace.dp_rank[order], trace.stage[order]], axis=1)
+    cuts = np.flatnonzero(np.any(np.diff(worker, axis=0) != 0, axis=1)) + 1
+    for rows in np.split(order, cuts):
+        written += _record_worker(trace, rows, info, log_dir, origin, gpus_per_node)
+    return written
+
+
+def _step_origins(trace: Trace, start_wall_ns: int) -> dict[int, int]:
+    """The wall-clock start (ns) of each step, the steps laid back to back."""
+    import numpy as np
 
     end = trace.start_ts.astype(np.float64) + trace.duration
     steps = np.unique(trace.step)
     spans = np.array([end[trace.step == s].max() for s in steps])
-    origin = dict(
+    return dict(
         zip(
             steps.tolist(),
             (start_wall_ns + np.concatenate(([0], np.cumsum(spans[:-1]))) * 1e9)
@@ -81,50 +92,65 @@ def write_logs_with_timers(
             strict=True,
         )
     )
+
+
+def _record_worker(
+    trace: Trace,
+    rows: Any,
+    info: JobInfo,
+    log_dir: Path,
+    origin: dict[int, int],
+    gpus_per_node: int | None,
+) -> int:
+    """Record one worker's ops (`rows` of the trace, in order) through its own timer."""
+    import numpy as np
+
+    from lagscope.producers.timer import OpTimer
+
+    first = rows[0]
+    rank, dp, pp = int(trace.rank[first]), int(trace.dp_rank[first]), int(trace.stage[first])
+    timer = OpTimer(
+        job_id=info.job_id,
+        attempt=info.attempt,
+        rank=rank,
+        dp_rank=dp,
+        pp_rank=pp,
+        log_dir=log_dir,
+        mode="host",
+        gc_probe=False,
+        job_info=_placed(info, rank, dp, pp, gpus_per_node),
+    )
     names = np.array(trace.optype_names)
-    order = np.lexsort((trace.seq_id, trace.start_ts, trace.step, trace.stage, trace.dp_rank))
-    written = 0
-    worker = np.stack([trace.dp_rank[order], trace.stage[order]], axis=1)
-    cuts = np.flatnonzero(np.any(np.diff(worker, axis=0) != 0, axis=1)) + 1
-    for rows in np.split(order, cuts):
-        first = rows[0]
-        rank, dp, pp = int(trace.rank[first]), int(trace.dp_rank[first]), int(trace.stage[first])
-        rank_info = info
-        if gpus_per_node:
-            node = f"{info.job_id}-node-{rank // gpus_per_node:02d}"
-            identity = RankIdentity(
-                rank=rank, local_rank=rank % gpus_per_node, dp_rank=dp, pp_rank=pp,
-                host=node, node=node, gpu=rank % gpus_per_node,
-            )  # fmt: skip
-            rank_info = info.model_copy(update={"rank_identity": identity})
-        timer = OpTimer(
-            job_id=info.job_id,
-            attempt=info.attempt,
-            rank=rank,
-            dp_rank=dp,
-            pp_rank=pp,
-            log_dir=log_dir,
-            mode="host",
-            gc_probe=False,
-            job_info=rank_info,
+    current = None
+    for row in rows.tolist():
+        step = int(trace.step[row])
+        if step != current:
+            timer.step(step)
+            current = step
+        timer.record(
+            str(names[trace.optype[row]]),
+            start_ns=origin[step] + round(float(trace.start_ts[row]) * 1e9),
+            duration_ns=round(float(trace.duration[row]) * 1e9),
+            step=step,
+            microbatch=int(trace.mb_id[row]),
+            chunk=max(int(trace.mc[row]), 0),
         )
-        current = None
-        for row in rows.tolist():
-            step = int(trace.step[row])
-            if step != current:
-                timer.step(step)
-                current = step
-            timer.record(
-                str(names[trace.optype[row]]),
-                start_ns=origin[step] + round(float(trace.start_ts[row]) * 1e9),
-                duration_ns=round(float(trace.duration[row]) * 1e9),
-                step=step,
-                microbatch=int(trace.mb_id[row]),
-                chunk=max(int(trace.mc[row]), 0),
-            )
-            written += 1
-        timer.close()
-    return written
+    timer.close()
+    return len(rows)
+
+
+def _placed(info: JobInfo, rank: int, dp: int, pp: int, gpus_per_node: int | None) -> JobInfo:
+    """The rank's job record, with the machine it runs on when the job is placed on nodes."""
+    if not gpus_per_node:
+        return info
+    from lagscope.producers.events import RankIdentity
+
+    node = f"{info.job_id}-node-{rank // gpus_per_node:02d}"
+    identity = RankIdentity(
+        rank=rank, local_rank=rank % gpus_per_node, dp_rank=dp, pp_rank=pp,
+        host=node, node=node, gpu=rank % gpus_per_node,
+    )  # fmt: skip
+    return info.model_copy(update={"rank_identity": identity})
 
 
 def demo_job_info(job: GeneratedJob, job_id: str) -> JobInfo:
@@ -172,29 +198,7 @@ def demo_command(args: argparse.Namespace) -> int:
 
     began = time.monotonic()
     out: Path = args.out
-    # Only the demo's own outputs are replaced: a folder holding anything else (`--out .`,
-    # a folder of the user's) is refused before a file is touched.
-    own = ("logs", "chdb", "report.html", "report-*.html", ".report*.tmp")
-
-    def written_by_an_older_demo(folder: Path) -> bool:
-        names = {entry.name for entry in folder.iterdir()}
-        logs = folder / "logs"
-        return (
-            "logs" in names
-            and names <= {"logs", "chdb", "report.html"}
-            and logs.is_dir()
-            and all(entry.name.startswith("rank-") for entry in logs.iterdir())
-        )
-
-    for earlier in claim_output_dir(
-        out, command="demo", own=own, looks_own=written_by_an_older_demo
-    ):
-        if earlier.is_dir() and not earlier.is_symlink():
-            import shutil
-
-            shutil.rmtree(earlier)
-        else:
-            earlier.unlink()
+    _take_out_dir(out)
     (out / "logs").mkdir()
     spec = demo_spec(args.steps, args.seed)
     print(
@@ -241,3 +245,30 @@ def demo_command(args: argparse.Namespace) -> int:
     )
     print(f"  done in {time.monotonic() - began:.1f} s")
     return 0
+
+
+def _take_out_dir(out: Path) -> None:
+    """Make `out` the demo's, its earlier outputs removed. Only the demo's own outputs are
+    replaced: a folder holding anything else (`--out .`, a folder of the user's) is
+    refused before a file is touched."""
+    own = ("logs", "chdb", "report.html", "report-*.html", ".report*.tmp")
+
+    def written_by_an_older_demo(folder: Path) -> bool:
+        names = {entry.name for entry in folder.iterdir()}
+        logs = folder / "logs"
+        return (
+            "logs" in names
+            and names <= {"logs", "chdb", "report.html"}
+            and logs.is_dir()
+            and all(entry.name.startswith("rank-") for entry in logs.iterdir())
+        )
+
+    for earlier in claim_output_dir(
+        out, command="demo", own=own, looks_own=written_by_an_older_demo
+    ):
+        if earlier.is_dir() and not earlier.is_symlink():
+            import shutil
+
+            shutil.rmtree(earlier)
+        else:
+            earlier.unlink()

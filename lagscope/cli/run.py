@@ -8,6 +8,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lagscope.cli.conventions import (
     STDOUT,
@@ -20,6 +21,9 @@ from lagscope.cli.conventions import (
 from lagscope.cli.job_summary import print_job_summary
 from lagscope.cli.progress import pipeline_progress
 from lagscope.store.dsn import DSN_HELP, resolve_dsn
+
+if TYPE_CHECKING:
+    from lagscope.stream_app.embedded import LiveReport
 
 # The pipeline, numpy and the store are imported by the handler when it runs, so that
 # registering the command (and `lagscope --help`) stays cheap.
@@ -89,39 +93,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_logs_command(args: argparse.Namespace) -> int:
     from lagscope.cli.job_page import render_job_page
-    from lagscope.cli.run_outcome import no_rank_logs_message, nothing_analysed
-    from lagscope.producers.log import list_rank_dirs
+    from lagscope.cli.run_outcome import nothing_analysed
     from lagscope.store.dsn import parse_dsn
     from lagscope.store.sink import ClickHouseSink
-    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
+    from lagscope.stream_app.embedded import EmbeddedRunner
     from lagscope.stream_app.processor import ProcessorSettings
 
     # Before the store opens: a mistyped directory must not leave an empty store behind.
     dsn = resolve_dsn(args.dsn)
     parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at
-    if not args.log_dir.is_dir():
-        what = "is not a directory" if args.log_dir.exists() else "does not exist"
-        raise UsageError(f"--log-dir {args.log_dir}: {what}")
-    # A job that starts later may still create its rank logs while --follow waits.
-    if not args.follow and not list_rank_dirs(args.log_dir):
-        raise UsageError(no_rank_logs_message(args.log_dir))
-    check_one_stdout(args, "report")
-    if args.report and args.report != STDOUT and Path(args.report).is_dir():
-        raise UsageError(
-            f"--report {args.report}: is a directory; give the report's file name, e.g. "
-            f"{Path(args.report) / 'report.html'}"
-        )
-    if args.report_every_s <= 0:
-        raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
-    live = None
-    if args.report and args.report != STDOUT:
-        live = LiveReport(Path(args.report), render_job_page, every_s=args.report_every_s)
-        try:
-            live.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(
-                f"--report {live.path}: cannot write ({exc.strerror or exc})"
-            ) from None
+    _check_log_dir(args)
+    live = _live_report(args)
     sink = ClickHouseSink(dsn)
     sink.ensure_schema()
     runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s), live_report=live)
@@ -156,3 +138,40 @@ def run_logs_command(args: argparse.Namespace) -> int:
         print("lagscope run: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _check_log_dir(args: argparse.Namespace) -> None:
+    """A --log-dir that is no directory, or (unless --follow waits for a job that starts
+    later to create them) holds no rank logs, is a usage error."""
+    from lagscope.cli.run_outcome import no_rank_logs_message
+    from lagscope.producers.log import list_rank_dirs
+
+    if not args.log_dir.is_dir():
+        what = "is not a directory" if args.log_dir.exists() else "does not exist"
+        raise UsageError(f"--log-dir {args.log_dir}: {what}")
+    if not args.follow and not list_rank_dirs(args.log_dir):
+        raise UsageError(no_rank_logs_message(args.log_dir))
+
+
+def _live_report(args: argparse.Namespace) -> LiveReport | None:
+    """Where the report is kept current while the run goes on (--report PATH), checked
+    before anything is read; None without --report or with `-` (written at the end)."""
+    from lagscope.cli.job_page import render_job_page
+    from lagscope.stream_app.embedded import LiveReport
+
+    check_one_stdout(args, "report")
+    if args.report and args.report != STDOUT and Path(args.report).is_dir():
+        raise UsageError(
+            f"--report {args.report}: is a directory; give the report's file name, e.g. "
+            f"{Path(args.report) / 'report.html'}"
+        )
+    if args.report_every_s <= 0:
+        raise UsageError(f"--report-every-s {args.report_every_s:g}: must be positive")
+    if not args.report or args.report == STDOUT:
+        return None
+    live = LiveReport(Path(args.report), render_job_page, every_s=args.report_every_s)
+    try:
+        live.path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--report {live.path}: cannot write ({exc.strerror or exc})") from None
+    return live

@@ -6,9 +6,13 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
 from lagscope.cli.conventions import examples
 from lagscope.cli.kafka_options import add_kafka_options, kafka_config
+
+if TYPE_CHECKING:
+    from lagscope.producers.streamer import Streamer
 
 # The streamer and Kafka are imported when the command runs: registering it must stay
 # cheap.
@@ -76,7 +80,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_stream(args: argparse.Namespace) -> int:
-    import signal
     from pathlib import Path
 
     from lagscope.cli.conventions import UsageError
@@ -90,18 +93,7 @@ def run_stream(args: argparse.Namespace) -> int:
     if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         raise UsageError(f"--log-dir {args.log_dir}: is not a directory")
     try:
-        config = kafka_config(
-            args,
-            {
-                "log_dir": args.log_dir,
-                "checkpoint_path": args.checkpoint,
-                "compression": args.compression,
-                "torn_grace_s": args.torn_grace_s,
-                "idle_exit_s": args.idle_exit_s,
-                "delete_shipped": args.delete_shipped,
-                "metrics_port": args.metrics_port,
-            },
-        )
+        config = kafka_config(args, _streamer_flags(args))
         streamer = Streamer(config)
     except (ConfigError, ValueError) as exc:
         print(f"lagscope stream: error: {exc}", file=sys.stderr)
@@ -111,17 +103,7 @@ def run_stream(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"lagscope stream: error: metrics endpoint: {exc}", file=sys.stderr)
         return 2
-    # SIGTERM (an orchestrator stopping the sidecar) is a normal end: exit 0. Ctrl-C ends
-    # it the same clean way (what Kafka confirmed is checkpointed, the rest stays in the
-    # logs) and then says "interrupted" with 130, as every lagscope command does.
-    interrupted: list[bool] = []
-
-    def on_sigint(*_: object) -> None:
-        interrupted.append(True)
-        streamer.stop()
-
-    signal.signal(signal.SIGTERM, lambda *_: streamer.stop())
-    signal.signal(signal.SIGINT, on_sigint)
+    interrupted = _stop_on_signals(streamer)
     streamer.ensure_topics()
     stats = streamer.run()
     # What the logs hold past Kafka's confirmations decides the exit status: a sidecar that
@@ -141,3 +123,34 @@ def run_stream(args: argparse.Namespace) -> int:
         print("lagscope stream: interrupted", file=sys.stderr)
         return 130
     return 1 if unshipped else 0
+
+
+def _streamer_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The streamer settings given as flags (None: not given, the layers below decide)."""
+    return {
+        "log_dir": args.log_dir,
+        "checkpoint_path": args.checkpoint,
+        "compression": args.compression,
+        "torn_grace_s": args.torn_grace_s,
+        "idle_exit_s": args.idle_exit_s,
+        "delete_shipped": args.delete_shipped,
+        "metrics_port": args.metrics_port,
+    }
+
+
+def _stop_on_signals(streamer: Streamer) -> list[bool]:
+    """SIGTERM (an orchestrator stopping the sidecar) is a normal end: exit 0. Ctrl-C ends
+    it the same clean way (what Kafka confirmed is checkpointed, the rest stays in the
+    logs) and then says "interrupted" with 130, as every lagscope command does: the list
+    returned gets an entry when that happened."""
+    import signal
+
+    interrupted: list[bool] = []
+
+    def on_sigint(*_: object) -> None:
+        interrupted.append(True)
+        streamer.stop()
+
+    signal.signal(signal.SIGTERM, lambda *_: streamer.stop())
+    signal.signal(signal.SIGINT, on_sigint)
+    return interrupted
