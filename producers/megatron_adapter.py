@@ -113,6 +113,57 @@ def megatron_layout() -> Layout:
     return derive_layout(groups, vpp_size=vpp_size)
 
 
+def _job_and_log_dir(job_id: str | None, log_dir: str | Path | None) -> tuple[str, str | Path]:
+    """The job id every rank shares and the local log directory: given, else from the
+    environment; a ValueError saying how to give them when neither has them."""
+    job_id = job_id or job_id_from_environment()
+    if not job_id:
+        raise ValueError(
+            "lagscope.megatron.monitor needs a job id shared by every rank: pass job_id= "
+            "or set LAGSCOPE_JOB_ID (torchrun's run id and SLURM_JOB_ID are used when set)"
+        )
+    log_dir = log_dir or os.environ.get("LAGSCOPE_LOG_DIR")
+    if not log_dir:
+        raise ValueError(
+            "lagscope.megatron.monitor needs a local log directory: pass log_dir= or set "
+            "LAGSCOPE_LOG_DIR"
+        )
+    return job_id, log_dir
+
+
+def _rank_timer(
+    layout: Any,
+    job_id: str,
+    attempt: int,
+    log_dir: str | Path,
+    mode: Literal["auto", "host", "cuda"],
+    gc_probe: bool,
+    mfu: dict[str, float | None],
+) -> OpTimer:
+    """This rank's timer, its job record with the rank's identity (and the job's FLOPs and
+    GPU peak where given); off on ranks that are not their (dp, pp) worker's
+    representative. No GC pause is recorded before the first step opens (it would land in
+    a step of its own that no other rank has)."""
+    info = job_info(layout, job_id=job_id, attempt=attempt, identity=rank_identity(layout))
+    if any(value is not None for value in mfu.values()):
+        info = info.model_copy(update=mfu)
+    timer = OpTimer(
+        job_id=job_id,
+        rank=layout.rank,
+        dp_rank=layout.coords["dp"],
+        pp_rank=layout.coords["pp"],
+        tp_rank=layout.coords["tp"],
+        cp_rank=layout.coords["cp"],
+        log_dir=log_dir,
+        attempt=attempt,
+        mode=mode if layout.is_representative else "off",
+        gc_probe=gc_probe,
+        job_info=info,
+    )
+    timer.gc_paused = True
+    return timer
+
+
 class MegatronMonitor:
     """Records this rank's ops from megatron-core's seams; see the module docstring."""
 
@@ -136,18 +187,7 @@ class MegatronMonitor:
                 "lagscope.megatron is already monitoring this process; close() that monitor "
                 "before starting another"
             )
-        job_id = job_id or job_id_from_environment()
-        if not job_id:
-            raise ValueError(
-                "lagscope.megatron.monitor needs a job id shared by every rank: pass job_id= "
-                "or set LAGSCOPE_JOB_ID (torchrun's run id and SLURM_JOB_ID are used when set)"
-            )
-        log_dir = log_dir or os.environ.get("LAGSCOPE_LOG_DIR")
-        if not log_dir:
-            raise ValueError(
-                "lagscope.megatron.monitor needs a local log directory: pass log_dir= or set "
-                "LAGSCOPE_LOG_DIR"
-            )
+        job_id, log_dir = _job_and_log_dir(job_id, log_dir)
         if first_step < 0:
             raise ValueError(f"first_step must be >= 0, got {first_step}")
         from megatron.core import parallel_state
@@ -155,26 +195,8 @@ class MegatronMonitor:
         self.layout = layout = megatron_layout()
         self.in_embedding_group = parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
         attempt = attempt_from_environment() if attempt is None else attempt
-        info = job_info(layout, job_id=job_id, attempt=attempt, identity=rank_identity(layout))
         mfu = {"model_flops_per_step": model_flops_per_step, "gpu_peak_flops": gpu_peak_flops}
-        if any(value is not None for value in mfu.values()):
-            info = info.model_copy(update=mfu)
-        self.timer = timer = OpTimer(
-            job_id=job_id,
-            rank=layout.rank,
-            dp_rank=layout.coords["dp"],
-            pp_rank=layout.coords["pp"],
-            tp_rank=layout.coords["tp"],
-            cp_rank=layout.coords["cp"],
-            log_dir=log_dir,
-            attempt=attempt,
-            mode=mode if layout.is_representative else "off",
-            gc_probe=gc_probe,
-            job_info=info,
-        )
-        # No GC pause is recorded before the first step opens (it would land in a step of
-        # its own that no other rank has).
-        timer.gc_paused = True
+        self.timer = timer = _rank_timer(layout, job_id, attempt, log_dir, mode, gc_probe, mfu)
         #: Host clocks (not CUDA events): ops timed here may share one pair of stamps.
         self.host_timing = getattr(timer, "_cuda", None) is None
         #: True while a training schedule call runs: only then are ops recorded.
@@ -197,7 +219,15 @@ class MegatronMonitor:
         self._last_forward = (-1, 0)
         self._last_backward = (-1, 0)
         self._forwards_seen = 0
-        # Gradient sync bookkeeping.
+        self._init_gradient_sync_state()
+        self._restore: list[Callable[[], None]] = []
+        self._closed = False
+        self._install(optimizer)
+        atexit.register(self.close)
+
+    def _init_gradient_sync_state(self) -> None:
+        """What the gradient sync hooks keep: the model's chunks, each DDP bucket's chunk
+        and open span, megatron's own timers and config, the optimizer's span."""
         self._model_ids: tuple[int, ...] = ()
         self._chunks: list[Any] = []
         self._chunk_of_bucket: dict[int, int] = {}
@@ -208,10 +238,6 @@ class MegatronMonitor:
         self._dp_phase: Phase | None = None
         self._finalize_wrapped: Any = None
         self._optimizer_span = Span()
-        self._restore: list[Callable[[], None]] = []
-        self._closed = False
-        self._install(optimizer)
-        atexit.register(self.close)
 
     # -- what the hooks ask ------------------------------------------------------------
 

@@ -561,72 +561,79 @@ class Streamer:
     # -- producing ------------------------------------------------------------------------
 
     def _ship(self, rank_name: str, state: _RankState, item: Record | DeadLetter) -> None:
-        kafka = self.config.kafka
         if isinstance(item, DeadLetter):
             end = item.end or Position(Path(item.source).name, item.offset + item.length)
             self._send_dead_letter(
                 state, end, item.source, item.offset, item.length, item.reason, item.sample
             )
+        elif item.kind == KIND_BATCH:
+            self._ship_batch(rank_name, state, item)
+        elif item.kind == KIND_JOB:
+            self._ship_job(rank_name, state, item)
+
+    def _ship_batch(self, rank_name: str, state: _RankState, item: Record) -> None:
+        """A rank-step batch to the ops topic, keyed by its job; one that cannot be read is
+        a dead letter."""
+        try:
+            head = peek_header(item.payload)
+            _check_batch(item.payload)
+        except SchemaError as exc:
+            # The file path is built only here: pathlib per record costs more than the rest.
+            source = str(self.log_dir / rank_name / item.file)
+            self._send_dead_letter(
+                state, item.position_after, source, item.offset, len(item.payload),
+                f"{source}@{item.offset}: {exc}", item.payload[:64],
+            )  # fmt: skip
             return
-        if item.kind == KIND_BATCH:
-            try:
-                head = peek_header(item.payload)
-                _check_batch(item.payload)
-            except SchemaError as exc:
-                # The file path is built only here: pathlib per record costs more than the rest.
-                source = str(self.log_dir / rank_name / item.file)
-                self._send_dead_letter(
-                    state, item.position_after, source, item.offset, len(item.payload),
-                    f"{source}@{item.offset}: {exc}", item.payload[:64],
-                )  # fmt: skip
-                return
-            self._produce(
+        self._produce(
+            state,
+            item.position_after,
+            self.config.kafka.topic_ops,
+            key=head["job_id"].encode(),
+            value=item.payload,
+            headers=[
+                (SCHEMA_HEADER, str(BATCH_VERSION).encode()),
+                (BATCH_ID_HEADER, batch_id_of(item.payload).encode()),
+                (RANK_HEADER, str(head["rank"]).encode()),
+            ],
+        )
+        self.stats.batches += 1
+        self.stats.ops += head["n_ops"]
+
+    def _ship_job(self, rank_name: str, state: _RankState, item: Record) -> None:
+        """A job record to the compacted jobs topic, once per record key; one that cannot
+        be read is a dead letter."""
+        source = str(self.log_dir / rank_name / item.file)
+        try:
+            info = JobInfo.model_validate_json(item.payload)
+        except ValueError as exc:
+            self._send_dead_letter(
                 state,
                 item.position_after,
-                kafka.topic_ops,
-                key=head["job_id"].encode(),
-                value=item.payload,
-                headers=[
-                    (SCHEMA_HEADER, str(BATCH_VERSION).encode()),
-                    (BATCH_ID_HEADER, batch_id_of(item.payload).encode()),
-                    (RANK_HEADER, str(head["rank"]).encode()),
-                ],
+                source,
+                item.offset,
+                len(item.payload),
+                f"invalid job metadata: {exc}",
+                item.payload[:64],
             )
-            self.stats.batches += 1
-            self.stats.ops += head["n_ops"]
             return
-        if item.kind == KIND_JOB:
-            source = str(self.log_dir / rank_name / item.file)
-            try:
-                info = JobInfo.model_validate_json(item.payload)
-            except ValueError as exc:
-                self._send_dead_letter(
-                    state,
-                    item.position_after,
-                    source,
-                    item.offset,
-                    len(item.payload),
-                    f"invalid job metadata: {exc}",
-                    item.payload[:64],
-                )
-                return
-            if info.record_key in self._jobs_sent:
-                self._track(state, _Pending(item.position_after, 0, delivered=True))
-                return
-            if info.unknown_fields and info.key not in self._told_unknown:
-                # A newer writer's record: shipped as it is (the bytes are the rank's), and
-                # said once per job, so a reader's upgrade is a choice, not a surprise.
-                self._told_unknown.add(info.key)
-                log.info(
-                    "job %s writes job records of schema version %d with fields this build "
-                    "does not know (%s); shipped unchanged",
-                    info.key, info.schema_version, ", ".join(info.unknown_fields),
-                )  # fmt: skip
-            self._produce(state, item.position_after, kafka.topic_jobs,
-                          key=info.record_key.encode(), value=item.payload,
-                          headers=[(SCHEMA_HEADER, f"job-{info.schema_version}".encode())],
-                          job_key=info.record_key)  # fmt: skip
-            self.stats.jobs += 1
+        if info.record_key in self._jobs_sent:
+            self._track(state, _Pending(item.position_after, 0, delivered=True))
+            return
+        if info.unknown_fields and info.key not in self._told_unknown:
+            # A newer writer's record: shipped as it is (the bytes are the rank's), and
+            # said once per job, so a reader's upgrade is a choice, not a surprise.
+            self._told_unknown.add(info.key)
+            log.info(
+                "job %s writes job records of schema version %d with fields this build "
+                "does not know (%s); shipped unchanged",
+                info.key, info.schema_version, ", ".join(info.unknown_fields),
+            )  # fmt: skip
+        self._produce(state, item.position_after, self.config.kafka.topic_jobs,
+                      key=info.record_key.encode(), value=item.payload,
+                      headers=[(SCHEMA_HEADER, f"job-{info.schema_version}".encode())],
+                      job_key=info.record_key)  # fmt: skip
+        self.stats.jobs += 1
 
     def _send_dead_letter(
         self, state: _RankState, end: Position, source: str, offset: int, length: int,
