@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,43 @@ class Advice:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def advise_removal(who: str, speedup: float, look_at: str = "") -> Advice:
+    """Restart without the named workers; `look_at`: what to check on them first."""
+    detail = f"restart without {who} (spare node or smaller DP)"
+    if look_at:
+        detail += f"; first {look_at}"
+    return Advice("remove the straggler", detail, speedup)
+
+
+def advise_relieve_host(who: str, speedup: float) -> Advice:
+    """A host that stalls between its worker's ops is relieved where it runs."""
+    return Advice(
+        "relieve the straggler's host",
+        f"look at the host of {who}: other processes on its CPUs, CPU throttling, "
+        f"Python work between ops (logging, metrics, data prepared outside the loader)",
+        speedup,
+    )
+
+
+def advise_faster_input(who: str, speedup: float) -> Advice:
+    """An input-starved worker is fed faster where it runs."""
+    return Advice(
+        "speed up the straggler's input",
+        f"the data loader of {who} keeps it waiting: more loader workers, prefetching, "
+        f"or faster storage for its shard",
+        speedup,
+    )
+
+
+#: The fix where a straggler runs, for the causes that have one, taken before the job is
+#: rearranged around it: fewer micro-batches for the rank make neither its loader nor its
+#: host faster.
+FIX_IN_PLACE: dict[Cause, Callable[[str, float], Advice]] = {
+    Cause.SLOW_HOST: advise_relieve_host,
+    Cause.SLOW_INPUT: advise_faster_input,
+}
 
 
 def resimulated_step_time(

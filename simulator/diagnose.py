@@ -33,9 +33,12 @@ from lagscope.simulator.advice import (
     Advice,
     advise_balanced_packing,
     advise_consolidation,
+    advise_faster_input,
     advise_healthy_links,
     advise_move_layers,
     advise_planned_gc,
+    advise_relieve_host,
+    advise_removal,
     advise_resplit,
     escalation,
     resimulated_step_time,
@@ -113,6 +116,22 @@ class DiagnosisSettings:
     #: median step: healthy 4-rank CPU jobs read 0.8-1.3, a host stalling as long as its
     #: ops take 3-5x (80 real runs).
     host_launch_ratio: float = 1.5
+    #: ... unless the worker's own input wait is this share of its extra launch delays or
+    #: more: a rank starved of input starts its next forward late too (on the same 80
+    #: runs, no input straggler was named a slow host and every host straggler was).
+    host_input_wait_share: float = 0.5
+    #: Top-scoring workers (S_w) re-simulated one by one to verify which are slow alone:
+    #: S_w lights up the crossings of each straggler's replica and stage (two per pair).
+    verify_candidates: int = 8
+    #: A candidate is verified when it alone explains this share of the slowdown at least
+    #: (below, its excess is the noise of a worker on the critical path).
+    verify_min_share: float = 0.15
+    #: Communication is looked at as the cause only when it adds this share to the op
+    #: types' attribution at least (less is within the ideal's own rounding).
+    min_comm_excess: float = 0.01
+    #: The costliest episode is the run's verdict when it cost at least this share of what
+    #: the run's steps lost above their straggler-free time (`run_story.py`).
+    dominant_episode_share: float = 0.5
 
     def __post_init__(self) -> None:
         problems = check_fields(self, _SETTINGS_BOUNDS)
@@ -134,6 +153,11 @@ _SETTINGS_BOUNDS = {
     "floor_margin_of_excess": Bound(ge=0),
     "persistent_margin": Bound(ge=0),
     "host_launch_ratio": Bound(gt=1),
+    "host_input_wait_share": Bound(gt=0),
+    "verify_candidates": Bound(integer=True, ge=1),
+    "verify_min_share": Bound(ge=0, le=1),
+    "min_comm_excess": Bound(ge=0),
+    "dominant_episode_share": Bound(gt=0, le=1),
 }
 
 
@@ -311,7 +335,8 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     stage, dp = np.unravel_index(int(np.nanargmax(ratio)), ratio.shape)
     extra = float(np.median(own[:, stage, dp] - peers[:, stage, dp]))
     waited = float(np.median(waits[:, stage, dp] - peer_waits[:, stage, dp]))
-    if ratio[stage, dp] < cfg.host_launch_ratio or extra <= 0 or waited >= 0.5 * extra:
+    starved = waited >= cfg.host_input_wait_share * extra
+    if ratio[stage, dp] < cfg.host_launch_ratio or extra <= 0 or starved:
         return None
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=ctx.compiled)
     worker = Worker(int(dp), int(stage))
@@ -335,16 +360,7 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
         f"launch delays add to the job's steps (launch slowdown {result.launch_slowdown:.2f}); "
         f"its ops take their usual time"
     )
-    advice = (
-        Advice(
-            "relieve the straggler's host",
-            f"look at the host of {who}: other processes on its CPUs, CPU throttling, Python "
-            f"work between ops (logging, metrics, data prepared outside the loader)",
-            speedup,
-        ),
-        Advice("remove the straggler", f"restart without {who} (spare node or smaller DP)",
-               speedup),
-    )  # fmt: skip
+    advice = (advise_relieve_host(who, speedup), advise_removal(who, speedup))
     return ctx.made(Cause.SLOW_HOST, summary, finding, advice)
 
 
@@ -434,7 +450,8 @@ def detect_slow_links(ctx: _Context) -> Diagnosis | None:
         default=0.0,
     )  # fmt: skip
     compute_excess = max((by_optype.get(k, 1.0) - 1 for k in COMPUTE_LABELS), default=0.0)
-    if not (comm_excess > compute_excess and comm_excess > 0.01 and not _structure(ctx).any):
+    carries = comm_excess > compute_excess and comm_excess > ctx.cfg.min_comm_excess
+    if not carries or _structure(ctx).any:
         return None
     cfg = ctx.cfg
     groups = slow_comm_groups(ctx.prepared, cfg.slow_group_factor)
@@ -550,7 +567,13 @@ def _verified_removal(
     persistent = persistent_excess(prepared)
     suspects = [
         (w, share)
-        for w, share in verified_slow_workers(result, prepared, ctx.compiled)
+        for w, share in verified_slow_workers(
+            result,
+            prepared,
+            ctx.compiled,
+            candidates=cfg.verify_candidates,
+            min_share=cfg.verify_min_share,
+        )
         if persistent[w[1], w[0]] >= 1 + cfg.persistent_margin
     ][:max_workers]
     if not suspects:
@@ -569,8 +592,9 @@ def _verified_removal(
 
 def _slow_workers(ctx: _Context) -> Diagnosis:
     """The verified slow workers that explain the most, what each is slow in, and the
-    advice: re-split micro-batches where that would help, consolidate stragglers into
-    few replicas, remove the straggler."""
+    advice: a faster loader for a worker starved of input (`slow_input`); else re-split
+    micro-batches where that would help and consolidate stragglers into few replicas;
+    then remove the straggler."""
     result, prepared, cfg = ctx.result, ctx.prepared, ctx.cfg
     # Below the job's noise floor the slowdown is its noise: removing more workers until
     # half of it is explained names healthy ones whose noise sits on the critical path.
@@ -592,26 +616,17 @@ def _slow_workers(ctx: _Context) -> Diagnosis:
     workers = ", ".join(f"(dp {d}, pp {s})" for d, s in named)
     where = slow_in(prepared, named[0])
     slow_part = f" (slow in {next(iter(where))})" if where else ""
-    advice: list[Advice] = []
-    refuted: tuple[str, ...] = ()
-    resplit = advise_resplit(prepared, ctx.base_time, ctx.compiled)
-    if resplit and resplit.predicted_speedup > 1.0:
-        advice.append(resplit)
-    elif resplit:
-        # Fewer micro-batches for the slow replica would not speed this job up (its
-        # straggler sits where the pipeline waits on it anyway): not advice, and not the
-        # first step on the ladder.
-        refuted = (resplit.action,)
-    consolidate = advise_consolidation(prepared, named, ctx.base_time, ctx.compiled)
-    if consolidate:
-        advice.append(consolidate)
-    advice.append(
-        Advice(
-            "remove the straggler",
-            f"restart without {workers} (spare node or smaller DP)",
-            ctx.base_time / t_removed,
-        )
-    )
+    # A worker whose own excess is mostly its wait for input is starved of data: its
+    # loader is the fix, and the job is not rearranged around it first.
+    starved = next(iter(where), None) == ot.INPUT_WAIT
+    cause = Cause.SLOW_INPUT if starved else Cause.SLOW_WORKERS
+    speedup = ctx.base_time / t_removed
+    if starved:
+        advice = [advise_faster_input(workers, speedup)]
+        refuted: tuple[str, ...] = ()
+    else:
+        advice, refuted = _rearranging_advice(ctx, named)
+    advice.append(advise_removal(workers, speedup))
     finding = Finding(
         named=tuple(Worker(d, s) for d, s in named),
         verified=verified,
@@ -619,4 +634,25 @@ def _slow_workers(ctx: _Context) -> Diagnosis:
         refuted_actions=refuted,
     )
     summary = f"worker(s) {workers} explain {of_the_slowdown(explained)}{slow_part}"
-    return ctx.made(Cause.SLOW_WORKERS, summary, finding, tuple(advice))
+    return ctx.made(cause, summary, finding, tuple(advice))
+
+
+def _rearranging_advice(
+    ctx: _Context, named: tuple[tuple[int, int], ...]
+) -> tuple[list[Advice], tuple[str, ...]]:
+    """Re-split micro-batches where that would help, consolidate stragglers into few
+    replicas; and the actions refuted (predicted not to speed the job up)."""
+    advice: list[Advice] = []
+    refuted: tuple[str, ...] = ()
+    resplit = advise_resplit(ctx.prepared, ctx.base_time, ctx.compiled)
+    if resplit and resplit.predicted_speedup > 1.0:
+        advice.append(resplit)
+    elif resplit:
+        # Fewer micro-batches for the slow replica would not speed this job up (its
+        # straggler sits where the pipeline waits on it anyway): not advice, and not the
+        # first step on the ladder.
+        refuted = (resplit.action,)
+    consolidate = advise_consolidation(ctx.prepared, named, ctx.base_time, ctx.compiled)
+    if consolidate:
+        advice.append(consolidate)
+    return advice, refuted

@@ -28,23 +28,22 @@ from __future__ import annotations
 import numpy as np
 
 from lagscope.simulator import optypes as ot
-from lagscope.simulator.advice import Advice, escalation
+from lagscope.simulator.advice import FIX_IN_PLACE, Advice, advise_removal, escalation
 from lagscope.simulator.causes import Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
 from lagscope.simulator.episode_cost import EpisodeCost
 from lagscope.simulator.episodes import square_wave
 from lagscope.simulator.evidence import EpisodeFacts, Evidence, Finding, VerifiedWorker, Worker
-from lagscope.simulator.online_episodes import HOST, WorkerEpisode, worker_signals
+from lagscope.simulator.online_episodes import (
+    HOST,
+    OnlineEpisodeSettings,
+    WorkerEpisode,
+    worker_signals,
+)
 from lagscope.simulator.prepare import PreparedTrace
 
 #: The cause of an episode by the kind of own time that rose (compute: slow_workers).
 CAUSE_OF_KIND = {ot.INPUT_WAIT: Cause.SLOW_INPUT, HOST: Cause.SLOW_HOST}
-
-#: How far (steps) a refined onset may move from the live one: the detector's evidence
-#: (up to `noisy_steps` long) may begin on a noisy step or two before the rise.
-_ONSET_SLACK = 8
-#: ... and a refined recovery: the detector closes after `recovery_steps` back.
-_RECOVERY_SLACK = 4
 
 
 def cause_of(kind: str) -> Cause:
@@ -77,26 +76,7 @@ def episode_diagnosis(
     worker = Worker(episode.dp, episode.stage)
     who = worker.label()
     cause = cause_of(episode.kind)
-    until = f"to step {episode.recovery - 1}" if episode.recovery is not None else "(ongoing)"
-    how = (
-        f"{episode.level_before * 1e3:.1f} -> {episode.level_inside * 1e3:.1f} ms per step "
-        f"({_times(episode.level_inside, episode.level_before)} its own level before), "
-        f"{episode.ratio_inside:.1f}x its peers'"
-    )
-    costs = (
-        f"costs the job {cost.share:.0%} of its slowdown over these steps, "
-        f"{cost.lost_s:.2f} s ({cost.lost_s * n_gpus:,.1f} GPU-s)"
-    )
-    if cause == Cause.SLOW_HOST:
-        summary = (
-            f"the host of worker {who} stalls between its ops since step {episode.onset} "
-            f"{until}: {how}; its ops take their usual time; {costs}"
-        )
-    else:
-        summary = (
-            f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: "
-            f"{how}; {costs}"
-        )
+    summary = _summary(episode, cause, cost, n_gpus)
     facts = EpisodeFacts(
         id=episode.episode_id,
         kind=episode.kind,
@@ -123,6 +103,29 @@ def episode_diagnosis(
     return Diagnosis(cause, summary, Evidence(finding=finding), advice, ladder)
 
 
+def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: int) -> str:
+    """Who, since when, how much slower than before and than its peers, and the cost."""
+    who = Worker(episode.dp, episode.stage).label()
+    until = f"to step {episode.recovery - 1}" if episode.recovery is not None else "(ongoing)"
+    how = (
+        f"{episode.level_before * 1e3:.1f} -> {episode.level_inside * 1e3:.1f} ms per step "
+        f"({_times(episode.level_inside, episode.level_before)} its own level before), "
+        f"{episode.ratio_inside:.1f}x its peers'"
+    )
+    costs = (
+        f"costs the job {cost.share:.0%} of its slowdown over these steps, "
+        f"{cost.lost_s:.2f} s ({cost.lost_s * n_gpus:,.1f} GPU-s)"
+    )
+    if cause == Cause.SLOW_HOST:
+        return (
+            f"the host of worker {who} stalls between its ops since step {episode.onset} "
+            f"{until}: {how}; its ops take their usual time; {costs}"
+        )
+    return (
+        f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: {how}; {costs}"
+    )
+
+
 def _times(value: float, level: float) -> str:
     """ "2.0x", or "x100+" where the level before was next to nothing (an input wait)."""
     if level <= 0 or value / level >= 100:
@@ -134,38 +137,23 @@ def _advice(
     cause: Cause, episode: WorkerEpisode, who: str, cost: EpisodeCost, resplit: Advice | None
 ) -> tuple[Advice, ...]:
     speedup = cost.speedup
-    remove = Advice(
-        "remove the straggler", f"restart without {who} (spare node or smaller DP)", speedup
-    )
-    if cause == Cause.SLOW_HOST:
-        first = Advice(
-            "relieve the straggler's host",
-            f"look at the host of {who}: other processes on its CPUs, CPU throttling, "
-            f"Python work between ops (logging, metrics, data prepared outside the loader)",
-            speedup,
-        )
-        return (first, remove)
-    if cause == Cause.SLOW_INPUT:
-        first = Advice(
-            "speed up the straggler's input",
-            f"the data loader of {who} keeps it waiting: more loader workers, prefetching, "
-            f"or faster storage for its shard",
-            speedup,
-        )
-        return (first, remove)
-    remove = Advice(
-        "remove the straggler",
-        f"restart without {who} (spare node or smaller DP); first look at its accelerator: "
-        f"thermal or power throttling, memory errors, a noisy neighbour",
+    fix_in_place = FIX_IN_PLACE.get(cause)
+    if fix_in_place is not None:
+        return (fix_in_place(who, speedup), advise_removal(who, speedup))
+    remove = advise_removal(
+        who,
         speedup,
+        "look at its accelerator: thermal or power throttling, memory errors, a noisy neighbour",
     )
     return (resplit, remove) if resplit is not None else (remove,)
 
 
-def refined_bounds(episode: WorkerEpisode, prepared: PreparedTrace) -> tuple[int, int | None]:
+def refined_bounds(
+    episode: WorkerEpisode, prepared: PreparedTrace, settings: OnlineEpisodeSettings
+) -> tuple[int, int | None]:
     """The episode's (onset, recovery) fitted on the worker's own series of its kind over
-    `prepared` (the steps kept around it), each within a few steps of the live bounds; the
-    live bounds where the fit finds no raised stretch there."""
+    `prepared` (the steps kept around it), each within the settings' slack of the live
+    bounds; the live bounds where the fit finds no raised stretch there."""
     steps = prepared.steps
     series = worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp]
     live_onset = int(np.searchsorted(steps, episode.onset))
@@ -173,8 +161,9 @@ def refined_bounds(episode: WorkerEpisode, prepared: PreparedTrace) -> tuple[int
         return episode.onset, episode.recovery
     fitted = square_wave(
         series,
-        max(0, live_onset - _ONSET_SLACK),
-        min(steps.size - 1, live_onset + _ONSET_SLACK),
+        max(0, live_onset - settings.refine_onset_slack_steps),
+        min(steps.size - 1, live_onset + settings.refine_onset_slack_steps),
+        settings.refit,
     )
     if fitted is None:
         return episode.onset, episode.recovery
@@ -182,6 +171,6 @@ def refined_bounds(episode: WorkerEpisode, prepared: PreparedTrace) -> tuple[int
     recovery = episode.recovery
     if episode.recovery is not None and end is not None:
         live_end = int(np.searchsorted(steps, episode.recovery))
-        if abs(end - live_end) <= _RECOVERY_SLACK:
+        if abs(end - live_end) <= settings.refine_recovery_slack_steps:
             recovery = int(steps[end])
     return int(steps[onset]), recovery

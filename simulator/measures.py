@@ -165,8 +165,8 @@ def verified_slow_workers(
     prepared: PreparedTrace,
     compiled: CompiledModel,
     *,
-    candidates: int = 8,
-    min_share: float = 0.15,
+    candidates: int,
+    min_share: float,
 ) -> list[tuple[tuple[int, int], float]]:
     """Workers that are slow on their own, best first, with the share of the slowdown each
     explains alone (ideal job + only that worker as measured).

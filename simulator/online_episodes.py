@@ -52,11 +52,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from lagscope.simulator.episodes import StretchFit
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
 from lagscope.simulator.noise import own_work_mask
 from lagscope.simulator.prepare import PreparedTrace
@@ -66,11 +67,6 @@ HOST = "host"
 
 #: MAD of a normal sample times this factor estimates its standard deviation.
 _MAD_TO_SIGMA = 1.4826
-#: The quantile of a worker's baseline steps that stands for its quick steps.
-_QUICK_QUANTILE = 0.1
-#: Against its peers, one step in this many of the evidence may be quick (a peer lost its
-#: core there): 5 steps allow none, 8 and 11 allow one, 11 two.
-_STEPS_PER_QUICK_PEER_STEP = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +105,20 @@ class OnlineEpisodeSettings:
     #: ... and above this share at `noisy_steps` only, past the longest such run.
     busy_spike_rate: float = 0.2
     noisy_steps: int = 11
+    #: The quantile of a worker's baseline steps that stands for its quick level: its
+    #: least step is one lucky step, its median includes the steps it lost its core.
+    quick_quantile: float = 0.1
+    #: Against its peers, one step in this many of the evidence may be quick (a peer lost
+    #: its core there): windows of 5 steps allow none, of 8 one, of 11 two.
+    steps_per_quick_peer_step: int = 5
+    #: How far (steps) the end of the job's refit may move an onset from the live one: the
+    #: evidence (up to `noisy_steps` long) may begin on a noisy step before the rise; with
+    #: 3 a forward straggler of steps 15-29 kept a live onset of 11 (real 1F1B job).
+    refine_onset_slack_steps: int = 8
+    #: ... and a recovery (the detector closes after `recovery_steps` back).
+    refine_recovery_slack_steps: int = 4
+    #: The end-of-job refit of an episode's bounds (`episodes.square_wave`).
+    refit: StretchFit = field(default_factory=StretchFit)
 
     def __post_init__(self) -> None:
         problems = check_fields(self, _SETTINGS_BOUNDS)
@@ -139,6 +149,10 @@ _SETTINGS_BOUNDS = {
     "quiet_spike_rate": Bound(ge=0, le=1),
     "busy_spike_rate": Bound(ge=0, le=1),
     "noisy_steps": Bound(integer=True, ge=2),
+    "quick_quantile": Bound(ge=0, le=1),
+    "steps_per_quick_peer_step": Bound(integer=True, ge=1),
+    "refine_onset_slack_steps": Bound(integer=True, ge=0),
+    "refine_recovery_slack_steps": Bound(integer=True, ge=0),
 }
 
 
@@ -390,7 +404,11 @@ class OnlineEpisodes:
 
     def _evidence(self, window: int, z: float) -> _Evidence | None:
         """The gates of the module docstring over the last `window` steps, for every
-        worker and kind at once; None before enough steps were seen."""
+        worker and kind at once; None before enough steps were seen.
+
+        One function on purpose (about 70 lines): the gates are one conjunction over the same
+        [kind, stage, dp] arrays, in the docstring's order; split, every part would pass
+        the baseline, the window and the peers' levels along."""
         cfg = self.settings
         history = self._history
         if history.count < window + cfg.min_baseline_steps:
@@ -408,7 +426,7 @@ class OnlineEpisodes:
             # Workers without a usable baseline yet are all-NaN slices: `enough` drops them.
             warnings.simplefilter("ignore", RuntimeWarning)
             level_before = np.nanmedian(before, axis=0)
-            quick_before = np.nanquantile(before, _QUICK_QUANTILE, axis=0)
+            quick_before = np.nanquantile(before, cfg.quick_quantile, axis=0)
             level_inside = np.median(inside, axis=0)
             noise = _MAD_TO_SIGMA * np.nanmedian(np.abs(before - level_before), axis=0)
             n_before = np.maximum(np.sum(~np.isnan(before), axis=0), 1)
@@ -423,7 +441,7 @@ class OnlineEpisodes:
             # Against its peers, a long window may hold a step or two in which a peer
             # lost its core (the ratio dips): the k-th least ratio counts, not the least.
             least_ratio = np.sort(np.nan_to_num(ratio[-window:], nan=0.0), axis=0)[
-                (window - 1) // _STEPS_PER_QUICK_PEER_STEP
+                (window - 1) // cfg.steps_per_quick_peer_step
             ]
             peers_rise = np.median(peers_inside, axis=0) / np.median(peers_before, axis=0)
             step_s = float(np.median(self._step_times[: len(self._step_times) - window] or [0]))

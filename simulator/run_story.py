@@ -28,13 +28,9 @@ from dataclasses import replace
 import numpy as np
 
 from lagscope.simulator.causes import WORKER_CAUSES, Cause
-from lagscope.simulator.diagnose import Diagnosis
+from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
 from lagscope.simulator.evidence import EpisodeBrief, RunBrief, Worker
 from lagscope.simulator.whatif import WhatIfResult
-
-#: The costliest episode is the run's verdict when it cost at least this share of what the
-#: run's steps lost above their straggler-free time.
-DOMINANT_SHARE = 0.5
 
 
 def _first_named(diagnosis: Diagnosis) -> Worker | None:
@@ -62,7 +58,7 @@ def run_story(
     episodes: Sequence[Diagnosis],
     rollup: WhatIfResult | None = None,
     *,
-    dominant_share: float = DOMINANT_SHARE,
+    settings: DiagnosisSettings | None = None,
 ) -> Diagnosis:
     """The run's verdict: `run` (the diagnosis of its retained steps) or its dominant
     episode, as the module docstring says; `episodes` costliest first. The evidence keeps
@@ -79,6 +75,7 @@ def run_story(
     >>> run_story(healthy, []).cause
     <Cause.NONE: 'none'>
     """
+    cfg = settings or DiagnosisSettings()
     briefs = tuple(episode_brief(e) for e in episodes)
     chosen = run
     dominant = next((e for e in episodes if e.cause != Cause.NONE), None)
@@ -91,7 +88,7 @@ def run_story(
         if (
             run.cause in (Cause.NONE, Cause.UNATTRIBUTED)
             or (run.cause in WORKER_CAUSES and _first_named(run) == _first_named(dominant))
-            or (excess > 0 and dominant.evidence.lost_s >= dominant_share * excess)
+            or (excess > 0 and dominant.evidence.lost_s >= cfg.dominant_episode_share * excess)
         ):
             chosen = dominant
     run_brief = None

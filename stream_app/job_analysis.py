@@ -32,7 +32,7 @@ import numpy as np
 
 from lagscope.producers.events import JobInfo
 from lagscope.simulator.advice import Advice, advise_resplit
-from lagscope.simulator.diagnose import Diagnosis, diagnose
+from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
 from lagscope.simulator.episode_diagnosis import episode_diagnosis, refined_bounds
 from lagscope.simulator.online_episodes import (
@@ -149,10 +149,12 @@ class LiveJob:
         info: JobInfo,
         diagnose_every_steps: int,
         episode_settings: OnlineEpisodeSettings | None = None,
+        diagnosis_settings: DiagnosisSettings | None = None,
     ) -> None:
         self.info = info
         self.diagnose_every_steps = diagnose_every_steps
         self.episode_settings = episode_settings or OnlineEpisodeSettings()
+        self.diagnosis_settings = diagnosis_settings or DiagnosisSettings()
         self.totals = JobTotals()
         self.detector: OnlineEpisodes | None = None
         self.costs: dict[int, EpisodeCost] = {}
@@ -242,6 +244,7 @@ class LiveJob:
             snapshot,
             cost,
             n_gpus=self.info.world_size,
+            settings=self.diagnosis_settings,
             resplit=self.resplit.get(episode.episode_id),
         )
         starts = self.step_start_ns
@@ -274,8 +277,10 @@ class LiveJob:
             return None
         prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
-        run = diagnose(rollup, prepared, wasted_gpu_s=self.straggler_gpu_seconds())
-        verdict = run_story(run, [s.diagnosis for s in self._states_by_cost()], rollup)
+        cfg = self.diagnosis_settings
+        run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
+        episodes = [s.diagnosis for s in self._states_by_cost()]
+        verdict = run_story(run, episodes, rollup, settings=cfg)
         found = JobDiagnosis(int(prepared.steps[-1]), rollup, run, verdict, final)
         self.last_diagnosis = found
         return found
@@ -289,7 +294,7 @@ class LiveJob:
         if window and self.detector is not None:
             prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
             for episode in self.detector.episodes:
-                onset, recovery = refined_bounds(episode, prepared)
+                onset, recovery = refined_bounds(episode, prepared, self.episode_settings)
                 fitted = dataclasses.replace(episode, onset=onset, recovery=recovery)
                 end = recovery if recovery is not None else np.inf
                 inside = [p for p in window if onset <= int(p.steps[0]) < end]

@@ -135,6 +135,27 @@ def test_a_host_stalling_from_the_start_is_the_runs_slow_host(tmp_path: Path) ->
     assert job.diagnosis.advice[0].action == "relieve the straggler's host"
 
 
+@pytest.mark.parametrize(
+    ("target", "knobs", "rank"), [(pipeline_1f1b.worker, PIPELINE, 2), (ddp.worker, DDP, 1)],
+    ids=["1f1b", "ddp"],
+)  # fmt: skip
+def test_a_rank_starved_of_input_from_the_start_is_the_runs_slow_input(
+    tmp_path: Path, target: object, knobs: dict, rank: int
+) -> None:
+    """A rank that waits for its input from the first step has no episode: the run's
+    diagnosis names it slow_input (its own excess is its input wait), its loader first,
+    and re-splitting micro-batches is not offered (a slow loader stays slow with fewer
+    batches). Before, the run named it slow_workers with a re-split."""
+    _, job = _job(tmp_path, target, **knobs, steps=40, slow_rank=rank, slow_phase="input")
+    assert job.diagnosis.cause == "slow_input", job.diagnosis.summary
+    assert _first_named(job.diagnosis.summary) == (1, 0), job.diagnosis.summary
+    assert "slow in input-wait" in job.diagnosis.summary
+    actions = [a.action for a in job.diagnosis.advice]
+    assert actions[0] == "speed up the straggler's input"
+    assert "re-split micro-batches" not in actions
+    assert job.diagnosis.escalation.ladder[1].action == "speed up the straggler's input"
+
+
 def test_ddp_clean_run_is_quiet(tmp_path: Path) -> None:
     _, job = _job(tmp_path, ddp.worker, **DDP, steps=60)
     _healthy(job)
