@@ -139,6 +139,10 @@ def simulate(
     """Simulate every column of `cost` ([node, column]); `delay` is launch delay or None.
 
     `segment_offsets` are the first columns of each segment, ascending, starting at 0.
+
+    One function on purpose (about 70 lines): it is the engine's hot loop, one pass per
+    dependency level over every column, and it reads as the paper's recurrence (start =
+    latest dependency end + launch delay; a group starts when its last member posts).
     """
     n, n_cols = cost.shape
     if n != compiled.n_nodes:

@@ -275,49 +275,7 @@ def build_schedule_model(spec: JobSpec) -> tuple[DependencyModel, dict[str, np.n
     rows: list[tuple[int, str, int, float, float, int, int, int]] = []
     pp, vpp = spec.pp, spec.vpp
     for stage in range(pp):
-        add = _SkeletonStage(stage, rows).add
-        clock = 10.0
-
-        if spec.dp_comm:
-            for chunk in range(vpp):
-                add(ot.PARAMS_ALL_GATHER, 1.0 + chunk, 1.5 + chunk, mc=chunk)
-        has = {
-            ot.FORWARD_RECV: vpp > 1 or stage > 0,
-            ot.FORWARD_SEND: vpp > 1 or stage < pp - 1,
-            ot.BACKWARD_RECV: vpp > 1 or stage < pp - 1,
-            ot.BACKWARD_SEND: vpp > 1 or stage > 0,
-        }
-        if pp == 1:
-            has = dict.fromkeys(has, False)
-        schedule = compute_schedule(pp, vpp, spec.microbatches, stage)
-        last_backward_of_chunk = {
-            chunk: max(i for i, (d, c, _) in enumerate(schedule) if d == "B" and c == chunk)
-            for chunk in range(vpp)
-        }
-        for i, (direction, chunk, mb) in enumerate(schedule):
-            forward = direction == "F"
-            recv = ot.FORWARD_RECV if forward else ot.BACKWARD_RECV
-            send = ot.FORWARD_SEND if forward else ot.BACKWARD_SEND
-            compute = ot.FORWARD_COMPUTE if forward else ot.BACKWARD_COMPUTE
-            if has[recv]:
-                add(recv, clock - 1.0, clock - 0.5)
-            add(compute, clock, clock + 5.0, mc=chunk, gmc=stage + chunk * pp, mb=mb)
-            if has[send]:
-                add(send, clock + 6.0, clock + 6.5)
-            if spec.dp_comm and spec.overlapped_dp and last_backward_of_chunk[chunk] == i:
-                add(ot.GRADS_REDUCE_SCATTER, clock + 7.0, clock + 7.5, mc=chunk)
-            clock += 10.0
-        add(ot.GC, clock, clock)
-        add(ot.LAYERNORM_GRADS_ALL_REDUCE, clock + 1, clock + 1.5)
-        if stage in (0, pp - 1):
-            add(ot.EMBEDDING_GRADS_ALL_REDUCE, clock + 2, clock + 2.5)
-        if spec.dp_comm and not spec.overlapped_dp:
-            for chunk in range(vpp):
-                add(ot.GRADS_REDUCE_SCATTER, clock + 3 + chunk, clock + 3.5 + chunk, mc=chunk)
-        if spec.dp_comm and spec.overlapped_dp:
-            add(ot.SEPARATE_GRADS_ALL_REDUCE, clock + 3, clock + 3.5)
-        add(ot.OPTIMIZER_CLIP_MAIN_GRAD, clock + 10, clock + 10.5)
-        add(ot.OPTIMIZER, clock + 11, clock + 12)
+        _add_skeleton_stage(spec, stage, rows)
     rows.sort(key=lambda r: (r[0], r[1], r[2]))
     cols = list(zip(*rows, strict=True))
     model = infer_dependency_model(
@@ -339,6 +297,56 @@ def build_schedule_model(spec: JobSpec) -> tuple[DependencyModel, dict[str, np.n
         "mb_id": np.array(cols[7], dtype=np.int32),
     }
     return model, attrs
+
+
+def _add_skeleton_stage(
+    spec: JobSpec, stage: int, rows: list[tuple[int, str, int, float, float, int, int, int]]
+) -> None:
+    """One stage's ops of a skeleton step, in schedule order, added to `rows`."""
+    pp, vpp = spec.pp, spec.vpp
+    add = _SkeletonStage(stage, rows).add
+    clock = 10.0
+
+    if spec.dp_comm:
+        for chunk in range(vpp):
+            add(ot.PARAMS_ALL_GATHER, 1.0 + chunk, 1.5 + chunk, mc=chunk)
+    has = {
+        ot.FORWARD_RECV: vpp > 1 or stage > 0,
+        ot.FORWARD_SEND: vpp > 1 or stage < pp - 1,
+        ot.BACKWARD_RECV: vpp > 1 or stage < pp - 1,
+        ot.BACKWARD_SEND: vpp > 1 or stage > 0,
+    }
+    if pp == 1:
+        has = dict.fromkeys(has, False)
+    schedule = compute_schedule(pp, vpp, spec.microbatches, stage)
+    last_backward_of_chunk = {
+        chunk: max(i for i, (d, c, _) in enumerate(schedule) if d == "B" and c == chunk)
+        for chunk in range(vpp)
+    }
+    for i, (direction, chunk, mb) in enumerate(schedule):
+        forward = direction == "F"
+        recv = ot.FORWARD_RECV if forward else ot.BACKWARD_RECV
+        send = ot.FORWARD_SEND if forward else ot.BACKWARD_SEND
+        compute = ot.FORWARD_COMPUTE if forward else ot.BACKWARD_COMPUTE
+        if has[recv]:
+            add(recv, clock - 1.0, clock - 0.5)
+        add(compute, clock, clock + 5.0, mc=chunk, gmc=stage + chunk * pp, mb=mb)
+        if has[send]:
+            add(send, clock + 6.0, clock + 6.5)
+        if spec.dp_comm and spec.overlapped_dp and last_backward_of_chunk[chunk] == i:
+            add(ot.GRADS_REDUCE_SCATTER, clock + 7.0, clock + 7.5, mc=chunk)
+        clock += 10.0
+    add(ot.GC, clock, clock)
+    add(ot.LAYERNORM_GRADS_ALL_REDUCE, clock + 1, clock + 1.5)
+    if stage in (0, pp - 1):
+        add(ot.EMBEDDING_GRADS_ALL_REDUCE, clock + 2, clock + 2.5)
+    if spec.dp_comm and not spec.overlapped_dp:
+        for chunk in range(vpp):
+            add(ot.GRADS_REDUCE_SCATTER, clock + 3 + chunk, clock + 3.5 + chunk, mc=chunk)
+    if spec.dp_comm and spec.overlapped_dp:
+        add(ot.SEPARATE_GRADS_ALL_REDUCE, clock + 3, clock + 3.5)
+    add(ot.OPTIMIZER_CLIP_MAIN_GRAD, clock + 10, clock + 10.5)
+    add(ot.OPTIMIZER, clock + 11, clock + 12)
 
 
 # -- costs -----------------------------------------------------------------------------
@@ -534,30 +542,44 @@ def _trace_from_timeline(
         "mb_id": mb[grid_node],
     }
     if paused.any():
-        p_node, p_step, p_dp = np.nonzero(paused)
-        p_stage = stage[p_node]
-        # seq: order of the pause among its worker's pauses in the step.
-        order = np.lexsort((start[paused], p_dp, p_stage, p_step))
-        key = np.stack([p_step, p_stage, p_dp])[:, order]
-        new_group = np.concatenate(([True], (key[:, 1:] != key[:, :-1]).any(axis=0)))
-        group_first = np.maximum.accumulate(np.where(new_group, np.arange(order.size), 0))
-        p_seq = np.empty(order.size, dtype=np.int32)
-        p_seq[order] = np.arange(order.size) - group_first
-        extra = {
-            "dp_rank": p_dp,
-            "stage": p_stage,
-            "rank": (p_stage * spec.dp + p_dp) * spec.tp,
-            "step": step_ids[p_step],
-            "optype": np.full(p_node.size, names.index(ot.GC_PAUSE)),
-            "start_ts": start[paused].astype(np.float32),
-            "duration": gc_pause[paused].astype(np.float32),
-            "seq_id": p_seq,
-            "mc": np.full(p_node.size, -1),
-            "gmc": np.full(p_node.size, -1),
-            "mb_id": np.full(p_node.size, -1),
-        }
+        extra = _pause_rows(spec, stage, step_ids, start, gc_pause, names.index(ot.GC_PAUSE))
         for name, values in extra.items():
             columns[name] = np.concatenate([columns[name], values])
     order = np.lexsort((columns["seq_id"], columns["optype"], columns["rank"], columns["step"]))
     ordered = {k: (v[order] if isinstance(v, np.ndarray) else v) for k, v in columns.items()}
     return Trace.from_columns(ordered, source=f"<generated {spec.name}>")
+
+
+def _pause_rows(
+    spec: JobSpec,
+    stage: np.ndarray,
+    step_ids: np.ndarray,
+    start: np.ndarray,
+    gc_pause: np.ndarray,
+    pause_code: int,
+) -> dict[str, np.ndarray]:
+    """The `gc-pause` rows of the pauses in `gc_pause` ([node, step, dp] seconds): each at
+    the start of the op it stalled, numbered in its worker's step."""
+    paused = gc_pause > 0
+    p_node, p_step, p_dp = np.nonzero(paused)
+    p_stage = stage[p_node]
+    # seq: order of the pause among its worker's pauses in the step.
+    order = np.lexsort((start[paused], p_dp, p_stage, p_step))
+    key = np.stack([p_step, p_stage, p_dp])[:, order]
+    new_group = np.concatenate(([True], (key[:, 1:] != key[:, :-1]).any(axis=0)))
+    group_first = np.maximum.accumulate(np.where(new_group, np.arange(order.size), 0))
+    p_seq = np.empty(order.size, dtype=np.int32)
+    p_seq[order] = np.arange(order.size) - group_first
+    return {
+        "dp_rank": p_dp,
+        "stage": p_stage,
+        "rank": (p_stage * spec.dp + p_dp) * spec.tp,
+        "step": step_ids[p_step],
+        "optype": np.full(p_node.size, pause_code),
+        "start_ts": start[paused].astype(np.float32),
+        "duration": gc_pause[paused].astype(np.float32),
+        "seq_id": p_seq,
+        "mc": np.full(p_node.size, -1),
+        "gmc": np.full(p_node.size, -1),
+        "mb_id": np.full(p_node.size, -1),
+    }

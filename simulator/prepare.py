@@ -157,6 +157,9 @@ def prepare(
 
     With `model` (inferred earlier, e.g. from a job's first step), the trace is mapped
     onto it instead: streaming analyses infer once per job, not once per step.
+
+    Over 60 lines for its one constructor call of 17 fields; every stage before it is a
+    call of its own (rows to cells, incomplete steps, late sends, transfers, delays).
     """
     trace, pauses = _split_side_rows(trace)
     if trace.n_rows == 0:
@@ -167,21 +170,90 @@ def prepare(
     n_stages = int(trace.stage.max()) + 1
     _check_layout(trace, meta, n_dp, n_stages)
 
+    # Times from each step's first op: steps are compared, not their wall-clock times.
     origin = np.full(step_ids.size, np.inf, dtype=np.float32)
     np.minimum.at(origin, step_idx, trace.start_ts)
     start = (trace.start_ts - origin[step_idx]).astype(np.float32)
     end = (start + trace.duration).astype(np.float32)
-
-    names = trace.optype_names
     if model is None:
         model = _infer_from_first_step(trace, meta, step_ids[0], start, end, n_dp, n_stages)
-    elif model.node_stage().max(initial=0) + 1 != n_stages:
+    else:
+        _check_model_stages(model, n_stages, src)
+    n_steps = step_ids.size
+    flat, missing = _cells_of_rows(trace, model, step_idx, n_steps, n_dp)
+    dropped = _incomplete_steps(missing, model, step_ids, src, skip_incomplete_steps)
+    d_start, d_duration, d_end = (
+        _dense(values, flat, (model.n_nodes, n_steps, n_dp))
+        for values in (start, trace.duration, end)
+    )
+    step_span = np.full(n_steps, -np.inf, dtype=np.float32)
+    np.maximum.at(step_span, step_idx, end)
+    worker_rank = np.full((n_stages, n_dp), -1, dtype=np.int64)
+    worker_rank[trace.stage, trace.dp_rank] = trace.rank
+
+    d_end = _settle_late_sends(model, d_end)
+    # A collective's or transfer's cost is its transfer time, every other op's its duration.
+    transfer = _transfer_times(model, d_start, d_end)
+    is_member = model.group_of >= 0
+    cost = np.where(is_member[:, None, None], transfer, d_duration).astype(np.float32)
+    prepared = PreparedTrace(
+        model=model,
+        meta=meta,
+        steps=step_ids,
+        n_dp=n_dp,
+        start=d_start,
+        duration=d_duration,
+        cost=cost,
+        launch_delay=_launch_delays(model, d_start, d_end),
+        actual_step_time=step_span.astype(np.float64),
+        worker_rank=worker_rank,
+        dropped_steps=tuple(dropped),
+        source=src,
+        gc_pause=None
+        if pauses is None
+        else _pause_overlap(model, pauses, step_ids, origin, d_start, d_end),
+    )
+    if dropped:
+        # Inputs of kept steps do not depend on other steps, so drop after deriving them.
+        keep = ~np.isin(step_ids, [d.step for d in dropped])
+        prepared = prepared.select_steps(keep)
+    return prepared
+
+
+def _check_model_stages(model: DependencyModel, n_stages: int, src: str) -> None:
+    """A dependency model inferred earlier must have the trace's stages."""
+    modelled = int(model.node_stage().max(initial=0)) + 1
+    if modelled != n_stages:
         raise TraceError(
-            f"{src}: the trace has {n_stages} stage(s) but the job's dependency model "
-            f"{int(model.node_stage().max(initial=0)) + 1}"
+            f"{src}: the trace has {n_stages} stage(s) but the job's dependency model {modelled}"
         )
 
-    # Map every row to its node through a sorted (stage, optype, seq) key.
+
+def _cells_of_rows(
+    trace: Trace, model: DependencyModel, step_idx: np.ndarray, n_steps: int, n_dp: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The flat [node, step, dp] cell of every row, and [node, step, dp] True where no
+    row was recorded; an op recorded twice is an error."""
+    node_of_row = _node_of_each_row(trace, model, trace.source)
+    flat = (node_of_row * n_steps + step_idx) * n_dp + trace.dp_rank
+    counts = np.bincount(flat, minlength=model.n_nodes * n_steps * n_dp)
+    if counts.max() > 1:
+        row = int(np.flatnonzero(counts[flat] > 1)[0])
+        raise TraceError(f"{trace.source}: op {trace.describe_row(row)} is recorded more than once")
+    return flat, (counts == 0).reshape(model.n_nodes, n_steps, n_dp)
+
+
+def _dense(values: np.ndarray, flat: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+    """Row values laid out on the [node, step, dp] grid (0 where nothing was recorded)."""
+    out = np.zeros(shape[0] * shape[1] * shape[2], dtype=np.float32)
+    out[flat] = values
+    return out.reshape(shape)
+
+
+def _node_of_each_row(trace: Trace, model: DependencyModel, src: str) -> np.ndarray:
+    """The dependency-model node of every row, through a sorted (stage, optype, seq) key;
+    a row whose op the model does not hold is an error."""
+    names = trace.optype_names
     code_of = {name: code for code, name in enumerate(names)}
     max_seq = int(max(trace.seq_id.max(), max((n.seq for n in model.nodes), default=0))) + 1
     node_key = np.array(
@@ -204,80 +276,43 @@ def prepare(
             f"the dependency model was inferred from; every worker must run the same ops in "
             f"every step ({int(unknown.sum())} such row(s))"
         )
-    node_of_row = by_key[position]
-    n_nodes = model.n_nodes
-    n_steps = step_ids.size
-    flat = (node_of_row * n_steps + step_idx) * n_dp + trace.dp_rank
-    counts = np.bincount(flat, minlength=n_nodes * n_steps * n_dp)
-    if counts.max() > 1:
-        row = int(np.flatnonzero(counts[flat] > 1)[0])
-        raise TraceError(f"{src}: op {trace.describe_row(row)} is recorded more than once")
+    return by_key[position]
 
-    dropped: list[DroppedStep] = []
-    missing = (counts == 0).reshape(n_nodes, n_steps, n_dp)
-    if missing.any():
-        bad_steps = np.flatnonzero(missing.any(axis=(0, 2)))
-        if not skip_incomplete_steps:
-            node, s, dp = (int(v[0]) for v in np.nonzero(missing))
-            raise TraceError(
-                f"{src}: incomplete step: op {model.nodes[node]} is missing on "
-                f"(step {int(step_ids[s])}, dp {dp}, stage {model.nodes[node].stage}); "
-                f"{int(missing.sum())} op instance(s) missing in {bad_steps.size} step(s) "
-                f"(use --skip-incomplete-steps to analyse the complete steps only)"
+
+def _incomplete_steps(
+    missing: np.ndarray,
+    model: DependencyModel,
+    step_ids: np.ndarray,
+    src: str,
+    skip_incomplete_steps: bool,
+) -> list[DroppedStep]:
+    """The steps to drop, each with what it lacks (`missing`: [node, step, dp] op
+    instances not recorded); an error when they may not be skipped, or are all steps."""
+    if not missing.any():
+        return []
+    bad_steps = np.flatnonzero(missing.any(axis=(0, 2)))
+    if not skip_incomplete_steps:
+        node, s, dp = (int(v[0]) for v in np.nonzero(missing))
+        raise TraceError(
+            f"{src}: incomplete step: op {model.nodes[node]} is missing on "
+            f"(step {int(step_ids[s])}, dp {dp}, stage {model.nodes[node].stage}); "
+            f"{int(missing.sum())} op instance(s) missing in {bad_steps.size} step(s) "
+            f"(use --skip-incomplete-steps to analyse the complete steps only)"
+        )
+    dropped = []
+    for s in bad_steps:
+        lacking = np.argwhere(missing[:, s, :])
+        workers = sorted({(int(dp), model.nodes[n].stage) for n, dp in lacking})
+        shown = ", ".join(f"(dp {d}, stage {st})" for d, st in workers[:6])
+        more = f" and {len(workers) - 6} more" if len(workers) > 6 else ""
+        dropped.append(
+            DroppedStep(
+                int(step_ids[s]), f"{lacking.shape[0]} op(s) missing on worker(s) {shown}{more}"
             )
-        for s in bad_steps:
-            lacking = np.argwhere(missing[:, s, :])
-            workers = sorted({(int(dp), model.nodes[n].stage) for n, dp in lacking})
-            shown = ", ".join(f"(dp {d}, stage {st})" for d, st in workers[:6])
-            more = f" and {len(workers) - 6} more" if len(workers) > 6 else ""
-            dropped.append(
-                DroppedStep(
-                    int(step_ids[s]),
-                    f"{lacking.shape[0]} op(s) missing on worker(s) {shown}{more}",
-                )
-            )
-        if bad_steps.size == n_steps:
-            raise TraceError(f"{src}: no complete step to analyse")
-
-    def dense(values: np.ndarray) -> np.ndarray:
-        out = np.zeros(n_nodes * n_steps * n_dp, dtype=np.float32)
-        out[flat] = values
-        return out.reshape(n_nodes, n_steps, n_dp)
-
-    d_start, d_duration, d_end = dense(start), dense(trace.duration), dense(end)
-    step_span = np.full(n_steps, -np.inf, dtype=np.float32)
-    np.maximum.at(step_span, step_idx, end)
-    worker_rank = np.full((n_stages, n_dp), -1, dtype=np.int64)
-    worker_rank[trace.stage, trace.dp_rank] = trace.rank
-
-    d_end = _settle_late_sends(model, d_end)
-    transfer = _transfer_times(model, d_start, d_end)
-    is_member = model.group_of >= 0
-    cost = np.where(is_member[:, None, None], transfer, d_duration).astype(np.float32)
-    delay = _launch_delays(model, d_start, d_end)
-
-    prepared = PreparedTrace(
-        model=model,
-        meta=meta,
-        steps=step_ids,
-        n_dp=n_dp,
-        start=d_start,
-        duration=d_duration,
-        cost=cost,
-        launch_delay=delay,
-        actual_step_time=step_span.astype(np.float64),
-        worker_rank=worker_rank,
-        dropped_steps=tuple(dropped),
-        source=src,
-        gc_pause=None
-        if pauses is None
-        else _pause_overlap(model, pauses, step_ids, origin, d_start, d_end),
-    )
-    if dropped:
-        # Inputs of kept steps do not depend on other steps, so drop after deriving them.
-        keep = ~np.isin(step_ids, [d.step for d in dropped])
-        prepared = prepared.select_steps(keep)
-    return prepared
+        )
+    if bad_steps.size == step_ids.size:
+        raise TraceError(f"{src}: no complete step to analyse")
+    return dropped
 
 
 def _settle_late_sends(model: DependencyModel, end: np.ndarray) -> np.ndarray:

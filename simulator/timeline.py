@@ -86,15 +86,41 @@ def trace_events(
     if clock_offsets_s is not None:
         prepared = apply_clock_offsets(prepared, clock_offsets_s)
     actual = "actual, clocks corrected" if clock_offsets_s is not None else "actual"
+    shown = list(range(prepared.n_dp)) if dp_ranks is None else [int(d) for d in dp_ranks]
+    slices = _slices(prepared, ideal_start, ideal_end, shown)
+    ideal_pid = prepared.n_dp
+    events: list[dict[str, Any]] = []
+    for dp in shown:
+        events.append(_meta("process_name", dp, 0, f"dp {dp} ({actual})"))
+    events.append(_meta("process_name", ideal_pid, 0, "ideal (every DP rank)"))
+    for pid in [*shown, ideal_pid]:
+        tid = 0
+        for stream_id in range(prepared.n_stages * len(STREAMS)):
+            stage, stream = divmod(stream_id, len(STREAMS))
+            lanes = assign_lanes(slices.get((pid, stream_id), []))
+            for lane, lane_slices in enumerate(lanes or [[]]):
+                label = f"pp {stage} {STREAMS[stream]}" + (f" ({lane + 1})" if lane else "")
+                events.append(_meta("thread_name", pid, tid, label))
+                events.extend(_span(name, pid, tid, a, b, args) for a, b, name, args in lane_slices)
+                tid += 1
+    return events
+
+
+#: A slice: (start ns, end ns, name, args).
+_Slice = tuple[int, int, str, dict[str, Any]]
+
+
+def _slices(
+    prepared: PreparedTrace, ideal_start: np.ndarray, ideal_end: np.ndarray, shown: list[int]
+) -> dict[tuple[int, int], list[_Slice]]:
+    """The slices of every (pid, stream id): the measured ops of the DP ranks `shown`,
+    and the ideal timeline (pid n_dp), steps laid one after another."""
     model = prepared.model
     names = [str(n) for n in model.nodes]
-    stages = model.node_stage()
     streams = np.array([stream_of(n.optype) for n in model.nodes])
-    stream_ids = stages * len(STREAMS) + streams
+    stream_ids = model.node_stage() * len(STREAMS) + streams
     ideal_pid = prepared.n_dp
-    shown = list(range(prepared.n_dp)) if dp_ranks is None else [int(d) for d in dp_ranks]
-    # (pid, stream id) -> its slices as (start ns, end ns, name, args)
-    slices: dict[tuple[int, int], list[tuple[int, int, str, dict[str, Any]]]] = {}
+    slices: dict[tuple[int, int], list[_Slice]] = {}
 
     def add(pid: int, node: int, start_s: float, duration_s: float, args: dict) -> None:
         start_ns = round(start_s * 1e9)
@@ -129,22 +155,7 @@ def trace_events(
                 {"step": int(step)},
             )
         offset += STEP_GAP_FACTOR * max(float(end.max()), ideal_length)
-
-    events: list[dict[str, Any]] = []
-    for dp in shown:
-        events.append(_meta("process_name", dp, 0, f"dp {dp} ({actual})"))
-    events.append(_meta("process_name", ideal_pid, 0, "ideal (every DP rank)"))
-    for pid in [*shown, ideal_pid]:
-        tid = 0
-        for stream_id in range(prepared.n_stages * len(STREAMS)):
-            stage, stream = divmod(stream_id, len(STREAMS))
-            lanes = assign_lanes(slices.get((pid, stream_id), []))
-            for lane, lane_slices in enumerate(lanes or [[]]):
-                label = f"pp {stage} {STREAMS[stream]}" + (f" ({lane + 1})" if lane else "")
-                events.append(_meta("thread_name", pid, tid, label))
-                events.extend(_span(name, pid, tid, a, b, args) for a, b, name, args in lane_slices)
-                tid += 1
-    return events
+    return slices
 
 
 def assign_lanes(

@@ -371,7 +371,7 @@ def analyze(
     slowdown passed `decompose_threshold`, which reporting uses to gate them.
     """
     wa = WhatIfAnalysis(prepared, ideal, compiled=compiled, max_cells_per_pass=max_cells_per_pass)
-    n_stages, n_dp = prepared.n_stages, prepared.n_dp
+    n_stages = prepared.n_stages
     attributions = _attribution_groups(wa)
     base = [Variant("measured"), Variant("ideal")]
     if explain:
@@ -411,8 +411,17 @@ def analyze(
     if not explain:
         return result
 
-    ms_removed, ms_added = times[-2:]
-    t_orig, mean_ideal = float(t_nodelay.mean()), float(t_ideal.mean())
+    return _explained(wa, result, *times[-2:])
+
+
+def _explained(
+    wa: WhatIfAnalysis, result: WhatIfResult, ms_removed: np.ndarray, ms_added: np.ndarray
+) -> WhatIfResult:
+    """`result` with M_W (its top workers at their measured / ideal times) and M_S (the
+    last stage's, from `ms_removed` / `ms_added`, the first pass' last two variants)."""
+    prepared = wa.prepared
+    n_stages, n_dp = prepared.n_stages, prepared.n_dp
+    t_orig, mean_ideal = float(result.t_nodelay.mean()), float(result.t_ideal.mean())
     top = top_workers(result.worker_slowdown, prepared.worker_rank)
     top_rows = wa.worker_rows(top)
     mw_removed, mw_added = wa.run(
