@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install bytecode chromium demo test lint bench clean
+.PHONY: install bytecode chromium demo test test-fast lint bench clean
 
 install: $(STAMP) chromium
 
@@ -45,8 +45,16 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m tests.import_layers
 
+# The whole suite; the 20 slowest tests' durations at the end, so a test that grows slow
+# is seen (and marked `slow` when it belongs out of the edit loop).
 test: install lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20
+
+# The edit loop: everything but the tests marked `slow` (a real Kafka broker, real torch
+# jobs, live runs, a browser, the demo end to end): a few minutes on a 2-core machine.
+# `make test` (and CI) still runs them all.
+test-fast: install lint
+	$(BIN)/python -m pytest -m "not slow" --durations=10
 
 bench: install bytecode
 	$(BIN)/python -m tests.bench

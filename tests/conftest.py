@@ -29,6 +29,20 @@ REFERENCE_TRACES = Path(
 REFERENCE_NAMES = ("AR", "SE", "ST")
 
 
+#: Fixtures whose tests are slow by nature, marked `slow` here rather than one by one: a
+#: real Kafka broker (its start, and the end-to-end runs through it); torch.profiler traces
+#: of a real torch job (tests/test_profiler_trace.py).
+SLOW_FIXTURES = frozenset({"kafka_bootstrap", "profiled_torch_job"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test-fast` leaves out the tests marked `slow`: those marked in their module
+    (real torch jobs, live runs, browsers, ...) and every test that needs a broker."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
     if not (REFERENCE_TRACES / "trace-AR.parquet").exists():

@@ -226,6 +226,7 @@ def test_run_and_query_share_the_default_store_and_progress_is_plain_lines(
     assert queried.stdout.splitlines()[1] == "st,32"
 
 
+@pytest.mark.slow  # a followed run interrupted (~5 s)
 def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
     tmp_path: Path, st_logs: Path
 ) -> None:
@@ -248,6 +249,7 @@ def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # waits out the idle exit (~12 s)
 def test_stream_without_kafka_says_so_once_and_honours_idle_exit(
     tmp_path: Path, st_logs: Path
 ) -> None:

@@ -102,6 +102,7 @@ def test_csv_and_json_keep_full_float_precision(dsn: str, capsys) -> None:
     assert json.loads(capsys.readouterr().out) == [{"third": 1 / 3, "two_thirds": 2 / 3}]
 
 
+@pytest.mark.slow  # a store large enough to stream (~10 s)
 @pytest.mark.parametrize("output_format", ["csv", "table"])
 def test_query_streams_rows_instead_of_holding_the_result(
     dsn: str, output_format: str, tmp_path, monkeypatch

@@ -59,6 +59,7 @@ def test_demo_refuses_a_folder_of_someone_elses_files(tmp_path: Path, out: str) 
     assert tree(tmp_path) == before and not (folder / OUTPUT_MARK).exists()
 
 
+@pytest.mark.slow  # the demo run twice (~7 s)
 def test_demo_reruns_replace_only_its_own_outputs(tmp_path: Path) -> None:
     first = lagscope("demo", "--out", "demo", "--steps", "20", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -79,6 +80,7 @@ def test_demo_reruns_replace_only_its_own_outputs(tmp_path: Path) -> None:
     assert tree(out) == before
 
 
+@pytest.mark.slow  # the demo run (~4 s)
 def test_demo_takes_over_a_demo_folder_of_an_older_version(tmp_path: Path) -> None:
     """out/demo of a version that wrote no mark: recognised by its layout, not refused."""
     out = tmp_path / "out" / "demo"
@@ -257,6 +259,7 @@ def test_settings_that_cannot_work_end_in_one_line(
     )
 
 
+@pytest.mark.slow  # waits out the clients' broker timeouts (~7 s)
 def test_a_client_that_needs_a_broker_is_told_in_one_line_when_none_answers(
     kafka_bootstrap: str,
 ) -> None:

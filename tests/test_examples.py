@@ -30,6 +30,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,15 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 REFERENCE = REPO / "tests" / "data" / "reference-traces"
 #: The source folders installed under `lagscope` (their modules' docstrings are scanned).
-SOURCE_FOLDERS = ("lagscope", "producers", "simulator", "stream_app", "dashboards", "deploy")
+SOURCE_FOLDERS = (
+    "lagscope",
+    "producers",
+    "simulator",
+    "stream_app",
+    "store",
+    "dashboards",
+    "deploy",
+)
 #: A code block's first line that makes it a Python example (not a table or a layout).
 _PYTHON_START = re.compile(r"^(import |from \S+ import |# \S+\.py: )")
 
@@ -108,7 +117,13 @@ def _launcher(argv: list[str]) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("example", RUNNABLE, ids=lambda e: e.where)
+def _runnable(example: Example) -> Any:
+    """An example as a test case: one that imports torch runs a real torch job, slow."""
+    marks = [pytest.mark.slow] if "import torch" in example.code else []
+    return pytest.param(example, marks=marks, id=example.where)
+
+
+@pytest.mark.parametrize("example", [_runnable(e) for e in RUNNABLE])
 def test_docstring_example_runs_as_written(example: Example, tmp_path: Path) -> None:
     if "import torch" in example.code:
         pytest.importorskip("torch")
@@ -218,6 +233,7 @@ def test_readme_analyze_example_prints_what_the_readme_shows(tmp_path: Path) -> 
     assert set(keys) - {"steps"} <= set(written), set(keys) - set(written)
 
 
+@pytest.mark.slow  # the README's torch job, run for real (~13 s)
 def test_readme_torch_job_example_runs(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     text = README.read_text()

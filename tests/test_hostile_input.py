@@ -61,6 +61,7 @@ def assert_good_job_stored_complete(store: ClickHouseSink) -> None:
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, unique=True),
     rank_index=st.integers(0, 3),
 )
+@pytest.mark.slow  # lagscope run over every kind of hostile record (~30 s)
 def test_lagscope_run_sets_every_hostile_record_aside_and_keeps_the_good_job(
     good_logs, tmp_path_factory, chdb_dir, capsys, kinds, rank_index
 ):

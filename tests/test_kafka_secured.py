@@ -25,6 +25,9 @@ from tests.conftest import REFERENCE_TRACES
 from tests.kafka_util import consume_all
 from tests.worker_util import create_topics, query_store, start_worker
 
+#: A real broker with SASL/TLS, streamer and worker end to end: slow.
+pytestmark = pytest.mark.slow
+
 USER = "lagscope-svc"
 PASSWORD = "Scram-pw-7f3e9a1c"
 WRONG = "Wrong-pw-0b2d4c6e"

@@ -83,6 +83,7 @@ def job(tmp_path: Path):
     return generated.trace, JobInfo.from_meta(generated.meta, job_id="live-job")
 
 
+@pytest.mark.slow  # a live run followed for its report (~20 s)
 def test_follow_keeps_the_report_current_and_leaves_a_final_one(tmp_path: Path, job) -> None:
     trace, info = job
     logs, report = tmp_path / "logs", tmp_path / "site" / "report.html"

@@ -97,6 +97,7 @@ def test_a_step_larger_than_the_budget_keeps_one(job_steps):
     assert tiny.rollup(info.job_id).steps.tolist() == [steps[5][1]]
 
 
+@pytest.mark.slow  # a backlog read through the embedded host (~7 s)
 def test_a_backlog_is_read_no_faster_than_its_steps_close(chdb_dir, tmp_path):
     from lagscope.cli.demo import write_logs_with_timers
     from lagscope.store.sink import ClickHouseSink

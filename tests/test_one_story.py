@@ -190,6 +190,7 @@ def demo(tmp_path_factory) -> tuple[str, str]:
     return proc.stdout, (out / "report.html").read_text()
 
 
+@pytest.mark.slow  # the whole demo (~20 s)
 def test_the_demo_tells_one_story(demo: tuple[str, str]):
     printed, report = demo
     boxes = report_verdicts(report)

@@ -113,6 +113,7 @@ def test_state_round_trips_mid_episode() -> None:
     assert resumed.episodes == whole.episodes
 
 
+@pytest.mark.slow  # the detector run over many rescaled jobs (~50 s)
 @settings(max_examples=20, deadline=None)
 @given(scale=st.floats(0.001, 1000.0))
 def test_decisions_do_not_depend_on_the_unit_of_time(scale: float) -> None:

@@ -19,6 +19,9 @@ import pytest
 
 from lagscope.cli import COMMAND_MODULE, EXTRA_OF_MODULE
 
+#: Builds the wheel and installs it into fresh virtual environments: slow.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: Distributions a training node must not get from `pip install lagscope` (normalised names).

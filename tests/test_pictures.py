@@ -102,6 +102,7 @@ def test_a_100k_gpu_heatmap_is_binned_and_drills_down_to_every_worker() -> None:
     }  # fmt: skip
 
 
+@pytest.mark.slow  # draws heatmaps of many job sizes (~11 s)
 def test_png_heatmap_text_never_overlaps_and_states_the_scale() -> None:
     """At 12,288 GPUs the old PNG wrote 1,536 cell labels and 192 ticks into 2,640 px."""
     import matplotlib

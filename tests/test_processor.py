@@ -36,7 +36,11 @@ def stream_of(name_or_job, start_ns=1_700_000_000_000_000_000):
     return info, steps
 
 
-@pytest.mark.parametrize("name", ["AR", "SE", "ST"])
+# AR and SE, the larger traces, take 7-11 s each: the edit loop checks ST.
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param("AR", marks=pytest.mark.slow), pytest.param("SE", marks=pytest.mark.slow), "ST"],
+)
 def test_rollup_equals_batch_analysis(reference_dir, name):
     info, steps = stream_of(name)
     processor = StepProcessor()
@@ -209,6 +213,7 @@ def test_a_rank_step_in_several_parts_is_merged(reference_dir):
     assert outputs[0].result.slowdown == expected.result.slowdown
 
 
+@pytest.mark.slow  # the processor run over many groupings (~6 s)
 def test_outputs_do_not_depend_on_how_input_is_grouped(reference_dir):
     """A backlog is analysed per call, vectorized; a crash replay regroups the input.
     Step results, change points and the ideal must be the same bit for bit."""

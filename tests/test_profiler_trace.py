@@ -25,16 +25,18 @@ SLOW_RANK = 3
 META = JobMeta(trial_name="profiled", dp_size=DP, pp_size=PP, world_size=DP * PP)
 
 
+# Recording the traces runs a real torch job under torch.profiler (~20 s), and reading
+# them in full takes as long: every test that uses them is slow.
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory) -> Path:
+def profiled_torch_job(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("profiler")
     record(out / "traces", steps=STEPS, microbatches=MICROBATCHES, slow_rank=SLOW_RANK)
     write_meta(META, out / "meta.yaml")
     return out
 
 
-def test_the_reader_finds_every_worker_step_and_op_type(recorded):
-    trace, stats = load_profiler_traces([recorded / "traces"], META)
+def test_the_reader_finds_every_worker_step_and_op_type(profiled_torch_job):
+    trace, stats = load_profiler_traces([profiled_torch_job / "traces"], META)
 
     assert stats.files == DP * PP and stats.ranks_analysed == DP * PP
     # The profiler's warm-up step (0) is not recorded; the others all are.
@@ -69,19 +71,19 @@ def test_the_reader_finds_every_worker_step_and_op_type(recorded):
     assert count(ot.FORWARD_RECV, 0) == count(ot.BACKWARD_SEND, 0) == 0
 
 
-def test_analyze_names_the_slow_rank(recorded, capsys):
-    out = recorded / "analysis.json"
+def test_analyze_names_the_slow_rank(profiled_torch_job, capsys):
+    out = profiled_torch_job / "analysis.json"
     code = main(
         [
             "analyze",
             "--profiler-trace",
-            str(recorded / "traces"),
+            str(profiled_torch_job / "traces"),
             "--meta",
-            str(recorded / "meta.yaml"),
+            str(profiled_torch_job / "meta.yaml"),
             "--json",
             str(out),
             "--timeline",
-            str(recorded / "timeline.json"),
+            str(profiled_torch_job / "timeline.json"),
         ]
     )
     printed = capsys.readouterr().out
@@ -93,18 +95,18 @@ def test_analyze_names_the_slow_rank(recorded, capsys):
     assert (slowest["dp"], slowest["stage"]) == (1, 1)
     assert document["mw"]["workers"] == [{"dp": 1, "stage": 1}]
     assert len(document["clock_offsets"]["workers"]) == DP * PP
-    assert json.loads((recorded / "timeline.json").read_text())["traceEvents"]
+    assert json.loads((profiled_torch_job / "timeline.json").read_text())["traceEvents"]
 
 
-def test_replay_turns_profiler_traces_into_rank_logs(recorded, tmp_path):
+def test_replay_turns_profiler_traces_into_rank_logs(profiled_torch_job, tmp_path):
     logs = tmp_path / "logs"
     code = main(
         [
             "replay",
             "--profiler-trace",
-            *map(str, sorted((recorded / "traces").iterdir())),
+            *map(str, sorted((profiled_torch_job / "traces").iterdir())),
             "--meta",
-            str(recorded / "meta.yaml"),
+            str(profiled_torch_job / "meta.yaml"),
             "--log-dir",
             str(logs),
             "--no-progress",
@@ -116,17 +118,17 @@ def test_replay_turns_profiler_traces_into_rank_logs(recorded, tmp_path):
     ]
 
 
-def test_a_missing_rank_is_named(recorded, tmp_path):
+def test_a_missing_rank_is_named(profiled_torch_job, tmp_path):
     partial = tmp_path / "partial"
     partial.mkdir()
     for name in ("rank0.pt.trace.json", "rank1.pt.trace.json", "rank2.pt.trace.json"):
-        shutil.copy(recorded / "traces" / name, partial / name)
+        shutil.copy(profiled_torch_job / "traces" / name, partial / name)
     with pytest.raises(TraceError, match=r"4 \(dp, stage\) worker\(s\) but traces of 3"):
         load_profiler_traces([partial], META)
 
 
-def test_a_trace_without_step_markers_says_how_to_record_them(recorded, tmp_path):
-    source = json.loads((recorded / "traces" / "rank0.pt.trace.json").read_text())
+def test_a_trace_without_step_markers_says_how_to_record_them(profiled_torch_job, tmp_path):
+    source = json.loads((profiled_torch_job / "traces" / "rank0.pt.trace.json").read_text())
     source["traceEvents"] = [
         e for e in source["traceEvents"] if not str(e.get("name", "")).startswith("ProfilerStep")
     ]

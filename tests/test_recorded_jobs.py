@@ -58,6 +58,7 @@ def test_a_recorded_healthy_job_stays_quiet(name: str, tmp_path: Path) -> None:
     assert job.diagnosis.cause == "none", job.diagnosis.summary
 
 
+@pytest.mark.slow  # every recorded real job analysed (~12 s)
 def test_recorded_stragglers_are_named_right_or_not_at_all(tmp_path: Path) -> None:
     stragglers = [n for n in NAMES if "-clean-" not in n]
     found = [

@@ -20,6 +20,9 @@ from lagscope.cli import main
 from lagscope.dashboards.colour_scale import colour_scale
 from tests.conftest import REPO_ROOT, analyzed_reference
 
+#: Reports opened in a real headless Chromium: slow.
+pytestmark = pytest.mark.slow
+
 ARTIFACTS = REPO_ROOT / "out" / "test-artifacts"
 CHARTS = ("heatmap", "steps", "by-optype", "by-stage", "by-dp")
 

@@ -171,6 +171,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     }
 
 
+@pytest.mark.slow  # every command run against a failing setting (~80 s in all)
 @pytest.mark.parametrize("name", list(cases(Path("unused"))))
 def test_no_command_shows_a_password(tmp_path: Path, name: str) -> None:
     (tmp_path / "broken.yaml").write_text(

@@ -19,6 +19,9 @@ from tests.worker_util import (
     wait_for_log,
 )
 
+#: A worker on a real broker against a failing store, end to end: slow.
+pytestmark = pytest.mark.slow
+
 N_STEPS = 30
 SPEC = JobSpec(dp=2, pp=2, microbatches=2, steps=N_STEPS, name="flaky", seed=11)
 #: Small passes and frequent writes and snapshots: the job's steps are written in many

@@ -23,6 +23,9 @@ from lagscope.producers.streamer import BATCH_ID_HEADER
 from tests.conftest import REFERENCE_TRACES, REPO_ROOT
 from tests.kafka_util import Message, consume_all
 
+#: A real broker stopped, restarted and the streamer killed at random points: slow.
+pytestmark = pytest.mark.slow
+
 START_NS = 1_760_000_000_000_000_000
 
 

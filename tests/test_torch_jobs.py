@@ -17,6 +17,9 @@ import pytest
 from tests.torch_jobs import comm_kinds, ddp, pipeline_1f1b, pipelining
 from tests.torch_jobs.harness import Knobs, job_records, launch, recorded_ops
 
+#: Real multi-process torch jobs (CPU, gloo): slow.
+pytestmark = pytest.mark.slow
+
 
 def run(tmp: Path, target: Any, **knobs: Any) -> list[dict[str, Any]]:
     settings = Knobs(log_dir=str(tmp / "logs"), **knobs)

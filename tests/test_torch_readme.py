@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+#: The README's torch job, run for real with torchrun: slow.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -21,6 +21,9 @@ pytest.importorskip("torch")
 from tests.torch_jobs import ddp, pipeline_1f1b
 from tests.torch_jobs.harness import Knobs, analyse, launch
 
+#: Real multi-process torch jobs (CPU, gloo), one per scenario: slow.
+pytestmark = pytest.mark.slow
+
 #: DP 2 x PP 2, 1F1B over 4 micro-batches, 3 blocks per stage: steps of about 110 ms.
 PIPELINE = {"block_ms": 2.0}
 #: DP 4, 6 blocks, three gradient buckets: steps of about 85 ms.

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lagscope.producers.replay import replay
 from tests.conftest import load_reference
 from tests.worker_util import create_topics, kafka_config, query_store, topic_env
@@ -24,6 +26,7 @@ def _worker(args: list[str], cwd: Path, env: dict[str, str] | None = None,
     )  # fmt: skip
 
 
+@pytest.mark.slow  # waits out the broker attempts (~11 s)
 def test_a_broker_that_does_not_answer_is_waited_for_one_line_per_attempt(tmp_path: Path):
     empty = tmp_path / "empty"
     empty.mkdir()

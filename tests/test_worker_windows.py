@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, generate_job
@@ -49,6 +51,7 @@ def _stored(sink: ClickHouseSink) -> list[tuple[int, bool]]:
     return [(int(step), bool(complete)) for step, complete in rows]
 
 
+@pytest.mark.slow  # a backlog through the worker core (~5 s)
 def test_a_held_back_worker_closes_a_complete_step_complete(chdb_dsn):
     core, sink, steps = _setup(chdb_dsn)
     produced_at = time.time() - 3600  # a backlog: produced an hour ago
@@ -68,6 +71,7 @@ def test_a_held_back_worker_closes_a_complete_step_complete(chdb_dsn):
     sink.close()
 
 
+@pytest.mark.slow  # waits out the lateness timeout (~6 s)
 def test_a_silent_rank_still_times_out_once_caught_up(chdb_dsn):
     core, sink, steps = _setup(chdb_dsn)
     first = steps[0]
