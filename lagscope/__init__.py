@@ -8,7 +8,8 @@ The public surface is small and stable:
 - the command line, `lagscope --help`.
 
 Everything else (`lagscope.producers`, `lagscope.simulator`, `lagscope.stream_app`,
-`lagscope.dashboards`, `lagscope.deploy`) is internal and may change between releases.
+`lagscope.store`, `lagscope.dashboards`, `lagscope.deploy`, and `lagscope.cli`, the command
+line's code) is internal and may change between releases.
 Importing `lagscope` itself imports nothing else, so a training process pays for what it
 uses and no more.
 """
