@@ -380,167 +380,193 @@ class RankLogReader:
         self, name: str, is_newest: bool, budget: int
     ) -> tuple[int, list[Record | DeadLetter], bool]:
         """Parse records from the current position; returns (bytes consumed, items, at end)."""
-        path = self.directory / name
         assert self.position is not None
-        start = self.position.offset
-        items: list[Record | DeadLetter] = []
         try:
-            with open(path, "rb") as handle:
-                stat = os.fstat(handle.fileno())
-                size = stat.st_size
-                if size < start:
-                    items.append(
-                        DeadLetter(
-                            str(path),
-                            size,
-                            0,
-                            f"file truncated from at least {start} to {size} bytes; "
-                            "re-reading it from the start",
-                            # Resume at 0, not at `size`: what is there now is unread.
-                            end=Position(name, 0),
-                        )
-                    )
-                    start = 0
-                    self.position = Position(name, 0)
-                handle.seek(start)
-                data = handle.read(min(max(budget, HEADER_SIZE), size - start))
-                if len(data) >= HEADER_SIZE:
-                    # One record larger than the budget: read exactly that record.
-                    magic, version, _, _, length, _ = _HEADER.unpack_from(data, 0)
-                    whole = HEADER_SIZE + length
-                    if (
-                        magic == RECORD_MAGIC
-                        and version == RECORD_VERSION
-                        and length <= self.max_record_bytes
-                        and len(data) < whole <= size - start
-                    ):
-                        handle.seek(start)
-                        data = handle.read(whole)
+            chunk = self._read_chunk(name, self.position.offset, budget)
         except FileNotFoundError:
-            return 0, items, True
-        stale = time.time() - stat.st_mtime > self.torn_grace_s
-        tail_is_final = not is_newest or stale
-        pos = 0
-        n = len(data)
-        view = memoryview(data)
-        src = str(path)
-        while pos < n:
-            remaining = n - pos
-            at_file_end = start + n == size
-            if remaining < HEADER_SIZE:
-                if not at_file_end:
-                    break  # header split by our read budget: read it next time
-                if RECORD_MAGIC.startswith(bytes(view[pos : pos + min(4, remaining)])):
-                    if tail_is_final:
-                        items.append(
-                            self._dead(
-                                src,
-                                start + pos,
-                                remaining,
-                                "torn record header at end of file",
-                                view,
-                                pos,
-                            )
-                        )
-                        pos = n
-                    break
-                skip = self._resync(view, pos, n)
+            return 0, [], True
+        # A partial record at the end is final when the file is not the newest (its
+        # writer moved on) or has not changed for the grace period (its writer died).
+        tail_is_final = not is_newest or time.time() - chunk.mtime > self.torn_grace_s
+        consumed = chunk.parse(self.max_record_bytes, tail_is_final)
+        self.position = Position(name, chunk.start + consumed)
+        return consumed, chunk.items, chunk.start + consumed >= chunk.size
+
+    def _read_chunk(self, name: str, start: int, budget: int) -> _Chunk:
+        """Up to `budget` bytes of file `name` from `start` (one whole record when the next
+        record is larger than the budget); a file now shorter than `start` is re-read from
+        its beginning, with a dead letter saying so."""
+        path = self.directory / name
+        items: list[Record | DeadLetter] = []
+        with open(path, "rb") as handle:
+            stat = os.fstat(handle.fileno())
+            size = stat.st_size
+            if size < start:
                 items.append(
-                    self._dead(
-                        src,
-                        start + pos,
-                        skip - pos,
-                        "garbage: bytes without a record header",
-                        view,
-                        pos,
+                    DeadLetter(
+                        str(path),
+                        size,
+                        0,
+                        f"file truncated from at least {start} to {size} bytes; "
+                        "re-reading it from the start",
+                        # Resume at 0, not at `size`: what is there now is unread.
+                        end=Position(name, 0),
                     )
                 )
-                pos = skip
+                start = 0
+                self.position = Position(name, 0)
+            handle.seek(start)
+            data = handle.read(min(max(budget, HEADER_SIZE), size - start))
+            whole = self._cut_record_size(data, size - start)
+            if whole:
+                handle.seek(start)
+                data = handle.read(whole)
+        return _Chunk(name, str(path), data, start, size, stat.st_mtime, items)
+
+    def _cut_record_size(self, data: bytes, available: int) -> int:
+        """One record larger than the read budget: the size of the record `data` begins
+        with when the budget cut it short and the file holds all of it (a valid header),
+        to read exactly that record; else 0."""
+        if len(data) < HEADER_SIZE:
+            return 0
+        magic, version, _, _, length, _ = _HEADER.unpack_from(data, 0)
+        whole = HEADER_SIZE + length
+        if (
+            magic == RECORD_MAGIC
+            and version == RECORD_VERSION
+            and length <= self.max_record_bytes
+            and len(data) < whole <= available
+        ):
+            return whole
+        return 0
+
+
+class _Chunk:
+    """Bytes read from one log file at offset `start`, parsed into records and dead letters.
+
+    `parse` keeps the common case, a whole valid record, in its loop; each kind of damage
+    (a short tail, a bad header, a torn record, a checksum mismatch) has a method of its
+    own that says what it becomes and where parsing goes on.
+    """
+
+    __slots__ = ("at_file_end", "items", "mtime", "n", "name", "size", "source", "start", "view")
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        data: bytes,
+        start: int,
+        size: int,
+        mtime: float,
+        items: list[Record | DeadLetter],
+    ) -> None:
+        self.name = name
+        self.source = source
+        self.view = memoryview(data)
+        self.n = len(data)
+        self.start = start
+        #: The file's size when it was read, and whether this chunk reaches it.
+        self.size = size
+        self.at_file_end = start + self.n == size
+        self.mtime = mtime
+        self.items = items
+
+    def parse(self, max_record_bytes: int, tail_is_final: bool) -> int:
+        """Append the chunk's records and dead letters to `items`; returns the bytes
+        consumed (what is left is a record to read whole on a later call)."""
+        view, n, start, items, name = self.view, self.n, self.start, self.items, self.name
+        pos = 0
+        while pos < n:
+            if n - pos < HEADER_SIZE:
+                after = self._short_tail(pos, tail_is_final)
+                if after is None:
+                    break
+                pos = after
                 continue
             magic, version, kind, _reserved, length, crc = _HEADER.unpack_from(view, pos)
-            reason = None
-            if magic != RECORD_MAGIC:
-                reason = "garbage: bytes without a record header"
-            elif version != RECORD_VERSION:
-                reason = f"unknown log record version {version} (this build reads {RECORD_VERSION})"
-            elif length > self.max_record_bytes:
-                reason = f"record length {length} exceeds the limit of {self.max_record_bytes}"
-            if reason is not None:
-                skip = self._resync(view, pos + 1, n)
-                if skip == n and not at_file_end:
-                    skip = max(pos + 1, n - 3)  # the next magic may straddle our read
-                items.append(self._dead(src, start + pos, skip - pos, reason, view, pos))
-                pos = skip
+            if magic != RECORD_MAGIC or version != RECORD_VERSION or length > max_record_bytes:
+                pos = self._bad_header(pos, magic, version, length, max_record_bytes)
                 continue
             end = pos + HEADER_SIZE + length
             if end > n:
-                if start + end <= size:
-                    break  # more bytes on disk than we read: next call
-                if not tail_is_final:
-                    break  # the writer may still be writing it
-                # Resync rather than drop the rest: a corrupt length must not hide good
-                # records after it.
-                skip = self._resync(view, pos + 1, n)
-                items.append(
-                    self._dead(
-                        src,
-                        start + pos,
-                        skip - pos,
-                        f"torn record: header says {length} payload bytes, "
-                        f"only {size - start - pos - HEADER_SIZE} present in the file",
-                        view,
-                        pos,
-                    )
-                )
-                pos = skip
+                if start + end <= self.size or not tail_is_final:
+                    break  # more bytes on disk than we read, or still being written
+                pos = self._torn_record(pos, length)
                 continue
             payload = view[pos + HEADER_SIZE : end]
             if zlib.crc32(payload, zlib.crc32(view[pos + 4 : pos + 12])) != crc:
-                skip = self._resync(view, pos + 1, n)
-                items.append(
-                    self._dead(
-                        src,
-                        start + pos,
-                        skip - pos,
-                        "record checksum mismatch (corrupted or torn)",
-                        view,
-                        pos,
-                    )
+                pos = self._skip_to_next_magic(
+                    pos, pos + 1, "record checksum mismatch (corrupted or torn)"
                 )
-                pos = skip
                 continue
-            if kind not in KNOWN_KINDS:
-                items.append(
-                    self._dead(
-                        src, start + pos, end - pos, f"unknown record kind {kind}", view, pos
-                    )
-                )
-            else:
+            if kind in KNOWN_KINDS:
                 items.append(Record(kind, bytes(payload), name, start + pos, start + end))
+            else:
+                items.append(self._dead(pos, end - pos, f"unknown record kind {kind}"))
             pos = end
-        self.position = Position(name, start + pos)
-        for i, item in enumerate(items):
-            if isinstance(item, DeadLetter) and item.end is None:
-                items[i] = DeadLetter(
-                    item.source,
-                    item.offset,
-                    item.length,
-                    item.reason,
-                    item.sample,
-                    Position(name, item.offset + item.length),
-                )
-        return pos, items, start + pos >= size
+        return pos
 
-    @staticmethod
-    def _resync(view: memoryview, start: int, n: int) -> int:
-        found = bytes(view[start:n]).find(RECORD_MAGIC)
-        return n if found < 0 else start + found
+    def _short_tail(self, pos: int, tail_is_final: bool) -> int | None:
+        """Fewer bytes than a header are left at `pos`: where parsing goes on (the chunk's
+        end once they are set aside as a torn header), or None to stop at `pos` (they are
+        read next time, or are a header still being written)."""
+        if not self.at_file_end:
+            return None  # header split by our read budget: read it next time
+        remaining = self.n - pos
+        if RECORD_MAGIC.startswith(bytes(self.view[pos : pos + min(4, remaining)])):
+            if not tail_is_final:
+                return None
+            self.items.append(self._dead(pos, remaining, "torn record header at end of file"))
+            return self.n
+        return self._skip_to_next_magic(pos, pos, "garbage: bytes without a record header")
 
-    @staticmethod
-    def _dead(
-        source: str, offset: int, length: int, reason: str, view: memoryview, pos: int
-    ) -> DeadLetter:
-        return DeadLetter(source, offset, length, reason, bytes(view[pos : pos + min(length, 64)]))
+    def _bad_header(
+        self, pos: int, magic: bytes, version: int, length: int, max_record_bytes: int
+    ) -> int:
+        """A header that is not a record's: set aside up to the next magic; returns where
+        parsing goes on."""
+        if magic != RECORD_MAGIC:
+            reason = "garbage: bytes without a record header"
+        elif version != RECORD_VERSION:
+            reason = f"unknown log record version {version} (this build reads {RECORD_VERSION})"
+        else:
+            reason = f"record length {length} exceeds the limit of {max_record_bytes}"
+        skip = self._resync(pos + 1)
+        if skip == self.n and not self.at_file_end:
+            skip = max(pos + 1, self.n - 3)  # the next magic may straddle our read
+        self.items.append(self._dead(pos, skip - pos, reason))
+        return skip
+
+    def _torn_record(self, pos: int, length: int) -> int:
+        """A record whose payload the file does not hold (its writer died mid-write, or
+        its length is corrupt): resynchronise rather than drop the rest, so that a corrupt
+        length does not hide the good records after it."""
+        present = self.size - self.start - pos - HEADER_SIZE
+        return self._skip_to_next_magic(
+            pos,
+            pos + 1,
+            f"torn record: header says {length} payload bytes, only {present} present in the file",
+        )
+
+    def _skip_to_next_magic(self, pos: int, search_from: int, reason: str) -> int:
+        """Set aside the bytes from `pos` to the next record magic found from
+        `search_from` (or the chunk's end); returns where that magic is."""
+        skip = self._resync(search_from)
+        self.items.append(self._dead(pos, skip - pos, reason))
+        return skip
+
+    def _resync(self, search_from: int) -> int:
+        found = bytes(self.view[search_from : self.n]).find(RECORD_MAGIC)
+        return self.n if found < 0 else search_from + found
+
+    def _dead(self, pos: int, length: int, reason: str) -> DeadLetter:
+        """The `length` bytes at `pos`, set aside with `reason`; reading resumes after them."""
+        offset = self.start + pos
+        sample = bytes(self.view[pos : pos + min(length, 64)])
+        return DeadLetter(
+            self.source, offset, length, reason, sample, Position(self.name, offset + length)
+        )
 
 
 def read_all(
