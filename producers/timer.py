@@ -275,16 +275,27 @@ class OpTimer:
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
         #: Chunks (virtual-pipeline model chunks) a rank may hold: vpp_size when known.
         self._chunk_limit = job_info.vpp_size if job_info is not None else _CHUNK_LIMIT
+        self._open_log(log_dir, job_info)
+        self._init_recording()
+        self._init_sealing(flush_interval_s)
+        self._start(mode, gc_probe, calibrate_every_s)
+
+    def _open_log(self, log_dir: str | Path, job_info: JobInfo | None) -> None:
+        """The step encoders and the rank's log writer; the job record goes first."""
         self._encoder = StepEncoder(
-            job_id=job_id, attempt=attempt, rank=rank, dp_rank=dp_rank, pp_rank=pp_rank,
-            tp_rank=tp_rank, cp_rank=cp_rank, optype_names=self.optype_names,
+            job_id=self.job_id, attempt=self.attempt, rank=self.rank, dp_rank=self.dp_rank,
+            pp_rank=self.pp_rank, tp_rank=self.tp_rank, cp_rank=self.cp_rank,
+            optype_names=self.optype_names,
         )  # fmt: skip
         self._seal_encoder = _SealEncoder(self._encoder, len(self.optype_names))
         # No writer thread: the sealer thread writes what it encoded (one wake per seal).
-        self._writer = LogWriter(log_dir, rank, background=False)
+        self._writer = LogWriter(log_dir, self.rank, background=False)
         if job_info is not None:
             self._writer.append(KIND_JOB, job_info.model_dump_json().encode())
             self._writer.flush()  # at start-up, on the caller's thread: not the hot path
+
+    def _init_recording(self) -> None:
+        """What the hot path writes to: the current step, the op buffer, pooled scopes."""
         self._current_step = 0
         self._buffer: list[tuple[tuple[int, int, int, int], int, int]] = []
         self._free_scopes: list[_OpScope] = []
@@ -293,6 +304,9 @@ class OpTimer:
         # seq counters per step (one count per op type code), kept for the steps still
         # being sealed.
         self._seq_counts: dict[int, tuple[int, ...]] = {}
+
+    def _init_sealing(self, flush_interval_s: float) -> None:
+        """What the hand-overs and the sealer thread share, and the seals' pace."""
         #: Held while ops are encoded and written (the sealer, flush(), the CUDA resolver).
         self._lock = threading.Lock()
         self._closed = False
@@ -311,15 +325,24 @@ class OpTimer:
         self._stopping = False
         self._min_seal_interval_s = flush_interval_s
         self._seal_interval_s = flush_interval_s
-        #: Set by the sealer while the node's cores are all busy (see `_check_load`).
+        #: Set by the sealer while the node's cores are all busy (see `_node_saturated`).
         self.saturated = False
         self._handed_over_at = time.monotonic()
         self._paced_step = 0
         self._hand_over_lock = threading.Lock()
+
+    def _start(
+        self,
+        mode: Literal["auto", "host", "cuda", "off"],
+        gc_probe: bool,
+        calibrate_every_s: float,
+    ) -> None:
+        """Start what `mode` asks for: the sealer thread, CUDA timing, the GC probe; or,
+        off, only the name checks."""
         self._sealer: threading.Thread | None = None
         if mode != "off":
             self._sealer = threading.Thread(
-                target=self._seal_loop, name=f"lagscope-sealer-{rank}", daemon=True
+                target=self._seal_loop, name=f"lagscope-sealer-{self.rank}", daemon=True
             )
             self._sealer.start()
         self._cuda: _CudaTimer | None = None
