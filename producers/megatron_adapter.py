@@ -53,13 +53,13 @@ import contextlib
 import functools
 import inspect
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from lagscope.producers import megatron_p2p
+from lagscope.producers.integration_start import job_and_log_dir, rank_job_info, rank_timer
 from lagscope.producers.megatron_ops import MegatronTimers, Phase, Span
 from lagscope.producers.megatron_p2p import TimedP2P, timed_communicator_class
 from lagscope.producers.megatron_seams import (
@@ -69,15 +69,7 @@ from lagscope.producers.megatron_seams import (
     SCHEDULES,
     check_seams,
 )
-from lagscope.producers.timer import OpTimer
-from lagscope.producers.torch_layout import (
-    Layout,
-    attempt_from_environment,
-    derive_layout,
-    job_id_from_environment,
-    job_info,
-    rank_identity,
-)
+from lagscope.producers.torch_layout import Layout, attempt_from_environment, derive_layout
 from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
 from lagscope.simulator import optypes as ot
 
@@ -113,57 +105,6 @@ def megatron_layout() -> Layout:
     return derive_layout(groups, vpp_size=vpp_size)
 
 
-def _job_and_log_dir(job_id: str | None, log_dir: str | Path | None) -> tuple[str, str | Path]:
-    """The job id every rank shares and the local log directory: given, else from the
-    environment; a ValueError saying how to give them when neither has them."""
-    job_id = job_id or job_id_from_environment()
-    if not job_id:
-        raise ValueError(
-            "lagscope.megatron.monitor needs a job id shared by every rank: pass job_id= "
-            "or set LAGSCOPE_JOB_ID (torchrun's run id and SLURM_JOB_ID are used when set)"
-        )
-    log_dir = log_dir or os.environ.get("LAGSCOPE_LOG_DIR")
-    if not log_dir:
-        raise ValueError(
-            "lagscope.megatron.monitor needs a local log directory: pass log_dir= or set "
-            "LAGSCOPE_LOG_DIR"
-        )
-    return job_id, log_dir
-
-
-def _rank_timer(
-    layout: Any,
-    job_id: str,
-    attempt: int,
-    log_dir: str | Path,
-    mode: Literal["auto", "host", "cuda"],
-    gc_probe: bool,
-    mfu: dict[str, float | None],
-) -> OpTimer:
-    """This rank's timer, its job record with the rank's identity (and the job's FLOPs and
-    GPU peak where given); off on ranks that are not their (dp, pp) worker's
-    representative. No GC pause is recorded before the first step opens (it would land in
-    a step of its own that no other rank has)."""
-    info = job_info(layout, job_id=job_id, attempt=attempt, identity=rank_identity(layout))
-    if any(value is not None for value in mfu.values()):
-        info = info.model_copy(update=mfu)
-    timer = OpTimer(
-        job_id=job_id,
-        rank=layout.rank,
-        dp_rank=layout.coords["dp"],
-        pp_rank=layout.coords["pp"],
-        tp_rank=layout.coords["tp"],
-        cp_rank=layout.coords["cp"],
-        log_dir=log_dir,
-        attempt=attempt,
-        mode=mode if layout.is_representative else "off",
-        gc_probe=gc_probe,
-        job_info=info,
-    )
-    timer.gc_paused = True
-    return timer
-
-
 class MegatronMonitor:
     """Records this rank's ops from megatron-core's seams; see the module docstring."""
 
@@ -187,7 +128,7 @@ class MegatronMonitor:
                 "lagscope.megatron is already monitoring this process; close() that monitor "
                 "before starting another"
             )
-        job_id, log_dir = _job_and_log_dir(job_id, log_dir)
+        job_id, log_dir = job_and_log_dir("lagscope.megatron.monitor", job_id, log_dir)
         if first_step < 0:
             raise ValueError(f"first_step must be >= 0, got {first_step}")
         from megatron.core import parallel_state
@@ -195,8 +136,11 @@ class MegatronMonitor:
         self.layout = layout = megatron_layout()
         self.in_embedding_group = parallel_state.is_rank_in_embedding_group(ignore_virtual=True)
         attempt = attempt_from_environment() if attempt is None else attempt
-        mfu = {"model_flops_per_step": model_flops_per_step, "gpu_peak_flops": gpu_peak_flops}
-        self.timer = timer = _rank_timer(layout, job_id, attempt, log_dir, mode, gc_probe, mfu)
+        info = rank_job_info(
+            layout, job_id=job_id, attempt=attempt,
+            model_flops_per_step=model_flops_per_step, gpu_peak_flops=gpu_peak_flops,
+        )  # fmt: skip
+        self.timer = timer = rank_timer(layout, info, log_dir, mode=mode, gc_probe=gc_probe)
         #: Host clocks (not CUDA events): ops timed here may share one pair of stamps.
         self.host_timing = getattr(timer, "_cuda", None) is None
         #: True while a training schedule call runs: only then are ops recorded.

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from lagscope.producers import torch_comm, torch_hooks, torch_nccl
 from lagscope.producers.events import JobInfo
+from lagscope.producers.integration_start import rank_timer
 from lagscope.producers.timer import OpTimer
 from lagscope.producers.torch_layout import Layout
 from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
@@ -41,20 +42,10 @@ class Monitor:
         self.info = info
         self.schedule = schedule
         representative = layout.is_representative
-        self.timer = OpTimer(
-            job_id=info.job_id,
-            attempt=info.attempt,
-            rank=layout.rank,
-            dp_rank=layout.coords["dp"],
-            pp_rank=layout.coords["pp"],
-            tp_rank=layout.coords["tp"],
-            cp_rank=layout.coords["cp"],
-            log_dir=log_dir,
-            mode=mode if representative else "off",
+        self.timer = rank_timer(
+            layout, info, log_dir, mode=mode, gc_probe=gc_probe,
             extra_optypes=(torch_hooks.INPUT_WAIT,),
-            gc_probe=gc_probe,
-            job_info=info,
-        )
+        )  # fmt: skip
         self._first_step = first_step
         self.step_id = first_step
         self.timer.step(first_step)
@@ -62,6 +53,16 @@ class Monitor:
         self.active = representative and schedule.records(0)
         self._representative = representative
         self.unrecorded_calls = 0
+        self._init_attachments()
+        self._bind_timer(self.timer)
+        self._init_comm_codes()
+        self._closed = False
+        self._set_gc(self.active)
+        torch_comm.install(self)
+
+    def _init_attachments(self) -> None:
+        """What the job's objects get: hooks on modules and optimizers, the data loader,
+        the async works still running."""
         self.module_hooks: list[torch_hooks.ModuleHooks] = []
         self.optimizer_hooks: list[torch_hooks.OptimizerHooks] = []
         self.backward_calls: torch_hooks.BackwardCalls | None = None
@@ -72,7 +73,10 @@ class Monitor:
         #: Async works not known to be complete yet (`TimedWork`s), in lanes: the works of
         #: one lane (one peer, direction and tag) complete in the order they were issued.
         self.pending_works: dict[Hashable, collections.deque[Any]] = {}
-        timer = self.timer
+
+    def _bind_timer(self, timer: OpTimer) -> None:
+        """The timer's entry points the hooks call, bound once: on the host clock, `begin`
+        and `end` stamp ops themselves and `append` takes a finished op."""
         if timer.on_host_clock:
             self.begin = self._begin_host  # type: ignore[method-assign]
             self.end = self._end_host  # type: ignore[method-assign]
@@ -81,6 +85,9 @@ class Monitor:
         self.append = timer.appender()
         self._names = timer.optype_names
         self._codes = {name: timer.code_of(name) for name in timer.optype_names}
+
+    def _init_comm_codes(self) -> None:
+        """How collectives and p2p are recorded: learnt per group on first use."""
         #: Device-side collective times on NCCL groups (`attach_nccl`), else None.
         self.nccl: torch_nccl.NcclDeviceTimes | None = None
         #: (collective kind, id(group)) -> op code, or None when the op is not recorded.
@@ -88,9 +95,6 @@ class Monitor:
         self._p2p_codes: dict[tuple[str, int | None, int | None, int], int | None] = {}
         #: id(tensor) -> "forward"/"backward", set by a schedule that knows a p2p's direction.
         self.direction_hints: dict[int, str] = {}
-        self._closed = False
-        self._set_gc(self.active)
-        torch_comm.install(self)
 
     # -- step boundaries ------------------------------------------------------------------
 

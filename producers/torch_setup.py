@@ -9,19 +9,13 @@ optimizer's step hooks, the DDP comm hook, the data loader's iterator.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from lagscope.producers import torch_hooks, torch_pipelining
-from lagscope.producers.torch_layout import (
-    attempt_from_environment,
-    derive_layout,
-    job_id_from_environment,
-    job_info,
-    rank_identity,
-)
+from lagscope.producers.integration_start import job_and_log_dir, rank_job_info
+from lagscope.producers.torch_layout import Layout, attempt_from_environment, derive_layout
 from lagscope.producers.torch_monitor import Monitor
 from lagscope.producers.torch_sampling import Schedule
 
@@ -43,46 +37,22 @@ def start_monitor(
     mode: Literal["auto", "host", "cuda"],
     first_step: int,
 ) -> Monitor:
+    """`lagscope.torch.monitor()`: the layout from the job's objects, the job record, the
+    monitor, and every hook on what the job passed."""
     from torch.nn.parallel import DistributedDataParallel
 
-    job_id = job_id or job_id_from_environment()
-    if not job_id:
-        raise ValueError(
-            "lagscope.torch.monitor needs a job id shared by every rank: pass job_id= or set "
-            "LAGSCOPE_JOB_ID (torchrun's run id and SLURM_JOB_ID are used when set)"
-        )
-    log_dir = log_dir or os.environ.get("LAGSCOPE_LOG_DIR")
-    if not log_dir:
-        raise ValueError(
-            "lagscope.torch.monitor needs a local log directory: pass log_dir= or set "
-            "LAGSCOPE_LOG_DIR"
-        )
-    groups = dict(groups)
+    job_id, log_dir = job_and_log_dir("lagscope.torch.monitor", job_id, log_dir)
     ddp = model if isinstance(model, DistributedDataParallel) else None
-    if ddp is not None and groups.get("dp") is None:
-        groups["dp"] = ddp.process_group
-    if ddp is None and groups.get("dp") is None and mesh is None:
-        groups["dp"] = fsdp_group(model)
     stages = torch_pipelining.stages_of(pipeline) if pipeline is not None else []
-    if stages and groups.get("pp") is None:
-        groups["pp"] = stages[0].group
+    groups = _groups_by_role(groups, model, ddp, stages, mesh)
     layout = derive_layout(groups, mesh=mesh, vpp_size=max(1, len(stages)))
-    if stages:
-        pp = layout.pp_size
-        wrong = [s.stage_index for s in stages if s.stage_index % pp != layout.coords["pp"]]
-        if wrong or len(stages) * pp != stages[0].num_stages:
-            raise ValueError(
-                f"pipeline stages {[s.stage_index for s in stages]} of {stages[0].num_stages} "
-                f"do not fit pipeline rank {layout.coords['pp']} of {pp} with "
-                f"{len(stages)} stage(s) per rank (lagscope expects stage = chunk x pp + rank)"
-            )
+    _check_stages_fit(stages, layout)
     if ddp is not None or stages:
         # The first step is not the job's steady state: DDP re-buckets its gradients in
         # ready order after it, pipelining stages exchange shapes (extra forwards and p2p)
         # in it. It is not recorded.
         schedule = dataclasses.replace(schedule, skip_first=max(schedule.skip_first, 1))
-    identity = rank_identity(layout)
-    info = job_info(layout, job_id=job_id, attempt=attempt_from_environment(), identity=identity)
+    info = rank_job_info(layout, job_id=job_id, attempt=attempt_from_environment())
     monitor = Monitor(
         layout=layout,
         info=info,
@@ -93,30 +63,83 @@ def start_monitor(
         first_step=first_step,
     )
     try:
-        import torch.distributed as dist
-
-        monitor.attach_nccl([groups["dp"] if groups.get("dp") is not None else dist.group.WORLD])
-        if stages:
-            monitor.attach_modules([s.submod for s in stages])
-            for stage in stages:
-                torch_pipelining.tag_directions(monitor, stage)
-        elif modules is not None:
-            monitor.attach_modules(list(modules))
-        elif model is not None:
-            monitor.attach_modules([ddp.module if ddp is not None else model])
-        if ddp is not None:
-            hook, state = ddp_comm_hook if ddp_comm_hook is not None else (None, None)
-            torch_hooks.register_ddp_hook(monitor, ddp, hook, state)
-        if optimizer is not None:
-            monitor.attach_optimizer(optimizer)
-        if data is not None:
-            monitor.data = torch_hooks.time_input(monitor, data)
-            if monitor.data is data:
-                monitor.loaders.append(data)
+        _attach_hooks(
+            monitor, model=model, ddp=ddp, stages=stages, modules=modules,
+            dp_group=groups.get("dp"), ddp_comm_hook=ddp_comm_hook, optimizer=optimizer,
+            data=data,
+        )  # fmt: skip
     except BaseException:
         monitor.close()
         raise
     return monitor
+
+
+def _groups_by_role(
+    groups: dict[str, Any], model: Any, ddp: Any, stages: Sequence[Any], mesh: Any
+) -> dict[str, Any]:
+    """The groups the job passed, completed from its objects: a DDP model's group (or an
+    FSDP2 model's mesh) is data parallel, the pipeline stages' group pipeline parallel."""
+    groups = dict(groups)
+    if ddp is not None and groups.get("dp") is None:
+        groups["dp"] = ddp.process_group
+    if ddp is None and groups.get("dp") is None and mesh is None:
+        groups["dp"] = fsdp_group(model)
+    if stages and groups.get("pp") is None:
+        groups["pp"] = stages[0].group
+    return groups
+
+
+def _check_stages_fit(stages: Sequence[Any], layout: Layout) -> None:
+    """A ValueError unless this rank's pipeline stages are chunk x pp + its pp rank, for
+    every chunk: how lagscope numbers a virtual pipeline's stages."""
+    if not stages:
+        return
+    pp = layout.pp_size
+    wrong = [s.stage_index for s in stages if s.stage_index % pp != layout.coords["pp"]]
+    if wrong or len(stages) * pp != stages[0].num_stages:
+        raise ValueError(
+            f"pipeline stages {[s.stage_index for s in stages]} of {stages[0].num_stages} "
+            f"do not fit pipeline rank {layout.coords['pp']} of {pp} with "
+            f"{len(stages)} stage(s) per rank (lagscope expects stage = chunk x pp + rank)"
+        )
+
+
+def _attach_hooks(
+    monitor: Monitor,
+    *,
+    model: Any,
+    ddp: Any,
+    stages: Sequence[Any],
+    modules: Sequence[Any] | None,
+    dp_group: Any,
+    ddp_comm_hook: tuple[Any, Any] | None,
+    optimizer: Any,
+    data: Any,
+) -> None:
+    """Every hook, on what the job passed: the data-parallel group's collectives (timed on
+    the device where NCCL can), the model chunks (the pipeline's stages, else the modules
+    given, else the model, a DDP model's inner module), DDP's gradient buckets, the
+    optimizer's steps and the data loader's waits."""
+    import torch.distributed as dist
+
+    monitor.attach_nccl([dp_group if dp_group is not None else dist.group.WORLD])
+    if stages:
+        monitor.attach_modules([s.submod for s in stages])
+        for stage in stages:
+            torch_pipelining.tag_directions(monitor, stage)
+    elif modules is not None:
+        monitor.attach_modules(list(modules))
+    elif model is not None:
+        monitor.attach_modules([ddp.module if ddp is not None else model])
+    if ddp is not None:
+        hook, state = ddp_comm_hook if ddp_comm_hook is not None else (None, None)
+        torch_hooks.register_ddp_hook(monitor, ddp, hook, state)
+    if optimizer is not None:
+        monitor.attach_optimizer(optimizer)
+    if data is not None:
+        monitor.data = torch_hooks.time_input(monitor, data)
+        if monitor.data is data:
+            monitor.loaders.append(data)
 
 
 def fsdp_group(model: Any) -> Any:

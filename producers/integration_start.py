@@ -1,0 +1,90 @@
+"""What every framework integration does to start recording a rank, written once.
+
+`lagscope.torch.monitor()` (`producers.torch_setup`, `producers.torch_monitor`) and
+`lagscope.megatron.monitor()` (`producers.megatron_adapter`) read the job's layout each in
+their own way; from there on they start alike:
+
+- the job id every rank shares and the local log directory: given, else from the
+  environment, else a ValueError saying how to give them;
+- the job record: the layout's sizes and this rank's identity (host, GPU, node, pod);
+- this rank's `OpTimer`, in the lighter "off" mode on the ranks the analysis does not
+  read (all but TP/CP rank 0 of each (dp, pp) worker).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from lagscope.producers.events import JobInfo
+from lagscope.producers.timer import OpTimer
+from lagscope.producers.torch_layout import Layout, job_id_from_environment, job_info, rank_identity
+
+
+def job_and_log_dir(
+    api: str, job_id: str | None, log_dir: str | Path | None
+) -> tuple[str, str | Path]:
+    """The job id and the local log directory: given, else from the environment; a
+    ValueError naming `api` (the call the job made) and how to give them otherwise."""
+    job_id = job_id or job_id_from_environment()
+    if not job_id:
+        raise ValueError(
+            f"{api} needs a job id shared by every rank: pass job_id= or set "
+            "LAGSCOPE_JOB_ID (torchrun's run id and SLURM_JOB_ID are used when set)"
+        )
+    log_dir = log_dir or os.environ.get("LAGSCOPE_LOG_DIR")
+    if not log_dir:
+        raise ValueError(
+            f"{api} needs a local log directory: pass log_dir= or set LAGSCOPE_LOG_DIR"
+        )
+    return job_id, log_dir
+
+
+def rank_job_info(
+    layout: Layout,
+    *,
+    job_id: str,
+    attempt: int,
+    model_flops_per_step: float | None = None,
+    gpu_peak_flops: float | None = None,
+) -> JobInfo:
+    """The job record as this rank writes it: the layout, this rank's machine, and the
+    job's FLOPs per step and GPU peak where the job gives them (for MFU)."""
+    info = job_info(layout, job_id=job_id, attempt=attempt, identity=rank_identity(layout))
+    mfu = {"model_flops_per_step": model_flops_per_step, "gpu_peak_flops": gpu_peak_flops}
+    if any(value is not None for value in mfu.values()):
+        info = info.model_copy(update=mfu)
+    return info
+
+
+def rank_timer(
+    layout: Layout,
+    info: JobInfo,
+    log_dir: str | Path,
+    *,
+    mode: Literal["auto", "host", "cuda"],
+    gc_probe: bool,
+    extra_optypes: Iterable[str] = (),
+) -> OpTimer:
+    """This rank's timer, writing `info` first; off on ranks that are not their (dp, pp)
+    worker's representative. Its GC probe starts paused: the integration resumes it for
+    the steps it records (a pause in a step no other rank reports would make a step of
+    its own)."""
+    timer = OpTimer(
+        job_id=info.job_id,
+        attempt=info.attempt,
+        rank=layout.rank,
+        dp_rank=layout.coords["dp"],
+        pp_rank=layout.coords["pp"],
+        tp_rank=layout.coords["tp"],
+        cp_rank=layout.coords["cp"],
+        log_dir=log_dir,
+        mode=mode if layout.is_representative else "off",
+        extra_optypes=extra_optypes,
+        gc_probe=gc_probe,
+        job_info=info,
+    )
+    timer.gc_paused = True
+    return timer
