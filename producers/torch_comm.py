@@ -208,43 +208,45 @@ class suppressed:
 
 
 def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper set in place of c10d's `name`, an op of `kind`: one for collectives and
+    one for p2p, chosen here once rather than on every call."""
+    make = _p2p_wrapper if kind in ("send", "recv") else _collective_wrapper
+    wrapper = make(name, kind, original)
+    wrapper.__wrapped_by_lagscope__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = name
+    wrapper.__qualname__ = name
+    wrapper.__doc__ = original.__doc__
+    wrapper.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _collective_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective, recorded by the role of its group: timed on the device where NCCL can,
+    else from the call to its return or, async, to its completion. It runs on every
+    collective the job calls: the common case (blocking, host clock) has no helper call."""
     params = SEAMS[name][1]
     group_at = params.index("group")
-    async_at = params.index("async_op") if "async_op" in params else -1
-    peer_at = 1 if kind in ("send", "recv") else -1
-    group_peer_name = "group_dst" if kind == "send" else "group_src"
-    is_async_p2p = name in _ASYNC_P2P
-    is_p2p = kind in ("send", "recv")
+    async_at = params.index("async_op")
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         monitor = _monitor
         if monitor is None or not monitor.active or _inside.active:
             return original(*args, **kwargs)
         group = args[group_at] if len(args) > group_at else kwargs.get("group")
-        if is_p2p:
-            peer = args[peer_at] if len(args) > peer_at else kwargs.get(params[peer_at])
-            group_peer = args[4] if len(args) > 4 else kwargs.get(group_peer_name)
-            code = monitor.p2p_code(kind, args[0] if args else kwargs["tensor"], peer,
-                                    group, group_peer)  # fmt: skip
-            is_async = is_async_p2p
-        else:
-            codes = monitor.collective_codes
-            key = (kind, id(group))
-            code = codes.get(key, _UNSEEN)
-            if code is _UNSEEN:
-                code = monitor.collective_code(kind, group)
-            is_async = bool(args[async_at] if len(args) > async_at else kwargs.get("async_op"))
+        code = monitor.collective_codes.get((kind, id(group)), _UNSEEN)
+        if code is _UNSEEN:
+            code = monitor.collective_code(kind, group)
+        is_async = bool(args[async_at] if len(args) > async_at else kwargs.get("async_op"))
         if code is None:
             monitor.unrecorded_calls += 1
             return original(*args, **kwargs)
         if monitor.pending_works:
             monitor.poll_works()
         # A c10d function may call another wrapped one (all_gather_into_tensor calls
-        # all_gather_single in torch 2.15, send calls isend in some versions): the guard
-        # records it once.
+        # all_gather_single in torch 2.15): the guard records it once.
         _inside.active = True
         nccl = monitor.nccl
-        if nccl is not None and not is_p2p:
+        if nccl is not None:
             issued_on = group if group is not None else _default_group()
             if nccl.timed_here(issued_on):
                 # NCCL times it on the device; its completion hook records it.
@@ -254,14 +256,15 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
                     _inside.active = False
                 nccl.park(issued_on, (code, monitor.step_id, -1, 0))
                 return result
-        if not is_p2p and not is_async and monitor.host_clock:
-            # The common blocking collective, inlined (no scope object).
+        if not is_async and monitor.host_clock:
             start = _perf_ns()
             try:
                 return original(*args, **kwargs)
             finally:
                 _inside.active = False
                 monitor.append(((code, monitor.step_id, -1, 0), start, _perf_ns() - start))
+        # Inlined here and in the p2p wrapper alike: a shared helper would add a call to
+        # every recorded op.
         opened = monitor.begin(code)
         try:
             result = original(*args, **kwargs)
@@ -273,9 +276,49 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
         if not is_async or result is None:
             monitor.end(opened)
             return result
-        if not is_p2p:
-            lane: Hashable = (code, id(group))
-        elif (args[0] if args else kwargs["tensor"]).is_cuda:
+        return monitor.time_work(result, opened, False, (code, id(group)))
+
+    return wrapper
+
+
+def _p2p_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """A send or recv, recorded as a pipeline transfer by the stage of its peer, from the
+    call to its return (blocking) or to its completion (isend/irecv)."""
+    params = SEAMS[name][1]
+    group_at = params.index("group")
+    peer_name = params[1]
+    group_peer_name = "group_dst" if kind == "send" else "group_src"
+    is_async = name in _ASYNC_P2P
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        monitor = _monitor
+        if monitor is None or not monitor.active or _inside.active:
+            return original(*args, **kwargs)
+        group = args[group_at] if len(args) > group_at else kwargs.get("group")
+        peer = args[1] if len(args) > 1 else kwargs.get(peer_name)
+        group_peer = args[4] if len(args) > 4 else kwargs.get(group_peer_name)
+        tensor = args[0] if args else kwargs["tensor"]
+        code = monitor.p2p_code(kind, tensor, peer, group, group_peer)
+        if code is None:
+            monitor.unrecorded_calls += 1
+            return original(*args, **kwargs)
+        if monitor.pending_works:
+            monitor.poll_works()
+        # send calls isend in some torch versions: the guard records it once.
+        _inside.active = True
+        opened = monitor.begin(code)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            monitor.end(opened)
+            raise
+        finally:
+            _inside.active = False
+        if not is_async or result is None:
+            monitor.end(opened)
+            return result
+        lane: Hashable
+        if tensor.is_cuda:
             tag = args[3] if len(args) > 3 else kwargs.get("tag", 0)
             lane = (code, peer, group_peer, id(group), tag)
         else:
@@ -283,13 +326,8 @@ def _make_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callabl
             # them would cost a call per hook and never stamp anything. Their op ends at
             # the job's wait().
             lane = None
-        return monitor.time_work(result, opened, is_async_p2p, lane)
+        return monitor.time_work(result, opened, True, lane)
 
-    wrapper.__wrapped_by_lagscope__ = original  # type: ignore[attr-defined]
-    wrapper.__name__ = name
-    wrapper.__qualname__ = name
-    wrapper.__doc__ = original.__doc__
-    wrapper.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -300,73 +338,81 @@ def _default_group() -> Any:
 
 
 def timed_work_class() -> type:
-    """`TimedWork`, built on first use so that importing this module does not import torch."""
+    """`TimedWork`: torch's `Work` with `_TimedWorkMethods`, built on first use so that
+    importing this module does not import torch."""
     global _TimedWork
     if _TimedWork is None:
         import torch.distributed as dist
 
-        class TimedWork(dist.Work):
-            """A `Work` whose completion ends its op's scope (see the module docstring)."""
-
-            def __init__(self, inner: Any, opened: Any, monitor: Monitor) -> None:
-                super().__init__()
-                self.inner = inner
-                self.scope = opened
-                self._monitor = monitor
-
-            def complete(self) -> None:
-                opened = self.scope
-                if opened is not None:
-                    self.scope = None
-                    self._monitor.end(opened)
-
-            def poll(self) -> bool:
-                """End the op if the inner work has completed; True when it has."""
-                if self.scope is None:
-                    return True
-                if self.inner.is_completed():
-                    self.complete()
-                    return True
-                return False
-
-            def wait(self, timeout: Any = None) -> bool:
-                done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
-                self.complete()
-                return done
-
-            def is_completed(self) -> bool:
-                return self.poll()
-
-            def is_success(self) -> bool:
-                return self.inner.is_success()
-
-            def exception(self) -> Any:
-                return self.inner.exception()
-
-            def source_rank(self) -> int:
-                return self.inner.source_rank()
-
-            def _source_rank(self) -> int:
-                return self.inner._source_rank()
-
-            def result(self) -> Any:
-                return self.inner.result()
-
-            def synchronize(self) -> None:
-                self.inner.synchronize()
-                self.complete()
-
-            def get_future(self) -> Any:
-                return self.inner.get_future()
-
-            def block_current_stream(self) -> None:
-                self.inner.block_current_stream()
-
-            def boxed(self) -> Any:
-                return self.inner.boxed()
-
-        _TimedWork = TimedWork
+        _TimedWork = type(
+            "TimedWork",
+            (_TimedWorkMethods, dist.Work),
+            {"__module__": __name__, "__doc__": _TimedWorkMethods.__doc__},
+        )
     return _TimedWork
 
 
 _TimedWork: type | None = None
+
+
+class _TimedWorkMethods:
+    """A `Work` whose completion ends its op's scope (see the module docstring): the job
+    gets it in place of the work c10d returned, which it wraps (`inner`); every other
+    method of `Work` is the inner work's."""
+
+    def __init__(self, inner: Any, opened: Any, monitor: Monitor) -> None:
+        super().__init__()  # dist.Work's, next in TimedWork's bases
+        self.inner = inner
+        self.scope = opened
+        self._monitor = monitor
+
+    def complete(self) -> None:
+        opened = self.scope
+        if opened is not None:
+            self.scope = None
+            self._monitor.end(opened)
+
+    def poll(self) -> bool:
+        """End the op if the inner work has completed; True when it has."""
+        if self.scope is None:
+            return True
+        if self.inner.is_completed():
+            self.complete()
+            return True
+        return False
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        self.complete()
+        return done
+
+    def is_completed(self) -> bool:
+        return self.poll()
+
+    def is_success(self) -> bool:
+        return self.inner.is_success()
+
+    def exception(self) -> Any:
+        return self.inner.exception()
+
+    def source_rank(self) -> int:
+        return self.inner.source_rank()
+
+    def _source_rank(self) -> int:
+        return self.inner._source_rank()
+
+    def result(self) -> Any:
+        return self.inner.result()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+        self.complete()
+
+    def get_future(self) -> Any:
+        return self.inner.get_future()
+
+    def block_current_stream(self) -> None:
+        self.inner.block_current_stream()
+
+    def boxed(self) -> Any:
+        return self.inner.boxed()
