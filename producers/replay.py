@@ -15,8 +15,9 @@ tests).
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +48,31 @@ def default_job_id(meta: JobMeta) -> str:
     return f"{meta.trial_name}-{meta.run_id}"
 
 
+def step_spans_ns(trace: Trace) -> tuple[list[int], list[int]]:
+    """The trace's steps, ascending, and how long each lasts: its ops' latest end (op
+    times are seconds from their step's origin), rounded to ns."""
+    order = np.argsort(trace.step, kind="stable")
+    steps, firsts = np.unique(trace.step[order], return_index=True)
+    if steps.size == 0:
+        return [], []
+    end = trace.start_ts.astype(np.float64) + trace.duration.astype(np.float64)
+    latest = np.maximum.reduceat(end[order], firsts)
+    return steps.tolist(), [round(float(seconds) * 1e9) for seconds in latest]
+
+
+def back_to_back_ns(spans_ns: Sequence[int], start_wall_ns: int) -> list[int]:
+    """Steps of these spans laid back to back on the wall clock from `start_wall_ns`:
+    where each begins (the start plus the spans before it), then where the last ends."""
+    return list(itertools.accumulate(spans_ns, initial=start_wall_ns))
+
+
+def step_origins_ns(trace: Trace, start_wall_ns: int) -> dict[int, int]:
+    """Each step's origin on the wall clock (ns), the trace's steps laid back to back from
+    `start_wall_ns`, as a replay lays them."""
+    steps, spans = step_spans_ns(trace)
+    return dict(zip(steps, back_to_back_ns(spans, start_wall_ns)[:-1], strict=True))
+
+
 def iter_step_batches(
     trace: Trace,
     meta: JobMeta,
@@ -57,53 +83,66 @@ def iter_step_batches(
     repeat: int = 1,
 ) -> Iterator[tuple[int, int, list[RankStepBatch]]]:
     """Yield (step end offset ns from start, step, batches of all ranks) in step order."""
-    step_values = np.unique(trace.step)
-    if step_values.size == 0:
+    steps, spans = step_spans_ns(trace)
+    if not steps:
         return
-    end = trace.start_ts.astype(np.float64) + trace.duration.astype(np.float64)
+    bounds_ns = back_to_back_ns(spans * repeat, start_wall_ns)
     rank = np.where(
         trace.rank >= 0, trace.rank, trace.stage.astype(np.int64) * meta.dp_size + trace.dp_rank
     )
     order = np.lexsort((trace.start_ts, rank, trace.step))
-    sorted_step = trace.step[order]
-    bounds = np.searchsorted(sorted_step, step_values)
-    bounds = np.append(bounds, order.size)
-    step_stride = int(step_values.max()) + 1
-    offset_ns = 0
+    cuts = np.append(np.searchsorted(trace.step[order], steps), order.size)
+    step_stride = max(steps) + 1
     for cycle in range(repeat):
-        for i, step in enumerate(step_values.tolist()):
-            rows = order[bounds[i] : bounds[i + 1]]
-            span_ns = round(float(end[rows].max()) * 1e9)
-            origin = start_wall_ns + offset_ns
-            ranks = rank[rows]
-            cuts = np.flatnonzero(np.diff(ranks)) + 1
-            batches = []
-            for part in np.split(rows, cuts):
-                first = part[0]
-                batches.append(
-                    RankStepBatch.build(
-                        job_id=job_id,
-                        attempt=attempt,
-                        rank=int(rank[first]),
-                        dp_rank=int(trace.dp_rank[first]),
-                        pp_rank=int(trace.stage[first]),
-                        tp_rank=0,
-                        cp_rank=0,
-                        step=step + cycle * step_stride,
-                        optype=trace.optype[part],
-                        optype_names=trace.optype_names,
-                        microbatch=trace.mb_id[part],
-                        chunk=trace.mc[part],
-                        seq=trace.seq_id[part],
-                        start_ns=origin
-                        + np.round(trace.start_ts[part].astype(np.float64) * 1e9).astype(np.int64),
-                        duration_ns=np.round(trace.duration[part].astype(np.float64) * 1e9).astype(
-                            np.int64
-                        ),
-                    )
-                )
-            offset_ns += span_ns
-            yield offset_ns, step + cycle * step_stride, batches
+        for i, step in enumerate(steps):
+            rows = order[cuts[i] : cuts[i + 1]]
+            laid = cycle * len(steps) + i
+            replayed_step = step + cycle * step_stride
+            batches = _rank_batches(
+                trace, rank, rows, job_id=job_id, attempt=attempt, step=replayed_step,
+                origin_ns=bounds_ns[laid],
+            )  # fmt: skip
+            yield bounds_ns[laid + 1] - start_wall_ns, replayed_step, batches
+
+
+def _rank_batches(
+    trace: Trace,
+    rank: np.ndarray,
+    rows: np.ndarray,
+    *,
+    job_id: str,
+    attempt: int,
+    step: int,
+    origin_ns: int,
+) -> list[RankStepBatch]:
+    """One step's batches, one per rank: `rows` of the trace, in (rank, start) order, with
+    op times from the step's wall-clock origin."""
+    batches = []
+    for part in np.split(rows, np.flatnonzero(np.diff(rank[rows])) + 1):
+        first = part[0]
+        batches.append(
+            RankStepBatch.build(
+                job_id=job_id,
+                attempt=attempt,
+                rank=int(rank[first]),
+                dp_rank=int(trace.dp_rank[first]),
+                pp_rank=int(trace.stage[first]),
+                tp_rank=0,
+                cp_rank=0,
+                step=step,
+                optype=trace.optype[part],
+                optype_names=trace.optype_names,
+                microbatch=trace.mb_id[part],
+                chunk=trace.mc[part],
+                seq=trace.seq_id[part],
+                start_ns=origin_ns
+                + np.round(trace.start_ts[part].astype(np.float64) * 1e9).astype(np.int64),
+                duration_ns=np.round(trace.duration[part].astype(np.float64) * 1e9).astype(
+                    np.int64
+                ),
+            )
+        )
+    return batches
 
 
 class ProgressSink(Protocol):

@@ -59,14 +59,17 @@ def write_logs_with_timers(
     gpus_per_node: int | None = None,
 ) -> int:
     """Record every op of `trace` through one host-mode `OpTimer` per rank, as a training
-    job instrumented with lagscope would, laying steps back to back from `start_wall_ns`.
+    job instrumented with lagscope would, laying steps back to back from `start_wall_ns` as
+    `lagscope replay` does.
 
     `gpus_per_node`: place the ranks on a cluster of such nodes (rank r on GPU r % n of
     node `<job>-node-<r // n>`) in each rank's job record, as the integrations record the
     machine a rank runs on, so a generated job's advice names machines too."""
     import numpy as np
 
-    origin = _step_origins(trace, start_wall_ns)
+    from lagscope.producers.replay import step_origins_ns
+
+    origin = step_origins_ns(trace, start_wall_ns)
     order = np.lexsort((trace.seq_id, trace.start_ts, trace.step, trace.stage, trace.dp_rank))
     written = 0
     worker = np.stack([trace.dp_rank[order], trace.stage[order]], axis=1)
@@ -74,24 +77,6 @@ def write_logs_with_timers(
     for rows in np.split(order, cuts):
         written += _record_worker(trace, rows, info, log_dir, origin, gpus_per_node)
     return written
-
-
-def _step_origins(trace: Trace, start_wall_ns: int) -> dict[int, int]:
-    """The wall-clock start (ns) of each step, the steps laid back to back."""
-    import numpy as np
-
-    end = trace.start_ts.astype(np.float64) + trace.duration
-    steps = np.unique(trace.step)
-    spans = np.array([end[trace.step == s].max() for s in steps])
-    return dict(
-        zip(
-            steps.tolist(),
-            (start_wall_ns + np.concatenate(([0], np.cumsum(spans[:-1]))) * 1e9)
-            .astype(np.int64)
-            .tolist(),
-            strict=True,
-        )
-    )
 
 
 def _record_worker(
