@@ -8,8 +8,9 @@ stages are folders beside `lagscope/` that the install maps under it
 no folder walk sees. So the graph is built on the layout as installed: a temporary
 `lagscope/` whose entries link to the repository's files and folders.
 
-`picture()` draws the layers of the journey contract, as docs/design.md §4 shows them
-(tests/test_import_layers.py checks that the page draws the contracts).
+`picture()` draws the layers of the journey contract and `contracts_table()` lists the
+forbidden contracts, as docs/design.md §4 shows them (tests/test_import_layers.py parses
+the page and checks it against the contracts read here).
 """
 
 from __future__ import annotations
@@ -52,12 +53,51 @@ def lay_out_installed(root: Path) -> Path:
     return root
 
 
-def journey_layers() -> list[list[str]]:
-    """The journey contract's layers, top first; each a list of side-by-side packages."""
+def package_of(folder: str) -> str:
+    """The installed package of a repository folder (`store/` -> `lagscope.store`)."""
+    by_folder = {f"{path}/": name for name, path in package_dirs().items()}
+    return by_folder.get(folder, folder.rstrip("/").replace("/", "."))
+
+
+def contracts() -> dict[str, configparser.SectionProxy]:
+    """Every contract of `.importlinter`, by its id (`journey`, `public-surface`, ...)."""
     config = configparser.ConfigParser()
     config.read(CONFIG, encoding="utf-8")
-    lines = [line.strip() for line in config[JOURNEY]["layers"].splitlines() if line.strip()]
-    return [[name.strip() for name in line.split("|")] for line in lines]
+    prefix = "importlinter:contract:"
+    return {
+        section.removeprefix(prefix): config[section]
+        for section in config.sections()
+        if section.startswith(prefix)
+    }
+
+
+def _lines(value: str) -> list[str]:
+    return [line.strip() for line in value.splitlines() if line.strip()]
+
+
+def journey_layers() -> list[list[str]]:
+    """The journey contract's layers, top first; each a list of side-by-side packages."""
+    layers = contracts()[JOURNEY.removeprefix("importlinter:contract:")]["layers"]
+    return [[name.strip() for name in line.split("|")] for line in _lines(layers)]
+
+
+def forbidden_contracts() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """Each forbidden contract's id -> (its source modules, the modules they never import)."""
+    return {
+        name: (
+            frozenset(_lines(contract["source_modules"])),
+            frozenset(_lines(contract["forbidden_modules"])),
+        )
+        for name, contract in contracts().items()
+        if contract["type"] == "forbidden"
+    }
+
+
+def shown(module: str) -> str:
+    """A module as the design page names it: a folder for an installed folder
+    (`lagscope.store` -> `store/`), else its import name (`lagscope.timer`, `pyarrow`)."""
+    folder = folder_of(module)
+    return folder if (REPO / folder).is_dir() else module
 
 
 def picture() -> str:
@@ -65,6 +105,21 @@ def picture() -> str:
     the layers below; `·` between folders of one layer: neither imports the other."""
     rows = ["  ·  ".join(folder_of(name) for name in layer) for layer in journey_layers()]
     return "\n    ↓\n".join(rows)
+
+
+def contracts_table() -> str:
+    """The forbidden contracts as docs/design.md §4 lists them, one row each, in the order
+    of `.importlinter`."""
+
+    def cell(modules: str) -> str:
+        return ", ".join(f"`{shown(module)}`" for module in _lines(modules))
+
+    rows = ["| contract | these | never import |", "|---|---|---|"]
+    for name, contract in contracts().items():
+        if contract["type"] == "forbidden":
+            sources, forbidden = contract["source_modules"], contract["forbidden_modules"]
+            rows.append(f"| `{name}` | {cell(sources)} | {cell(forbidden)} |")
+    return "\n".join(rows)
 
 
 def main() -> int:
