@@ -10,11 +10,16 @@ episodes at the same steps and store the same rows:
 - **Episodes** (`simulator/online_episodes.py`): updated at every complete step; an open
   episode's cost (`simulator/episode_cost.py`) grows with every step it covers, and its
   diagnosis (`simulator/episode_diagnosis.py`) is redone with it.
-- **Diagnosis**: every `diagnose_every_steps` complete steps, the retained steps are
-  rolled up (`lagscope analyze` of them), diagnosed, and the run's one story is composed
-  from that diagnosis and the episodes (`simulator/run_story.py`); at the end of the job
-  (its input ended, or it fell idle) once more, with each episode's bounds refined on the
-  steps around it.
+- **Diagnosis**: the retained steps are rolled up (`lagscope analyze` of them),
+  diagnosed, and the run's one story is composed from that diagnosis and the episodes
+  (`simulator/run_story.py`): first after `diagnose_every_steps` complete steps, then
+  after twice as many steps each time, up to the retained window's length. A roll-up
+  costs as much as analysing its steps again, so a fixed cadence of 10 steps over a
+  window of 256 cost 25 analyses of every step (a worker sustained 49 k ops/s on the AR
+  backlog); doubling up to the window costs about two. Between roll-ups the story is
+  composed again, at no cost, when an episode opens or closes, so the verdict follows the
+  episodes at once. At the end of the job (its input ended, or it fell idle) once more,
+  with each episode's bounds refined on the steps around it.
 
 State (`state_dict` / `from_state`) is plain data; the retained steps it needs after a
 restore are the processor's own (looked up by step id).
@@ -171,8 +176,11 @@ class LiveJob:
         self.last_diagnosis: JobDiagnosis | None = None
         #: When each of the latest steps began (ns), to date an episode's bounds.
         self.step_start_ns: dict[int, int] = {}
-        #: Complete steps analysed since the last diagnosis.
+        #: Complete steps analysed since the last diagnosis, and how many make the next.
         self.since_diagnosis = 0
+        self.diagnosis_interval = diagnose_every_steps
+        #: An episode opened or closed since the story was last composed.
+        self.story_changed = False
 
     # -- per step -----------------------------------------------------------------------
     def on_step(
@@ -214,7 +222,9 @@ class LiveJob:
                         inside.append(earlier)
                 self.costs[episode.episode_id] = cost
                 self.resplit[episode.episode_id] = _resplit(episode, inside)
-            elif change.change == "updated":
+            if change.change in ("opened", "closed"):
+                self.story_changed = True
+            if change.change == "updated":
                 self.costs[episode.episode_id] = self._cost_of(
                     episode, prepared, times, self.costs[episode.episode_id]
                 )
@@ -264,26 +274,51 @@ class LiveJob:
         return state
 
     # -- the job's diagnosis ------------------------------------------------------------
-    @property
-    def diagnosis_due(self) -> bool:
-        return self.since_diagnosis >= self.diagnose_every_steps
+    def interval_after(self, interval: int, capacity: int) -> int:
+        """The steps between a diagnosis and the next, after one `interval` steps after
+        the last: twice as many, up to the retained window's `capacity` (at least
+        `diagnose_every_steps`)."""
+        return min(2 * interval, max(self.diagnose_every_steps, capacity))
 
-    def diagnose(self, window: Sequence[PreparedTrace], *, final: bool = False,
-                 decompose_threshold: float) -> JobDiagnosis | None:  # fmt: skip
-        """Roll up and diagnose `window` (the retained steps at this point) and compose
-        the run's story with the episodes; None without a retained step."""
+    def diagnose(
+        self,
+        window: Sequence[PreparedTrace],
+        *,
+        final: bool = False,
+        decompose_threshold: float,
+        capacity: int = 0,
+    ) -> JobDiagnosis | None:
+        """Roll up and diagnose `window` (the retained steps at this point, of at most
+        `capacity`) and compose the run's story with the episodes; None without a
+        retained step."""
         self.since_diagnosis = 0
+        if not final:
+            self.diagnosis_interval = self.interval_after(self.diagnosis_interval, capacity)
         if not window:
             return None
         prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
         cfg = self.diagnosis_settings
         run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
-        episodes = [s.diagnosis for s in self._states_by_cost()]
-        verdict = run_story(run, episodes, rollup, settings=cfg)
-        found = JobDiagnosis(int(prepared.steps[-1]), rollup, run, verdict, final)
+        found = JobDiagnosis(int(prepared.steps[-1]), rollup, run, self._story(run, rollup), final)
+        self.last_diagnosis = found
+        self.story_changed = False
+        return found
+
+    def recompose(self, step: int) -> JobDiagnosis | None:
+        """The run's story at `step` told again with the episodes as they are now, on the
+        last roll-up (None before the first): when an episode opened or closed."""
+        self.story_changed = False
+        last = self.last_diagnosis
+        if last is None:
+            return None
+        found = JobDiagnosis(step, last.rollup, last.run, self._story(last.run, last.rollup))
         self.last_diagnosis = found
         return found
+
+    def _story(self, run: Diagnosis, rollup: WhatIfResult) -> Diagnosis:
+        episodes = [s.diagnosis for s in self._states_by_cost()]
+        return run_story(run, episodes, rollup, settings=self.diagnosis_settings)
 
     def conclude(
         self, window: Sequence[PreparedTrace], *, decompose_threshold: float
@@ -324,6 +359,7 @@ class LiveJob:
             "resplit": {str(k): asdict(v) if v else None for k, v in self.resplit.items()},
             "recent_steps": [[int(p.steps[0]), *times] for p, times in self.recent],
             "since_diagnosis": self.since_diagnosis,
+            "diagnosis_interval": self.diagnosis_interval,
             "step_start_ns": [[k, v] for k, v in self.step_start_ns.items()],
         }
 
@@ -342,6 +378,7 @@ class LiveJob:
             if int(step) in by_step:
                 self.recent.append((by_step[int(step)], tuple(float(t) for t in times)))
         self.since_diagnosis = int(state["since_diagnosis"])
+        self.diagnosis_interval = int(state.get("diagnosis_interval", self.diagnose_every_steps))
         self.step_start_ns = {int(k): int(v) for k, v in state["step_start_ns"]}
         if self.detector is not None:
             for episode in self.detector.episodes:

@@ -84,9 +84,10 @@ class ProcessorSettings(BaseModel):
     closed_steps_remembered: int = Field(default=100_000, ge=16)
     #: Attribution is reported from this slowdown on (the reference's 1.03).
     decompose_threshold: float = Field(default=1.03, gt=0)
-    #: The job's diagnosis is redone over its retained steps every this many complete
-    #: steps while it runs (and once more when it ends): a roll-up of 256 steps of a
-    #: 4-rank job and its diagnosis take ~0.1 s, of a 12,288-GPU job's 17 steps ~3 s.
+    #: The job's first diagnosis (a roll-up of its retained steps) comes after this many
+    #: complete steps, each next one after twice as many as the last, up to the retained
+    #: window's length (and once more when the job ends): a roll-up of 256 steps of the
+    #: AR job and its diagnosis take ~0.25 s, of a 12,288-GPU job's 17 steps ~3 s.
     diagnose_every_steps: int = Field(default=10, ge=1)
     #: When a worker's episode opens and closes (simulator/online_episodes.py).
     episodes: OnlineEpisodeSettings = OnlineEpisodeSettings()
@@ -624,8 +625,12 @@ class StepProcessor:
             diagnosis = None
             if position in windows:
                 diagnosis = job.live.diagnose(
-                    windows[position], decompose_threshold=self.settings.decompose_threshold
+                    windows[position],
+                    decompose_threshold=self.settings.decompose_threshold,
+                    capacity=job.retained_capacity,
                 )
+            elif job.live.story_changed:
+                diagnosis = job.live.recompose(closed.step)
             outputs[index] = StepOutput(
                 closed.job.info.job_id,
                 closed.job.info.attempt,
@@ -681,13 +686,15 @@ class StepProcessor:
         ideals = []
         windows: dict[int, tuple[PreparedTrace, ...]] = {}
         since_diagnosis = job.live.since_diagnosis
+        interval = job.live.diagnosis_interval
         for position, ((_, closed, _, _), step) in enumerate(zip(ready, alone, strict=True)):
             if closed.complete:
                 job.retain(step)
                 since_diagnosis += 1
-                if since_diagnosis >= job.live.diagnose_every_steps:
+                if since_diagnosis >= interval:
                     windows[position] = tuple(job.retained)
                     since_diagnosis = 0
+                    interval = job.live.interval_after(interval, job.retained_capacity)
             ideal = job.ideal.current()
             for optype in set(step.node_optype) - set(ideal):
                 # A first step that is incomplete: its own values are the best estimate.

@@ -65,10 +65,26 @@ def test_a_healthy_noisy_job_has_no_episode_and_no_cause(seed):
     assert conclusion.diagnosis.verdict.cause == "none", conclusion.diagnosis.verdict.summary
 
 
-def test_the_diagnosis_is_kept_current_every_few_steps():
-    outputs, _ = streamed((), 35, 0)
+def test_the_diagnosis_is_redone_at_growing_intervals():
+    """A roll-up costs as much as analysing its steps again: the first after 10 complete
+    steps (the processor's default), each next one after twice as many."""
+    outputs, _ = streamed((), 80, 0)
     diagnosed = [out.step for out in outputs if out.diagnosis is not None]
-    assert diagnosed == [9, 19, 29]  # every 10 complete steps (processor default)
+    assert diagnosed == [9, 29, 69]
+
+
+def test_the_story_is_retold_when_an_episode_opens_and_when_it_closes():
+    slow = SlowWorker(dp=1, stage=0, factor=2.0, start_step=15, end_step=30)
+    outputs, _ = streamed((slow,), 40, 0)
+    states = [(out.step, state.episode.open) for out in outputs for state in out.episodes]
+    opened = states[0][0]
+    closed = next(step for step, is_open in states if not is_open)
+    by_step = {out.step: out.diagnosis for out in outputs}
+    assert by_step[opened] is not None and by_step[closed] is not None
+    told = by_step[opened].verdict
+    assert told.cause == "slow_workers", told.summary
+    first = told.evidence.named_workers[0]
+    assert (first.dp, first.stage) == (1, 0)
 
 
 @pytest.mark.parametrize("seed", range(4))

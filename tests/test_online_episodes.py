@@ -4,6 +4,8 @@ decisions unchanged by the units the seconds are in."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,6 +16,8 @@ from lagscope.simulator.online_episodes import (
     HOST,
     OnlineEpisodes,
     OnlineEpisodeSettings,
+    nanmedian_first_axis,
+    nanquantile_first_axis,
 )
 
 KINDS = ("backward-compute", "forward-compute", "input-wait", HOST)
@@ -135,3 +139,43 @@ def test_signals_of_another_shape_are_refused() -> None:
     detector = OnlineEpisodes(KINDS, N_STAGES, N_DP)
     with pytest.raises(ValueError, match="shape"):
         detector.update(0, np.zeros((len(KINDS), N_STAGES, N_DP + 1)), 0.1)
+
+
+_columns = st.integers(1, 6).flatmap(
+    lambda rows: st.lists(
+        st.lists(
+            st.one_of(st.floats(-1e3, 1e3, allow_nan=False), st.just(float("nan"))),
+            min_size=rows,
+            max_size=rows,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_columns, st.floats(0.0, 1.0))
+def test_the_column_quantiles_are_numpy_s(columns: list[list[float]], q: float) -> None:
+    values = np.array(columns, dtype=float).T  # [row, column], NaN where a value is missing
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's "All-NaN slice"
+        expected_quantile = np.nanquantile(values, q, axis=0)
+        expected_median = np.nanmedian(values, axis=0)
+    np.testing.assert_array_equal(nanquantile_first_axis(values, q), expected_quantile)
+    np.testing.assert_array_equal(nanmedian_first_axis(values), expected_median)
+
+
+def test_only_the_series_that_may_pass_are_weighed() -> None:
+    """The candidate filter is a shortcut: weighing every series changes no decision."""
+    values = _job(seed=7, jitter=0.08)
+    values[25:45, 0, 1, 2] *= 1.6
+    values[30:38, 3, 0, 1] *= 1.4
+    filtered = _run(values)
+    everything = OnlineEpisodes(KINDS, N_STAGES, N_DP)
+    everything._candidates = lambda: np.ones((len(KINDS), N_STAGES, N_DP), dtype=bool)
+    step_time = values.sum(axis=(1, 3)).max(axis=1)
+    for step in range(values.shape[0]):
+        everything.update(step, values[step], float(step_time[step]))
+    assert filtered.episodes, "the planted straggler should open an episode"
+    assert filtered.episodes == everything.episodes
