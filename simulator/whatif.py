@@ -254,7 +254,11 @@ class WhatIfAnalysis:
             return np.arange(n_dp)
         if variant.swap is None:
             return np.arange(1)
-        touched = variant.swap.workers[self.node_stage[variant.swap.nodes]].any(axis=0)
+        # The stages of the swapped nodes, then their workers: the same as asking every
+        # node's stage row, without a [node, dp] array per variant (one per DP rank).
+        stages = np.zeros(self.prepared.n_stages, dtype=bool)
+        stages[self.node_stage[variant.swap.nodes]] = True
+        touched = variant.swap.workers[stages].any(axis=0)
         changed = np.flatnonzero(touched)
         untouched = np.flatnonzero(~touched)
         return np.concatenate([changed, untouched[:1]]) if untouched.size else changed
@@ -283,7 +287,7 @@ class WhatIfAnalysis:
         swap = None
         if variant.swap is not None:
             col_dp = np.tile(dp_cols, n_steps)
-            swap = variant.swap.nodes[:, None] & variant.swap.workers[self.node_stage][:, col_dp]
+            swap = variant.swap.nodes[:, None] & variant.swap.workers[:, col_dp][self.node_stage]
             if variant.delay != "swap":
                 other = (
                     np.broadcast_to(ideal, cost.shape)
