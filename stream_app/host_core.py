@@ -241,9 +241,10 @@ class HostCore:
         #: Per job, what summaries and reports show beyond the processor's own state.
         self.changes: dict[tuple[str, int], list[DetectedChange]] = {}
         self.incomplete: dict[tuple[str, int], list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
-        #: Per job, when its last step closed (this host's clock), for idle conclusions,
-        #: and in wall-clock time, for a report's "last step closed at".
-        self.last_closed_at: dict[tuple[str, int], float] = {}
+        #: Per job, when it last moved: a batch of it arrived or a step closed (this host's
+        #: clock), for idle conclusions; when its last step closed in wall-clock time, for
+        #: a report's "last step closed at".
+        self.last_input_at: dict[tuple[str, int], float] = {}
         self.last_closed_wall: dict[tuple[str, int], float] = {}
         #: Per job, the last step a conclusion covered.
         self.concluded_step: dict[tuple[str, int], int] = {}
@@ -287,6 +288,12 @@ class HostCore:
                     self.processor.rejected.append((batch, f"{_WINDOWING_FAILED}: {exc!r}"))
                 outputs = []
             self._closed(outputs)
+            # A job whose batches still arrive is not idle, however long its steps take
+            # to close (a step of 15 s), or to analyse (a large job's step can take this
+            # host longer than the idle time): its clock starts once they are handled.
+            now = self.clock()
+            for batch in windowed:
+                self.last_input_at[batch.job_id, batch.attempt] = now
         return kept
 
     def _admit(self, payload: bytes, source: str, at_s: float) -> RankStepBatch | None:
@@ -340,7 +347,7 @@ class HostCore:
         now = self.clock()
         for out in outputs:
             key = (out.job_id, out.attempt)
-            self.last_closed_at[key] = now
+            self.last_input_at[key] = now
             self.last_closed_wall[key] = time.time()
             if out.changes:
                 changes = self.changes.setdefault(key, [])
@@ -365,15 +372,16 @@ class HostCore:
             self.conclude(job_id, attempt)
 
     def conclude_idle(self, idle_s: float) -> list[tuple[str, int]]:
-        """Conclude every job that closed no step for `idle_s` since its last conclusion
-        (a job that stopped, or paused: a later step resumes it); returns them."""
+        """Conclude every job that received no batch and closed no step for `idle_s` since
+        its last conclusion (a job that stopped, or paused: a later step resumes it);
+        returns them."""
         now = self.clock()
         done = []
         for key, job in list(self.processor.jobs.items()):
             last = job.live.totals.last_step
             if last < 0 or self.concluded_step.get(key, -1) >= last:
                 continue
-            if now - self.last_closed_at.get(key, now) >= idle_s:
+            if now - self.last_input_at.get(key, now) >= idle_s:
                 self.conclude(*key)
                 done.append(key)
         return done

@@ -55,8 +55,12 @@ class WorkerSettings(BaseModel):
     write_interval_s: float = Field(default=0.5, gt=0)
     #: ... or as soon as this many are waiting.
     write_every_steps: int = Field(default=64, ge=1)
-    #: Snapshot the processors (and commit offsets) this often.
+    #: Snapshot the processors (and commit offsets) this often ...
     checkpoint_interval_s: float = Field(default=5.0, gt=0)
+    #: ... or less often, so that snapshots take at most this share of the worker's time:
+    #: a 100,000-GPU job's snapshot is 84 MB and takes ~0.9 s to encode and write, so it
+    #: comes every ~18 s (a restart re-reads a little more of Kafka).
+    checkpoint_max_share: float = Field(default=0.05, gt=0, le=1)
     #: Fetched runs (one partition's records from one fetch) handed to the processor at once.
     take_max_runs: int = Field(default=4, ge=1)
     #: Most bytes fetched per partition at once (the size of a run): larger runs amortise the
@@ -66,9 +70,9 @@ class WorkerSettings(BaseModel):
     job_wait_s: float = Field(default=5.0, ge=0)
     #: How often lateness timeouts, writes and snapshots are checked.
     tick_interval_s: float = Field(default=0.5, gt=0)
-    #: Conclude a job (episodes refined, final diagnosis) once it has closed no step for
-    #: this long; while it runs its diagnosis is kept current every few steps anyway
-    #: (`processor.diagnose_every_steps`).
+    #: Conclude a job (episodes refined, final diagnosis) once it has received no batch
+    #: and closed no step for this long; while it runs its diagnosis is kept current
+    #: anyway (`processor.diagnose_every_steps`).
     rollup_idle_s: float = Field(default=10.0, gt=0)
     #: Exit after this long with no message and everything written (tests, backfills).
     exit_when_idle_s: float | None = Field(default=None, gt=0)

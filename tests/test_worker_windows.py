@@ -83,3 +83,25 @@ def test_a_silent_rank_still_times_out_once_caught_up(chdb_dsn):
     assert core.open_windows() == 0
     assert _stored(sink) == [(0, False)]
     sink.close()
+
+
+@pytest.mark.slow  # a worker core on chDB, two snapshots (~6 s)
+def test_snapshots_are_spaced_by_their_cost(chdb_dsn):
+    """A large job's snapshot (84 MB at 100,000 GPUs) must not take the worker's time:
+    the next one waits for checkpoint_interval_s or cost / checkpoint_max_share."""
+    core, sink, steps = _setup(chdb_dsn)
+    now = [1_000.0]
+    core.clock = lambda: now[0]
+    core.on_messages(_messages(steps[0], 0, time.time()))
+    core.checkpoint(0)
+    part = core.partitions[0]
+    assert part.snapshot_cost_s > 0 and core.counters["snapshots"] == 1
+    core.on_messages(_messages(steps[1], len(steps[0]), time.time()))
+    interval = core.config.worker.checkpoint_interval_s
+    now[0] += interval
+    assert core.checkpoint_due(0), "a cheap snapshot comes every checkpoint_interval_s"
+    part.snapshot_cost_s = 2.0  # as a 100,000-GPU job's would
+    assert not core.checkpoint_due(0)
+    now[0] += 2.0 / core.config.worker.checkpoint_max_share - interval
+    assert core.checkpoint_due(0)
+    sink.close()
