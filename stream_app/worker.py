@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import tempfile
@@ -390,6 +391,8 @@ class FaustWorker:
                 "worker_counters": self.core.counters,
                 "first_message_at": self.core.first_message_at,
                 "last_write_at": self.core.last_write_at,
+                # Linux reports kilobytes: what the worker held at most, for sizing it.
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
             print(json.dumps(summary), flush=True)
             self._stop.set()
