@@ -391,8 +391,7 @@ class FaustWorker:
                 "worker_counters": self.core.counters,
                 "first_message_at": self.core.first_message_at,
                 "last_write_at": self.core.last_write_at,
-                # Linux reports kilobytes: what the worker held at most, for sizing it.
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "peak_rss_mb": _peak_rss_mb(),
             }
             print(json.dumps(summary), flush=True)
             self._stop.set()
@@ -555,3 +554,17 @@ def _faust_credentials(kafka: KafkaSettings) -> Any:
         mechanism=kafka.sasl_mechanism or "PLAIN",
         ssl_context=context,
     )
+
+
+def _peak_rss_mb() -> float:
+    """The most memory this process held (MB), for sizing a worker. Linux's VmHWM: its
+    getrusage maximum survives exec, so a worker started by a large process would
+    report its parent's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
