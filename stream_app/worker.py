@@ -44,6 +44,7 @@ from lagscope.producers.redact import scrub, secret_values
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
+from lagscope.stream_app.worker_metrics import worker_metric_families
 
 log = logging.getLogger("lagscope.worker")
 
@@ -99,60 +100,8 @@ class FaustWorker:
         return self.metrics
 
     def _metric_families(self) -> list[Any]:
-        """The metric families of a scrape (the endpoint's thread): copies of counters the
-        core and the event loop keep in plain Python."""
-        from lagscope.producers.metrics import (
-            counter,
-            gauge,
-            histogram,
-            labelled_counter,
-            labelled_gauge,
-        )
-
-        core = self.core
-        counters = dict(core.counters)
-        topic = self.config.kafka.topic_ops
-        lag = {(topic, str(number)): value for number, value in dict(self._lag).items()}
-        stored = dict(core.steps_stored)
-        return [
-            counter("lagscope_worker_records_total",
-                    "Records of the ops topic processed (re-deliveries below a snapshot not "
-                    "counted).", counters["messages"]),
-            counter("lagscope_worker_replayed_records_total",
-                    "Re-delivered records skipped because a snapshot already covers them.",
-                    counters["replayed_skipped"]),
-            counter("lagscope_worker_ops_total", "Ops in the processed batches.",
-                    counters["ops"]),
-            labelled_counter("lagscope_worker_steps_total",
-                             "Closed steps stored, each once (complete: every rank reported).",
-                             ["complete"],
-                             {("true",): stored[True], ("false",): stored[False]}),
-            counter("lagscope_worker_steps_already_stored_total",
-                    "Re-closed steps (after a crash or rebalance) found already stored.",
-                    counters["steps_already_stored"]),
-            labelled_counter("lagscope_worker_dead_letters_total",
-                             "Records set aside in the store's dead_letters table, by kind.",
-                             ["reason"],
-                             {(kind,): n for kind, n in dict(core.dead_letters_by_kind).items()}),
-            counter("lagscope_worker_snapshots_total", "Processor snapshots written.",
-                    counters["snapshots"]),
-            counter("lagscope_worker_rollups_total", "Job roll-ups diagnosed.",
-                    counters["rollups"]),
-            counter("lagscope_worker_failed_writes_total",
-                    "Store writes that failed after their retries.", counters["failed_writes"]),
-            gauge("lagscope_worker_store_failing",
-                  "1 while the store refuses writes (the worker then takes no messages).",
-                  1 if core.store_failing else 0),
-            labelled_gauge("lagscope_worker_consumer_lag_records",
-                           "Records in Kafka past the last one processed, per assigned "
-                           "partition.", ["topic", "partition"], lag),
-            histogram("lagscope_worker_step_processing_seconds",
-                      "Analysis time per closed step (a processor pass over the steps it "
-                      "closed).", core.step_seconds),
-            gauge("lagscope_worker_last_step_timestamp_seconds",
-                  "Unix time of the last write of closed steps to the store (0: none yet).",
-                  core.last_write_at or 0.0),
-        ]  # fmt: skip
+        """The metric families of a scrape (the endpoint's thread)."""
+        return worker_metric_families(self.core, self.config.kafka.topic_ops, dict(self._lag))
 
     def _update_lag(self) -> None:
         """Consumer lag of every assigned ops partition the core has state for."""
