@@ -78,6 +78,9 @@ class FaustWorker:
         self._last_message = time.monotonic()
         self._passes_in_flight = 0
         self._assigned = False
+        #: The ops partitions this worker owns now: taken away the moment a rebalance
+        #: revokes them, so a pass that was waiting then cannot bring one back to life.
+        self._owned: set[int] = set()
         #: Consumer lag of each assigned ops partition: records in Kafka past the last one
         #: the worker processed (Kafka's high watermark minus the core's next offset).
         self._lag: dict[int, int] = {}
@@ -230,7 +233,9 @@ class FaustWorker:
 
         @app.on_partitions_revoked.connect
         async def on_revoked(app: Any, revoked: Any, **_: Any) -> None:
-            await self._release({tp.partition for tp in revoked if tp.topic == kafka.topic_ops})
+            partitions = {tp.partition for tp in revoked if tp.topic == kafka.topic_ops}
+            self._owned -= partitions
+            await self._release(partitions)
 
         @app.on_partitions_assigned.connect
         async def on_assigned(app: Any, assigned: Any, **_: Any) -> None:
@@ -240,6 +245,7 @@ class FaustWorker:
             self._assigned = True
             for tp in assigned:
                 if tp.topic == kafka.topic_ops:
+                    self._owned.add(tp.partition)
                     await self._core(self.core.partition, tp.partition)
                     seek = await self._core(self.core.take_seek, tp.partition)
                     if seek is not None:
@@ -266,18 +272,20 @@ class FaustWorker:
     async def _pass(self, runs: list[Any]) -> None:
         from lagscope.stream_app.fetch_runs import run_records
 
-        owned = {
-            tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.core.topic
-        }
         messages = [
             OpsMessage(record.partition, record.offset, record.key, record.value,
                        record.timestamp / 1000 if record.timestamp is not None else 0.0)
             for run in runs
-            if run.message.partition in owned  # else revoked while buffered: its owner replays it
+            if run.message.partition in self._owned  # else revoked while buffered
             for record in run_records(run.message)
         ]  # fmt: skip
         await self._wait_for_store()
         await self._wait_for_jobs(messages)
+        # A rebalance may have taken partitions away while this pass waited: their new
+        # owner reads these records again. Kept, they would bring the partition back to
+        # life here, beside its owner (two writers of its steps, snapshots and offsets).
+        # No await between this filter and the hand-over to the core.
+        messages = [m for m in messages if m.partition in self._owned]
         await self._core(self.core.on_messages, messages)
         await self._track_backlog(runs)
         await self._checkpoint_due()
@@ -351,8 +359,10 @@ class FaustWorker:
 
     async def _checkpoint_due(self) -> None:
         for number in await self._core(lambda: list(self.core.partitions)):
-            if await self._core(self.core.checkpoint_due, number):
-                offset = await self._core(self.core.checkpoint, number)
+            if number not in self._owned:
+                continue
+            offset = await self._core(self.core.checkpoint_if_due, number)
+            if offset is not None:
                 await self._commit({number: offset})
 
     async def _commit(self, committed: dict[int, int]) -> None:
@@ -360,6 +370,10 @@ class FaustWorker:
         from faust.types import TP
 
         topic = self.core.topic
+        # Kafka takes a group member's commit for any partition: only an owner's counts.
+        committed = {n: o for n, o in committed.items() if n in self._owned}
+        if not committed:
+            return
         try:
             await self.app.commit_offsets({TP(topic, n): o for n, o in committed.items()})
         except Exception:

@@ -272,6 +272,11 @@ class WorkerCore:
         )
         return self.clock() - part.last_snapshot >= interval
 
+    def checkpoint_if_due(self, number: int) -> int | None:
+        """`checkpoint` when due (None when not, or the partition was dropped meanwhile):
+        one call, so no rebalance comes between the question and the snapshot."""
+        return self.checkpoint(number) if self.checkpoint_due(number) else None
+
     def checkpoint(self, number: int) -> int:
         """Write everything closed, snapshot; returns the offset safe to commit: past the
         new snapshot only when every step it has closed is stored, else the last one's."""
@@ -390,16 +395,17 @@ class WorkerCore:
     def _restore(self, number: int) -> _Partition:
         rows = self.checkpoints.snapshots(number, SNAPSHOTS_TRIED)
         now = self.clock()
-        for index, (offset, blob) in enumerate(rows):
+        for offset, blob in rows:
             where = f"worker_state: snapshot of {self.topic}[{number}] at offset {offset}"
             try:
                 part = self._from_snapshot(number, blob, where)
             except SnapshotError as exc:
                 log.error("%s; trying an older one", exc)
                 continue
-            if index:
-                # Kafka's committed offset may be past this older snapshot: read from it.
-                part.seek_to = part.next_offset
+            # Read on from the snapshot, whatever offset Kafka holds for the group: an older
+            # snapshot (the newest was unreadable) lies before it, and an offset committed
+            # past the newest would skip records no snapshot holds.
+            part.seek_to = part.next_offset
             part.last_write = part.last_snapshot = now
             log.info("partition %s[%d]: restored snapshot at offset %d", self.topic, number,
                      part.next_offset)  # fmt: skip

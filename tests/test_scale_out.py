@@ -349,3 +349,61 @@ def test_three_workers_one_killed_one_added_analyse_every_step_once(
     # The hand-overs found every retained step their snapshots name.
     for w in workers:
         assert "missing from the checkpoint store" not in w.log(), w.log_path
+
+
+def test_a_pass_waiting_through_a_rebalance_leaves_the_revoked_partition_to_its_owner(
+    kafka_bootstrap, store_server, query, tmp_path
+):
+    """A worker's pass that waits (here for its jobs' records) while a rebalance takes one
+    of its partitions away must not process that partition's records when the wait ends:
+    done, the partition came back to life beside its new owner (restored, snapshotted,
+    its offsets committed by a worker that no longer owns it: a later hand-over then
+    skipped records no snapshot held, the steps lost once in a scale-out run). Only
+    owners restore a partition, and every step is stored once, complete."""
+    from lagscope.simulator.generate import JobSpec, generate_job
+
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    topics = _topics(prefix)
+    ops = topics["topic_ops"]
+    create_topics(kafka_bootstrap, topics, ops_partitions=2)
+    jobs = {zlib.crc32(f"job-{i}".encode()) % 2: f"job-{i}" for i in range(20)}
+    assert sorted(jobs) == [0, 1]
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=12, name="mid-pass", seed=5))
+    # The ops first, their job records held back (sent to a topic no worker reads).
+    elsewhere = {**topics, "topic_jobs": f"{prefix}.jobs-later"}
+    for job_id in jobs.values():
+        replay(job.trace, job.meta, kafka=kafka_config(kafka_bootstrap, elsewhere),
+               job_id=job_id, progress=None)  # fmt: skip
+    env = {"LAGSCOPE_WORKER__JOB_WAIT_S": "120"}
+    dsn = store_server.dsn("midpass")
+
+    def worker(name: str) -> WorkerProcess:
+        return start_worker(kafka_bootstrap, topics, tmp_path / name, group="midpass",
+                            env=env, dsn=dsn, exit_when_idle_s=4.0)  # fmt: skip
+
+    first = worker("first")
+    workers = [first]
+    _wait(lambda: _current(first, ops) == {0, 1}, 60, "the first worker owning both", workers)
+    time.sleep(2.0)  # its first pass has both partitions' records and waits for the jobs
+    second = worker("second")
+    workers.append(second)
+    _wait(lambda: len(_current(second, ops)) == 1 and len(_current(first, ops)) == 1, 60,
+          "the two workers sharing the partitions", workers)  # fmt: skip
+    # The job records arrive: the waiting passes of both workers go on.
+    held = {**topics, "topic_ops": f"{prefix}.ops-elsewhere"}
+    for job_id in jobs.values():
+        replay(job.trace, job.meta, kafka=kafka_config(kafka_bootstrap, held), job_id=job_id,
+               progress=None)  # fmt: skip
+    for w in workers:
+        assert w.wait(120) == 0, w.log()[-4000:]
+
+    taken = rf"partition {re.escape(ops)}\[(\d+)\]: (?:restored snapshot|no snapshot)"
+    for w in workers:
+        assignments = _assignments(w, ops)
+        for when, found in _log_times(w, taken):
+            owned = [parts for at, parts in assignments if at <= when][-1]
+            assert int(found.group(1)) in owned, (w.log_path, found.group(0), assignments)
+    n_steps = len(np.unique(job.trace.step))
+    per_job = query("midpass", "SELECT job_id, count(), countIf(complete), "
+                    "uniqExact(step) FROM steps GROUP BY job_id ORDER BY job_id")  # fmt: skip
+    assert per_job == [(j, n_steps, n_steps, n_steps) for j in sorted(jobs.values())]

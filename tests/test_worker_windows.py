@@ -105,3 +105,31 @@ def test_snapshots_are_spaced_by_their_cost(chdb_dsn):
     now[0] += 2.0 / core.config.worker.checkpoint_max_share - interval
     assert core.checkpoint_due(0)
     sink.close()
+
+
+@pytest.mark.slow  # two worker cores on chDB (~5 s)
+def test_a_successor_reads_on_from_the_snapshot_whatever_kafka_committed(chdb_dsn):
+    """The hand-over of a partition: its successor restores the newest snapshot and
+    sends its consumer to that snapshot's offset (an offset committed past it, by a
+    worker that lost the partition mid-pass, would otherwise skip records no snapshot
+    holds); the first owner, its partition dropped, checkpoints nothing more of it."""
+    core, sink, steps = _setup(chdb_dsn)
+    core.on_messages(_messages(steps[0], 0, time.time()))
+    offset = core.checkpoint(0)
+    assert offset == len(steps[0])
+    core.drop_partition(0)  # revoked
+    assert core.checkpoint_if_due(0) is None
+
+    successor = WorkerCore(core.config, sink, publish=lambda key, value: None)
+    part = successor.partition(0)
+    assert part.next_offset == offset
+    assert successor.take_seek(0) == offset
+    assert successor.take_seek(0) is None  # once
+    # Records Kafka delivers again from an older committed offset are skipped, the rest
+    # taken: step 0 is stored once, step 1 after it.
+    successor.on_messages(_messages(steps[0], 0, time.time()))
+    successor.on_messages(_messages(steps[1], offset, time.time()))
+    assert successor.counters["replayed_skipped"] == len(steps[0])
+    successor.write(successor.partitions[0])
+    assert _stored(sink) == [(0, True), (1, True)]
+    sink.close()
