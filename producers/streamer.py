@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import zlib
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from lagscope.producers.config import ConfigError, LagscopeConfig
+from lagscope.producers.dead_letters import STREAMER_DEAD_LETTER_SCHEMA, streamer_dead_letter
 from lagscope.producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.log import (
@@ -142,6 +144,8 @@ class Streamer:
         self.stats = StreamerStats()
         self._stop = threading.Event()
         self._ranks: dict[str, _RankState] = {}
+        #: This node, named in its dead letters (a path alone does not say which node).
+        self._host = socket.gethostname()
         self._jobs_sent: set[str] = set()
         #: Jobs whose records carry fields this build does not know, said once each.
         self._told_unknown: set[str] = set()
@@ -639,13 +643,17 @@ class Streamer:
         self, state: _RankState, end: Position, source: str, offset: int, length: int,
         reason: str, sample: bytes,
     ) -> None:  # fmt: skip
-        value = json.dumps(
-            {"source": source, "offset": offset, "length": length, "reason": reason,
-             "sample_hex": bytes(sample).hex()}
-        ).encode()  # fmt: skip
+        value = streamer_dead_letter(host=self._host, source=source, offset=offset,
+                                     length=length, reason=reason, sample=sample)  # fmt: skip
         log.warning("dead letter %s@%d (%d bytes): %s", source, offset, length, reason)
-        self._produce(state, end, self.config.kafka.topic_deadletter, key=source.encode(),
-                      value=value, headers=[(SCHEMA_HEADER, b"deadletter-1")])  # fmt: skip
+        self._produce(
+            state,
+            end,
+            self.config.kafka.topic_deadletter,
+            key=source.encode(),
+            value=value,
+            headers=[(SCHEMA_HEADER, STREAMER_DEAD_LETTER_SCHEMA)],
+        )
         self.stats.dead_letters += 1
 
     def _track(self, state: _RankState, pending: _Pending) -> None:

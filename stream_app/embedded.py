@@ -186,7 +186,7 @@ class EmbeddedRunner:
     def _consume(self, source: str, item: object) -> None:
         now = time.time()
         if isinstance(item, SkippedSpan):
-            where = f"{source}/{item.source}@{item.offset}"
+            where = f"{source}/{Path(item.source).name}@{item.offset}"
             self.core.dead_letter(DeadLetter(where, item.reason, item.sample, "", now),
                                   "undecodable")  # fmt: skip
             return

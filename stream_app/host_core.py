@@ -55,8 +55,9 @@ log = logging.getLogger("lagscope.host")
 
 #: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
 #: that is no batch, a batch the admission or the windows set aside, a batch a windowing
-#: bug dropped, a job record that is invalid or conflicts with a known one.
-DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata")
+#: bug dropped, a job record that is invalid or conflicts with a known one, and what a
+#: streamer set aside on a training node (the dead-letter topic, read by the workers).
+DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata", "streamer")
 _WINDOWING_FAILED = "windowing failed"
 #: Changes of the change-point detectors kept per job for summaries and reports.
 _CHANGES_KEPT = 10_000

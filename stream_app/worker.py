@@ -5,8 +5,10 @@ one partition and more workers analyse more jobs in parallel). Each assigned par
 its own host pipeline (`stream_app/worker_core.py`: the same `HostCore` `lagscope run`
 drives, so both hosts store the same rows; faust's windowed tables are not used). Job
 records come from the compacted `lagscope.jobs` topic, which every worker reads whole
-(outside the consumer group: every worker needs every job). Closed steps, episodes and
-diagnoses go to the store and, as JSON, to `lagscope.results` for other consumers.
+(outside the consumer group: every worker needs every job). What the streamers set aside
+(`lagscope.deadletter`) is stored in `dead_letters` by a consumer group of its own.
+Closed steps, episodes and diagnoses go to the store and, as JSON, to `lagscope.results`
+for other consumers.
 
 The agent takes each partition's records one fetched run at a time
 (`stream_app/fetch_runs.py`: faust's per-record events cost a quarter of a core at a
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from lagscope.producers.config import ConfigError, KafkaSettings
+from lagscope.producers.dead_letters import from_streamer
 from lagscope.producers.events import SchemaError, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.metrics import MetricsServer
@@ -70,6 +73,8 @@ class FaustWorker:
         # the core single-threaded.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lagscope-core")
         self._jobs_ready = threading.Event()
+        #: Set while the dead-letter reader has stored everything it was given to read.
+        self._dead_letters_idle = threading.Event()
         self._known_jobs: set[bytes] = set()
         #: Jobs whose metadata a pass already waited for.
         self._waited_for: set[bytes] = set()
@@ -196,6 +201,59 @@ class FaustWorker:
             consumer.close()
 
     # -- faust ------------------------------------------------------------------------------
+    def _read_dead_letters(self) -> None:
+        """Store what the streamers set aside (the dead-letter topic), so the store holds
+        every stage's dead letters, as `lagscope run` does. Its partitions are shared by
+        the workers (a consumer group of its own); an offset is committed once its dead
+        letters are stored. Read again after a crash, a dead letter is the same row (the
+        table's key: job, source, time, payload), which the store's FINAL reads once."""
+        from confluent_kafka import Consumer, KafkaException
+
+        topic = self.config.kafka.topic_deadletter
+        consumer = kafka_client(
+            Consumer,
+            {
+                **self.config.kafka.client_config(),
+                "group.id": f"{self.config.worker.group_id}-deadletters",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+            },
+        )
+        assigned = threading.Event()
+        try:
+            while not _topic_exists(consumer, topic):
+                self._dead_letters_idle.set()  # nothing to read (yet)
+                if self._stop.wait(2.0):
+                    return
+            self._dead_letters_idle.clear()
+            consumer.subscribe([topic], on_assign=lambda *_: assigned.set())
+            while not self._stop.is_set():
+                messages = [m for m in consumer.consume(500, timeout=0.5) if m.error() is None]
+                if not messages:
+                    if assigned.is_set() and _caught_up(consumer):
+                        self._dead_letters_idle.set()
+                    continue
+                self._dead_letters_idle.clear()
+                letters = [
+                    from_streamer(m.value(), f"{topic}[{m.partition()}]@{m.offset()}",
+                                  m.timestamp()[1] / 1000)
+                    for m in messages
+                ]  # fmt: skip
+                # Kept pending while the store fails, as every dead letter is.
+                store = self.core.on_streamer_dead_letters
+                while not self._executor.submit(store, letters).result():
+                    letters = []
+                    if self._stop.wait(self.config.worker.write_interval_s):
+                        return
+                try:
+                    consumer.commit(asynchronous=False)
+                except KafkaException as exc:
+                    log.warning("committing %s offsets failed (read again later): %s", topic, exc)
+        except RuntimeError:
+            return  # the executor shut down: the worker is stopping
+        finally:
+            consumer.close()
+
     def _build_app(self) -> Any:
         from lagscope.stream_app.fetch_runs import PassThroughCodec, RunsApp
 
@@ -255,6 +313,9 @@ class FaustWorker:
         async def jobs_reader() -> None:
             thread = threading.Thread(target=self._read_jobs, name="lagscope-jobs", daemon=True)
             thread.start()
+            threading.Thread(
+                target=self._read_dead_letters, name="lagscope-dead-letters", daemon=True
+            ).start()
 
         return app
 
@@ -333,6 +394,7 @@ class FaustWorker:
             and self._assigned
             and not self._stop.is_set()
             and self._idle_for(idle_exit)
+            and self._dead_letters_idle.is_set()
             and not await self._core(self.core.open_windows)
             and self._idle_for(idle_exit)  # no pass began while the core was asked
         ):
@@ -469,6 +531,36 @@ def state_directory(configured: Path | None) -> tuple[Path, bool]:
             f"(uid {os.getuid()})"
         )
     return configured, False
+
+
+def _topic_exists(consumer: Any, topic: str) -> bool:
+    from confluent_kafka import KafkaException
+
+    try:
+        found = consumer.list_topics(topic, timeout=5).topics.get(topic)
+    except KafkaException:
+        return False
+    return found is not None and found.error is None and bool(found.partitions)
+
+
+def _caught_up(consumer: Any) -> bool:
+    """Whether the consumer has read every record of its assigned partitions."""
+    from confluent_kafka import KafkaException
+
+    try:
+        assignment = consumer.assignment()
+        # Before its first fetch a partition has no position: its committed offset says
+        # where the group is (negative: none).
+        read_to = {
+            (tp.topic, tp.partition): tp.offset for tp in consumer.committed(assignment, timeout=5)
+        }
+        for tp in consumer.position(assignment):
+            low, high = consumer.get_watermark_offsets(tp, timeout=5)
+            if high > max(tp.offset, read_to.get((tp.topic, tp.partition), -1), low):
+                return False
+    except KafkaException:
+        return False
+    return True
 
 
 def _batch_job_id(message: OpsMessage) -> bytes | None:

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from lagscope.producers.dead_letters import DeadLetter
 from lagscope.producers.metrics import SecondsHistogram
 from lagscope.store.checkpoints import CheckpointStore
 from lagscope.store.errors import StoreError
@@ -180,6 +181,18 @@ class WorkerCore:
         """A record of the jobs topic (every worker reads them all)."""
         self.records.take(value or b"", where, timestamp_s)
         self._count_totals()
+
+    def on_streamer_dead_letters(self, letters: list[DeadLetter]) -> bool:
+        """Dead letters the streamers sent (the dead-letter topic), stored with what else
+        waits; True once everything is stored (the reader then commits their offsets),
+        False while the store fails (they stay pending, as every dead letter does)."""
+        for letter in letters:
+            self.records.dead.append(letter)
+            self.records.dead_by_kind["streamer"] += 1
+        self._count_totals()
+        if not (self.records.pending or self.records.dead):
+            return True
+        return self._store_or_keep(self.records.write, self.sink)
 
     def partition(self, number: int) -> _Partition:
         """The state of a partition, restored from its last snapshot on first use."""

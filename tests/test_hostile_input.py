@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import signal
+import socket
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from lagscope.cli import main
 from lagscope.cli.demo import write_logs_with_timers
-from lagscope.producers.log import KIND_JOB, list_rank_dirs
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, frame_record, list_rank_dirs
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import generate_job
 from lagscope.store.sink import ClickHouseSink
@@ -30,7 +31,7 @@ from tests.hostile import (
     hostile_records,
     write_good_logs,
 )
-from tests.worker_util import create_topics, query_store, start_worker
+from tests.worker_util import create_topics, query_store, start_streamer, start_worker
 
 KINDS = list(hostile_records())
 _databases = itertools.count()
@@ -151,6 +152,72 @@ def test_worker_dead_letters_each_hostile_record_once_and_skips_it_on_restart(
     assert query_store(tmp_path / "w", "SELECT count() AS n FROM dead_letters") == [
         {"n": len(expected)}
     ]
+
+
+def _garble(rank_directory) -> int:
+    """A last log file of the rank with what only a reader of the logs can set aside:
+    garbage between records, a record that is no batch, a batch whose checksum fails.
+    Returns how many dead letters it makes."""
+    corrupt = bytearray(next(iter(_good_batches())).encode())
+    corrupt[-10] ^= 0xFF  # the log record's checksum holds, the batch's own does not
+    (rank_directory / "99999999999999999999-0001.lglog").write_bytes(
+        b"\x13garbage!" * 5
+        + frame_record(KIND_BATCH, b"this is not an encoded batch at all")
+        + frame_record(KIND_BATCH, bytes(corrupt))
+    )
+    return 3
+
+
+def _good_batches():
+    job = generate_job(GOOD_SPEC)
+    steps = iter_step_batches(job.trace, job.meta, job_id=GOOD_JOB, start_wall_ns=time.time_ns())
+    for _, _, batches in steps:
+        yield from batches
+
+
+def _where_in_logs(source: str) -> str:
+    """`rank-…/file@offset` of a dead letter's source, whichever host stored it."""
+    return "/".join(source.split("/")[-2:])
+
+
+@pytest.mark.slow  # lagscope run, a streamer and two workers over the same logs (~40 s)
+def test_what_a_streamer_sets_aside_is_stored_as_lagscope_run_stores_it(
+    kafka_bootstrap, kafka_topics, good_logs, tmp_path, chdb_dir
+):
+    """Garbage in a rank's log: `lagscope run` reads the logs itself and stores a dead
+    letter for each stretch it set aside; through Kafka the streamer sets them aside on
+    the dead-letter topic and the workers store them, naming the node, the file and the
+    offset: the same places in the logs, each once, also after a worker restarts."""
+    logs = tmp_path / "logs"
+    shutil.copytree(good_logs, logs)
+    expected = _garble(list_rank_dirs(logs)[1])
+    dsn = f"chdb://{chdb_dir}?database=garbled_run"
+    assert main(["run", "--log-dir", str(logs), "--dsn", dsn, "--lateness-s", "60"]) == 0
+    with ClickHouseSink(dsn, create=False) as store:
+        _, embedded = store.query("SELECT source FROM dead_letters FINAL")
+    assert len(embedded) == expected, embedded
+
+    create_topics(kafka_bootstrap, kafka_topics)
+    streamer = start_streamer(kafka_bootstrap, kafka_topics, logs, tmp_path / "s")
+    assert streamer.wait(120) == 0, streamer.log()[-4000:]
+    worker = start_worker(kafka_bootstrap, kafka_topics, tmp_path / "w", group="garbled")
+    assert worker.wait(180) == 0, worker.log()[-4000:]
+    letters = query_store(tmp_path / "w", "SELECT source, reason FROM dead_letters")
+    assert sorted(_where_in_logs(r["source"]) for r in letters) == sorted(
+        _where_in_logs(source) for (source,) in embedded
+    ), letters
+    host = socket.gethostname()
+    assert all(r["source"].startswith(f"{host}:") for r in letters), letters
+    assert all("set aside by the streamer" in r["reason"] for r in letters), letters
+    rows = query_store(tmp_path / "w", "SELECT count() AS n, countIf(complete) AS complete "
+                       f"FROM steps FINAL WHERE job_id = '{GOOD_JOB}'")  # fmt: skip
+    assert rows == [{"n": len(GOOD_STEPS), "complete": len(GOOD_STEPS)}]
+
+    again = start_worker(
+        kafka_bootstrap, kafka_topics, tmp_path / "w", group="garbled", log_name="again.log"
+    )
+    assert again.wait(180) == 0, again.log()[-4000:]
+    assert query_store(tmp_path / "w", "SELECT count() AS n FROM dead_letters") == [{"n": expected}]
 
 
 @pytest.mark.parametrize("after_s", [0.5, 6.0])
