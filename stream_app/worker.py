@@ -86,6 +86,9 @@ class FaustWorker:
         #: The ops partitions this worker owns now: taken away the moment a rebalance
         #: revokes them, so a pass that was waiting then cannot bring one back to life.
         self._owned: set[int] = set()
+        #: True from a rebalance's revocation to its assignment: owning nothing then is
+        #: no reason to think the work is done.
+        self._rebalancing = False
         #: Consumer lag of each assigned ops partition: records in Kafka past the last one
         #: the worker processed (Kafka's high watermark minus the core's next offset).
         self._lag: dict[int, int] = {}
@@ -292,6 +295,7 @@ class FaustWorker:
         @app.on_partitions_revoked.connect
         async def on_revoked(app: Any, revoked: Any, **_: Any) -> None:
             partitions = {tp.partition for tp in revoked if tp.topic == kafka.topic_ops}
+            self._rebalancing = True
             self._owned -= partitions
             await self._release(partitions)
 
@@ -301,13 +305,18 @@ class FaustWorker:
             # message, yet its jobs may still await their roll-up.
             self._last_message = time.monotonic()
             self._assigned = True
+            # Owned from now on, before the first await: faust resumes fetching before this
+            # handler ends, and a run of a partition not yet owned would be dropped after
+            # the consumer moved past it (lost). One restored by a pass first is fine.
+            self._owned |= {tp.partition for tp in assigned if tp.topic == kafka.topic_ops}
             for tp in assigned:
                 if tp.topic == kafka.topic_ops:
-                    self._owned.add(tp.partition)
                     await self._core(self.core.partition, tp.partition)
                     seek = await self._core(self.core.take_seek, tp.partition)
                     if seek is not None:
                         await self.app.consumer.seek(tp, seek)
+            self._rebalancing = False
+            self._last_message = time.monotonic()
 
         @app.task
         async def jobs_reader() -> None:
@@ -357,6 +366,8 @@ class FaustWorker:
         consumer = self.app.consumer
         for run in runs:
             message = run.message
+            if message.partition not in self._owned:
+                continue  # revoked while the pass waited: aiokafka asserts on its highwater
             highwater = consumer.highwater(message.tp)
             behind = highwater is not None and message.offset + 1 < highwater
             if highwater is not None:
@@ -393,6 +404,7 @@ class FaustWorker:
             idle_exit is not None
             and self._assigned
             and not self._stop.is_set()
+            and not self._rebalancing
             and self._idle_for(idle_exit)
             and self._dead_letters_idle.is_set()
             and not await self._core(self.core.open_windows)

@@ -408,17 +408,19 @@ class WorkerCore:
     def _restore(self, number: int) -> _Partition:
         rows = self.checkpoints.snapshots(number, SNAPSHOTS_TRIED)
         now = self.clock()
-        for offset, blob in rows:
+        for index, (offset, blob) in enumerate(rows):
             where = f"worker_state: snapshot of {self.topic}[{number}] at offset {offset}"
             try:
                 part = self._from_snapshot(number, blob, where)
             except SnapshotError as exc:
                 log.error("%s; trying an older one", exc)
                 continue
-            # Read on from the snapshot, whatever offset Kafka holds for the group: an older
-            # snapshot (the newest was unreadable) lies before it, and an offset committed
-            # past the newest would skip records no snapshot holds.
-            part.seek_to = part.next_offset
+            if index:
+                # Kafka's committed offset may be past this older snapshot: read from it.
+                # (Not after the newest: only owners commit, never past their snapshot,
+                # and a seek while the consumer's fetcher holds records of the partition
+                # crashed aiokafka's fetcher, KeyError in fetched_records.)
+                part.seek_to = part.next_offset
             part.last_write = part.last_snapshot = now
             log.info("partition %s[%d]: restored snapshot at offset %d", self.topic, number,
                      part.next_offset)  # fmt: skip

@@ -312,7 +312,15 @@ def test_three_workers_one_killed_one_added_analyse_every_step_once(
 
     # Every step exactly once (counted without FINAL), none lost.
     rows, unique = query(GROUP, "SELECT count(), uniqExact(job_id, attempt, step) FROM steps")[0]
-    assert (rows, unique) == (len(jobs) * n_steps, len(jobs) * n_steps)
+    stored_steps = defaultdict(set)
+    for job, step in query(GROUP, "SELECT job_id, step FROM steps"):
+        stored_steps[job].add(step)
+    ref_steps = {step for (step,) in query("ref", "SELECT step FROM steps")}
+    missing = {job: sorted(ref_steps - stored_steps[job]) for job in jobs}
+    assert (rows, unique) == (len(jobs) * n_steps, len(jobs) * n_steps), (
+        {job: (partition_of[job], steps) for job, steps in missing.items() if steps},
+        sorted(moved),
+    )
     per_job = {
         job: (n, complete)
         for job, n, complete in query(
@@ -396,6 +404,7 @@ def test_a_pass_waiting_through_a_rebalance_leaves_the_revoked_partition_to_its_
                progress=None)  # fmt: skip
     for w in workers:
         assert w.wait(120) == 0, w.log()[-4000:]
+        assert "Traceback" not in w.log(), w.log_path
 
     taken = rf"partition {re.escape(ops)}\[(\d+)\]: (?:restored snapshot|no snapshot)"
     for w in workers:
