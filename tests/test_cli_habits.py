@@ -232,9 +232,12 @@ def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k != "LAGSCOPE_CLICKHOUSE_DSN"}
     command = [*LAGSCOPE, "run", "--log-dir", str(st_logs), "--follow", "--idle-exit-s", "120"]
+    # A suite started in the background (`cmd &`, nohup) hands its children SIGINT ignored,
+    # and Python then installs no handler: give the command the default a terminal gives.
     with subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as process:
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as process:  # fmt: skip
         # The schema's last migration is the sign the command is following the logs.
         deadline = time.monotonic() + 120
         store = tmp_path / "lagscope-data" / "chdb"
