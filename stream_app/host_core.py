@@ -280,7 +280,7 @@ class HostCore:
                     self._raw_ops.append(raw_op_rows(batch, batch_id_of(payload)))
         if windowed:
             try:
-                outputs = self.processor.on_batches(windowed)
+                outputs = self.processor.on_batches(windowed, admitted=True)
             except Exception as exc:
                 # The processor stores analysis failures as unanalysed steps; this is a
                 # windowing bug. Keep the host going, and the batches as dead letters.

@@ -472,8 +472,11 @@ class StepProcessor:
         """Add one batch; returns the steps it completed (usually none or one)."""
         return self.on_batches((batch,))
 
-    def on_batches(self, batches: Iterable[RankStepBatch]) -> list[StepOutput]:
+    def on_batches(
+        self, batches: Iterable[RankStepBatch], *, admitted: bool = False
+    ) -> list[StepOutput]:
         """Add batches; returns the steps they completed, in the order they completed.
+        `admitted`: every batch came back from `admit` (a host's): not checked again.
 
         The closed steps are analysed together (one engine pass per job), each with the
         running estimates it would have had alone, so the numbers do not depend on how the
@@ -481,12 +484,12 @@ class StepProcessor:
         """
         closing = []
         for batch in batches:
-            key = self._add(batch)
+            key = self._add(batch, admitted)
             if key is not None:
                 closing.append(self._close(key))
         return self._analyse_closed(closing)
 
-    def _add(self, batch: RankStepBatch) -> tuple[str, int, int] | None:
+    def _add(self, batch: RankStepBatch, admitted: bool = False) -> tuple[str, int, int] | None:
         """Window one batch; returns its window's key when that completed the step."""
         self.counters["batches"] += 1
         if batch.tp_rank != 0 or batch.cp_rank != 0:
@@ -494,8 +497,11 @@ class StepProcessor:
             return None
         job_key = (batch.job_id, batch.attempt)
         job = self.jobs.get(job_key)
-        problem = admission.batch_problem(batch) or (
-            admission.grid_problem(batch, job.info) if job is not None else ""
+        problem = (
+            ""
+            if admitted
+            else admission.batch_problem(batch)
+            or (admission.grid_problem(batch, job.info) if job is not None else "")
         )
         if problem:
             # Hosts `admit` first; this guards direct callers (a window must never hold
