@@ -320,12 +320,14 @@ class FaustWorker:
             self._last_message = time.monotonic()
 
         @app.task
-        async def jobs_reader() -> None:
-            thread = threading.Thread(target=self._read_jobs, name="lagscope-jobs", daemon=True)
-            thread.start()
-            threading.Thread(
-                target=self._read_dead_letters, name="lagscope-dead-letters", daemon=True
-            ).start()
+        async def side_topic_readers() -> None:
+            # The jobs topic (read whole by every worker) and the dead-letter topic (its
+            # partitions shared in a group of their own) each have a thread of their own.
+            for target, name in (
+                (self._read_jobs, "lagscope-jobs"),
+                (self._read_dead_letters, "lagscope-dead-letters"),
+            ):
+                threading.Thread(target=target, name=name, daemon=True).start()
 
         return app
 
