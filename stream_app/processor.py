@@ -92,9 +92,11 @@ class ProcessorSettings(BaseModel):
     bocd: BocdConfig = BocdConfig()
     #: Child processes that run the compute half of the steps' analysis (prepare, running
     #: ideals, engine) while the host decodes the next step: 0 runs it in the host's
-    #: process; 1 gives one large job a second core (about 1.7x at 12,288 and 100,000
-    #: GPUs on this machine); more serve more jobs at once, each job on one child. The
-    #: results are the same either way. A host setting: a snapshot does not carry it.
+    #: process; 1 gives one job a second core; more serve more jobs at once, each job on
+    #: one child. The results are the same either way. What it gains depends on the
+    #: host's own half (decoding, windowing, the live half, the store's writes): see
+    #: deploy/README.md. A host's setting: a resumed worker takes its own, not its
+    #: snapshot's.
     analysis_processes: int = Field(default=0, ge=0, le=64)
     #: Calls' worth of closed steps in flight to the children before the host waits for
     #: the oldest: bounds the memory of steps sent and not yet analysed.
