@@ -53,6 +53,7 @@ import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Self, get_type_hints
 
 import numpy as np
@@ -459,6 +460,57 @@ def _as_column(name: str, values: Sequence[int] | np.ndarray, dtype: np.dtype) -
                 f"column {name!r} holds values in [{low}, {high}], outside {dtype.name}'s range"
             )
     return np.ascontiguousarray(raw, dtype=dtype)
+
+
+#: Identity fields of a batch, as `pack_batches` keeps them.
+_IDENTITY = ("job_id", "attempt", "rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank", "step")
+
+
+def pack_batches(batches: Sequence[RankStepBatch]) -> dict[str, Any]:
+    """Batches as a few columns (each op column concatenated), to hand a step's batches to
+    another process: pickling these costs a memcpy, where the batches themselves cost
+    ~65 us each and decoding their bytes again ~60 us (0.8 s for a 100,000-GPU step).
+
+    >>> batch = RankStepBatch.build(job_id="j", attempt=0, rank=3, dp_rank=1, pp_rank=0,
+    ...     step=1, optype=["forward-compute", "optimizer"], microbatch=[0, -1],
+    ...     chunk=[0, 0], seq=[0, 1], start_ns=[5, 9], duration_ns=[2, 1])
+    >>> again = unpack_batches(pack_batches([batch, batch]))
+    >>> [encode_batch(b) == encode_batch(batch) for b in again]
+    [True, True]
+    """
+    # attrgetter: one C call a batch (a generator of getattr was 0.17 s a 100,000-GPU step).
+    columns = {
+        name: np.concatenate(list(map(attrgetter(name), batches))).astype(dtype, copy=False)
+        if batches
+        else np.zeros(0, dtype)
+        for name, dtype in _COLUMNS
+    }
+    return {
+        "heads": list(map(attrgetter(*_IDENTITY), batches)),
+        "names": list(map(attrgetter("optype_names"), batches)),
+        "sizes": np.fromiter(
+            map(len, map(attrgetter("start_ns"), batches)), np.int64, count=len(batches)
+        ),
+        **columns,
+    }
+
+
+def unpack_batches(packed: dict[str, Any]) -> list[RankStepBatch]:
+    """The batches `pack_batches` packed (their columns are views of the packed ones)."""
+    ends = np.cumsum(packed["sizes"]).tolist()
+    columns = [(name, packed[name]) for name, _ in _COLUMNS]
+    batches = []
+    start = 0
+    for head, names, end in zip(packed["heads"], packed["names"], ends, strict=True):
+        batch = object.__new__(RankStepBatch)
+        # As decode_batch: the fields in one go (the values were checked on the way in).
+        fields = dict(zip(_IDENTITY, head, strict=True), optype_names=names)
+        for name, column in columns:
+            fields[name] = column[start:end]
+        batch.__dict__.update(fields)
+        batches.append(batch)
+        start = end
+    return batches
 
 
 def encode_batch(batch: RankStepBatch) -> bytes:

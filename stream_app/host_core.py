@@ -41,6 +41,7 @@ from lagscope.store.rows import (
 )
 from lagscope.store.sink import ClickHouseSink, SinkBatch
 from lagscope.stream_app.admission import job_conflict, job_problem
+from lagscope.stream_app.analysis_process import AnalysisProcessError
 from lagscope.stream_app.identity import MachineBook, name_machines
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, JobTotals
 from lagscope.stream_app.processor import (
@@ -281,6 +282,8 @@ class HostCore:
         if windowed:
             try:
                 outputs = self.processor.on_batches(windowed, admitted=True)
+            except AnalysisProcessError:
+                raise  # not the batches' fault: the host stops and resumes from a snapshot
             except Exception as exc:
                 # The processor stores analysis failures as unanalysed steps; this is a
                 # windowing bug. Keep the host going, and the batches as dead letters.
@@ -343,6 +346,10 @@ class HostCore:
         """Close every open window (the end of the input)."""
         self._closed(self.processor.flush())
 
+    def settle(self) -> None:
+        """Wait for the analysis of every closed step; its outputs become pending."""
+        self._closed(self.processor.drain())
+
     def _closed(self, outputs: list[StepOutput]) -> None:
         self._take_rejected()
         now = self.clock()
@@ -361,6 +368,7 @@ class HostCore:
     # -- the end of a job -------------------------------------------------------------
     def conclude(self, job_id: str, attempt: int = 0) -> JobConclusion | None:
         """End a job now (its input ended): final diagnosis, episodes refined."""
+        self.settle()
         conclusion = self.processor.conclude(job_id, attempt)
         if conclusion is not None:
             live = self.processor.live_job(job_id, attempt)

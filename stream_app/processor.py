@@ -32,31 +32,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from lagscope.producers.events import JobInfo, RankStepBatch
-from lagscope.simulator import optypes as ot
 from lagscope.simulator.bocd import BocdBank, BocdConfig
-from lagscope.simulator.depmodel import DependencyModel
 from lagscope.simulator.diagnose import DiagnosisSettings
-from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.noise import series_names, step_series
 from lagscope.simulator.online_episodes import OnlineEpisodeSettings
-from lagscope.simulator.prepare import PreparedTrace, concat_steps, prepare
-from lagscope.simulator.trace import Trace, TraceError
-from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
+from lagscope.simulator.prepare import PreparedTrace, concat_steps
+from lagscope.simulator.whatif import WhatIfResult, analyze
 from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app import admission
+from lagscope.stream_app.analysis_process import Outcome, executor
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, LiveJob
+from lagscope.stream_app.step_compute import JobCompute, StepComputed
 
 log = logging.getLogger("lagscope.processor")
 
-_CHUNKED_OPTYPES = frozenset(
-    {ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE, ot.PARAMS_ALL_GATHER, ot.GRADS_REDUCE_SCATTER}
-)
+_OWNERS = count()
 
 
 class ProcessorSettings(BaseModel):
@@ -94,6 +90,22 @@ class ProcessorSettings(BaseModel):
     #: What names a cause, and what its actions cost (simulator/diagnose.py).
     diagnosis: DiagnosisSettings = DiagnosisSettings()
     bocd: BocdConfig = BocdConfig()
+    #: Child processes that run the compute half of the steps' analysis (prepare, running
+    #: ideals, engine) while the host decodes the next step: 0 runs it in the host's
+    #: process; 1 gives one job a second core; more serve more jobs at once, each job on
+    #: one child. The results are the same either way. What it gains depends on the
+    #: host's own half (decoding, windowing, the live half, the store's writes): see
+    #: deploy/README.md. A host's setting: a resumed worker takes its own, not its
+    #: snapshot's.
+    analysis_processes: int = Field(default=0, ge=0, le=64)
+    #: Calls' worth of closed steps in flight to the children before the host waits for
+    #: the oldest: bounds the memory of steps sent and not yet analysed.
+    analysis_in_flight: int = Field(default=2, ge=1)
+
+
+#: Settings of the host that runs the analysis, not of the analysis: a resumed processor
+#: takes them from its host, not from its snapshot.
+HOST_SETTINGS = ("lateness_s", "analysis_processes", "analysis_in_flight")
 
 
 @dataclass(frozen=True)
@@ -167,85 +179,26 @@ class _Closed:
     #: DP ranks whose every stage reported (the ones analysed).
     dp_ranks: list[int]
     batches: list[RankStepBatch]
+    #: Why the step cannot be analysed ("": it can).
+    reason: str = ""
 
     @property
     def complete(self) -> bool:
         return not self.missing
 
 
+@dataclass
+class _Submitted:
+    """One call's closed steps, in closing order, and their jobs' computations."""
+
+    closing: list[_Closed | StepOutput]
+    #: Per job: its state, its steps (index in `closing`), the ticket of their compute.
+    jobs: list[tuple[_JobState, list[tuple[int, _Closed]], int | None]]
+
+
 def _fingerprint(batch: RankStepBatch) -> tuple[int, int, bytes]:
     """Identity of a batch's content: a re-sent batch has the same ops at the same times."""
     return (batch.dp_rank, batch.pp_rank, batch.start_ns.tobytes() + batch.seq.tobytes())
-
-
-class _RunningIdeal:
-    """Running ideal costs: exact means for compute, windowed exact medians for comm.
-
-    The window of each comm op type is also kept sorted (values in, evicted values out by
-    binary search), so a median costs O(1) to read and O(window) memmove to update, not a
-    sort of the whole window per step.
-    """
-
-    def __init__(self, window_steps: int, values_per_step: int) -> None:
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-        self.recent: dict[str, deque[np.ndarray]] = {}
-        self.sorted: dict[str, np.ndarray] = {}
-        self.window_steps = window_steps
-        self.values_per_step = values_per_step
-        #: Nodes of each op type; the job's model is fixed, so computed once.
-        self._nodes: dict[str, np.ndarray] | None = None
-
-    def add_step(self, prepared: PreparedTrace) -> None:
-        if self._nodes is None:
-            self._nodes = _nodes_by_optype(prepared)
-        for optype, nodes in self._nodes.items():
-            if ot.is_compute(optype):
-                values = prepared.duration[nodes]
-                self.sums[optype] = self.sums.get(optype, 0.0) + float(values.sum(dtype=np.float64))
-                self.counts[optype] = self.counts.get(optype, 0) + values.size
-            else:
-                self._add_comm(optype, prepared.cost[nodes].ravel())
-
-    def _add_comm(self, optype: str, values: np.ndarray) -> None:
-        if values.size > self.values_per_step:
-            stride = values.size / self.values_per_step
-            values = values[(np.arange(self.values_per_step) * stride).astype(int)]
-        values = np.sort(values)
-        window = self.recent.setdefault(optype, deque(maxlen=self.window_steps))
-        merged = self.sorted.get(optype, np.zeros(0, values.dtype))
-        if len(window) == window.maxlen:
-            merged = _remove_sorted(merged, window[0])
-        window.append(values)
-        self.sorted[optype] = np.insert(merged, np.searchsorted(merged, values), values)
-
-    def current(self) -> dict[str, float]:
-        ideal = {t: self.sums[t] / self.counts[t] for t in self.sums if self.counts[t]}
-        for optype, values in self.sorted.items():
-            middle = values.size // 2
-            if values.size % 2:
-                ideal[optype] = float(values[middle])
-            else:
-                ideal[optype] = (float(values[middle - 1]) + float(values[middle])) / 2
-        return ideal
-
-    def state(self) -> dict[str, Any]:
-        # The comm window holds the retained steps' values: rebuilt from them on restore.
-        return {"sums": dict(self.sums), "counts": dict(self.counts)}
-
-    def restore(self, state: dict[str, Any], retained: Iterable[PreparedTrace]) -> None:
-        self.sums = dict(state["sums"])
-        self.counts = dict(state["counts"])
-        for prepared in retained:
-            self._nodes = self._nodes or _nodes_by_optype(prepared)
-            for optype, nodes in self._nodes.items():
-                if not ot.is_compute(optype):
-                    self._add_comm(optype, prepared.cost[nodes].ravel())
-
-
-def _nodes_by_optype(prepared: PreparedTrace) -> dict[str, np.ndarray]:
-    node_optype = np.array(prepared.node_optype)
-    return {t: np.flatnonzero(node_optype == t) for t in sorted(set(prepared.node_optype))}
 
 
 #: Fields of a retained step that are its own (the model and meta are the job's).
@@ -274,30 +227,14 @@ def decode_step_inputs(payload: bytes, where: str = "retained step") -> dict[str
     return inputs
 
 
-def _remove_sorted(values: np.ndarray, gone: np.ndarray) -> np.ndarray:
-    """`values` (sorted) without the elements of `gone` (sorted, all present)."""
-    # Equal values in `gone` must hit distinct positions: the k-th copy goes k further.
-    repeat_rank = np.arange(gone.size) - np.searchsorted(gone, gone, side="left")
-    return np.delete(values, np.searchsorted(values, gone, side="left") + repeat_rank)
-
-
-def _step_bytes(prepared: PreparedTrace) -> int:
-    """Bytes a retained step holds, counting a GC-pause array whether or not this step has
-    one (a later step may), so the window never outgrows the budget."""
-    arrays = (prepared.start, prepared.duration, prepared.cost, prepared.launch_delay)
-    return sum(a.nbytes for a in arrays) + prepared.duration.size * 4
-
-
 class _JobState:
     def __init__(self, info: JobInfo, settings: ProcessorSettings) -> None:
         self.info = info
         self.settings = settings
-        self.model: DependencyModel | None = None
-        self.compiled: CompiledModel | None = None
-        self.ideal = _RunningIdeal(settings.rollup_window_steps, settings.median_values_per_step)
+        #: The dependency model and running ideals: the compute half's own state (a child
+        #: process holds its copy; this one is kept equal to it for snapshots).
+        self.compute = JobCompute(info, settings)
         self.retained: deque[PreparedTrace] = deque(maxlen=settings.rollup_window_steps)
-        #: Bytes of one retained step; known from the first (a job's steps share a shape).
-        self.step_bytes = 0
         self.detector: BocdBank | None = None
         self.series_names: list[str] = []
         #: (update index, step id) of recent detector updates, to name change steps.
@@ -311,47 +248,41 @@ class _JobState:
             info, settings.diagnose_every_steps, settings.episodes, settings.diagnosis
         )
 
-    def _size_window(self, prepared: PreparedTrace) -> None:
-        """Fit the retained window to the byte budget, from the job's first retained step.
-        The comm medians' window shrinks with it: it must hold exactly the retained
-        steps' values, which is what a restore rebuilds it from."""
-        if self.step_bytes:
+    def _fit_window(self) -> None:
+        """The retained window as long as the compute half's (sized by the byte budget
+        from the job's first complete step)."""
+        capacity = self.compute.capacity
+        if self.retained.maxlen == capacity:
             return
-        self.step_bytes = _step_bytes(prepared)
-        capacity = max(
-            1,
-            min(
-                self.settings.rollup_window_steps,
-                self.settings.rollup_budget_bytes // self.step_bytes,
-            ),
-        )
         self.retained = deque(self.retained, maxlen=capacity)
-        self.ideal.window_steps = capacity
         if capacity < self.settings.rollup_window_steps:
             log.warning(
                 "job %s/%d: a step holds %.1f MB, so its roll-up and comm medians cover the "
                 "last %d complete steps (rollup_budget_bytes %d MB), not %d",
                 self.info.job_id,
                 self.info.attempt,
-                self.step_bytes / 1e6,
+                self.compute.step_bytes / 1e6,
                 capacity,
                 self.settings.rollup_budget_bytes >> 20,
                 self.settings.rollup_window_steps,
             )
 
-    def retain(self, prepared: PreparedTrace) -> None:
-        """Keep a complete step for the roll-up and add it to the running ideals."""
-        self._size_window(prepared)
-        self.ideal.add_step(prepared)
+    def retain(self, prepared: PreparedTrace, *, mirror: bool) -> None:
+        """Keep a complete step for the roll-up; `mirror`: add it to this side's running
+        ideals too (the compute half ran elsewhere)."""
+        if mirror:
+            self.compute.add_complete_step(prepared)
+        self._fit_window()
         self.retained.append(prepared)
 
     def restore_retained(self, ideal_state: dict[str, Any], retained: list[PreparedTrace]) -> None:
         if retained:
-            self._size_window(retained[0])
+            self.compute.size_window(retained[0])
+            self._fit_window()
             # A snapshot taken under a larger budget keeps only what this one allows.
-            retained = retained[-self.retained.maxlen :]
+            retained = retained[-self.compute.capacity :]
         self.retained.extend(retained)
-        self.ideal.restore(ideal_state, retained)
+        self.compute.ideal.restore(ideal_state, retained)
 
     @property
     def retained_capacity(self) -> int:
@@ -393,6 +324,33 @@ class StepProcessor:
             "steps_incomplete": 0,
             "steps_unanalysed": 0,
         }
+        self._executor = executor(self.settings.analysis_processes)
+        #: This processor among the others its executor serves (they share children).
+        self._owner = next(_OWNERS)
+        #: Calls whose analysis is under way, oldest first, and outputs finished since
+        #: the last call returned them.
+        self._submitted: deque[_Submitted] = deque()
+        self._finished: list[StepOutput] = []
+        self._outcomes: dict[int, Outcome] = {}
+
+    @property
+    def in_flight(self) -> bool:
+        """Closed steps whose analysis has not come back yet."""
+        return bool(self._submitted)
+
+    def drain(self) -> list[StepOutput]:
+        """Wait for every closed step's analysis; returns the outputs not returned yet."""
+        return self._analyse_closed([], wait=True)
+
+    def _settle(self) -> None:
+        """Finish every analysis under way (its outputs come with the next call), so the
+        job's state is whole: before a roll-up, a conclusion or a snapshot."""
+        finished = self._analyse_closed([], wait=True)  # (it hands `_finished` over)
+        self._finished.extend(finished)
+
+    def close(self) -> None:
+        """Let go of what the executor holds for this processor (it is dropped)."""
+        self._executor.forget(self._owner)
 
     # -- input ------------------------------------------------------------------------
     def on_job(self, info: JobInfo) -> str:
@@ -543,8 +501,8 @@ class StepProcessor:
         return self._analyse_closed([self._close(k) for k in due])
 
     def flush(self) -> list[StepOutput]:
-        """Close every open window now (end of input)."""
-        return self._analyse_closed([self._close(k) for k in sorted(self.windows)])
+        """Close every open window now (end of input) and wait for their analysis."""
+        return self._analyse_closed([self._close(k) for k in sorted(self.windows)], wait=True)
 
     # -- closing a step -----------------------------------------------------------------
     def _close(self, key: tuple[str, int, int]) -> _Closed | StepOutput:
@@ -579,59 +537,103 @@ class StepProcessor:
         if missing:
             self.counters["steps_incomplete"] += 1
         if not complete_dp:
-            return self._unanalysed(
-                info, step, start_ns, False, missing, "no pipeline replica reported all its stages"
-            )
+            # Its output comes in closing order with the others (its job's live state).
+            return _Closed(job, step, start_ns, missing, [], [],
+                           reason="no pipeline replica reported all its stages")  # fmt: skip
         batches = [
             b for dp in complete_dp for pp in range(info.pp_size) for b in window.batches[dp, pp]
         ]
         return _Closed(job, step, start_ns, missing, complete_dp, batches)
 
-    def _analyse_closed(self, closing: list[_Closed | StepOutput]) -> list[StepOutput]:
-        """Analyse closed steps as if one at a time, in order, but vectorized per job."""
-        done: dict[int, StepOutput] = {}
-        by_job: dict[int, list[tuple[int, _Closed]]] = {}
-        for index, item in enumerate(closing):
-            if isinstance(item, StepOutput):
-                done[index] = item
-            else:
-                by_job.setdefault(id(item.job), []).append((index, item))
-        for items in by_job.values():
+    def _analyse_closed(self, closing: list[_Closed | StepOutput], *, wait: bool = False
+                        ) -> list[StepOutput]:  # fmt: skip
+        """Analyse closed steps as if one at a time, in order, but vectorized per job: each
+        job's compute half goes to the executor, and the live half runs on what came back,
+        in closing order. Returns the outputs finished by now (with `wait`: all)."""
+        if closing:
+            by_job: dict[int, tuple[_JobState, list[tuple[int, _Closed]]]] = {}
+            for index, item in enumerate(closing):
+                if isinstance(item, _Closed):
+                    by_job.setdefault(id(item.job), (item.job, []))[1].append((index, item))
+            jobs = []
+            for job, items in by_job.values():
+                analysable = [closed for _, closed in items if not closed.reason]
+                ticket = (
+                    self._executor.submit(self._owner, job.compute, analysable)
+                    if analysable
+                    else None
+                )
+                jobs.append((job, items, ticket))
+            self._submitted.append(_Submitted(closing, jobs))
+        limit = 0 if wait else self.settings.analysis_in_flight
+        while len(self._submitted) > limit:
+            self._finished.extend(self._finish(self._submitted.popleft(), wait=True))
+        while self._submitted and (done := self._finish(self._submitted[0], wait=False)):
+            self._submitted.popleft()
+            self._finished.extend(done)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _finish(self, submitted: _Submitted, *, wait: bool) -> list[StepOutput]:
+        """The call's outputs in closing order, once every job's compute came back ([]
+        while one has not and `wait` is False)."""
+        outcomes: list[Outcome | None] = []
+        for _, _, ticket in submitted.jobs:
+            outcome = None if ticket is None else self._outcomes.get(ticket)
+            if ticket is not None and outcome is None:
+                outcome = self._executor.poll(ticket, wait)
+                if outcome is None:
+                    return []
+                self._outcomes[ticket] = outcome
+            outcomes.append(outcome)
+        for _, _, ticket in submitted.jobs:
+            self._outcomes.pop(ticket, None)  # type: ignore[arg-type]
+        done = {i: o for i, o in enumerate(submitted.closing) if isinstance(o, StepOutput)}
+        for (job, items, _), outcome in zip(submitted.jobs, outcomes, strict=True):
             try:
-                done.update(self._analyse_job_steps(items))
+                done.update(self._live_half(job, items, outcome))
             except Exception as exc:
                 # A bug must not take the job's steps (or the host) down: they are stored
                 # unanalysed, with the error as the reason.
-                job = items[0][1].job.info.key
-                log.exception("analysing %d step(s) of %s failed", len(items), job)
+                log.exception("analysing %d step(s) of %s failed", len(items), job.info.key)
                 for index, closed in items:
                     done.setdefault(index, self._failed(closed, f"analysis failed: {exc!r}"))
-        return [done[index] for index in range(len(closing))]
+        return [done[index] for index in range(len(submitted.closing))]
 
-    def _analyse_job_steps(self, items: list[tuple[int, _Closed]]) -> dict[int, StepOutput]:
-        """Analyse one job's closed steps (by their index in the closing order): prepared,
-        the running ideals taken in closing order, one engine pass per prepared trace,
-        then each step's change points, episodes and (when due) the job's diagnosis."""
-        job = items[0][1].job
+    def _live_half(
+        self, job: _JobState, items: list[tuple[int, _Closed]], outcome: Outcome | None
+    ) -> dict[int, StepOutput]:
+        """One job's closed steps (by index in the closing order) through its live state:
+        retained, change points, episodes and (when due) the job's diagnosis, which sees
+        the retained steps as they are at its step."""
         outputs: dict[int, StepOutput] = {}
-        ready = self._prepare_job_steps(job, items, outputs)
-        alone = [prepared.select_steps([column]) for _, _, prepared, column in ready]
-        ideals, windows = self._running_ideals(job, ready, alone)
-        results = self._analyse_passes(job, ready, ideals)
-        for position, (index, closed, _, _) in enumerate(ready):
-            result = results[position]
-            changes = self._detect(job, closed.step, alone[position], complete=closed.complete)
+        computed = iter(outcome if isinstance(outcome, list) else ())
+        mirror = self._executor.mirrors
+        for index, closed in items:
+            step = StepComputed(failure=closed.reason) if closed.reason else None
+            if step is None:
+                step = StepComputed(failure=outcome) if isinstance(outcome, str) else next(computed)
+            if step.failure or step.alone is None:
+                outputs[index] = self._failed(closed, step.failure)
+                continue
+            window = None
+            if closed.complete:
+                job.retain(step.alone, mirror=mirror)
+                # `on_step` below counts this step: a diagnosis due here sees it retained.
+                if job.live.since_diagnosis + 1 >= job.live.diagnosis_interval:
+                    window = tuple(job.retained)
+            changes = self._detect(job, closed.step, step.alone, complete=closed.complete)
             episodes = job.live.on_step(
                 closed.step,
                 closed.start_ns,
-                result,
-                alone[position] if closed.complete else None,
+                step.result,
+                step.alone if closed.complete else None,
                 complete=closed.complete,
             )
             diagnosis = None
-            if position in windows:
+            if window is not None:
                 diagnosis = job.live.diagnose(
-                    windows[position],
+                    window,
                     decompose_threshold=self.settings.decompose_threshold,
                     capacity=job.retained_capacity,
                 )
@@ -644,7 +646,7 @@ class StepProcessor:
                 closed.start_ns,
                 closed.complete,
                 closed.missing,
-                result,
+                step.result,
                 closed.job.info,
                 changes=changes,
                 analysed_dp_ranks=() if closed.complete else tuple(closed.dp_ranks),
@@ -652,121 +654,6 @@ class StepProcessor:
                 diagnosis=diagnosis,
             )
         return outputs
-
-    def _prepare_job_steps(
-        self, job: _JobState, items: list[tuple[int, _Closed]], outputs: dict[int, StepOutput]
-    ) -> list[tuple[int, _Closed, PreparedTrace, int]]:
-        """(index, closed step, its prepared trace, its column there) of every step that
-        could be prepared, in closing order; the others go to `outputs` as failed. The
-        job's first analysable step gives it its dependency model."""
-        todo = list(items)
-        ready: list[tuple[int, _Closed, PreparedTrace, int]] = []
-        while job.model is None and todo:
-            index, first = todo.pop(0)
-            try:
-                prepared = self._prepare(job, [first])
-            except TraceError as exc:
-                outputs[index] = self._failed(first, str(exc))
-                continue
-            job.model = prepared.model
-            job.compiled = job.model.compiled
-            ready.append((index, first, prepared, 0))
-        prepared_each = self._prepare_each(job, [c for _, c in todo])
-        for (index, closed), done in zip(todo, prepared_each, strict=True):
-            if isinstance(done, str):
-                outputs[index] = self._failed(closed, done)
-            else:
-                ready.append((index, closed, *done))
-        ready.sort(key=lambda r: r[0])
-        return ready
-
-    def _running_ideals(
-        self,
-        job: _JobState,
-        ready: list[tuple[int, _Closed, PreparedTrace, int]],
-        alone: list[PreparedTrace],
-    ) -> tuple[list[dict[str, float]], dict[int, tuple[PreparedTrace, ...]]]:
-        """Running ideals in closing order: each step sees the complete steps up to itself,
-        and a diagnosis due at a step sees the retained steps as they were there (by
-        position in `ready`)."""
-        ideals = []
-        windows: dict[int, tuple[PreparedTrace, ...]] = {}
-        since_diagnosis = job.live.since_diagnosis
-        interval = job.live.diagnosis_interval
-        for position, ((_, closed, _, _), step) in enumerate(zip(ready, alone, strict=True)):
-            if closed.complete:
-                job.retain(step)
-                since_diagnosis += 1
-                if since_diagnosis >= interval:
-                    windows[position] = tuple(job.retained)
-                    since_diagnosis = 0
-                    interval = job.live.interval_after(interval, job.retained_capacity)
-            ideal = job.ideal.current()
-            for optype in set(step.node_optype) - set(ideal):
-                # A first step that is incomplete: its own values are the best estimate.
-                ideal[optype] = _own_ideal(step, optype)
-            ideals.append(ideal)
-        return ideals, windows
-
-    def _analyse_passes(
-        self,
-        job: _JobState,
-        ready: list[tuple[int, _Closed, PreparedTrace, int]],
-        ideals: list[dict[str, float]],
-    ) -> dict[int, WhatIfResult]:
-        """Each step's what-if result, by position in `ready`: one engine pass per prepared
-        trace (the complete steps share one)."""
-        passes: dict[int, tuple[PreparedTrace, list[int]]] = {}
-        for position, (_, _, prepared, _) in enumerate(ready):
-            passes.setdefault(id(prepared), (prepared, []))[1].append(position)
-        results: dict[int, WhatIfResult] = {}
-        for prepared, positions in passes.values():
-            step_ideals: list[dict[str, float]] = [{}] * prepared.n_steps
-            for position in positions:
-                step_ideals[ready[position][3]] = ideals[position]
-            analysed = analyze_each_step(
-                prepared,
-                step_ideals,
-                compiled=job.compiled,
-                decompose_threshold=self.settings.decompose_threshold,
-            )
-            for position in positions:
-                results[position] = analysed[ready[position][3]]
-        return results
-
-    def _prepare(self, job: _JobState, closed: list[_Closed]) -> PreparedTrace:
-        """One prepared trace of closed steps that cover the same DP ranks."""
-        trace = batches_to_trace(
-            [b for c in closed for b in c.batches], job.info.pp_size, closed[0].dp_ranks
-        )
-        return prepare(trace, job.info.to_meta(), model=job.model)
-
-    def _prepare_each(
-        self, job: _JobState, closed: list[_Closed]
-    ) -> list[tuple[PreparedTrace, int] | str]:
-        """(prepared trace, its column) per closed step, or why it cannot be analysed.
-
-        Complete steps are prepared in one go; a failure there is narrowed down by
-        preparing them one by one, so one bad step never loses the others.
-        """
-        out: list[tuple[PreparedTrace, int] | str] = [""] * len(closed)
-        joint = [i for i, c in enumerate(closed) if c.complete]
-        if len({closed[i].step for i in joint}) == len(joint) > 1:
-            try:
-                prepared = self._prepare(job, [closed[i] for i in joint])
-            except TraceError:
-                pass
-            else:
-                column = {int(step): col for col, step in enumerate(prepared.steps)}
-                for i in joint:
-                    out[i] = (prepared, column[closed[i].step])
-        for i, c in enumerate(closed):
-            if out[i] == "":
-                try:
-                    out[i] = (self._prepare(job, [c]), 0)
-                except TraceError as exc:
-                    out[i] = str(exc)
-        return out
 
     def _unanalysed(
         self,
@@ -830,6 +717,7 @@ class StepProcessor:
     # -- job level ----------------------------------------------------------------------
     def rollup(self, job_id: str, attempt: int = 0) -> WhatIfResult | None:
         """What-if analysis of the retained complete steps, ideals from those steps."""
+        self._settle()
         job = self.jobs.get((job_id, attempt))
         if job is None or not job.retained:
             return None
@@ -840,6 +728,7 @@ class StepProcessor:
         """The job's end: its final diagnosis and its episodes refined (None: no such
         job). Steps may still come after it (a job that only paused): its analysis goes on
         and a later conclusion supersedes this one."""
+        self._settle()
         job = self.jobs.get((job_id, attempt))
         if job is None:
             return None
@@ -856,7 +745,10 @@ class StepProcessor:
     def state_dict(self, *, with_retained_inputs: bool = True) -> dict[str, Any]:
         """Everything needed to resume. Without `with_retained_inputs` the retained steps
         appear as step ids only: the host persists their inputs (`encode_step_inputs`)
-        once each and hands them back to `from_state`, so a snapshot costs what changed."""
+        once each and hands them back to `from_state`, so a snapshot costs what changed.
+        Outputs of steps whose analysis finishes here come with the next call: a host
+        drains (`drain`) and stores them before it snapshots."""
+        self._settle()
         return {
             "settings": self.settings.model_dump(),
             "counters": dict(self.counters),
@@ -869,8 +761,8 @@ class StepProcessor:
             "jobs": {
                 key: {
                     "info": job.info.model_dump(),
-                    "model": job.model,
-                    "ideal": job.ideal.state(),
+                    "model": job.compute.model,
+                    "ideal": job.compute.ideal.state(),
                     "retained": [_step_inputs(p) for p in job.retained]
                     if with_retained_inputs
                     else [int(p.steps[0]) for p in job.retained],
@@ -890,11 +782,20 @@ class StepProcessor:
         state: dict[str, Any],
         clock: Callable[[], float] = time.monotonic,
         retained_inputs: Callable[[tuple[str, int], list[int]], dict[int, bytes]] | None = None,
+        host: ProcessorSettings | None = None,
     ) -> StepProcessor:
         """Resume from `state_dict()`. `retained_inputs(job, steps)` returns the encoded
         inputs of a job's retained steps when the state holds their ids only; a step it
-        cannot return is left out of the roll-up window (logged)."""
-        processor = cls(ProcessorSettings.model_validate(state["settings"]), clock)
+        cannot return is left out of the roll-up window (logged). The analysis settings
+        are the state's (changing them mid-job would change the numbers of re-processed
+        steps); `host`'s settings of where and when it runs (`HOST_SETTINGS`) replace the
+        state's."""
+        settings = ProcessorSettings.model_validate(state["settings"])
+        if host is not None:
+            settings = settings.model_copy(
+                update={name: getattr(host, name) for name in HOST_SETTINGS}
+            )
+        processor = cls(settings, clock)
         processor.counters.update(state["counters"])
         now = clock()
         for key, saved in state["windows"].items():
@@ -909,11 +810,13 @@ class StepProcessor:
             processor._closed_sets[key] = set(steps)
         for key, saved in state["jobs"].items():
             job = _JobState(JobInfo.model_validate(saved["info"]), processor.settings)
-            job.model = saved["model"]
+            job.compute.model = saved["model"]
             retained = list(saved["retained"])
             if retained and isinstance(retained[0], dict):
                 meta = job.info.to_meta()
-                retained = [PreparedTrace(model=job.model, meta=meta, **r) for r in retained]
+                retained = [
+                    PreparedTrace(model=job.compute.model, meta=meta, **r) for r in retained
+                ]
             elif retained:
                 retained = _load_retained(job, key, retained, retained_inputs)
             job.restore_retained(saved["ideal"], retained)
@@ -933,7 +836,7 @@ def _load_retained(
     steps: list[int],
     retained_inputs: Callable[[tuple[str, int], list[int]], dict[int, bytes]] | None,
 ) -> list[PreparedTrace]:
-    if retained_inputs is None or job.model is None:
+    if retained_inputs is None or job.compute.model is None:
         raise ValueError(f"state of job {key} holds retained step ids but no inputs were given")
     found = retained_inputs(key, steps)
     lost = [step for step in steps if step not in found]
@@ -955,7 +858,7 @@ def _load_retained(
         except SnapshotError as exc:
             log.warning("%s; the roll-up goes on without it", exc)
             continue
-        retained.append(PreparedTrace(model=job.model, meta=meta, **inputs))
+        retained.append(PreparedTrace(model=job.compute.model, meta=meta, **inputs))
     return retained
 
 
@@ -975,70 +878,3 @@ def change_kind(kind: str, before: float, after: float, baseline: float, min_ris
     if kind == "recovery" and before >= raised:
         return "recovery"
     return "shift"
-
-
-def _own_ideal(prepared: PreparedTrace, optype: str) -> float:
-    nodes = [i for i, t in enumerate(prepared.node_optype) if t == optype]
-    if ot.is_compute(optype):
-        return float(prepared.duration[nodes].mean(dtype=np.float64))
-    return float(np.median(prepared.cost[nodes]))
-
-
-def batches_to_trace(
-    batches: Iterable[RankStepBatch], pp_size: int, dp_ranks: list[int] | None = None
-) -> Trace:
-    """Steps' batches as a trace: float32 seconds from each step's earliest op.
-
-    Each step keeps its own origin, so a step's values are the same whether it is turned
-    into a trace alone or with others. `dp_ranks` renumbers the given DP ranks 0..k-1 (the
-    complete replicas of a step).
-    """
-    batches = [b for b in batches if b.n_ops]
-    if not batches:
-        raise TraceError("no ops in the step's batches")
-    names = sorted({n for b in batches for n in b.optype_names})
-    code_of = {n: i for i, n in enumerate(names)}
-    name_array = np.array(names)
-    chunked_code = np.isin(name_array, list(_CHUNKED_OPTYPES))
-    compute_code = np.isin(name_array, [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
-    remaps: dict[tuple[str, ...], np.ndarray] = {}
-    for b in batches:
-        if b.optype_names not in remaps:
-            remaps[b.optype_names] = np.array([code_of[x] for x in b.optype_names], np.int16)
-    origin_of_step: dict[int, int] = {}
-    for b in batches:
-        first = int(b.start_ns.min())
-        origin_of_step[b.step] = min(origin_of_step.get(b.step, first), first)
-
-    n_ops = np.array([b.n_ops for b in batches])
-    renumber = {dp: i for i, dp in enumerate(dp_ranks)} if dp_ranks is not None else None
-
-    def per_batch(values: list[int], dtype: type) -> np.ndarray:
-        return np.repeat(np.array(values, dtype=dtype), n_ops)
-
-    codes = np.concatenate([remaps[b.optype_names][b.optype] for b in batches])
-    stage = per_batch([b.pp_rank for b in batches], np.int32)
-    chunk = np.maximum(np.concatenate([b.chunk for b in batches]).astype(np.int32), 0)
-    origin = per_batch([origin_of_step[b.step] for b in batches], np.int64)
-    columns: dict[str, Any] = {
-        "dp_rank": per_batch(
-            [renumber[b.dp_rank] if renumber else b.dp_rank for b in batches], np.int32
-        ),
-        "stage": stage,
-        "rank": per_batch([b.rank for b in batches], np.int64),
-        "step": per_batch([b.step for b in batches], np.int64),
-        "optype": codes,
-        "start_ts": ((np.concatenate([b.start_ns for b in batches]) - origin) / 1e9).astype(
-            np.float32
-        ),
-        "duration": (np.concatenate([b.duration_ns for b in batches]) / 1e9).astype(np.float32),
-        "seq_id": np.concatenate([b.seq for b in batches]).astype(np.int32),
-        "mc": np.where(chunked_code[codes], chunk, -1).astype(np.int32),
-        "gmc": np.where(compute_code[codes], stage + chunk * pp_size, -1).astype(np.int32),
-        "mb_id": np.concatenate([b.microbatch for b in batches]).astype(np.int32),
-        "optype_names": tuple(names),
-    }
-    steps = sorted(origin_of_step)
-    job = batches[0]
-    shown = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
-    return Trace.from_columns(columns, source=f"{job.job_id}/{job.attempt} {shown}")

@@ -45,6 +45,7 @@ from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.metrics import MetricsServer
 from lagscope.producers.redact import scrub, secret_values
 from lagscope.store.sink import ClickHouseSink
+from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 from lagscope.stream_app.worker_metrics import worker_metric_families
@@ -319,12 +320,14 @@ class FaustWorker:
             self._last_message = time.monotonic()
 
         @app.task
-        async def jobs_reader() -> None:
-            thread = threading.Thread(target=self._read_jobs, name="lagscope-jobs", daemon=True)
-            thread.start()
-            threading.Thread(
-                target=self._read_dead_letters, name="lagscope-dead-letters", daemon=True
-            ).start()
+        async def side_topic_readers() -> None:
+            # The jobs topic (read whole by every worker) and the dead-letter topic (its
+            # partitions shared in a group of their own) each have a thread of their own.
+            for target, name in (
+                (self._read_jobs, "lagscope-jobs"),
+                (self._read_dead_letters, "lagscope-dead-letters"),
+            ):
+                threading.Thread(target=target, name=name, daemon=True).start()
 
         return app
 
@@ -423,6 +426,7 @@ class FaustWorker:
                 "first_message_at": self.core.first_message_at,
                 "last_write_at": self.core.last_write_at,
                 "peak_rss_mb": _peak_rss_mb(),
+                "analysis_processes_peak_rss_mb": analysis_peak_rss_mb(),
             }
             print(json.dumps(summary), flush=True)
             self._stop.set()
@@ -627,11 +631,4 @@ def _peak_rss_mb() -> float:
     """The most memory this process held (MB), for sizing a worker. Linux's VmHWM: its
     getrusage maximum survives exec, so a worker started by a large process would
     report its parent's peak."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_mb("self") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -205,6 +205,7 @@ class WorkerCore:
         part = self.partitions.pop(number, None)
         if part is not None:
             self._ops_dropped += part.core.counters["ops"]
+            part.core.processor.close()
 
     def on_messages(self, messages: list[OpsMessage]) -> None:
         """Decode, window and analyse a run of messages (steps they close, in one pass)."""
@@ -294,6 +295,8 @@ class WorkerCore:
         """Write everything closed, snapshot; returns the offset safe to commit: past the
         new snapshot only when every step it has closed is stored, else the last one's."""
         part = self.partitions[number]
+        # Steps still being analysed are closed in the snapshot: stored first, or lost.
+        part.core.settle()
         if self.write(part) and part.next_offset != part.snapshot_offset:
             started = time.perf_counter()
             if self._store_or_keep(self._snapshot, part):
@@ -318,7 +321,10 @@ class WorkerCore:
     def busy(self) -> bool:
         """True while a partition holds something not yet durable."""
         return bool(self.records.pending or self.records.dead) or any(
-            p.core.has_pending or p.next_offset != p.snapshot_offset or p.core.processor.windows
+            p.core.has_pending
+            or p.next_offset != p.snapshot_offset
+            or p.core.processor.windows
+            or p.core.processor.in_flight
             for p in self.partitions.values()
         )
 
@@ -462,7 +468,10 @@ class WorkerCore:
             saved = payload["core"]
             clock = LatenessClock(saved["event_time_s"])
             processor = StepProcessor.from_state(
-                saved["processor"], clock, retained_inputs=self.checkpoints.retained_inputs
+                saved["processor"],
+                clock,
+                retained_inputs=self.checkpoints.retained_inputs,
+                host=self.config.processor,
             )
             core = self._new_core(clock, processor)
             core.concluded_step = {(j, int(a)): int(s) for j, a, s in saved["concluded_step"]}
@@ -470,11 +479,6 @@ class WorkerCore:
             part = _Partition(number, core, offset, offset)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(f"{where}: malformed snapshot ({exc!r})") from None
-        # The analysis settings are the snapshot's (changing them mid-job would change the
-        # numbers of re-processed steps); only the lateness follows the configuration.
-        processor.settings = processor.settings.model_copy(
-            update={"lateness_s": self.config.processor.lateness_s}
-        )
         now = clock()
         for key in processor.jobs:
             core.last_input_at[key] = now

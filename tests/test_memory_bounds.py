@@ -43,7 +43,7 @@ def step_bytes(info, steps) -> int:
     probe = StepProcessor()
     probe.on_job(info)
     feed(probe, steps[:1])
-    return probe.jobs[info.job_id, info.attempt].step_bytes
+    return probe.jobs[info.job_id, info.attempt].compute.step_bytes
 
 
 def test_a_capped_rollup_is_the_analysis_of_the_steps_it_covers(job_steps):
@@ -56,7 +56,7 @@ def test_a_capped_rollup_is_the_analysis_of_the_steps_it_covers(job_steps):
     job = capped.jobs[info.job_id, info.attempt]
     assert job.retained_capacity == 5
     assert len(job.retained) == 5
-    assert sum(job.step_bytes for _ in job.retained) <= budget
+    assert sum(job.compute.step_bytes for _ in job.retained) <= budget
     rollup = capped.rollup(info.job_id)
     assert rollup.steps.tolist() == [s for _, s, _ in steps[-5:]]
     # The same five steps alone, with no cap: the same roll-up, bit for bit.

@@ -174,7 +174,7 @@ def test_d_several_buckets_replay_within_5_percent(tmp_path: Path) -> None:
     from lagscope.simulator import optypes as ot
     from lagscope.simulator.engine import compile_model, simulate
     from lagscope.simulator.prepare import prepare
-    from lagscope.stream_app.processor import batches_to_trace
+    from lagscope.stream_app.step_compute import batches_to_trace
 
     log_dir, job = _job(tmp_path, ddp.worker, **DDP, steps=24)
     records = [item for d in list_rank_dirs(log_dir) for item in read_all(d)]

@@ -1,6 +1,7 @@
 """One pipeline, two hosts: the same rank logs through `lagscope run` (embedded) and through
 `lagscope stream` -> Kafka -> `lagscope worker` give the same rows in every table, row for
-row, timestamps of processing aside.
+row, timestamps of processing aside. The worker computes its steps in a child process
+(`processor.analysis_processes`), the embedded host in its own: the same rows too.
 
 Everything is real and runs as a user runs it: each command a process of its own, the
 local broker, a chDB store per host read back through `lagscope query`.
@@ -85,9 +86,11 @@ def test_the_same_logs_give_the_same_rows_through_either_host(
     assert streamer.wait(180) == 0, streamer.log()[-3000:]
     worker = start_worker(
         kafka_bootstrap, kafka_topics, tmp_path / "worker", group="two-hosts",
-        env={"LAGSCOPE_STORE__RAW_OPS": "true"},
+        env={"LAGSCOPE_STORE__RAW_OPS": "true", "LAGSCOPE_PROCESSOR__ANALYSIS_PROCESSES": "1"},
     )  # fmt: skip
     assert worker.wait(300) == 0, worker.log()[-4000:]
+    # The worker's steps were computed in a child process, the embedded host's in its own.
+    assert "analysis process(es) started" in worker.log()
     worker_dsn = f"chdb://{tmp_path / 'worker' / 'chdb'}"
 
     episodes = _rows(embedded_dsn, "episodes")

@@ -101,7 +101,7 @@ def _rollup_bytes(gpus: int) -> dict:
     return {
         "held_mb": held / 1e6,
         "steps": len(retained),
-        "uncapped_mb": settings.rollup_window_steps * state.step_bytes / 1e6,
+        "uncapped_mb": settings.rollup_window_steps * state.compute.step_bytes / 1e6,
     }
 
 

@@ -1,0 +1,153 @@
+"""The compute half of the analysis in a child process (`analysis_processes`) gives the
+same numbers as in the host's process: every step's output, the episodes, the diagnoses,
+the job's conclusion and the state a snapshot keeps, however the input is cut into calls,
+and across a snapshot and resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import BaseModel
+
+from lagscope.producers.events import JobInfo, decode_batch
+from lagscope.producers.replay import iter_step_batches
+from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.stream_app.processor import (
+    HOST_SETTINGS,
+    ProcessorSettings,
+    StepOutput,
+    StepProcessor,
+)
+
+
+def canonical(value: Any) -> Any:
+    """`value` as plain data that compares equal only when every number is bit-equal."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value).__name__, {f.name: canonical(getattr(value, f.name)) for f in fields})
+    if isinstance(value, BaseModel):
+        return canonical(value.model_dump())
+    if isinstance(value, np.ndarray):
+        return (value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, float | np.floating):
+        return "nan" if math.isnan(value) else float(value).hex()
+    if isinstance(value, dict):
+        return {str(k): canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [canonical(v) for v in value]
+    return value
+
+
+@pytest.fixture(scope="module")
+def job_stream() -> tuple[JobInfo, list]:
+    """A job with a straggler from step 25 to 45 (an episode, change points, a diagnosis
+    naming it), its batches decoded from their bytes as a host receives them."""
+    job = generate_job(
+        JobSpec(
+            dp=4,
+            pp=4,
+            microbatches=8,
+            steps=60,
+            seed=5,
+            stragglers=(SlowWorker(dp=2, stage=1, factor=1.8, start_step=25, end_step=45),),
+        )
+    )
+    info = JobInfo.from_meta(job.meta, job_id="par")
+    batches = [
+        decode_batch(batch.encode())
+        for _, _, step_batches in iter_step_batches(
+            job.trace, job.meta, job_id="par", start_wall_ns=1_700_000_000_000_000_000
+        )
+        for batch in step_batches
+    ]
+    return info, batches
+
+
+def run(info: JobInfo, batches: list, processes: int, chunk: int) -> dict[str, Any]:
+    processor = StepProcessor(ProcessorSettings(analysis_processes=processes))
+    processor.on_job(info)
+    outputs: list[StepOutput] = []
+    in_flight = 0
+    for i in range(0, len(batches), chunk):
+        outputs += processor.on_batches(batches[i : i + chunk])
+        in_flight += processor.in_flight
+    outputs += processor.flush()
+    return {
+        "outputs": outputs,
+        "conclusion": processor.conclude(info.job_id),
+        "state": processor.state_dict(),
+        "calls_in_flight": in_flight,
+    }
+
+
+def test_a_child_process_computes_what_the_host_computes(job_stream):
+    info, batches = job_stream
+    alone = run(info, batches, processes=0, chunk=16)
+    beside = run(info, batches, processes=1, chunk=7)
+    steps = [out.step for out in alone["outputs"]]
+    assert steps == list(range(60))
+    assert [out.step for out in beside["outputs"]] == steps
+    # The job's story is there to compare: an episode, change points, diagnoses.
+    assert any(out.episodes for out in alone["outputs"])
+    assert any(out.changes for out in alone["outputs"])
+    assert any(out.diagnosis is not None for out in alone["outputs"])
+    for a, b in zip(alone["outputs"], beside["outputs"], strict=True):
+        assert canonical(a) == canonical(b), f"step {a.step} differs"
+    assert canonical(alone["conclusion"]) == canonical(beside["conclusion"])
+    for state in (alone["state"], beside["state"]):
+        for name in HOST_SETTINGS:  # where the analysis ran, not what it found
+            del state["settings"][name]
+    assert canonical(alone["state"]) == canonical(beside["state"])
+    # The host went on while the child computed: calls returned before their steps did.
+    assert alone["calls_in_flight"] == 0
+    assert beside["calls_in_flight"] > 0
+
+
+def test_a_snapshot_taken_while_a_child_computes_resumes_to_the_same_numbers(job_stream):
+    info, batches = job_stream
+    straight = run(info, batches, processes=0, chunk=16)
+    host = ProcessorSettings(analysis_processes=1)
+    processor = StepProcessor(host)
+    processor.on_job(info)
+    half = len(batches) // 2
+    outputs = processor.on_batches(batches[:half])
+    assert processor.in_flight
+    state = processor.state_dict()  # waits for the child: the state is whole
+    assert not processor.in_flight
+    outputs += processor.drain()
+    processor.close()
+    resumed = StepProcessor.from_state(state, host=host)
+    assert resumed.settings.analysis_processes == 1
+    outputs += resumed.on_batches(batches[half:]) + resumed.flush()
+    assert [out.step for out in outputs] == list(range(60))
+    for a, b in zip(straight["outputs"], outputs, strict=True):
+        assert canonical(a.result) == canonical(b.result), f"step {a.step} differs"
+        assert canonical(a.episodes) == canonical(b.episodes), f"step {a.step} differs"
+    assert canonical(straight["conclusion"]) == canonical(resumed.conclude(info.job_id))
+
+
+def test_two_jobs_on_two_children_come_back_in_closing_order(job_stream):
+    """Each job on a child of its own: their results come back in any order, the
+    outputs in the order the steps closed, each job's numbers its own."""
+    info, batches = job_stream
+    other = info.model_copy(update={"job_id": "par-2"})
+    twin = [decode_batch(dataclasses.replace(b, job_id="par-2").encode()) for b in batches]
+    mixed = [b for pair in zip(batches, twin, strict=True) for b in pair]
+    runs = []
+    for processes in (0, 2):
+        processor = StepProcessor(ProcessorSettings(analysis_processes=processes))
+        processor.on_job(info)
+        processor.on_job(other)
+        outputs = []
+        for i in range(0, len(mixed), 40):
+            outputs += processor.on_batches(mixed[i : i + 40])
+        runs.append(outputs + processor.flush())
+    alone, beside = runs
+    assert [(o.job_id, o.step) for o in beside] == [(o.job_id, o.step) for o in alone]
+    assert len(alone) == 120
+    for a, b in zip(alone, beside, strict=True):
+        assert canonical(a) == canonical(b), f"{a.job_id} step {a.step} differs"
