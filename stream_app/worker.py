@@ -84,9 +84,11 @@ class FaustWorker:
         self._last_message = time.monotonic()
         self._passes_in_flight = 0
         self._assigned = False
-        #: The ops partitions this worker owns now: taken away the moment a rebalance
-        #: revokes them, so a pass that was waiting then cannot bring one back to life.
-        self._owned: set[int] = set()
+        #: The ops partitions this worker owns now, each with the consumer generation that
+        #: assigned it: taken away the moment a rebalance revokes them, so a pass that was
+        #: waiting then cannot bring one back to life; and a run fetched in an earlier
+        #: generation is not this ownership's (see `_current_runs`).
+        self._owned: dict[int, int] = {}
         #: True from a rebalance's revocation to its assignment: owning nothing then is
         #: no reason to think the work is done.
         self._rebalancing = False
@@ -297,7 +299,8 @@ class FaustWorker:
         async def on_revoked(app: Any, revoked: Any, **_: Any) -> None:
             partitions = {tp.partition for tp in revoked if tp.topic == kafka.topic_ops}
             self._rebalancing = True
-            self._owned -= partitions
+            for number in partitions:
+                self._owned.pop(number, None)
             await self._release(partitions)
 
         @app.on_partitions_assigned.connect
@@ -309,7 +312,10 @@ class FaustWorker:
             # Owned from now on, before the first await: faust resumes fetching before this
             # handler ends, and a run of a partition not yet owned would be dropped after
             # the consumer moved past it (lost). One restored by a pass first is fine.
-            self._owned |= {tp.partition for tp in assigned if tp.topic == kafka.topic_ops}
+            generation = app.consumer_generation_id
+            self._owned.update(
+                {tp.partition: generation for tp in assigned if tp.topic == kafka.topic_ops}
+            )
             for tp in assigned:
                 if tp.topic == kafka.topic_ops:
                     await self._core(self.core.partition, tp.partition)
@@ -343,25 +349,30 @@ class FaustWorker:
             self._last_message = time.monotonic()
 
     async def _pass(self, runs: list[Any]) -> None:
-        from lagscope.stream_app.fetch_runs import run_records
-
-        messages = [
-            OpsMessage(record.partition, record.offset, record.key, record.value,
-                       record.timestamp / 1000 if record.timestamp is not None else 0.0)
-            for run in runs
-            if run.message.partition in self._owned  # else revoked while buffered
-            for record in run_records(run.message)
-        ]  # fmt: skip
+        runs = self._current_runs(runs)
+        messages = _ops_messages(runs)
         await self._wait_for_store()
         await self._wait_for_jobs(messages)
-        # A rebalance may have taken partitions away while this pass waited: their new
-        # owner reads these records again. Kept, they would bring the partition back to
-        # life here, beside its owner (two writers of its steps, snapshots and offsets).
-        # No await between this filter and the hand-over to the core.
-        messages = [m for m in messages if m.partition in self._owned]
+        # A rebalance may have come while this pass waited. No await between this filter
+        # and the hand-over to the core.
+        current = self._current_runs(runs)
+        if len(current) < len(runs):
+            runs, messages = current, _ops_messages(current)
         await self._core(self.core.on_messages, messages)
         await self._track_backlog(runs)
         await self._checkpoint_due()
+
+    def _current_runs(self, runs: list[Any]) -> list[Any]:
+        """The runs of partitions this worker owns, fetched since the assignment that gave
+        it each one. Another worker may own the others now: kept, a run would bring its
+        partition back to life here, beside its owner (two writers of its steps, snapshots
+        and offsets). And a partition revoked and assigned back to this worker starts
+        again from its snapshot (or from Kafka's start): a run fetched before, still in
+        faust's take buffer, would be the first records that state sees, and the records
+        before it, fetched again, would be skipped as already processed (lost steps)."""
+        owned = self._owned
+        return [run for run in runs
+                if owned.get(run.message.partition, -1) == run.message.generation_id]  # fmt: skip
 
     async def _track_backlog(self, runs: list[Any]) -> None:
         """Tell each partition of the pass whether Kafka holds more of it (its lateness
@@ -625,6 +636,17 @@ def _faust_credentials(kafka: KafkaSettings) -> Any:
         mechanism=kafka.sasl_mechanism or "PLAIN",
         ssl_context=context,
     )
+
+
+def _ops_messages(runs: list[Any]) -> list[OpsMessage]:
+    from lagscope.stream_app.fetch_runs import run_records
+
+    return [
+        OpsMessage(record.partition, record.offset, record.key, record.value,
+                   record.timestamp / 1000 if record.timestamp is not None else 0.0)
+        for run in runs
+        for record in run_records(run.message)
+    ]  # fmt: skip
 
 
 def _peak_rss_mb() -> float:

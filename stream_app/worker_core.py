@@ -144,6 +144,7 @@ class WorkerCore:
         self.counters: dict[str, int] = {
             "messages": 0,
             "replayed_skipped": 0,
+            "records_never_read": 0,
             "ops": 0,
             "steps_written": 0,
             "steps_already_stored": 0,
@@ -220,6 +221,8 @@ class WorkerCore:
                     # Already inside the snapshot (Kafka's committed offset lagged it).
                     self.counters["replayed_skipped"] += 1
                     continue
+                if message.offset > part.next_offset:
+                    self._never_read(number, part.next_offset, message.offset)
                 part.next_offset = message.offset + 1
                 fresh.append(message)
             if not fresh:
@@ -238,6 +241,16 @@ class WorkerCore:
             part.clock.observe(max(m.timestamp_s for m in fresh))
         self._count_totals()
         self.write_due()
+
+    def _never_read(self, number: int, expected: int, got: int) -> None:
+        """The partition's offsets are contiguous (the streamer's producer is idempotent,
+        not transactional): records between the partition's next offset and `got` were
+        deleted by Kafka's retention before this worker read them, or skipped. Their
+        steps are incomplete or missing: say so, once per gap."""
+        self.counters["records_never_read"] += got - expected
+        log.warning("partition %s[%d]: records at offsets %d..%d were never read (deleted "
+                    "by the topic's retention?); their steps are incomplete or missing",
+                    self.topic, number, expected, got - 1)  # fmt: skip
 
     def _observe_steps(self, part: _Partition, closed_before: int, seconds: float) -> None:
         closed = len(part.core.pending) - closed_before

@@ -31,6 +31,10 @@ def worker_metric_families(
         counter("lagscope_worker_replayed_records_total",
                 "Re-delivered records skipped because a snapshot already covers them.",
                 counters["replayed_skipped"]),
+        counter("lagscope_worker_records_never_read_total",
+                "Records of the ops topic never read: the offsets a partition skipped "
+                "(deleted by retention before the worker came to them).",
+                counters["records_never_read"]),
         counter("lagscope_worker_ops_total", "Ops in the processed batches.",
                 counters["ops"]),
         labelled_counter("lagscope_worker_steps_total",

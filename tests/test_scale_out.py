@@ -13,6 +13,7 @@ again) is measured and printed.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import random
 import re
 import time
@@ -292,6 +293,10 @@ def test_three_workers_one_killed_one_added_analyse_every_step_once(
 
     for w in [*survivors, joined]:
         assert w.wait(180) == 0, w.log()[-4000:]
+        # No partition ever jumped past records it had not read (a stale fetch taken
+        # after its partition came back to this worker: the steps in between were lost).
+        counters = json.loads(re.findall(r'\{"worker_counters": .*\}', w.log())[-1])
+        assert counters["worker_counters"]["records_never_read"] == 0, w.log_path
 
     # The first step of a moved job stored after the kill (write time in the store).
     first_after = query(

@@ -131,3 +131,20 @@ def test_a_successor_reads_on_past_its_snapshot_and_the_first_owner_lets_go(chdb
     successor.write(successor.partitions[0])
     assert _stored(sink) == [(0, True), (1, True)]
     sink.close()
+
+
+@pytest.mark.slow  # a worker core on chDB (~5 s)
+def test_records_a_partition_skipped_are_counted_and_named_and_the_rest_analysed(chdb_dsn, caplog):
+    """A partition's offsets are contiguous: a jump (records deleted by retention before
+    the worker read them, or a stale fetch taken for the first records) is a count and
+    one line naming the offsets, and the records around it are analysed as ever."""
+    core, sink, steps = _setup(chdb_dsn)
+    core.on_messages(_messages(steps[0], 0, time.time()))
+    first_lost = len(steps[0])
+    after_gap = first_lost + len(steps[1])  # step 1's records never arrive
+    core.on_messages(_messages(steps[2], after_gap, time.time()))
+    assert core.counters["records_never_read"] == len(steps[1])
+    assert f"[0]: records at offsets {first_lost}..{after_gap - 1} were never read" in (caplog.text)
+    core.finish()
+    assert [step for step, _ in _stored(sink)] == [0, 2]
+    sink.close()
