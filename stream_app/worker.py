@@ -92,6 +92,10 @@ class FaustWorker:
         #: True from a rebalance's revocation to its assignment: owning nothing then is
         #: no reason to think the work is done.
         self._rebalancing = False
+        #: Assignments whose partitions are still being restored (`_restore_assigned`),
+        #: and their tasks (held: the event loop keeps only weak references).
+        self._restores_in_flight = 0
+        self._restore_tasks: set[asyncio.Future[None]] = set()
         #: Consumer lag of each assigned ops partition: records in Kafka past the last one
         #: the worker processed (Kafka's high watermark minus the core's next offset).
         self._lag: dict[int, int] = {}
@@ -305,25 +309,23 @@ class FaustWorker:
 
         @app.on_partitions_assigned.connect
         async def on_assigned(app: Any, assigned: Any, **_: Any) -> None:
-            # Restore eagerly: a partition whose snapshot already covers its end gets no
-            # message, yet its jobs may still await their roll-up.
             self._last_message = time.monotonic()
             self._assigned = True
             # Owned from now on, before the first await: faust resumes fetching before this
             # handler ends, and a run of a partition not yet owned would be dropped after
             # the consumer moved past it (lost). One restored by a pass first is fine.
             generation = app.consumer_generation_id
-            self._owned.update(
-                {tp.partition: generation for tp in assigned if tp.topic == kafka.topic_ops}
-            )
-            for tp in assigned:
-                if tp.topic == kafka.topic_ops:
-                    await self._core(self.core.partition, tp.partition)
-                    seek = await self._core(self.core.take_seek, tp.partition)
-                    if seek is not None:
-                        await self.app.consumer.seek(tp, seek)
+            numbers = [tp.partition for tp in assigned if tp.topic == kafka.topic_ops]
+            self._owned.update({number: generation for number in numbers})
+            # Restored outside this handler: aiokafka sends no heartbeat until it returns,
+            # and restoring every snapshot of a big assignment (or waiting behind a long
+            # pass for the core's thread) can outlast the session timeout; the group then
+            # drops this member and rebalances again, and again (a rebalance storm).
+            self._restores_in_flight += 1
+            task = asyncio.ensure_future(self._restore_assigned(numbers, generation))
+            self._restore_tasks.add(task)
+            task.add_done_callback(self._restore_tasks.discard)
             self._rebalancing = False
-            self._last_message = time.monotonic()
 
         @app.task
         async def side_topic_readers() -> None:
@@ -336,6 +338,31 @@ class FaustWorker:
                 threading.Thread(target=target, name=name, daemon=True).start()
 
         return app
+
+    async def _restore_assigned(self, numbers: list[int], generation: int) -> None:
+        """Restore the partitions an assignment gave this worker (eagerly: a partition
+        whose snapshot already covers its end gets no message, yet its jobs may still
+        await their roll-up), and move the consumer back where an older snapshot ends.
+        A partition revoked meanwhile is skipped; one a pass restored first is kept."""
+        from faust.types import TP
+
+        try:
+            for number in numbers:
+                # The ownership check and the core call's submission have no await between
+                # them: a revocation's drop, submitted later, runs after this restore.
+                if self._owned.get(number) != generation:
+                    continue
+                await self._core(self.core.partition, number)
+                if self._owned.get(number) != generation:
+                    continue
+                seek = await self._core(self.core.take_seek, number)
+                if seek is not None:
+                    await self.app.consumer.seek(TP(self.core.topic, number), seek)
+        except Exception:
+            log.exception("restoring partitions %s failed; a pass restores them", numbers)
+        finally:
+            self._restores_in_flight -= 1
+            self._last_message = time.monotonic()
 
     async def _core(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -419,6 +446,7 @@ class FaustWorker:
             and self._assigned
             and not self._stop.is_set()
             and not self._rebalancing
+            and not self._restores_in_flight
             and self._idle_for(idle_exit)
             and self._dead_letters_idle.is_set()
             and not await self._core(self.core.open_windows)

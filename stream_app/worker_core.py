@@ -145,6 +145,7 @@ class WorkerCore:
             "messages": 0,
             "replayed_skipped": 0,
             "records_never_read": 0,
+            "held_for_seek": 0,
             "ops": 0,
             "steps_written": 0,
             "steps_already_stored": 0,
@@ -222,6 +223,11 @@ class WorkerCore:
                     self.counters["replayed_skipped"] += 1
                     continue
                 if message.offset > part.next_offset:
+                    if part.seek_to is not None:
+                        # Restored from an older snapshot, and the host has not moved the
+                        # consumer back yet: these records come again after its seek.
+                        self.counters["held_for_seek"] += 1
+                        continue
                     self._never_read(number, part.next_offset, message.offset)
                 part.next_offset = message.offset + 1
                 fresh.append(message)

@@ -154,6 +154,36 @@ def test_records_a_partition_skipped_are_counted_and_named_and_the_rest_analysed
     sink.close()
 
 
+@pytest.mark.slow  # two worker cores on chDB (~5 s)
+def test_records_past_an_older_snapshot_wait_for_the_hosts_seek(chdb_dsn):
+    """A partition restored from an older snapshot than Kafka's committed offset (the
+    newest did not decode) is read again from that snapshot: records fetched before the
+    host moved the consumer back are held, not a gap, and nothing is lost."""
+    from lagscope.store.schema import WORKER_STATE_TABLE
+
+    core, sink, steps = _setup(chdb_dsn)
+    core.on_messages(_messages(steps[0], 0, time.time()))
+    snapshot_at = core.checkpoint(0)
+    sink.client.insert(
+        WORKER_STATE_TABLE,
+        [[core.group, core.topic, 0, 10**6, 0, b"not a snapshot"]],
+        column_names=["group_id", "topic", "partition", "next_offset", "written_at", "state"],
+    )
+    successor = WorkerCore(core.config, sink, publish=lambda key, value: None)
+    assert successor.partition(0).next_offset == snapshot_at
+    # Fetched from the committed offset, before the seek: held back.
+    step_2_at = snapshot_at + len(steps[1])
+    successor.on_messages(_messages(steps[2], step_2_at, time.time()))
+    assert successor.counters["held_for_seek"] == len(steps[2])
+    assert successor.counters["records_never_read"] == 0
+    assert successor.take_seek(0) == snapshot_at
+    successor.on_messages(_messages(steps[1], snapshot_at, time.time()))
+    successor.on_messages(_messages(steps[2], step_2_at, time.time()))
+    successor.finish()
+    assert [step for step, _ in _stored(sink)] == [0, 1, 2]
+    sink.close()
+
+
 def _run(partition: int, generation: int, first_offset: int) -> Any:
     """A run message as RunConsumer hands it over: faust's own message type."""
     from aiokafka.structs import ConsumerRecord
