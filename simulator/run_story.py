@@ -109,15 +109,35 @@ def noise_headline(
     slowdown S 1.490, of which the job's own jitter gives S 1.42 (its noise floor); stragglers cost nothing beyond it
     >>> print(noise_headline(1.31, 1.12, 540.0, 3600.0))
     slowdown S 1.310, of which the job's own jitter gives S 1.12 (its noise floor); stragglers cost 15.0% of its GPU time (0.15 GPU-h)
+
+    The floor is estimated from the op-to-op fluctuations, and on a noisy job it can come
+    out above S itself; "of which" would then read as more than the whole:
+
+    >>> print(noise_headline(1.24, 1.46, 2.0, 27.0))
+    slowdown S 1.240, within the job's own jitter (its noise floor, S 1.46); stragglers' episodes cost 7.4% of its GPU time (2.0 GPU-s)
     """  # noqa: E501
     text = f"slowdown S {slowdown:.3f}"
-    if noise_floor is not None and np.isfinite(noise_floor):
+    floor_known = noise_floor is not None and np.isfinite(noise_floor)
+    within_floor = floor_known and noise_floor >= slowdown
+    if within_floor:
+        text += f", within the job's own jitter (its noise floor, S {noise_floor:.2f})"
+    elif floor_known:
         text += f", of which the job's own jitter gives S {noise_floor:.2f} (its noise floor)"
     if straggler_gpu_s > 0 and gpu_s > 0:
-        text += (
-            f"; stragglers cost {straggler_gpu_s / gpu_s:.1%} of its GPU time "
-            f"({straggler_gpu_s / 3600:,.2f} GPU-h)"
-        )
+        # Within the floor, what stragglers cost is their episodes': the run as a whole
+        # has nothing above its jitter.
+        whose = "stragglers' episodes" if within_floor else "stragglers"
+        share = straggler_gpu_s / gpu_s
+        text += f"; {whose} cost {share:.1%} of its GPU time ({_gpu_time(straggler_gpu_s)})"
     else:
         text += "; stragglers cost nothing beyond it"
     return text
+
+
+def _gpu_time(gpu_s: float) -> str:
+    """GPU time in GPU-hours, or GPU-seconds where hours would print as 0.00.
+
+    >>> _gpu_time(540.0), _gpu_time(1.04)
+    ('0.15 GPU-h', '1.0 GPU-s')
+    """
+    return f"{gpu_s / 3600:,.2f} GPU-h" if gpu_s >= 18.0 else f"{gpu_s:.1f} GPU-s"

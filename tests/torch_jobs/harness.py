@@ -213,7 +213,7 @@ def main_for(target: Callable[[int, Knobs], None], description: str, **defaults:
     launch(target, knobs)
     print(
         f"{knobs.world} ranks, {knobs.steps} steps in {time.monotonic() - started:.1f} s; logs "
-        f"in {knobs.log_dir}; analyse with: lagscope run --logs {knobs.log_dir}"
+        f"in {knobs.log_dir}; analyse with: lagscope run --log-dir {knobs.log_dir}"
     )
 
 
