@@ -125,8 +125,9 @@ class EmbeddedRunner:
         read_ahead_steps: int = 4,
     ) -> RunReport:
         """Read every rank's log under `log_dir` until it is exhausted (or, with `follow`,
-        until nothing new arrived for `idle_exit_s`), then close all open steps and
-        conclude every job.
+        until nothing new arrived for `idle_exit_s` since the first record: a job that
+        has not written yet, still loading its data, is waited for), then close all open
+        steps and conclude every job.
 
         Windows follow the logs' own progress, so a backlog of any size closes complete
         steps complete: a step closes once every rank's log has delivered a later step,
@@ -140,7 +141,7 @@ class EmbeddedRunner:
         burst costs time, not memory."""
         started = time.monotonic()
         readers: dict[Path, RankLogReader] = {}
-        last_data = time.monotonic()
+        last_data: float | None = None
         while True:
             for directory in list_rank_dirs(log_dir):
                 readers.setdefault(
@@ -168,7 +169,9 @@ class EmbeddedRunner:
             if got_any:
                 last_data = time.monotonic()
                 continue
-            if not follow or time.monotonic() - last_data >= idle_exit_s:
+            if not follow or (
+                last_data is not None and time.monotonic() - last_data >= idle_exit_s
+            ):
                 break
             time.sleep(0.2)
         self.close_open_steps()

@@ -252,6 +252,36 @@ def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # a job that starts after the idle exit (~10 s)
+def test_following_waits_for_a_job_that_starts_later_than_the_idle_exit(
+    tmp_path: Path, st_logs: Path
+) -> None:
+    """`lagscope run --follow` started before the job (as a user starts it, then launches
+    the job, which loads its data first): the idle exit counts from the job's first
+    record, not from the command's start, so a late job is analysed, not missed."""
+    import shutil
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "LAGSCOPE_CLICKHOUSE_DSN"}
+    command = [*LAGSCOPE, "run", "--log-dir", str(logs), "--follow", "--idle-exit-s", "2"]
+    with subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    ) as process:  # fmt: skip
+        time.sleep(5.0)  # more than twice the idle exit
+        assert process.poll() is None, process.communicate()
+        # Each rank's directory appears whole (a rename), as a job's first seal would.
+        for rank_dir in sorted(st_logs.iterdir()):
+            staged = tmp_path / f"staged-{rank_dir.name}"
+            shutil.copytree(rank_dir, staged)
+            staged.rename(logs / rank_dir.name)
+        out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert f"waiting for the job's rank logs under {logs}" in err.splitlines()[0]
+    assert "job st attempt 0: 32 steps closed" in out
+
+
 @pytest.mark.slow  # waits out the idle exit (~12 s)
 def test_stream_without_kafka_says_so_once_and_honours_idle_exit(
     tmp_path: Path, st_logs: Path

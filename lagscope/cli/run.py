@@ -64,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="with --follow: exit after this long without new records",
+        help="with --follow: exit after this long without new records, counted from the "
+        "first (a job that has not written yet is waited for)",
     )
     run.add_argument(
         "--lateness-s",
@@ -94,6 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_logs_command(args: argparse.Namespace) -> int:
     from lagscope.cli.job_page import render_job_page
     from lagscope.cli.run_outcome import nothing_analysed
+    from lagscope.producers.log import list_rank_dirs
     from lagscope.store.dsn import parse_dsn
     from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
@@ -108,6 +110,9 @@ def run_logs_command(args: argparse.Namespace) -> int:
     sink.ensure_schema()
     runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s), live_report=live)
     display, show = pipeline_progress(None)
+    if args.follow and not list_rank_dirs(args.log_dir):
+        print(f"lagscope run: waiting for the job's rank logs under {args.log_dir} "
+              "(Ctrl-C stops)", file=sys.stderr)  # fmt: skip
     interrupted = False
     try:
         report = runner.run_logs(
