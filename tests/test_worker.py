@@ -87,9 +87,11 @@ def test_kill_9_at_many_points_loses_and_duplicates_no_step(
     create_topics(kafka_bootstrap, kafka_topics)
     config = kafka_config(kafka_bootstrap, kafka_topics)
     trace, meta = load_reference("AR")
-    # Enough steps that no run gets through them all before its kill: a worker drains AR
-    # at ~0.3-0.5M ops/s, so 40 repeats (4.7M ops) outlast five runs of ~1.5 s each.
-    repeat = 40
+    # Enough steps that no run gets through them all before its kill: with these small
+    # passes a worker drains AR at ~0.1M ops/s (4.7M ops in 45 s), and each run is killed
+    # within ~2 s of its first checkpoint, so 20 repeats (2.3M ops) outlast five runs with
+    # most of the job left for the final worker (which processed 95% of 40 repeats).
+    repeat = 20
     replay(trace, meta, kafka=config, job_id="AR", repeat=repeat, progress=None)
     n_steps = repeat * len(np.unique(trace.step))
     # Steps are written far more often than snapshots are taken, so most kills leave
