@@ -69,7 +69,7 @@ def test_every_command_help_has_examples_and_help_on_every_option(command: str) 
 def test_defaults_are_shown_and_empty_defaults_are_not() -> None:
     parsers = all_command_parsers()
     run_help = " ".join(parsers["run"].format_help().split())
-    assert "records (default: 30.0)" in run_help  # --idle-exit-s
+    assert "is waited for) (default: 30.0)" in run_help  # --idle-exit-s
     analyze_help = " ".join(parsers["analyze"].format_help().split())
     assert "reaches this (default: 1.03)" in analyze_help  # --decompose-threshold
     changepoints_help = " ".join(parsers["changepoints"].format_help().split())
