@@ -12,6 +12,8 @@ Every record is self-delimiting and checksummed::
                                payload length, crc32 of (version..length bytes + payload)
     payload length bytes       kind 1: an encoded rank-step batch (producers.events)
                                kind 2: JobInfo as JSON
+                               kind 3: a timer's seal, its ops not yet encoded
+                               (producers.seal_record): read as its kind 1 batches
 
 A record is written with a single ``write`` call by the writer's background thread. After a
 crash the last record of a file may be torn; the reader detects it (short payload or
@@ -32,10 +34,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lagscope.producers.events import SchemaError
+from lagscope.producers.seal_record import expand_seal
+
 RECORD_MAGIC = b"LGRC"
 RECORD_VERSION = 1
 KIND_BATCH = 1
 KIND_JOB = 2
+#: A timer's seal, its ops not yet encoded: a reader gives its batches as KIND_BATCH
+#: records (producers/seal_record.py).
+KIND_SEAL = 3
 KNOWN_KINDS = frozenset({KIND_BATCH, KIND_JOB})
 _HEADER = struct.Struct("<4sBBHII")
 HEADER_SIZE = _HEADER.size
@@ -502,10 +510,26 @@ class _Chunk:
                 continue
             if kind in KNOWN_KINDS:
                 items.append(Record(kind, bytes(payload), name, start + pos, start + end))
+            elif kind == KIND_SEAL:
+                items.extend(self._seal_batches(payload, pos, end))
             else:
                 items.append(self._dead(pos, end - pos, f"unknown record kind {kind}"))
             pos = end
         return pos
+
+    def _seal_batches(self, payload: memoryview, pos: int, end: int) -> list[Record | DeadLetter]:
+        """A seal record's batches, as the KIND_BATCH records the timer used to write.
+        Each but the last resumes at the seal (a reader that stops after one of them makes
+        them all again: the same bytes, deduplicated downstream); the last, after it."""
+        try:
+            batches = expand_seal(payload)
+        except SchemaError as exc:
+            return [self._dead(pos, end - pos, str(exc))]
+        at, after = self.start + pos, self.start + end
+        return [
+            Record(KIND_BATCH, batch, self.name, at, after if i == len(batches) - 1 else at)
+            for i, batch in enumerate(batches)
+        ]
 
     def _short_tail(self, pos: int, tail_is_final: bool) -> int | None:
         """Fewer bytes than a header are left at `pos`: where parsing goes on (the chunk's

@@ -37,7 +37,12 @@ write per seal plus the steps' encoding (`make bench`: ~30 us per rank-step of ~
 a shared 2-core box, 12 of them the encoding itself): short steps are handed over ~20 at
 a time (the log lags the job by at most 2 s, twice that while the node's cores are all
 busy), and a step whose ops repeat an earlier step's sequence reuses everything but its
-times (`_SealEncoder`). The sealer keeps the job's own scheduling priority: a lower one
+times (`producers/seal_record.py`). With seal records (`seal_records=True`, or
+`$LAGSCOPE_SEAL_RECORDS=1`) the sealer writes a seal's ops as four columns instead and
+whoever reads the log encodes the batches, in its own process: in the real 4-rank 1F1B
+job the sealer's CPU per rank-step fell from 82 us (median; 39-131 over ranks and runs) to
+52 (46-61); off by default for a release, as readers older than this one cannot read
+them. The sealer keeps the job's own scheduling priority: a lower one
 (nice 19, SCHED_IDLE) slowed the job down on a saturated machine, as the low-priority
 thread, preempted while it held the interpreter lock, kept the training thread waiting
 for it (`make bench`, torch module).
@@ -99,30 +104,22 @@ import gc
 import logging
 import operator
 import os
-import struct
 import threading
 import time
-import zlib
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from lagscope.producers.events import _HEADER as _BATCH_HEADER
-from lagscope.producers.events import _TRAILER as _BATCH_TRAILER
-from lagscope.producers.events import BATCH_MAGIC, BATCH_VERSION, JobInfo, StepEncoder
-from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
+from lagscope.producers.events import JobInfo, StepEncoder
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, KIND_SEAL, LogWriter
+from lagscope.producers.seal_record import MAX_OPS_PER_SEAL, Op, SealPacker
 from lagscope.simulator.optypes import GC_PAUSE, KNOWN_OPTYPES
 
 log = logging.getLogger("lagscope.timer")
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-#: A rank-step with more ops than this is written as several batches (log record limit).
-MAX_OPS_PER_BATCH = 200_000
-
 
 #: Bound once: a module-global lookup is cheaper than `time.perf_counter_ns` per call.
 _perf_ns = time.perf_counter_ns
@@ -262,6 +259,7 @@ class OpTimer:
         job_info: JobInfo | None = None,
         flush_interval_s: float = 0.2,
         calibrate_every_s: float = 10.0,
+        seal_records: bool | None = None,
     ) -> None:
         _check_identity(rank, dp_rank, pp_rank, tp_rank, cp_rank, attempt, job_info)
         self.job_id = job_id
@@ -273,6 +271,15 @@ class OpTimer:
         self.cp_rank = cp_rank
         self.optype_names: tuple[str, ...] = tuple(dict.fromkeys((*KNOWN_OPTYPES, *extra_optypes)))
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
+        #: Write each seal's ops as one seal record, which readers encode
+        #: (`producers/seal_record.py`), instead of encoding the batches here. Off by
+        #: default for a release (`$LAGSCOPE_SEAL_RECORDS=1` turns it on): a reader older
+        #: than this one sets seal records aside, so readers are upgraded first.
+        self.seal_records = (
+            os.environ.get("LAGSCOPE_SEAL_RECORDS", "") == "1"
+            if seal_records is None
+            else seal_records
+        )
         #: Chunks (virtual-pipeline model chunks) a rank may hold: vpp_size when known.
         self._chunk_limit = job_info.vpp_size if job_info is not None else _CHUNK_LIMIT
         self._open_log(log_dir, job_info)
@@ -282,12 +289,13 @@ class OpTimer:
 
     def _open_log(self, log_dir: str | Path, job_info: JobInfo | None) -> None:
         """The step encoders and the rank's log writer; the job record goes first."""
-        self._encoder = StepEncoder(
+        identity = dict(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, dp_rank=self.dp_rank,
             pp_rank=self.pp_rank, tp_rank=self.tp_rank, cp_rank=self.cp_rank,
             optype_names=self.optype_names,
         )  # fmt: skip
-        self._seal_encoder = _SealEncoder(self._encoder, len(self.optype_names))
+        StepEncoder(**identity)  # checks the identity and the names, once, here
+        self._packer = SealPacker(**identity)
         # No writer thread: the sealer thread writes what it encoded (one wake per seal).
         self._writer = LogWriter(log_dir, self.rank, background=False)
         if job_info is not None:
@@ -301,16 +309,14 @@ class OpTimer:
         self._free_scopes: list[_OpScope] = []
         self._free_scopes.extend(_OpScope(self) for _ in range(8))
         self._wall_offset_ns = _wall_minus_perf_ns()
-        # seq counters per step (one count per op type code), kept for the steps still
-        # being sealed.
-        self._seq_counts: dict[int, tuple[int, ...]] = {}
 
     def _init_sealing(self, flush_interval_s: float) -> None:
         """What the hand-overs and the sealer thread share, and the seals' pace."""
         #: Held while ops are encoded and written (the sealer, flush(), the CUDA resolver).
         self._lock = threading.Lock()
         self._closed = False
-        self.batches_written = 0
+        #: Seal records written (each holds the ops of one or more steps).
+        self.records_written = 0
         #: Seals so far: hand-overs encoded and written together (by the sealer, or by
         #: flush() and the CUDA resolver on their own threads).
         self.seals = 0
@@ -446,6 +452,11 @@ class OpTimer:
         self._buffer.append(
             ((code, step, microbatch, chunk), start_ns - self._wall_offset_ns, duration_ns)
         )
+
+    @property
+    def steps_sealed(self) -> int:
+        """Rank-steps written to the log so far (a step sealed in two parts counts twice)."""
+        return self._packer.steps_packed
 
     def code_of(self, optype: str) -> int:
         """The code of op type `optype` (for integrations that append with `add`)."""
@@ -626,64 +637,31 @@ class OpTimer:
             while self._pending:
                 taken = self._pending.popleft()
                 try:
-                    self._write_batches(taken)
+                    self._write_seal(taken)
                 except Exception:
-                    log.exception("lagscope timer on rank %d could not encode a batch", self.rank)
+                    log.exception("lagscope timer on rank %d could not write a seal", self.rank)
             self._writer.flush()
             self.seals += 1
             self._wall_offset_ns = _wall_minus_perf_ns()
 
-    def _write_batches(self, ops: Sequence[_Op]) -> None:
-        """Encode `ops` into one batch per step (more where a step exceeds
-        MAX_OPS_PER_BATCH) and append them to the log (written at the next flush).
-
-        Plain Python, no numpy, and column-wise: the ops are put in (step, start) order
-        and split into columns by C-level calls (`sorted` with a C key, `zip`), and a step
-        whose op types come in the same order as an earlier step's reuses that step's seq
-        ids (`_SealEncoder`): the only Python code per op adds the wall-clock offset.
-        This runs beside the training thread on the same cores, and a step's few dozen
-        ops cost less as list work than as array calls, whose code the training's own work
-        has evicted from the caches by the next step.
-        """
-        n = len(ops)
-        if not n:
-            return
-        # (step, start) order: seq is the order of starts within (step, op type). Ops are
-        # appended when they end, so nested or asynchronous ones arrive out of order; a
-        # later step's ops start later, but for ops given their step explicitly.
-        heads, starts, durations = zip(*sorted(ops, key=_START), strict=True)
-        codes, steps, microbatches, chunks = zip(*heads, strict=True)
-        if not _ascending(steps):
-            pick = operator.itemgetter(*sorted(range(n), key=steps.__getitem__))  # stable
-            codes, steps, microbatches = pick(codes), pick(steps), pick(microbatches)
-            chunks, starts, durations = pick(chunks), pick(starts), pick(durations)
-        offset = self._wall_offset_ns
-        starts = [start + offset for start in starts]  # perf_counter ns -> wall-clock ns
-        counts_by_step = self._seq_counts
-        encode = self._seal_encoder.encode
-        append = self._writer.append
-        limit = MAX_OPS_PER_BATCH
-        low = 0
-        while low < n:
-            step = steps[low]
-            high = bisect_right(steps, step, low)
-            for part in range(low, high, limit):
-                end = min(high, part + limit)
-                encoded, counts_by_step[step] = encode(
-                    step, codes[part:end], microbatches[part:end], chunks[part:end],
-                    starts[part:end], durations[part:end], counts_by_step.get(step),
-                )  # fmt: skip
-                append(KIND_BATCH, encoded)
-                self.batches_written += 1
-            low = high
-        # Forget counters of steps well behind the current one (bounded memory).
-        if len(counts_by_step) > 64:
-            horizon = self._current_step - 16
-            self._seq_counts = {k: v for k, v in counts_by_step.items() if k >= horizon}
+    def _write_seal(self, ops: Sequence[Op]) -> None:
+        """Append `ops` to the log as seal records (`producers/seal_record.py`; written at
+        the next flush). Copying them into columns with C-level calls is all the sealer
+        does per op: whoever reads the log encodes the batches, in its own process."""
+        packer, append = self._packer, self._writer.append
+        for low in range(0, len(ops), MAX_OPS_PER_SEAL):
+            part = ops[low : low + MAX_OPS_PER_SEAL]
+            if self.seal_records:
+                append(KIND_SEAL, packer.pack(part, self._wall_offset_ns, self._current_step))
+                self.records_written += 1
+                continue
+            for batch in packer.batches(part, self._wall_offset_ns, self._current_step):
+                append(KIND_BATCH, batch)
+                self.records_written += 1
 
 
 #: An op as the hot path appends it: ((code, step, microbatch, chunk), start, duration).
-_Op = tuple[tuple[int, int, int, int], int, int]
+_Op = Op
 
 
 def _node_saturated() -> bool:
@@ -693,109 +671,6 @@ def _node_saturated() -> bool:
         return os.getloadavg()[0] >= (os.cpu_count() or 1)
     except OSError:
         return False
-
-
-def _ascending(values: Sequence[int]) -> bool:
-    # A C-level sort of sorted values is one comparison each: 3x cheaper than a
-    # pairwise `all(map(operator.le, ...))`.
-    return list(values) == sorted(values)
-
-
-#: An op's start (`_Op`), as a C-level sort key.
-_START = operator.itemgetter(1)
-
-
-#: How the ops of one step are encoded but for their times (`_SealEncoder._plan`): the
-#: op type counts after them, the job id + dictionary + padding, the number of names, the
-#: columns that follow the times (seq, micro-batch, chunk, wire op type codes) as bytes, and
-#: the Struct that packs the times.
-_Plan = tuple[tuple[int, ...], bytes, int, bytes, struct.Struct]
-
-
-class _SealEncoder:
-    """One step's ops as the bytes `StepEncoder.encode` (and `encode_batch`) gives them
-    (tests/test_timer.py checks that byte for byte), for several times less CPU.
-
-    The batch layout is producers.events' (its header and trailer structs, its magic and
-    version). What differs is how the bytes are made. A job's steps repeat one sequence of
-    ops (a schedule: the same op types, micro-batches and chunks in the same order), and
-    everything but the times follows from that sequence alone: each op's seq id, the op type
-    dictionary of the codes used with the padding after it, and the seq, micro-batch, chunk
-    and op type columns. That is worked out once per sequence and kept (`_plan`), so a step
-    packs only its start and duration columns (one `struct` pack) and joins them with the
-    header and the kept bytes.
-    """
-
-    def __init__(self, encoder: StepEncoder, n_codes: int) -> None:
-        # The identity and the names StepEncoder checked and prepared.
-        self._job = encoder._job
-        self._identity = encoder._identity
-        self._entries = encoder._entries
-        self._name_order = encoder._name_order
-        self._no_counts = (0,) * n_codes
-        self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
-        self._times: dict[int, struct.Struct] = {}
-
-    def _plan(
-        self,
-        codes: tuple[int, ...],
-        microbatch: tuple[int, ...],
-        chunk: tuple[int, ...],
-        counts: tuple[int, ...],
-    ) -> _Plan:
-        seqs = []
-        after = list(counts)
-        for code in codes:
-            seqs.append(after[code])
-            after[code] += 1
-        used = sorted(set(codes), key=self._name_order.__getitem__)
-        table = bytearray(256)
-        for place, code in enumerate(used):
-            table[code] = place
-        names = b"".join(self._entries[code] for code in used)
-        size = _BATCH_HEADER.size + len(self._job) + len(names)
-        n = len(codes)
-        times = self._times.get(n)
-        if times is None:
-            # Little-endian whatever the platform, as the wire's columns.
-            times = struct.Struct(f"<{2 * n}q")
-            if len(self._times) < 256:
-                self._times[n] = times
-        rest = struct.pack(f"<{2 * n}i{n}h", *seqs, *microbatch, *chunk)
-        return (tuple(after), self._job + names + bytes(-size % 8), len(used),
-                rest + bytes(codes).translate(table), times)  # fmt: skip
-
-    def encode(
-        self,
-        step: int,
-        codes: tuple[int, ...],
-        microbatch: tuple[int, ...],
-        chunk: tuple[int, ...],
-        start_ns: Sequence[int],
-        duration_ns: tuple[int, ...],
-        counts: tuple[int, ...] | None = None,
-    ) -> tuple[bytes, tuple[int, ...]]:
-        """One step's batch, and the op type counts after it (pass them back as `counts`
-        for a later batch of the same step: its seq ids continue from them). `codes` index
-        the timer's op type names; a value out of its column's range raises struct.error."""
-        if counts is None:  # the step's first batch: the common case, planned once
-            key = (codes, microbatch, chunk)
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plan(codes, microbatch, chunk, self._no_counts)
-                if len(self._plans) < 256:  # a job has a few schedules: bounded anyway
-                    self._plans[key] = plan
-        else:
-            plan = self._plan(codes, microbatch, chunk, counts)
-        after, tail, n_names, rest, times = plan
-        body = b"".join((
-            _BATCH_HEADER.pack(BATCH_MAGIC, BATCH_VERSION, 0, len(codes), *self._identity,
-                               step, len(self._job), n_names),
-            tail,
-            times.pack(*start_ns, *duration_ns),
-            rest,
-        ))  # fmt: skip
-        return body + _BATCH_TRAILER.pack(zlib.crc32(body)), after
 
 
 def _cuda_available() -> bool:

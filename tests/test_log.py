@@ -3,6 +3,7 @@ records around them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -225,3 +226,58 @@ def test_damage_only_loses_records_it_overlaps(
     # random bytes happened to equal the originals.
     it = iter(got)
     assert all(any(g == e for g in it) for e in expected)
+
+
+def test_a_seal_record_reads_as_its_batches_and_a_resume_mid_seal_makes_them_all_again(
+    tmp_path: Path,
+) -> None:
+    """A timer's seal record (its ops not yet encoded) reads as the rank-step batches it
+    holds. Each batch but the last resumes at the seal: a reader stopped after one of them
+    makes the whole seal's batches again (the same bytes: deduplicated downstream), never
+    skips the rest. A seal record that does not hold what its header says is a dead letter
+    naming why, and the records around it are kept."""
+    from lagscope.producers.events import decode_batch
+    from lagscope.producers.log import KIND_SEAL
+    from lagscope.producers.seal_record import SealPacker
+
+    names = ("forward-compute", "backward-compute")
+    packer = SealPacker(job_id="j", attempt=0, rank=0, dp_rank=0, pp_rank=0, tp_rank=0,
+                        cp_rank=0, optype_names=names)  # fmt: skip
+    ops = [((code, step, mb, 0), 1_000 * step + 10 * mb + code, 5)
+           for step in range(3) for mb in range(2) for code in range(2)]  # fmt: skip
+    seal = packer.pack(ops, wall_offset_ns=10**18, current_step=3)
+    with LogWriter(tmp_path, rank=0) as writer:
+        writer.append(KIND_BATCH, b"before")
+        writer.append(KIND_SEAL, seal)
+        writer.append(KIND_SEAL, seal[:-8])  # its last duration cut off
+        writer.append(KIND_BATCH, b"after")
+    items = list(read_all(rank_dir(tmp_path, 0)))
+    records = [i for i in items if isinstance(i, Record)]
+    assert records[0].payload == b"before" and records[-1].payload == b"after"
+    batches = records[1:-1]
+    assert [decode_batch(b.payload).step for b in batches] == [0, 1, 2]
+    assert all(decode_batch(b.payload).n_ops == 4 for b in batches)
+    (dead,) = _dead(items)
+    assert "seal record of" in dead.reason and "its header says" in dead.reason
+
+    resumed = RankLogReader(rank_dir(tmp_path, 0), batches[0].position_after, torn_grace_s=0)
+    again = [i.payload for i in resumed.read() if isinstance(i, Record)]
+    assert again[:3] == [b.payload for b in batches]
+    resumed = RankLogReader(rank_dir(tmp_path, 0), batches[-1].position_after, torn_grace_s=0)
+    assert [i.payload for i in resumed.read() if isinstance(i, Record)] == [b"after"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_damaged_seal_record_is_a_schema_error_or_batches_never_a_crash(data) -> None:
+    from lagscope.producers.events import SchemaError
+    from lagscope.producers.seal_record import SealPacker, expand_seal
+
+    packer = SealPacker(job_id="j", attempt=0, rank=1, dp_rank=1, pp_rank=0, tp_rank=0,
+                        cp_rank=0, optype_names=("forward-compute", "optimizer"))  # fmt: skip
+    ops = [((code, step, 0, 0), step * 100 + code, 7) for step in range(2) for code in range(2)]
+    payload = bytearray(packer.pack(ops, wall_offset_ns=0))
+    for _ in range(data.draw(st.integers(1, 6))):
+        payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
+    with contextlib.suppress(SchemaError):
+        expand_seal(bytes(payload[: data.draw(st.integers(0, len(payload)))]))

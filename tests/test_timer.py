@@ -161,9 +161,9 @@ def test_cuda_mode_records_events_without_synchronizing(tmp_path: Path) -> None:
 def test_huge_step_is_split_into_batches_with_continuous_seq(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lagscope.producers.timer as timer_module
+    import lagscope.producers.seal_record as seal_record
 
-    monkeypatch.setattr(timer_module, "MAX_OPS_PER_BATCH", 100)
+    monkeypatch.setattr(seal_record, "MAX_OPS_PER_BATCH", 100)
     with _timer(tmp_path) as timer:
         timer.step(1)
         for mb in range(250):
@@ -355,7 +355,7 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
         # The resolver thread (one round per flush interval) writes steps 0-2 while the
         # "GPU" catches up.
         time.sleep(0.2)
-        assert timer.batches_written >= 1
+        assert timer.records_written >= 1
     batches = _batches(tmp_path, 3)
     assert sorted(b.step for b in batches) == [0, 1, 2]  # one batch per step, none split
     for batch in batches:
@@ -415,7 +415,7 @@ class TestValidation:
         with timer.op("forward-compute", microbatch=-1, chunk=1):
             pass
         timer.close()
-        assert timer.batches_written == 1
+        assert timer.records_written == 1
 
 
 # -- the sealer's encoding: byte for byte the reference's ---------------------------------
@@ -450,30 +450,25 @@ def _reference(names: tuple[str, ...], seals: list[list]) -> list[bytes]:
     return out
 
 
-class _Collect:
-    def __init__(self) -> None:
-        self.payloads: list[bytes] = []
+def _sealed(
+    tmp_path: Path, seals: list[list], seal_records: bool
+) -> tuple[tuple[str, ...], list[bytes]]:
+    """The batches a reader of the timer's log gets of these seals (encoded by the timer,
+    or by the reader from seal records)."""
+    import tempfile
 
-    def append(self, kind: int, payload: bytes) -> None:
-        assert kind == KIND_BATCH
-        self.payloads.append(payload)
-
-
-def _sealed(tmp_path: Path, seals: list[list]) -> tuple[tuple[str, ...], list[bytes]]:
-    timer = _timer(tmp_path, **_IDENTITY)
-    try:
-        timer._wall_offset_ns = _OFFSET
-        collect = _Collect()
-        timer._writer, writer = collect, timer._writer  # type: ignore[assignment]
-        for ops in seals:
-            timer._write_batches(ops)
-        timer._writer = writer
-        return timer.optype_names, collect.payloads
-    finally:
-        timer.close()
+    log_dir = Path(tempfile.mkdtemp(dir=tmp_path))  # hypothesis reuses tmp_path
+    timer = _timer(log_dir, **_IDENTITY, seal_records=seal_records)
+    timer._wall_offset_ns = _OFFSET
+    for ops in seals:
+        timer._write_seal(ops)
+    timer.close()
+    records = [r for r in read_all(rank_dir(log_dir, _IDENTITY["rank"])) if isinstance(r, Record)]
+    assert all(r.kind in (KIND_BATCH, KIND_JOB) for r in records)
+    return timer.optype_names, [r.payload for r in records if r.kind == KIND_BATCH]
 
 
-#: Each example writes its own timer's log under the one tmp_path: nothing is shared.
+#: Each example writes its own timer's log in a folder of its own under the one tmp_path.
 _TMP_PATH_IS_REUSED = [HealthCheck.function_scoped_fixture]
 _ops = st.tuples(
     st.tuples(
@@ -487,23 +482,27 @@ _ops = st.tuples(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
+@pytest.mark.parametrize("seal_records", [False, True], ids=["batches", "seal-records"])
+@settings(max_examples=150, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
 @given(seals=st.lists(st.lists(_ops, max_size=30), min_size=1, max_size=4))
-def test_the_sealer_writes_the_reference_bytes_in_any_order(tmp_path: Path, seals: list) -> None:
+def test_the_sealer_writes_the_reference_bytes_in_any_order(
+    tmp_path: Path, seals: list, seal_records: bool
+) -> None:
     """Ops in any append order, steps split over several seals (seq ids continue), ties in
     start time (kept in append order): the bytes are the reference encoder's."""
-    names, written = _sealed(tmp_path, seals)
+    names, written = _sealed(tmp_path, seals, seal_records)
     assert written == _reference(names, seals)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
+@pytest.mark.parametrize("seal_records", [False, True], ids=["batches", "seal-records"])
+@settings(max_examples=50, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
 @given(
     schedule=st.lists(_ops, min_size=1, max_size=25),
     steps=st.integers(2, 6),
     data=st.data(),
 )
 def test_steps_that_repeat_a_schedule_write_the_reference_bytes(
-    tmp_path: Path, schedule: list, steps: int, data: st.DataObject
+    tmp_path: Path, schedule: list, steps: int, data: st.DataObject, seal_records: bool
 ) -> None:
     """A job's steps repeat one sequence of ops (what the sealer plans once and reuses): each
     step is the schedule again with its own times, some steps sealed in two parts."""
@@ -514,5 +513,5 @@ def test_steps_that_repeat_a_schedule_write_the_reference_bytes(
             seals[-1].append(((code, step, microbatch, chunk), base + i, duration + step))
             if data.draw(st.integers(0, 20)) == 0:
                 seals.append([])  # a hand-over in the middle of a step
-    names, written = _sealed(tmp_path, seals)
+    names, written = _sealed(tmp_path, seals, seal_records)
     assert written == _reference(names, seals)

@@ -95,13 +95,13 @@ class _Probe:
 
 
 def _sealer_counts() -> tuple[int, int]:
-    """(batches written, seals) of this process' monitor so far."""
+    """(rank-steps sealed, seals) of this process' monitor so far."""
     from lagscope.producers import torch_comm
 
     monitor = torch_comm._monitor
     if monitor is None:
         return 0, 0
-    return monitor.timer.batches_written, int(getattr(monitor.timer, "seals", 0))
+    return monitor.timer.steps_sealed, int(getattr(monitor.timer, "seals", 0))
 
 
 def ddp_worker(rank: int, knobs: Knobs) -> None:
