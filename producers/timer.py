@@ -39,13 +39,13 @@ a time (the log lags the job by at most 2 s, twice that while the node's cores a
 busy), and a step whose ops repeat an earlier step's sequence reuses everything but its
 times (`producers/seal_record.py`). With seal records (`seal_records=True`, or
 `$LAGSCOPE_SEAL_RECORDS=1`) the sealer writes a seal's ops as four columns instead and
-whoever reads the log encodes the batches, in its own process: in the real 4-rank 1F1B
-job the sealer's CPU per rank-step fell from 82 us (median; 39-131 over ranks and runs) to
-52 (46-61); off by default for a release, as readers older than this one cannot read
-them. The sealer keeps the job's own scheduling priority: a lower one
-(nice 19, SCHED_IDLE) slowed the job down on a saturated machine, as the low-priority
-thread, preempted while it held the interpreter lock, kept the training thread waiting
-for it (`make bench`, torch module).
+whoever reads the log encodes the batches, in its own process: in the real 4-rank 1F1B job
+(80 steps, 5 interleaved pairs) 55 us of sealer CPU per rank-step (median; 50-72 over
+ranks and runs) against 60 (52-75) encoding here; off by default for a release, as
+readers older than this one cannot read them. The sealer keeps the job's own scheduling
+priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a saturated machine,
+as the low-priority thread, preempted while it held the interpreter lock, kept the
+training thread waiting for it (`make bench`, torch module).
 
 `mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
 names are still checked (a typo fails on every rank alike), nothing is timed or written,
