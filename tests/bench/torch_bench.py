@@ -456,63 +456,73 @@ def run() -> list[dict]:
 def _sealer_rows(tmp: Path) -> list[dict]:
     """The sealer's work alone, warm, on its thread clock: 20 steps of the 1F1B stage 0
     rank's 22 ops per seal (the steady part of the in-job figure, without wakes or the
-    caches the job's own work evicts); and the reader's, which encodes the batches."""
-    from lagscope.producers.log import frame_record
+    caches the job's own work evicts), encoding the batches itself or writing seal
+    records; and the log reader's, which encodes the batches of seal records."""
+    from lagscope.producers.log import KIND_SEAL, frame_record
     from lagscope.producers.seal_record import expand_seal
     from lagscope.producers.timer import OpTimer
 
     class Keep:
-        """Frames the records as the log does, and keeps their payloads."""
+        """Frames the records as the log does, and keeps the seal records' payloads."""
 
         def __init__(self) -> None:
-            self.payloads: list[bytes] = []
+            self.seals: list[bytes] = []
 
         def append(self, kind: int, payload: bytes) -> None:
             frame_record(kind, payload)
-            self.payloads.append(payload)
+            if kind == KIND_SEAL:
+                self.seals.append(payload)
 
         def flush(self) -> None:
             pass
 
     names = ("input-wait", "forward-compute", "forward-send", "backward-recv",
              "backward-compute", "separate-grads-all-reduce", "optimizer")  # fmt: skip
-    timer = OpTimer(job_id="bench", rank=0, dp_rank=0, pp_rank=0, log_dir=tmp / "sealer",
-                    mode="host", gc_probe=False)  # fmt: skip
-    codes = [timer.code_of(name) for name in names]
-    keep = Keep()
-    writer, timer._writer = timer._writer, keep  # type: ignore[assignment]
     now = time.perf_counter_ns()
     seals = []
     for seal in range(200):
         ops = []
         for step in range(seal * 20, seal * 20 + 20):
             for i in range(22):
-                ops.append(((codes[i % 7], step, i // 7, 0), now + step * 10**8 + i, 1000))
+                ops.append(((i % 7, step, i // 7, 0), now + step * 10**8 + i, 1000))
             ops[-4], ops[-2] = ops[-2], ops[-4]  # a send that ends after later ops began
         seals.append(ops)
-    per_step = []
-    for ops in seals:
-        timer._current_step = ops[-1][0][1]
-        began = time.thread_time_ns()
-        timer._write_seal(ops)
-        per_step.append((time.thread_time_ns() - began) / 20 / 1e3)
-    timer._writer = writer
-    timer.close()
+    per_step: dict[bool, list[float]] = {}
+    keep = Keep()
+    for seal_records in (False, True):
+        timer = OpTimer(job_id="bench", rank=0, dp_rank=0, pp_rank=0, mode="host",
+                        log_dir=tmp / f"sealer-{seal_records}", gc_probe=False,
+                        extra_optypes=names, seal_records=seal_records)  # fmt: skip
+        codes = [timer.code_of(name) for name in names]
+        writer, timer._writer = timer._writer, keep  # type: ignore[assignment]
+        times = per_step[seal_records] = []
+        for ops in seals:
+            ops = [((codes[code], *head), start, duration)
+                   for (code, *head), start, duration in ops]  # fmt: skip
+            timer._current_step = ops[-1][0][1]
+            began = time.thread_time_ns()
+            timer._write_seal(ops)
+            times.append((time.thread_time_ns() - began) / 20 / 1e3)
+        timer._writer = writer
+        timer.close()
     reader_per_step = []
-    for payload in keep.payloads:
+    for payload in keep.seals:
         began = time.thread_time_ns()
         expand_seal(payload)
         reader_per_step.append((time.thread_time_ns() - began) / 20 / 1e3)
+
+    def row(benchmark: str, values: list[float], note: str) -> dict:
+        return {"benchmark": benchmark, "value": statistics.median(values), "unit": "us",
+                "target": "", "spread": [min(values), max(values)], "runs": len(values),
+                "note": note}  # fmt: skip
+
+    cold = "; in the job add the wakes, the write and the caches the training evicts"
     return [
-        {"benchmark": "torch: sealer per rank-step, warm (22 ops, 20 per seal)",
-         "value": statistics.median(per_step), "unit": "us", "target": "",
-         "spread": [min(per_step), max(per_step)], "runs": len(per_step),
-         "note": "the seal's columns + log record framing; in the job add the wakes, the "
-                 "write and the caches the training evicts"},
-        {"benchmark": "log reader: a seal's batches per rank-step, warm (22 ops)",
-         "value": statistics.median(reader_per_step), "unit": "us", "target": "",
-         "spread": [min(reader_per_step), max(reader_per_step)],
-         "runs": len(reader_per_step),
-         "note": "the batch encoding, moved out of the training process into the streamer "
-                 "or lagscope run"},
+        row("torch: sealer per rank-step, warm (22 ops, 20 per seal), encoding",
+            per_step[False], "the batches' bytes + log record framing" + cold),
+        row("torch: sealer per rank-step, warm (22 ops, 20 per seal), seal records",
+            per_step[True], "the seal's columns + log record framing" + cold),
+        row("log reader: a seal record's batches per rank-step, warm (22 ops)",
+            reader_per_step, "the encoding seal records move out of the training process, "
+            "into the streamer or lagscope run"),
     ]  # fmt: skip
