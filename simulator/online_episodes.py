@@ -438,7 +438,8 @@ class OnlineEpisodes:
     def _evidence(self, window: int, z: float, columns: tuple[np.ndarray, ...]) -> _Evidence | None:
         """The gates of the module docstring over the last `window` steps, for the series
         at `columns` ((kind, stage, dp) indices) at once; None before enough steps were
-        seen. Its arrays are [kind, stage, dp], NaN (False) off `columns`.
+        seen or when none of them can pass. Its arrays are [kind, stage, dp], NaN (False)
+        off `columns`.
 
         One function on purpose (about 70 lines): the gates are one conjunction over the
         same arrays, in the docstring's order; split, every part would pass the baseline,
@@ -455,6 +456,17 @@ class OnlineEpisodes:
         before_slots = before_slots[-cfg.baseline_steps :]
         # A worker's baseline leaves out its last episode's steps: NaN there.
         usable = self._usable(steps[before_slots])[:, stage, dp]
+        rise = 1.0 + cfg.min_rise
+        # The least-step gate below, against the baseline's least step (never above its
+        # quick level; the slack covers the quantile's rounding): most series fail it,
+        # most steps, and skip the medians (a slow-from-the-start worker, on every step).
+        least_before = np.where(usable, values[before_slots], np.inf).min(axis=0)
+        possible = inside.min(axis=0) >= rise * least_before * (1 - 1e-9)
+        if not possible.any():
+            return None
+        if not possible.all():
+            columns = kind, stage, dp = kind[possible], stage[possible], dp[possible]
+            values, inside, usable = values[:, possible], inside[:, possible], usable[:, possible]
         before = np.where(usable, values[before_slots], np.nan)
         enough = usable.sum(axis=0) >= cfg.min_baseline_steps
         with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -479,7 +491,6 @@ class OnlineEpisodes:
             peers_rise = np.median(peers_inside, axis=0) / np.median(peers_before, axis=0)
             step_s = float(np.median(self._step_times[: len(self._step_times) - window] or [0]))
             extra = level_inside - level_before
-            rise = 1.0 + cfg.min_rise
             raised = (
                 enough
                 & (level_before > 0)
