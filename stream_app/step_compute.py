@@ -101,10 +101,9 @@ class RunningIdeal:
         values = np.sort(values)
         window = self.recent.setdefault(optype, deque(maxlen=self.window_steps))
         merged = self.sorted.get(optype, np.zeros(0, values.dtype))
-        if len(window) == window.maxlen:
-            merged = _remove_sorted(merged, window[0])
+        gone = window[0] if len(window) == window.maxlen else values[:0]
         window.append(values)
-        self.sorted[optype] = np.insert(merged, np.searchsorted(merged, values), values)
+        self.sorted[optype] = _replace_sorted(merged, gone, values)
 
     def current(self) -> dict[str, float]:
         ideal = {t: self.sums[t] / self.counts[t] for t in self.sums if self.counts[t]}
@@ -285,11 +284,28 @@ def _nodes_by_optype(prepared: PreparedTrace) -> dict[str, np.ndarray]:
     return {t: np.flatnonzero(node_optype == t) for t in sorted(set(prepared.node_optype))}
 
 
-def _remove_sorted(values: np.ndarray, gone: np.ndarray) -> np.ndarray:
-    """`values` (sorted) without the elements of `gone` (sorted, all present)."""
-    # Equal values in `gone` must hit distinct positions: the k-th copy goes k further.
-    repeat_rank = np.arange(gone.size) - np.searchsorted(gone, gone, side="left")
-    return np.delete(values, np.searchsorted(values, gone, side="left") + repeat_rank)
+def _replace_sorted(values: np.ndarray, gone: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """`values` (sorted) without the elements of `gone` and with those of `new` (both
+    sorted; all of `gone` present), sorted. Masks, not `np.delete`/`np.insert`: their
+    generic paths cost ~70 µs a call, and a step makes two per comm op type.
+
+    >>> _replace_sorted(np.array([1.0, 2.0, 2.0, 5.0]), np.array([2.0]), np.array([0.0, 3.0]))
+    array([0., 1., 2., 3., 5.])
+    """
+    kept = values
+    if gone.size:
+        # Equal values in `gone` must hit distinct positions: the k-th copy goes k further.
+        repeat_rank = np.arange(gone.size) - np.searchsorted(gone, gone, side="left")
+        keep = np.ones(values.size, dtype=bool)
+        keep[np.searchsorted(values, gone, side="left") + repeat_rank] = False
+        kept = values[keep]
+    at = np.searchsorted(kept, new) + np.arange(new.size)
+    out = np.empty(kept.size + new.size, dtype=np.result_type(kept, new))
+    free = np.ones(out.size, dtype=bool)
+    free[at] = False
+    out[at] = new
+    out[free] = kept
+    return out
 
 
 def step_bytes(prepared: PreparedTrace) -> int:
