@@ -35,7 +35,7 @@ import sys
 import zlib
 from array import array
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from itertools import chain
 
@@ -98,9 +98,11 @@ class SealPacker:
             "optype_names": list(optype_names),
         }  # fmt: skip
         self._context = json.dumps(context, separators=(",", ":")).encode()
-        #: Ops sealed so far per (code, step, micro-batch, chunk), for the steps that may
-        #: still get ops (an asynchronous op ends after its step's seal).
-        self._sealed: Counter[tuple[int, int, int, int]] = Counter()
+        #: The heads of the recent seals with their steps, and the steps they hold: the
+        #: steps that may still get ops (an asynchronous op ends after its step's seal).
+        #: Counted only when such an op comes (rare): a count per op would cost every
+        #: seal its ~350 dictionary updates.
+        self._recent: deque[tuple[set[int], Sequence[tuple[int, int, int, int]]]] = deque()
         self._sealed_steps: set[int] = set()
         #: Steps packed so far, each counted once per seal that held ops of it.
         self.steps_packed = 0
@@ -141,15 +143,14 @@ class SealPacker:
         again = steps & self._sealed_steps
         before: Counter[tuple[int, int]] = Counter()
         if again:
-            for (code, step, _, _), count in self._sealed.items():
-                if step in again:
-                    before[step, code] += count
-        self._sealed.update(heads)
+            for _, earlier in self._recent:
+                before.update((step, code) for code, step, _, _ in earlier if step in again)
+        self._recent.append((steps, heads))
         self._sealed_steps |= steps
         if len(self._sealed_steps) > 64:
             horizon = current_step - 16
             self._sealed_steps = {s for s in self._sealed_steps if s >= horizon}
-            self._sealed = Counter({k: n for k, n in self._sealed.items() if k[1] >= horizon})
+            self._recent = deque(seal for seal in self._recent if max(seal[0]) >= horizon)
         return before
 
 
