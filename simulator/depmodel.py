@@ -94,6 +94,14 @@ class DependencyModel:
         return [n.optype for n in self.nodes]
 
     @cached_property
+    def own_work_nodes(self) -> np.ndarray:
+        """Nodes whose duration is the worker's own work, not waiting for peers
+        (read-only: it is shared by every caller)."""
+        own = np.fromiter(map(ot.is_compute, self._node_optypes), dtype=bool, count=self.n_nodes)
+        own.flags.writeable = False
+        return own
+
+    @cached_property
     def compiled(self) -> CompiledModel:
         """The model laid out for the engine, once: the analysis and the diagnosis of one
         trace, and every step of a streamed job, simulate the same model."""

@@ -73,7 +73,7 @@ def without_gc_pauses(prepared: PreparedTrace) -> np.ndarray | None:
     when no pause was recorded."""
     if prepared.gc_pause is None:
         return None
-    compute = np.array([ot.is_compute(t) for t in prepared.node_optype])
+    compute = prepared.model.own_work_nodes
     cost = prepared.cost.astype(np.float64).copy()
     cost[compute] = np.maximum(cost[compute] - prepared.gc_pause[compute], 0.0)
     return cost

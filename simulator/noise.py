@@ -26,15 +26,14 @@ import dataclasses
 
 import numpy as np
 
-from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis
 
 
 def own_work_mask(prepared: PreparedTrace) -> np.ndarray:
-    """Nodes whose duration is the worker's own work, not waiting for peers."""
-    return np.array([ot.is_compute(t) for t in prepared.node_optype])
+    """Nodes whose duration is the worker's own work, not waiting for peers (read-only)."""
+    return prepared.model.own_work_nodes
 
 
 def own_work(prepared: PreparedTrace, optype: str | None = None) -> np.ndarray:
@@ -42,7 +41,7 @@ def own_work(prepared: PreparedTrace, optype: str | None = None) -> np.ndarray:
     `optype` when given."""
     mask = own_work_mask(prepared)
     if optype is not None:
-        mask &= np.array([t == optype for t in prepared.node_optype])
+        mask = mask & np.array([t == optype for t in prepared.node_optype])
     stage = prepared.model.node_stage()
     out = np.zeros((prepared.n_steps, prepared.n_stages, prepared.n_dp))
     values = prepared.duration[mask].astype(np.float64)  # [node, step, dp]
