@@ -707,10 +707,15 @@ def decode_batch(data: bytes | memoryview, where: str = "batch") -> RankStepBatc
     if not head["job_id"]:
         raise SchemaError(f"{where}: job_id is empty")
     _check_identity(head, where)
+    # One buffer read, then a typed view per column: `np.frombuffer` costs ~2 µs a call,
+    # a slice's view a third of that (a 100,000-GPU step decodes 12,480 batches).
+    raw = np.frombuffer(view, dtype=np.uint8, count=n_ops * _BYTES_PER_OP, offset=pos)
     columns: dict[str, np.ndarray] = {}
+    at = 0
     for name, dtype in _COLUMNS:
-        columns[name] = np.frombuffer(view, dtype=dtype, count=n_ops, offset=pos)
-        pos += n_ops * dtype.itemsize
+        end = at + n_ops * dtype.itemsize
+        columns[name] = raw[at:end].view(dtype)
+        at = end
     # The columns have their shapes by construction: only the values need checking. The
     # frozen dataclass' __init__ (one object.__setattr__ per field) was a third of the
     # decode time at 5,000 batches/s, so the fields are set in one go.
