@@ -40,8 +40,8 @@ busy), and a step whose ops repeat an earlier step's sequence reuses everything 
 times (`producers/seal_record.py`). With seal records (`seal_records=True`, or
 `$LAGSCOPE_SEAL_RECORDS=1`) the sealer writes a seal's ops as four columns instead and
 whoever reads the log encodes the batches, in its own process: in the real 4-rank 1F1B job
-(80 steps, 5 interleaved pairs) 55 us of sealer CPU per rank-step (median; 50-72 over
-ranks and runs) against 60 (52-75) encoding here; off by default for a release, as
+(80 steps, 4 interleaved pairs) 45 us of sealer CPU per rank-step (median; 33-91 over
+ranks and runs) against 62 (45-103) encoding here; off by default for a release, as
 readers older than this one cannot read them. The sealer keeps the job's own scheduling
 priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a saturated machine,
 as the low-priority thread, preempted while it held the interpreter lock, kept the
