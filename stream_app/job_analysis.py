@@ -31,11 +31,10 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lagscope.producers.events import JobInfo
 from lagscope.simulator.advice import Advice, advise_resplit
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
@@ -50,7 +49,13 @@ from lagscope.simulator.online_episodes import (
 )
 from lagscope.simulator.prepare import PreparedTrace, concat_steps
 from lagscope.simulator.run_story import run_story
-from lagscope.simulator.whatif import WhatIfResult, analyze
+from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
+
+if TYPE_CHECKING:
+    # Only its fields are read (a JobMeta has them too): `lagscope analyze` tells a trace's
+    # story with this module and starts without the validation framework.
+    from lagscope.producers.events import JobInfo
+    from lagscope.simulator.trace import JobMeta
 
 #: Step ids and slowdowns kept for a job's step chart (the latest ones).
 _STEP_SERIES_KEPT = 4096
@@ -151,7 +156,7 @@ class LiveJob:
 
     def __init__(
         self,
-        info: JobInfo,
+        info: JobInfo | JobMeta,
         diagnose_every_steps: int,
         episode_settings: OnlineEpisodeSettings | None = None,
         diagnosis_settings: DiagnosisSettings | None = None,
@@ -300,7 +305,7 @@ class LiveJob:
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
         cfg = self.diagnosis_settings
         run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
-        found = JobDiagnosis(int(prepared.steps[-1]), rollup, run, self._story(run, rollup), final)
+        found = JobDiagnosis(int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final)
         self.last_diagnosis = found
         self.story_changed = False
         return found
@@ -312,11 +317,13 @@ class LiveJob:
         last = self.last_diagnosis
         if last is None:
             return None
-        found = JobDiagnosis(step, last.rollup, last.run, self._story(last.run, last.rollup))
+        found = JobDiagnosis(step, last.rollup, last.run, self.story(last.run, last.rollup))
         self.last_diagnosis = found
         return found
 
-    def _story(self, run: Diagnosis, rollup: WhatIfResult) -> Diagnosis:
+    def story(self, run: Diagnosis, rollup: WhatIfResult) -> Diagnosis:
+        """The run's one story: `run` (the diagnosis of `rollup`'s steps) told with the
+        episodes as they stand (`simulator/run_story.py`)."""
         episodes = [s.diagnosis for s in self._states_by_cost()]
         return run_story(run, episodes, rollup, settings=self.diagnosis_settings)
 
@@ -325,6 +332,12 @@ class LiveJob:
     ) -> tuple[JobDiagnosis | None, list[EpisodeState]]:
         """The end of the job's input (or a long idle): every episode's bounds refined on
         the retained steps around it, then the final diagnosis."""
+        refined = self.refine(window)
+        return self.diagnose(window, final=True, decompose_threshold=decompose_threshold), refined
+
+    def refine(self, window: Sequence[PreparedTrace]) -> list[EpisodeState]:
+        """Every episode's final state, its bounds refined on the steps of `window`
+        around it (the retained ones)."""
         refined = []
         if window and self.detector is not None:
             prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
@@ -336,7 +349,7 @@ class LiveJob:
                 if inside:
                     self.resplit[episode.episode_id] = _resplit(fitted, inside)
                 refined.append(self._state(fitted, self.totals.last_step, final=True))
-        return self.diagnose(window, final=True, decompose_threshold=decompose_threshold), refined
+        return refined
 
     def _states_by_cost(self) -> list[EpisodeState]:
         return sorted(self.states.values(), key=lambda s: -s.cost.lost_s)
@@ -383,6 +396,34 @@ class LiveJob:
         if self.detector is not None:
             for episode in self.detector.episodes:
                 self._state(episode, self.totals.last_step)
+
+
+def trace_story(
+    prepared: PreparedTrace,
+    rollup: WhatIfResult,
+    run: Diagnosis,
+    info: JobInfo | JobMeta,
+    *,
+    decompose_threshold: float,
+) -> tuple[Diagnosis, list[EpisodeState]]:
+    """The story of a recorded trace as a host tells it of the same steps: its episodes,
+    found one step at a time in step order (each step costed with `rollup`'s ideals, the
+    whole trace's), refined at the end, and `run` (the diagnosis of `rollup`) told with
+    them. `lagscope analyze` shows this, so a trace and its replay through `lagscope run`
+    name the same straggler: the whole trace's diagnosis alone blames a worker slow in a
+    third of the steps on nothing, or on the next cause it finds."""
+    alone = [prepared.select_steps([i]) for i in range(prepared.n_steps)]
+    per_step = analyze_each_step(
+        prepared,
+        [rollup.ideal_cost] * prepared.n_steps,
+        decompose_threshold=decompose_threshold,
+        compiled=prepared.model.compiled,
+    )
+    live = LiveJob(info, diagnose_every_steps=prepared.n_steps)
+    for step, result in zip(alone, per_step, strict=True):
+        live.on_step(int(step.steps[0]), 0, result, step, complete=True)
+    refined = live.refine(alone)
+    return live.story(run, rollup), refined
 
 
 def _resplit(episode: WorkerEpisode, steps: Sequence[PreparedTrace]) -> Advice | None:

@@ -127,6 +127,46 @@ def test_analyze_tells_one_story(reference_dir: Path, tmp_path: Path, capsys, na
         assert f"{symbol}: {html.escape(meaning)}" in report, symbol
 
 
+def test_a_trace_and_its_replay_name_the_same_straggler(tmp_path: Path, capsys):
+    """A worker 1.6x slower in steps 20-39 of 60, in a generated job whose last stage is
+    heavier throughout: `lagscope analyze` of the trace blamed the last stage (the whole
+    trace's diagnosis alone), `lagscope run` of its replayed logs the worker with its
+    episode. Both tell the episode's story now, in the same words."""
+    job, logs = tmp_path / "job", tmp_path / "logs"
+    assert main(["generate", "--out", str(job), "--dp", "8", "--pp", "4", "--steps", "60",
+                 "--inject", "slow_worker:dp=1,stage=2,factor=1.6,start_step=20,end_step=40"]
+                ) == 0  # fmt: skip
+    files = ["--trace", str(job / "trace.parquet"), "--meta", str(job / "meta.yaml")]
+    capsys.readouterr()
+    assert main(["analyze", *files, "--json", str(tmp_path / "a.json"),
+                 "--report", str(tmp_path / "a.html")]) == 0  # fmt: skip
+    analysed = capsys.readouterr().out
+    document = json.loads((tmp_path / "a.json").read_text())
+    assert document["verdict"]["cause"] == "slow_workers"
+    assert "(dp 1, pp 2) slow in backward-compute" in document["verdict"]["headline"]
+    [episode] = document["episodes"]
+    assert (episode["dp"], episode["stage"], episode["kind"]) == (1, 2, "backward-compute")
+    assert abs(episode["onset"] - 20) <= 1 and abs(episode["recovery"] - 40) <= 1
+    assert "  episode 1 from step " in analysed
+    boxes = report_verdicts((tmp_path / "a.html").read_text())
+    assert [(b["scope"], b["headline"]) for b in boxes][:1] == [
+        ("run", document["verdict"]["headline"])
+    ]
+    assert any(b["scope"] != "run" for b in boxes), boxes  # the episode's own box
+
+    # The same steps through the embedded pipeline, as a job's rank logs.
+    for command in (
+        ["replay", *files, "--log-dir", str(logs), "--no-progress"],
+        ["run", "--log-dir", str(logs), "--dsn", f"chdb://{tmp_path / 'store'}"],
+    ):
+        done = subprocess.run([sys.executable, "-m", "lagscope", *command], capture_output=True,
+                              text=True, timeout=300, check=True, cwd=tmp_path)  # fmt: skip
+    ran = done.stdout
+    told = re.search(r"\n    verdict: (.+)\n", ran)
+    assert told, ran
+    assert f"  verdict             {told.group(1)}\n" in analysed, (analysed, ran)
+
+
 def test_a_share_over_100_reads_100_with_its_reason(reference_dir: Path, capsys):
     """ST's last stage removes 121.9 % of the slowdown (docs/whatif.md §6.5): the verdict
     says 100 % and gives the raw number with the reason; AR's M_S of -0.1 % is no "-0%"."""

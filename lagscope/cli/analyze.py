@@ -17,6 +17,7 @@ from lagscope.cli.conventions import (
     examples,
     write_output,
 )
+from lagscope.cli.job_summary import print_episode
 from lagscope.simulator.defaults import (
     DEFAULT_DECOMPOSE_THRESHOLD,
     TIMELINE_DP_RANKS,
@@ -28,9 +29,11 @@ if TYPE_CHECKING:
     import numpy as np
 
     from lagscope.simulator.diagnose import Diagnosis
+    from lagscope.simulator.episodes import Episode
     from lagscope.simulator.prepare import PreparedTrace
     from lagscope.simulator.timeline import TimelineWindow
     from lagscope.simulator.whatif import WhatIfResult
+    from lagscope.stream_app.job_analysis import EpisodeState
 
 
 #: Image formats the heatmap can be written in, by file suffix (matplotlib's Agg writers).
@@ -205,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from lagscope.simulator.prepare import prepare
     from lagscope.simulator.summary import summary_lines
     from lagscope.simulator.whatif import analyze
+    from lagscope.stream_app.job_analysis import trace_story
 
     check_outputs(args)
     # When a result goes to stdout, the human summary goes to stderr, out of its way.
@@ -219,8 +223,10 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
     result = analyze(prepared, decompose_threshold=args.decompose_threshold)
-    # The diagnosis decides the verdict that the summary, the JSON and the report all show.
-    diagnosis = diagnose(result, prepared)
+    # The story decides the verdict that the summary, the JSON and the report all show:
+    # the trace's diagnosis told with its episodes, as `lagscope run` tells it.
+    diagnosis, episodes = trace_story(prepared, result, diagnose(result, prepared), meta,
+                                      decompose_threshold=args.decompose_threshold)  # fmt: skip
     # Chosen before any output: a selection naming nothing is a mistake of the command line.
     window = timeline_window(args, prepared, result, diagnosis) if args.timeline else None
     say(
@@ -234,12 +240,14 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in summary_lines(result, diagnosis):
         say("  " + line)
+    for state in episodes:
+        print_episode(state, _episode(state), say, indent="  ")
     if args.json:
-        _write_json(args, result, diagnosis, clocks, say)
+        _write_json(args, result, diagnosis, episodes, clocks, say)
     if args.heatmap:
         _write_heatmap(args, result, meta, say)
     if args.report:
-        _write_report(args, source, meta, result, diagnosis, prepared, window, say)
+        _write_report(args, source, meta, result, diagnosis, episodes, prepared, window, say)
     if args.timeline:
         assert window is not None
         _write_timeline(args, prepared, result, clocks, window, say)
@@ -262,19 +270,38 @@ def _read_trace(args: argparse.Namespace, say: Callable[..., None]) -> tuple[Any
     return meta, trace, str(args.trace)
 
 
+def _episode(state: EpisodeState) -> Episode:
+    """An episode as the hosts' reports list it."""
+    from lagscope.simulator.episodes import Episode
+
+    live = state.episode
+    return Episode(live.onset, live.recovery, state.diagnosis, (f"worker/{live.dp}.{live.stage}",))
+
+
 def _write_json(
     args: argparse.Namespace,
     result: WhatIfResult,
     diagnosis: Diagnosis,
+    episodes: list[EpisodeState],
     clocks: Any,
     say: Callable[..., None],
 ) -> None:
+    import dataclasses
+
     from lagscope.simulator.summary import result_to_dict
     from lagscope.simulator.verdict import verdict_of
 
     document = result_to_dict(result, always_decompose=args.always_decompose)
     document["verdict"] = verdict_of(diagnosis).as_dict()
     document["diagnosis"] = diagnosis.as_dict()
+    document["episodes"] = [
+        {
+            **dataclasses.asdict(state.episode),
+            "gpu_seconds_lost": state.gpu_seconds_lost,
+            "verdict": verdict_of(state.diagnosis, recovered_at=state.episode.recovery).as_dict(),
+        }
+        for state in episodes
+    ]
     document["clock_offsets"] = clocks.as_dict()
     where = write_output(args.json, json.dumps(document, indent=2), option="--json")
     say(f"  result written to {where}")
@@ -307,6 +334,7 @@ def _write_report(
     meta: Any,
     result: WhatIfResult,
     diagnosis: Diagnosis,
+    episodes: list[EpisodeState],
     prepared: PreparedTrace,
     window: TimelineWindow | None,
     say: Callable[..., None],
@@ -320,6 +348,7 @@ def _write_report(
             f"{meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size}",
             result=result,
             diagnosis=diagnosis,
+            episodes=[(s.episode.onset, s.episode.recovery, s.diagnosis) for s in episodes],
             timeline_file=args.timeline if args.timeline not in (None, STDOUT) else None,
             timeline_note=window.describe(prepared.steps, prepared.n_dp) if window else None,
         )

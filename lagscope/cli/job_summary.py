@@ -45,7 +45,7 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
         say(f"    MFU actual {totals.mfu_actual:.1%} vs straggler-free {totals.mfu_ideal:.1%}")
     _print_workers(job, say)
     for state, episode in zip(job.episode_states, job.episodes, strict=True):
-        _print_episode(state, episode, say)
+        print_episode(state, episode, say)
     _print_changes(job, say)
     if job.diagnosis is not None:
         _print_verdict(job, say)
@@ -62,7 +62,11 @@ def _print_workers(job: JobReport, say: Callable[..., None]) -> None:
     say("    top stragglers " + ", ".join(w.describe() for w in top) + f" - S_w: {MEANINGS['S_w']}")
 
 
-def _print_episode(state: object, episode: object, say: Callable[..., None]) -> None:
+def print_episode(
+    state: object, episode: object, say: Callable[..., None], indent: str = "    "
+) -> None:
+    """One episode (`state`: its live state; `episode`: its bounds and diagnosis) with the
+    step it was first seen at, its action and its advice."""
     from lagscope.simulator.verdict import verdict_of
 
     live = state.episode  # type: ignore[attr-defined]
@@ -70,12 +74,15 @@ def _print_episode(state: object, episode: object, say: Callable[..., None]) -> 
     told = verdict_of(episode.diagnosis, recovered_at=episode.recovery)  # type: ignore[attr-defined]
     seen = live.first_seen - live.onset
     say(
-        f"    episode {live.episode_id} from step {episode.onset} {end} "  # type: ignore[attr-defined]
+        f"{indent}episode {live.episode_id} from step {episode.onset} {end} "  # type: ignore[attr-defined]
         f"(seen at step {live.first_seen}, {seen} step(s) after its onset): {told.line()}"
     )
-    say(f"      action: {told.action_line()}")
+    say(f"{indent}  action: {told.action_line()}")
     for a in episode.diagnosis.advice:  # type: ignore[attr-defined]
-        say(f"      advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x): {a.detail}")
+        say(
+            f"{indent}  advice: {a.action} (predicted speed-up {a.predicted_speedup:.3f}x): "
+            f"{a.detail}"
+        )
 
 
 def _print_changes(job: JobReport, say: Callable[..., None]) -> None:
