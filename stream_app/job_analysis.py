@@ -412,7 +412,6 @@ def trace_story(
     them. `lagscope analyze` shows this, so a trace and its replay through `lagscope run`
     name the same straggler: the whole trace's diagnosis alone blames a worker slow in a
     third of the steps on nothing, or on the next cause it finds."""
-    alone = [prepared.select_steps([i]) for i in range(prepared.n_steps)]
     per_step = analyze_each_step(
         prepared,
         [rollup.ideal_cost] * prepared.n_steps,
@@ -420,9 +419,14 @@ def trace_story(
         compiled=prepared.model.compiled,
     )
     live = LiveJob(info, diagnose_every_steps=prepared.n_steps)
-    for step, result in zip(alone, per_step, strict=True):
+    for index, result in enumerate(per_step):
+        step = prepared.select_steps([index])
         live.on_step(int(step.steps[0]), 0, result, step, complete=True)
-    refined = live.refine(alone)
+    # The steps one by one again only to refine episodes: a large trace is not held twice
+    # when it has none.
+    found = live.detector is not None and live.detector.episodes
+    window = [prepared.select_steps([i]) for i in range(prepared.n_steps)] if found else []
+    refined = live.refine(window)
     return live.story(run, rollup), refined
 
 
