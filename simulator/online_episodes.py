@@ -342,13 +342,15 @@ class OnlineEpisodes:
         for episode in self.open_episodes():
             busy[episode.stage, episode.dp] = True
         changes: list[EpisodeChange] = []
+        candidates = self._candidates() & ~busy[None]
+        if not candidates.any():
+            return changes  # a healthy job's usual step: no spike rate to take
         spikes = self._spike_rate()  # [kind]
         lanes = (
             (cfg.onset_steps, cfg.onset_z, spikes <= cfg.quiet_spike_rate),
             (cfg.confirm_steps, cfg.confirm_z, spikes <= cfg.busy_spike_rate),
             (cfg.noisy_steps, cfg.confirm_z, np.ones_like(spikes, dtype=bool)),
         )
-        candidates = self._candidates() & ~busy[None]
         for window, z, kinds_allowed in lanes:
             columns = np.nonzero(candidates & kinds_allowed[:, None, None])
             if not columns[0].size:
