@@ -26,8 +26,9 @@
 Recorded, with no timing lines in the job: forward and backward per micro-batch (a
 forward wrapper and autograd hooks), the optimizer step (optimizer hooks; it also ends each
 step), DDP gradient buckets (comm hook), FSDP2 all-gathers and reduce-scatters, data-
-parallel collectives and pipeline send/recv of torch.distributed timed to completion (on
-NCCL by the process group's own device timing), and the wait for the next batch (`data=`).
+parallel collectives and pipeline send/recv of torch.distributed timed to completion (on a
+GPU with CUDA events, the end one recorded where the stream waits for the comm), and the
+wait for the next batch (`data=`).
 The job record (dp/pp/tp sizes, this rank's host, GPU and its PCI bus id, node and pod) is
 derived from the process groups and the environment; the analysis stores every rank's
 machine and names it next to the workers it names.

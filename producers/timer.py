@@ -474,6 +474,15 @@ class OpTimer:
         """Whether ops are timed with the host clock (no CUDA events): `appender()` applies."""
         return self._cuda is None
 
+    def cuda_recorder(self) -> tuple[Callable[[], Any], Callable[..., None]] | None:
+        """CUDA mode's hot path for an integration, or None on the host clock: `mark()`
+        records a pooled event on the calling thread's current stream and returns it;
+        `add(head, start, end)` takes an op `head` = (code, step, microbatch, chunk)
+        between two marks (any thread). What `op()` does, without its checks and scope."""
+        if self._cuda is None:
+            return None
+        return self._cuda.mark, self._cuda.add
+
     def appender(self) -> Callable[[tuple[tuple[int, int, int, int], int, int]], None]:
         """The buffer's bound `append`, for an integration's hottest path (host clock only).
 
@@ -515,6 +524,7 @@ class OpTimer:
         if elapsed >= self._seal_interval_s:
             self._handed_over_at = now
             self._pace(step, elapsed)
+            self._current_step = step
             self._hand_over()
         self._current_step = step
 
@@ -532,9 +542,9 @@ class OpTimer:
 
     def flush(self) -> None:
         """Seal everything recorded so far and write it to the log file (on this thread)."""
+        self._hand_over(wake=False)
         if self._cuda is not None:
             self._cuda.drain()
-        self._hand_over(wake=False)
         self._seal_pending()
 
     def close(self) -> None:
@@ -589,16 +599,21 @@ class OpTimer:
         """
         with self._hand_over_lock:
             buffer = self._buffer
-            if not buffer:
-                return
             taken = buffer.copy()
             if finished_steps_only:
                 current = self._current_step
                 kept = next((i for i, op in enumerate(taken) if op[0][1] >= current), None)
                 taken = taken if kept is None else taken[:kept]
-                if not taken:
-                    return
             del buffer[: len(taken)]
+            if self._cuda is not None:
+                # One writer of finished steps in CUDA mode: the host clock's ops (input
+                # waits, GC pauses, ops recorded elsewhere) join their steps' CUDA ops, so
+                # that every rank-step reaches the log whole. Told even when there are
+                # none: the steps before the current one may be written.
+                self._cuda.take_host_ops(taken, self._current_step)
+                return
+            if not taken:
+                return
             self._pending.append(taken)
         if wake:
             self._wake_sealer()
@@ -683,6 +698,11 @@ def _cuda_available() -> bool:
 
 #: A calibration whose host-clock bracket is wider than this is not precise enough to use.
 _MAX_BRACKET_NS = 200_000
+#: Events made when CUDA timing starts: two per op, for the ops of about one seal interval
+#: of a large step (more are made when needed, and kept).
+_EVENT_POOL = 512
+#: The resolver gives the interpreter up after this many ops read.
+_YIELD_EVERY = 64
 
 
 class _CudaTimer:
@@ -695,11 +715,23 @@ class _CudaTimer:
             raise RuntimeError("OpTimer(mode='cuda') needs torch with a CUDA device")
         self._torch = torch
         self._owner = owner
-        self._pool: list[Any] = []
-        self._pending: deque[tuple[int, int, int, int, Any, Any]] = deque()
+        #: Ops whose end event is recorded: (head, start event, end event). Appended by
+        #: the threads that time ops (an atomic append, no lock), taken by the resolver.
+        self._pending: deque[tuple[tuple[int, int, int, int], Any, Any]] = deque()
+        #: Held by whoever resolves (the resolver thread, or flush() at the end); never by
+        #: the training thread.
         self._pending_lock = threading.Lock()
-        self._resolved: list[tuple[tuple[int, int, int, int], int, int]] = []
+        self._resolved: list[_Op] = []
+        #: The host clock's ops, handed over by the training thread (atomic appends), and
+        #: the step before which all of them have been: a step is written once its CUDA
+        #: ops resolved and its host ops arrived.
+        self._host_ops: deque[list[_Op]] = deque()
+        self._host_ops_before = 0
         self._calibrate_every_s = calibrate_every_s
+        self._bind_cuda_calls(torch)
+        #: Events are created up front: cudaEventCreate on the training thread costs more
+        #: than the record itself. The resolver gives them back as it reads them.
+        self._pool: list[Any] = [self._new_event() for _ in range(_EVENT_POOL)]
         self._side_stream = torch.cuda.Stream()
         self._reference: tuple[Any, int] | None = None
         self._last_calibration = 0.0
@@ -710,14 +742,64 @@ class _CudaTimer:
         )
         self._thread.start()
 
-    def _event(self) -> Any:
-        try:
-            return self._pool.pop()
-        except IndexError:
-            return self._torch.cuda.Event(enable_timing=True)
+    def _bind_cuda_calls(self, torch: Any) -> None:
+        """The CUDA calls of the hot path and of the resolver, bound once. `Event.record`,
+        `query` and `elapsed_time` are thin Python wrappers over `torch._C._CudaEventBase`,
+        and `torch.cuda.current_stream()` builds a new Stream object per call: the base
+        methods and the current stream's id (its Stream object cached) cost a few µs less
+        per op. Where a torch lacks them, the public calls."""
+        cuda = torch.cuda
+        self._new_event = functools.partial(cuda.Event, enable_timing=True)
+        native = getattr(torch, "_C", None)
+        base = getattr(native, "_CudaEventBase", None)
+        get_stream = getattr(native, "_cuda_getCurrentStream", None)
+        get_device = getattr(native, "_cuda_getDevice", None)
+        self._record = lambda event, stream: event.record(stream)
+        self._query = lambda event: event.query()
+        self._elapsed_ms = lambda first, second: first.elapsed_time(second)
+        self._current_stream = cuda.current_stream
+        if base is None or get_stream is None or get_device is None:
+            return
+        streams: dict[tuple[int, int, int], Any] = {}
+
+        def current_stream() -> Any:
+            key = get_stream(get_device())
+            stream = streams.get(key)
+            if stream is None:
+                stream = streams[key] = cuda.Stream(
+                    stream_id=key[0], device_index=key[1], device_type=key[2]
+                )
+            return stream
+
+        try:  # a torch whose internals moved keeps the public calls
+            first, second = self._new_event(), self._new_event()
+            base.record(first, current_stream())
+            base.record(second, current_stream())
+            second.synchronize()
+            if base.query(second) and base.elapsed_time(first, second) >= 0:
+                self._record, self._query, self._elapsed_ms = (
+                    base.record,
+                    base.query,
+                    base.elapsed_time,
+                )
+                self._current_stream = current_stream
+        except (AttributeError, RuntimeError, TypeError):
+            log.warning("lagscope timer: torch's CUDA event internals differ; public API used")
+
+    def mark(self, stream: Any = None) -> Any:
+        """A pooled event recorded now on `stream` (default: the calling thread's current
+        stream): the hot path's one CUDA call."""
+        pool = self._pool
+        event = pool.pop() if pool else self._new_event()
+        self._record(event, stream if stream is not None else self._current_stream())
+        return event
+
+    def add(self, head: tuple[int, int, int, int], start: Any, end: Any) -> None:
+        """An op between two marks (any thread)."""
+        self._pending.append((head, start, end))
 
     def scope(self, code: int, step: int, microbatch: int, chunk: int, stream: Any) -> Any:
-        return _CudaScope(self, code, step, microbatch, chunk, stream)
+        return _CudaScope(self, (code, step, microbatch, chunk), stream)
 
     def _calibrate(self) -> bool:
         """Pin a reference event to the host clock; True if the new reference was taken.
@@ -744,48 +826,84 @@ class _CudaTimer:
         # interpreter lock from the training thread, whose kernel launches a GPU job waits
         # on, and the log is written at that pace anyway.
         while not self._stop.wait(self._owner._seal_interval_s):
+            # The host clock's ops of the finished steps join them here, with no wait for
+            # the training thread's next hand-over.
+            self._owner._hand_over(finished_steps_only=True, wake=False)
             self.resolve()
             if time.monotonic() - self._last_calibration > self._calibrate_every_s:
                 self._calibrate()
+
+    def take_host_ops(self, ops: list[_Op], before_step: int) -> None:
+        """The host clock's ops, handed over by the training thread: every one of a step
+        before `before_step` is among them or came earlier. No lock: the resolver reads
+        the step first, then takes what was appended."""
+        if ops:
+            self._host_ops.append(ops)
+        if before_step > self._host_ops_before:
+            self._host_ops_before = before_step
 
     def resolve(self) -> int:
         """Move completed ops to the resolved buffer; write steps nothing is pending for."""
         resolved = 0
         owner = self._owner
         with self._pending_lock:
+            # Read before taking anything: every op of an earlier step is in what follows.
+            current_step = owner._current_step
+            host_ops_before = self._host_ops_before
+            out = self._resolved
+            host_ops = self._host_ops
+            while host_ops:
+                out.extend(host_ops.popleft())
+            reference_event, reference_wall_ns = self._reference  # type: ignore[misc]
+            wall_offset_ns = owner._wall_offset_ns
+            query, elapsed_ms, pool = self._query, self._elapsed_ms, self._pool
+            pending = self._pending
+            waiting_step = current_step
             # The training thread appends while we scan: rotate through the items present
-            # now (never swap the deque, which would lose a concurrent append).
-            for _ in range(len(self._pending)):
-                item = self._pending.popleft()
-                code, step, microbatch, chunk, start_ev, end_ev = item
-                if not end_ev.query():
-                    self._pending.append(item)
+            # now (never swap the deque, which would lose a concurrent append). Those it
+            # appends meanwhile belong to `current_step` or later.
+            for index in range(len(pending)):
+                item = pending.popleft()
+                head, start_ev, end_ev = item
+                try:
+                    done = query(end_ev)
+                    if done:
+                        # elapsed_time is in ms (float, ~0.5 µs resolution).
+                        start_ms = elapsed_ms(reference_event, start_ev)
+                        duration_ms = elapsed_ms(start_ev, end_ev)
+                except RuntimeError:  # its start on another stream is not reached yet
+                    done = False
+                if not done:
+                    pending.append(item)
+                    waiting_step = min(waiting_step, head[1])
                     continue
-                # elapsed_time is in ms (float, ~0.5 µs resolution).
-                reference_event, reference_wall_ns = self._reference
-                start_ns = reference_wall_ns + round(reference_event.elapsed_time(start_ev) * 1e6)
-                duration_ns = max(0, round(start_ev.elapsed_time(end_ev) * 1e6))
-                self._resolved.append(
-                    ((code, step, microbatch, chunk), start_ns - owner._wall_offset_ns, duration_ns)
-                )
-                self._pool.append(start_ev)
-                self._pool.append(end_ev)
+                out.append((head, reference_wall_ns + round(start_ms * 1e6) - wall_offset_ns,
+                            max(0, round(duration_ms * 1e6))))  # fmt: skip
+                pool.append(start_ev)
+                pool.append(end_ev)
                 resolved += 1
-            pending_steps = [item[1] for item in tuple(self._pending)]
-        cutoff = min([owner._current_step, *pending_steps])
-        self._write_steps_before(cutoff)
+                if index % _YIELD_EVERY == _YIELD_EVERY - 1:
+                    # Let the training thread have the interpreter: it launches the work
+                    # the GPU waits for, and would otherwise wait for a switch interval.
+                    time.sleep(0)
+            done_ops = self._take_steps_before(min(waiting_step, host_ops_before))
+        # Written outside the lock: every op of these steps is in `done_ops`.
+        self._write(done_ops)
         return resolved
 
-    def _write_steps_before(self, cutoff: int | None) -> None:
-        if not self._resolved:
-            return
+    def _take_steps_before(self, cutoff: int | None) -> list[_Op]:
+        """The resolved ops of the steps before `cutoff` (None: all), taken out of the
+        buffer; called with `_pending_lock` held."""
         resolved = self._resolved
         done = [op for op in resolved if cutoff is None or op[0][1] < cutoff]
-        if not done:
-            return
-        self._resolved = [op for op in resolved if cutoff is not None and op[0][1] >= cutoff]
-        self._owner._pending.append(done)
-        self._owner._seal_pending()  # on this thread: the sealer is not woken for it
+        if done:
+            self._resolved = [op for op in resolved if cutoff is not None and op[0][1] >= cutoff]
+        return done
+
+    def _write(self, done: list[_Op]) -> None:
+        if done:
+            self._owner._pending.append(done)
+            self._owner._seal_pending()  # on this thread: the sealer is not woken for it
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait (off the hot path: at flush/close) for pending events; write everything."""
@@ -794,7 +912,9 @@ class _CudaTimer:
             self.resolve()
             time.sleep(0.001)
         self.resolve()
-        self._write_steps_before(None)
+        with self._pending_lock:
+            done = self._take_steps_before(None)
+        self._write(done)
 
     def stop(self) -> None:
         self._stop.set()
@@ -802,29 +922,17 @@ class _CudaTimer:
 
 
 class _CudaScope:
-    __slots__ = ("_cuda", "_end", "_start", "chunk", "code", "microbatch", "step", "stream")
+    __slots__ = ("_cuda", "_start", "head", "stream")
 
-    def __init__(
-        self, cuda: _CudaTimer, code: int, step: int, microbatch: int, chunk: int, stream: Any
-    ) -> None:
+    def __init__(self, cuda: _CudaTimer, head: tuple[int, int, int, int], stream: Any) -> None:
         self._cuda = cuda
-        self.code = code
-        self.step = step
-        self.microbatch = microbatch
-        self.chunk = chunk
+        self.head = head
         self.stream = stream
 
     def __enter__(self) -> _CudaScope:
-        cuda = self._cuda
-        stream = self.stream or cuda._torch.cuda.current_stream()
-        self._start = cuda._event()
-        self._end = cuda._event()
-        self._start.record(stream)
+        self._start = self._cuda.mark(self.stream)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stream = self.stream or self._cuda._torch.cuda.current_stream()
-        self._end.record(stream)
-        self._cuda._pending.append(
-            (self.code, self.step, self.microbatch, self.chunk, self._start, self._end)
-        )
+        cuda = self._cuda
+        cuda.add(self.head, self._start, cuda.mark(self.stream))

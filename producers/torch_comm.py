@@ -36,9 +36,15 @@ Timing to completion, never to the call's return:
   lane, so a receive that completed while the rank computed is not charged for the
   computation;
 - CUDA mode: the op's scope records CUDA events on the current stream at the call and at
-  completion (the end event after `wait()`, which orders the stream after the comm);
-- NCCL: collectives on a data-parallel group whose backend is NCCL are timed on the
-  device by the process group itself (`producers.torch_nccl`), not by our events.
+  completion: for a blocking call after it returned (the stream then waits for the comm
+  stream), for an async one in its future's callback, which torch runs on a stream that
+  waits for the collective's own completion events. That is also how NCCL collectives are
+  timed: an NCCL `Work`'s future is marked done when the collective is enqueued (seen on
+  an H200, torch 2.11: the callback ran 0.2-0.3 ms after the call, the device finished
+  25 ms later), so only an event recorded in the callback's stream marks its end. The
+  process group's own completion hook was tried and given up: it is deprecated, and the
+  times it reports are steady-clock points of its watchdog, which notices a completion up
+  to ~100 ms late.
 """
 
 from __future__ import annotations
@@ -245,17 +251,6 @@ def _collective_wrapper(name: str, kind: str, original: Callable[..., Any]) -> C
         # A c10d function may call another wrapped one (all_gather_into_tensor calls
         # all_gather_single in torch 2.15): the guard records it once.
         _inside.active = True
-        nccl = monitor.nccl
-        if nccl is not None:
-            issued_on = group if group is not None else _default_group()
-            if nccl.timed_here(issued_on):
-                # NCCL times it on the device; its completion hook records it.
-                try:
-                    result = original(*args, **kwargs)
-                finally:
-                    _inside.active = False
-                nccl.park(issued_on, (code, monitor.step_id, -1, 0))
-                return result
         if not is_async and monitor.host_clock:
             start = _perf_ns()
             try:
@@ -329,12 +324,6 @@ def _p2p_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callable
         return monitor.time_work(result, opened, True, lane)
 
     return wrapper
-
-
-def _default_group() -> Any:
-    import torch.distributed as dist
-
-    return dist.group.WORLD
 
 
 def timed_work_class() -> type:

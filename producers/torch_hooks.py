@@ -17,9 +17,11 @@
   comm ops' own time (see the comm hook).
 - DDP gradient buckets: a comm hook (`register_comm_hook`) that runs the default all-
   reduce (or the job's own hook) and records one `separate-grads-all-reduce` op per bucket,
-  from the bucket becoming ready to its future completing. The buckets overlap backward,
-  so a rank slow in backward launches its buckets late and every peer's all-reduce waits:
-  the what-if sees that in the launch times, not in the peers' backward time.
+  from the bucket becoming ready to its future completing (on a GPU: CUDA events, the end
+  one in the future's callback, on a stream that waits for the all-reduce). The buckets
+  overlap backward, so a rank slow in backward launches its buckets late and every peer's
+  all-reduce waits: the what-if sees that in the launch times, not in the peers' backward
+  time.
 - Optimizer: `register_step_pre_hook` / `register_step_post_hook`; the post hook also ends
   the step (the next step's ops, its input wait first, belong to the next step).
 - Input: the time `next()` takes on the job's data loader iterator, as an `input-wait` op.
@@ -299,6 +301,7 @@ def register_ddp_hook(monitor: Monitor, ddp: Any, hook: Any = None, state: Any =
         hook, state = default_hooks.allreduce_hook, ddp.process_group
     code = monitor.timer.code_of(ot.SEPARATE_GRADS_ALL_REDUCE)
     timer = monitor.timer
+    host = timer.on_host_clock
 
     def timed_hook(_: Any, bucket: Any) -> Any:
         if not monitor.active:
@@ -306,15 +309,25 @@ def register_ddp_hook(monitor: Monitor, ddp: Any, hook: Any = None, state: Any =
                 return hook(state, bucket)
         monitor.on_event()
         step = monitor.step_id
+        index = bucket.index()
+        # On a GPU the bucket's start is where the stream has produced its gradients, and
+        # its end an event recorded in the future's callback, which torch runs on a stream
+        # that waits for the all-reduce: NCCL marks the future done when it enqueues the
+        # collective, so a host clock there would read a few µs.
+        opened = None if host else monitor.begin(code, index)
         start = _perf_ns()
         with torch_comm.suppressed():
             future = hook(state, bucket)
-        index = bucket.index()
 
         def done(completed: Any) -> Any:
-            timer.add(code, step, index, 0, start, _perf_ns())
+            if opened is None:
+                timer.add(code, step, index, 0, start, _perf_ns())
+            else:
+                monitor.end(opened)
             return completed.value()
 
+        # `then`, not a done-callback: DDP waits for the future this returns, so the bucket
+        # ends before the optimizer starts, on the host clock and on the device alike.
         return future.then(done)
 
     # DDP checks the hook's annotations against the real types; this module's are strings.

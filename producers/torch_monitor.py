@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from lagscope.producers import torch_comm, torch_hooks, torch_nccl
+from lagscope.producers import torch_comm, torch_hooks
 from lagscope.producers.events import JobInfo
 from lagscope.producers.integration_start import rank_timer
 from lagscope.producers.timer import OpTimer
@@ -77,9 +77,14 @@ class Monitor:
     def _bind_timer(self, timer: OpTimer) -> None:
         """The timer's entry points the hooks call, bound once: on the host clock, `begin`
         and `end` stamp ops themselves and `append` takes a finished op."""
+        recorder = timer.cuda_recorder()
         if timer.on_host_clock:
             self.begin = self._begin_host  # type: ignore[method-assign]
             self.end = self._end_host  # type: ignore[method-assign]
+        elif recorder is not None:
+            self._mark, self._add_cuda = recorder
+            self.begin = self._begin_cuda  # type: ignore[method-assign]
+            self.end = self._end_cuda  # type: ignore[method-assign]
         #: Whether ops are timed on the host clock (then `append` takes a finished op).
         self.host_clock = timer.on_host_clock
         self.append = timer.appender()
@@ -88,8 +93,6 @@ class Monitor:
 
     def _init_comm_codes(self) -> None:
         """How collectives and p2p are recorded: learnt per group on first use."""
-        #: Device-side collective times on NCCL groups (`attach_nccl`), else None.
-        self.nccl: torch_nccl.NcclDeviceTimes | None = None
         #: (collective kind, id(group)) -> op code, or None when the op is not recorded.
         self.collective_codes: dict[tuple[str, int], int | None] = {}
         self._p2p_codes: dict[tuple[str, int | None, int | None, int], int | None] = {}
@@ -154,6 +157,13 @@ class Monitor:
     def _end_host(self, opened: Any) -> None:
         head, start = opened
         self.append((head, start, _perf_ns() - start))
+
+    def _begin_cuda(self, code: int, microbatch: int = -1, chunk: int = 0) -> Any:
+        return (code, self.step_id, microbatch, chunk), self._mark()
+
+    def _end_cuda(self, opened: Any) -> None:
+        head, start = opened
+        self._add_cuda(head, start, self._mark())
 
     def close_backwards(self) -> None:
         for hooks in self.module_hooks:
@@ -277,15 +287,6 @@ class Monitor:
             self.module_hooks.append(torch_hooks.ModuleHooks(self, module, chunk))
         if len(self.module_hooks) == 1 and self.backward_calls is None:
             self.backward_calls = torch_hooks.BackwardCalls(self, self.module_hooks[0])
-
-    def attach_nccl(self, groups: Sequence[Any]) -> None:
-        """Time the collectives of these (data-parallel) groups on the device where their
-        backend is NCCL; groups on other backends keep the wrappers' own timing."""
-        if self.timer.on_host_clock:
-            return  # host mode was asked for (or no GPU): one clock for every op
-        nccl = self.nccl or torch_nccl.NcclDeviceTimes(self)
-        if any([nccl.attach(group) for group in groups]):
-            self.nccl = nccl
 
     def attach_optimizer(self, optimizer: Any) -> None:
         self.optimizer_hooks.append(torch_hooks.OptimizerHooks(self, optimizer))

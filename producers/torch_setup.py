@@ -65,8 +65,7 @@ def start_monitor(
     try:
         _attach_hooks(
             monitor, model=model, ddp=ddp, stages=stages, modules=modules,
-            dp_group=groups.get("dp"), ddp_comm_hook=ddp_comm_hook, optimizer=optimizer,
-            data=data,
+            ddp_comm_hook=ddp_comm_hook, optimizer=optimizer, data=data,
         )  # fmt: skip
     except BaseException:
         monitor.close()
@@ -111,18 +110,14 @@ def _attach_hooks(
     ddp: Any,
     stages: Sequence[Any],
     modules: Sequence[Any] | None,
-    dp_group: Any,
     ddp_comm_hook: tuple[Any, Any] | None,
     optimizer: Any,
     data: Any,
 ) -> None:
-    """Every hook, on what the job passed: the data-parallel group's collectives (timed on
-    the device where NCCL can), the model chunks (the pipeline's stages, else the modules
-    given, else the model, a DDP model's inner module), DDP's gradient buckets, the
-    optimizer's steps and the data loader's waits."""
-    import torch.distributed as dist
-
-    monitor.attach_nccl([dp_group if dp_group is not None else dist.group.WORLD])
+    """Every hook, on what the job passed: the model chunks (the pipeline's stages, else
+    the modules given, else the model, a DDP model's inner module), DDP's gradient buckets,
+    the optimizer's steps and the data loader's waits. (The collectives' wrappers are
+    installed by the monitor itself.)"""
     if stages:
         monitor.attach_modules([s.submod for s in stages])
         for stage in stages:

@@ -351,6 +351,9 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
                     time.sleep(0.001)
                 with timer.op("forward-send", microbatch=mb, stream="p2p-stream"):
                     pass
+            # An op on the host clock (a data loader's wait, a GC pause) in the same step:
+            # it must reach the log in its step's one batch, with the CUDA ops.
+            timer.record("optimizer", start_ns=time.time_ns(), duration_ns=50_000)
         timer.step(3)
         # The resolver thread (one round per flush interval) writes steps 0-2 while the
         # "GPU" catches up.
@@ -360,7 +363,7 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
     assert sorted(b.step for b in batches) == [0, 1, 2]  # one batch per step, none split
     for batch in batches:
         ops = batch.to_records()
-        assert len(ops) == 8
+        assert len(ops) == 9
         fwd = [o for o in ops if o["optype"] == "forward-compute"]
         assert [o["seq"] for o in fwd] == [0, 1, 2, 3]
         assert all(1_000_000 <= o["duration_ns"] < 50_000_000 for o in fwd)
