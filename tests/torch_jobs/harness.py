@@ -84,6 +84,15 @@ class Knobs:
     schedule: str = "1f1b"
     #: Extra environment of every rank, "NAME=value,NAME=value" (e.g. a Slurm node name).
     env: str = ""
+    #: "cpu", or "cuda": every rank on the machine's first GPU (tests/torch_jobs/cuda_ddp.py).
+    device: str = "cpu"
+    #: The process groups' backend: gloo carries CUDA tensors too, and NCCL refuses two
+    #: ranks on one GPU, so "nccl" is for a job of one rank per GPU.
+    backend: str = "gloo"
+    #: The timer's clock: "host" on CPU; "cuda" times compute with CUDA events.
+    timer_mode: str = "host"
+    #: Tokens per sample of the CUDA job's language model.
+    seq: int = 512
 
     def slow(self, rank: int, step: int, phase: str) -> bool:
         return (
@@ -119,7 +128,7 @@ class Knobs:
             "job_id": self.job_id,
             "log_dir": self.log_dir,
             "gc_probe": self.gc_probe,
-            "mode": "host",
+            "mode": self.timer_mode,
             "schedule": lagscope.torch.schedule(wait=self.sample_wait, active=self.sample_active),
         }
 
@@ -174,15 +183,29 @@ def _entry(rank: int, target: Callable[[int, Knobs], None], knobs: dict, port: i
     for assignment in filter(None, knobs["env"].split(",")):
         name, _, value = assignment.partition("=")
         os.environ[name] = value
+    dump_stacks_if_hung()
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=knobs["world"])
+    if knobs["device"] == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(knobs["backend"], rank=rank, world_size=knobs["world"])
     try:
         target(rank, Knobs(**knobs))
     finally:
         dist.destroy_process_group()
+
+
+def dump_stacks_if_hung() -> None:
+    """With `$LAGSCOPE_STACKS_AFTER_S` set, every thread's stack goes to stderr if this
+    process still runs that long after (what a hung job was waiting for, on a machine
+    lent for minutes)."""
+    after = os.environ.get("LAGSCOPE_STACKS_AFTER_S")
+    if after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(after), exit=False)
 
 
 def launch(target: Callable[[int, Knobs], None], knobs: Knobs, timeout_s: float = 300) -> None:
