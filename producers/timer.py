@@ -57,7 +57,13 @@ and exit (the current stream, or `stream=`); nothing on the hot path waits on th
 A resolver thread polls `event.query()` for completed ops at the pace host-clock ops are
 handed over (every ~20 steps, from `flush_interval_s` to 2 s apart), computes the start as
 `reference.elapsed_time(start_event)` after a reference event whose wall-clock time is
-known, and returns events to the pool. The reference is re-calibrated every
+known, and returns events to the pool. It is the one writer of finished steps: the ops
+timed on the host clock (input waits, GC pauses, `record()`) join their step's CUDA ops,
+and a step is written once both are in, so each rank-step reaches the log whole. On an
+H200 (torch 2.11, `tests/bench/cuda_bench.py`) an op costs the training thread 4.8 us
+(events pooled up front, recorded through torch._C's event methods on the current
+stream's cached Stream object: the public calls build a Stream per call), against 0.6 on
+the host clock. The reference is re-calibrated every
 `calibrate_every_s` from the resolver thread: it records an event on a private idle
 stream and waits for *that event* only (`event.synchronize()`, never
 `torch.cuda.synchronize()`), bracketing it with host clock reads.
