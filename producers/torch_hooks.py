@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from lagscope.producers import torch_comm
@@ -295,41 +295,11 @@ class OptimizerHooks:
 
 def register_ddp_hook(monitor: Monitor, ddp: Any, hook: Any = None, state: Any = None) -> None:
     """Time every gradient bucket of a DDP model (the job's own `hook`, or all-reduce)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    if hook is None:
-        hook, state = default_hooks.allreduce_hook, ddp.process_group
     code = monitor.timer.code_of(ot.SEPARATE_GRADS_ALL_REDUCE)
-    timer = monitor.timer
-    host = timer.on_host_clock
-
-    def timed_hook(_: Any, bucket: Any) -> Any:
-        if not monitor.active:
-            with torch_comm.suppressed():
-                return hook(state, bucket)
-        monitor.on_event()
-        step = monitor.step_id
-        index = bucket.index()
-        # On a GPU the bucket's start is where the stream has produced its gradients, and
-        # its end an event recorded in the future's callback, which torch runs on a stream
-        # that waits for the all-reduce: NCCL marks the future done when it enqueues the
-        # collective, so a host clock there would read a few µs.
-        opened = None if host else monitor.begin(code, index)
-        start = _perf_ns()
-        with torch_comm.suppressed():
-            future = hook(state, bucket)
-
-        def done(completed: Any) -> Any:
-            if opened is None:
-                timer.add(code, step, index, 0, start, _perf_ns())
-            else:
-                monitor.end(opened)
-            return completed.value()
-
-        # `then`, not a done-callback: DDP waits for the future this returns, so the bucket
-        # ends before the optimizer starts, on the host clock and on the device alike.
-        return future.then(done)
-
+    if hook is None:
+        timed_hook = _timed_allreduce(monitor, code, ddp.process_group)
+    else:
+        timed_hook = _timed_job_hook(monitor, code, hook, state)
     # DDP checks the hook's annotations against the real types; this module's are strings.
     timed_hook.__annotations__ = {}
     try:
@@ -340,6 +310,78 @@ def register_ddp_hook(monitor: Monitor, ddp: Any, hook: Any = None, state: Any =
             "comm hook. Pass it as monitor(..., ddp_comm_hook=(hook, state)) instead of "
             f"registering it yourself ({exc})"
         ) from None
+
+
+def _bucket_end(monitor: Monitor, code: int, bucket: Any) -> Callable[[], None]:
+    """Open a recorded bucket's op; what ends it when its all-reduce completed.
+
+    On a GPU the start is an event where the stream has produced the bucket's gradients,
+    the end one recorded in the future's `then` callback, which torch runs on a stream
+    that waits for the all-reduce: NCCL marks the future done when it enqueues the
+    collective, so a host clock there would read a few µs."""
+    monitor.on_event()
+    index = bucket.index()
+    if not monitor.timer.on_host_clock:
+        opened = monitor.begin(code, index)
+        return lambda: monitor.end(opened)
+    step, start, add = monitor.step_id, _perf_ns(), monitor.timer.add
+    return lambda: add(code, step, index, 0, start, _perf_ns())
+
+
+def _timed_allreduce(monitor: Monitor, code: int, group: Any) -> Callable[[Any, Any], Any]:
+    """DDP's default comm hook (torch's `default_hooks.allreduce_hook`: divide by the group
+    size, all-reduce, the result tensor), with the bucket's end in the one `then` it needs
+    anyway: a second future per bucket costs the autograd thread more than the timing."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    size = group.size()
+
+    def first_value(completed: Any) -> Any:
+        return completed.value()[0]
+
+    def timed_hook(_: Any, bucket: Any) -> Any:
+        tensor = bucket.buffer()
+        tensor.div_(size)  # first, as torch's hook does: no overflow in fp16
+        if not monitor.active:
+            with torch_comm.suppressed():
+                work = dist.all_reduce(tensor, group=group, async_op=True)
+            return work.get_future().then(first_value)
+        end = _bucket_end(monitor, code, bucket)
+        with torch_comm.suppressed():
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+
+        def done(completed: Any) -> Any:
+            end()
+            return completed.value()[0]
+
+        # `then`, not a done-callback: DDP waits for the future this returns, so the bucket
+        # ends before the optimizer starts, on the host clock and on the device alike.
+        return work.get_future().then(done)
+
+    return timed_hook
+
+
+def _timed_job_hook(
+    monitor: Monitor, code: int, hook: Any, state: Any
+) -> Callable[[Any, Any], Any]:
+    """The job's own comm hook, each bucket timed from its call to its future's value."""
+
+    def timed_hook(_: Any, bucket: Any) -> Any:
+        if not monitor.active:
+            with torch_comm.suppressed():
+                return hook(state, bucket)
+        end = _bucket_end(monitor, code, bucket)
+        with torch_comm.suppressed():
+            future = hook(state, bucket)
+
+        def done(completed: Any) -> Any:
+            end()
+            return completed.value()
+
+        return future.then(done)
+
+    return timed_hook
 
 
 class TimedIterator:
