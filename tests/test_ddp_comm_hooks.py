@@ -32,7 +32,20 @@ def world_of_one() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _gradients(log_dir: Path | None, hook: object = None) -> list[list[object]]:
+class _Complex(torch.nn.Module):
+    """Complex weights: DDP all-reduces their gradients as real views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.cfloat))
+
+    def forward(self, x: object) -> object:
+        return (x.to(torch.cfloat) @ self.weight).abs()
+
+
+def _gradients(
+    log_dir: Path | None, hook: object = None, complex_layer: bool = False
+) -> list[list[object]]:
     """Each step's gradients of a small DDP model with several buckets, monitored into
     `log_dir` when given, with `hook` as its comm hook when given."""
     from torch.nn.parallel import DistributedDataParallel
@@ -40,7 +53,8 @@ def _gradients(log_dir: Path | None, hook: object = None) -> list[list[object]]:
     import lagscope.torch
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    layers = [torch.nn.Linear(64, 64) for _ in range(6)]
+    model = torch.nn.Sequential(*layers, *([_Complex()] if complex_layer else []))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)  # about one layer a bucket
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     monitor = None
@@ -84,6 +98,12 @@ def test_the_default_all_reduce_leaves_the_gradients_and_records_every_bucket(
     # DDP's first step (re-bucketing) is not recorded; then the same buckets every step.
     assert sorted(per_step) == list(range(1, STEPS))
     assert len(set(per_step.values())) == 1 and per_step[1] >= 3, per_step
+
+
+def test_complex_gradients_are_all_reduced_as_ddp_does(world_of_one: None, tmp_path: Path) -> None:
+    _assert_same(
+        _gradients(tmp_path / "logs", complex_layer=True), _gradients(None, complex_layer=True)
+    )
 
 
 def test_a_jobs_own_comm_hook_runs_and_its_buckets_are_recorded(
