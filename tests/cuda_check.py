@@ -8,7 +8,9 @@
    tests/data/recorded-cuda (a clean job, and rank 1 slow on the device in forward, in
    backward, and stalled in its host, for steps 15-29 of 40) -> DIR/<name>.tar.xz;
 3. the CUDA tests: the timer's own and tests/test_cuda_jobs.py -> DIR/check.log;
-4. the monitor's cost on a real CUDA model (`tests/bench/cuda_bench.py`) -> DIR/bench.json.
+4. the monitor's cost on a real CUDA model (`tests/bench/cuda_bench.py`) -> DIR/bench.json;
+5. with `--parts ...,profile`: torch.profiler over recorded and unrecorded steps of it ->
+   DIR/profile.json.gz, DIR/profile.txt.
 
 Each part runs in its own process with a time limit and says how it ended in check.log, so
 one that fails or runs out of time leaves the others' results. The machine needs torch with
@@ -179,6 +181,8 @@ def main() -> int:
               "no:cacheprovider", "-q", "-rA", "--durations=0", "-o", "faulthandler_timeout=50",
               "tests/test_timer.py::test_cuda_mode_records_events_without_synchronizing",
               "tests/test_cuda_jobs.py"], 150, stacks_after_s=35)  # fmt: skip
+    if "profile" in parts:
+        _part(out, "profile", [*python, "-m", "tests.bench.cuda_bench", str(out)], 120)
     if "bench" in parts:
         bench_json = HERE.parent / "bench-results" / "bench.json"
         if _part(out, "bench", [*python, "-m", "tests.bench", "cuda"], 120):

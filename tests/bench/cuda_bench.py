@@ -62,8 +62,9 @@ def _setup(size: dict[str, int]) -> dict[str, Any]:
 
 
 def _block(job: dict[str, Any], steps: int, monitor_dir: Path | None,
-           every_other: bool = False) -> dict[str, Any]:  # fmt: skip
-    """`steps` steps with a fresh DDP wrapper, monitored into `monitor_dir` when given."""
+           every_other: bool = False, after_step: Any = None) -> dict[str, Any]:  # fmt: skip
+    """`steps` steps with a fresh DDP wrapper, monitored into `monitor_dir` when given;
+    `after_step()` is called after each (a profiler's step)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -99,6 +100,8 @@ def _block(job: dict[str, Any], steps: int, monitor_dir: Path | None,
             now = time.perf_counter()
             times.append(now - began)
             began = now
+            if after_step is not None:
+                after_step()
             step += 1
             if step == steps:
                 break
@@ -221,3 +224,55 @@ def run() -> list[dict]:
     for row in rows:
         row["device"] = device
     return rows
+
+
+def profile(out: Path) -> None:
+    """torch.profiler over 12 steps of the device-bound size, recording every other step,
+    after 24 to warm up: where a recorded step's extra time goes (which thread, which
+    frames, what the GPU waited for). Writes `profile.json.gz` (a Chrome/Perfetto trace
+    with Python stacks) and `profile.txt` (the ops by self CPU time, and each profiled
+    step's recorded flag and time)."""
+    import gzip
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, schedule
+
+    dump_stacks_if_hung()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        job = _setup(SIZES["device-bound"])
+        _block(job, 10, None)
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            torch.profiler.profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                schedule=schedule(wait=20, warmup=4, active=12, repeat=1),
+                with_stack=True,
+            ) as prof,
+        ):
+            run = _block(job, 40, Path(tmp), every_other=True, after_step=prof.step)
+            recorded = set(_recorded_steps(Path(tmp)))
+        trace = out / "profile.json"
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(out / "profile.json.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
+        steps = "\n".join(
+            f"step {s}: {'recorded' if s in recorded else 'unrecorded'} "
+            f"{run['step_s'][s] * 1e3:.3f} ms"
+            for s in range(24, 36)
+        )
+        (out / "profile.txt").write_text(f"{steps}\n\n{table}\n")
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    profile(Path(sys.argv[1]))
