@@ -11,12 +11,11 @@ could be analysed at all.
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from tests.torch_jobs.harness import analyse
+from tests.torch_jobs.harness import analyse_archive
 
 RECORDED = Path(__file__).parent / "data" / "recorded-cuda"
 #: Rank 1 is (dp 1, pp 0); slow for steps 15-29 of 40.
@@ -24,11 +23,7 @@ WORKER = "(dp 1, pp 0)"
 
 
 def _analysed(name: str, tmp_path: Path) -> object:
-    with tarfile.open(RECORDED / f"{name}.tar.xz") as archive:
-        archive.extractall(tmp_path, filter="data")
-    report = analyse(tmp_path / "logs", tmp_path / "store")
-    (job,) = report.jobs.values()
-    return job
+    return analyse_archive(RECORDED / f"{name}.tar.xz", tmp_path)
 
 
 def _the_episode(job: object) -> object:

@@ -12,12 +12,11 @@ them must not (module docstring of `online_episodes.py` has the counts)."""
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from tests.torch_jobs.harness import analyse
+from tests.torch_jobs.harness import analyse_archive
 
 RECORDED = Path(__file__).parent / "data" / "recorded"
 SLOW_OP = {"forward": "forward-compute", "backward": "backward-compute", "input": "input-wait"}
@@ -27,11 +26,7 @@ FOUND_AT_LEAST = 0.6
 
 
 def _analysed(name: str, tmp_path: Path) -> object:
-    with tarfile.open(RECORDED / f"{name}.tar.xz") as archive:
-        archive.extractall(tmp_path, filter="data")
-    report = analyse(tmp_path / "logs", tmp_path / "store")
-    (job,) = report.jobs.values()
-    return job
+    return analyse_archive(RECORDED / f"{name}.tar.xz", tmp_path)
 
 
 def _found(job: object, case: str) -> bool:

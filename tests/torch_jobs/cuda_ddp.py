@@ -32,13 +32,14 @@ bucket included), the step's wall time (s), and the stall it planted.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.torch_jobs.harness import Knobs, endless, main_for
+from tests.torch_jobs.harness import Knobs, endless, main_for, make_straggler_function
 
 #: A job of a few tens of ms per step on one H200 shared by four ranks, with a gradient of
 #: about 17 MB per rank (gloo moves it through host memory).
@@ -167,16 +168,7 @@ def make_model(torch: Any, knobs: Knobs, plan: Plan) -> Any:
     """A causal transformer language model (tied embedding and head) whose forward and
     backward the plan can make slower on the device."""
 
-    class DeviceStall(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any, backward_ms: float) -> Any:
-            ctx.backward_ms = backward_ms
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            device_stall(torch, plan, ctx.backward_ms)
-            return grad, None
+    straggle = make_straggler_function()
 
     class TinyGPT(torch.nn.Module):
         def __init__(self) -> None:
@@ -208,10 +200,12 @@ def make_model(torch: Any, knobs: Knobs, plan: Plan) -> Any:
             if self.marks is not None:
                 self.marks.mark("f0")
             x = self.embed(tokens)
+            backward_ms = plan.extra_ms(self.step, "backward")
             for i, block in enumerate(self.blocks):
                 x = block(x, src_mask=self.causal, is_causal=True)
-                if i == 0:
-                    x = DeviceStall.apply(x, plan.extra_ms(self.step, "backward"))
+                if i == 0 and backward_ms:
+                    # between the last block's backward and the first's: inside backward
+                    x = straggle.apply(x, functools.partial(device_stall, torch, plan, backward_ms))
             device_stall(torch, plan, plan.extra_ms(self.step, "forward"))
             logits = self.norm(x) @ self.embed.weight.t()
             if self.marks is not None:

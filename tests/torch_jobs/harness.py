@@ -388,6 +388,17 @@ def job_records(log_dir: str | Path) -> list[Any]:
     return infos
 
 
+def analyse_archive(archive: Path, tmp_path: Path) -> Any:
+    """The one job of a recorded run (a `.tar.xz` holding its `logs/`), analysed as
+    `analyse` does, unpacked under `tmp_path`."""
+    import tarfile
+
+    with tarfile.open(archive) as packed:
+        packed.extractall(tmp_path, filter="data")
+    (job,) = analyse(tmp_path / "logs", tmp_path / "store").jobs.values()
+    return job
+
+
 def analyse(log_dir: str | Path, store: str | Path | None = None) -> Any:
     """`lagscope run --logs` in-process: the embedded host into chDB; its RunReport."""
     from lagscope.store.sink import ClickHouseSink
