@@ -121,9 +121,11 @@ class FaustWorker:
         """The metric families of a scrape (the endpoint's thread)."""
         return worker_metric_families(self.core, self.config.kafka.topic_ops, dict(self._lag))
 
-    def _update_lag(self) -> None:
-        """Consumer lag of every assigned ops partition the core has state for."""
+    def _update_lag(self) -> list[int]:
+        """Consumer lag of every assigned ops partition the core has state for; returns
+        those whose lateness clock still runs on record time with nothing left to read."""
         consumer = self.app.consumer
+        caught_up = []
         for tp in consumer.assignment():
             if tp.topic != self.core.topic:
                 continue
@@ -132,6 +134,9 @@ class FaustWorker:
             if highwater is None or part is None:
                 continue
             self._lag[tp.partition] = max(0, highwater - part.next_offset)
+            if part.next_offset >= highwater and part.clock.behind:
+                caught_up.append(tp.partition)
+        return caught_up
 
     # -- kafka clients --------------------------------------------------------------------
     def _make_producer(self) -> Any:
@@ -437,8 +442,13 @@ class FaustWorker:
             unknown -= self._known_jobs
 
     async def _periodic(self) -> None:
+        for number in self._update_lag():
+            # No pass says so of a partition restored from a snapshot at its end (a
+            # restart or a rebalance after its job's last records): on record time its
+            # clock would never move, and a step some rank never finished would stay
+            # open for good, unanalysed, the job never concluded, the worker never idle.
+            await self._core(self.core.set_behind, number, False)
         await self._core(self.core.tick)
-        self._update_lag()
         await self._checkpoint_due()
         idle_exit = self.config.worker.exit_when_idle_s
         if (

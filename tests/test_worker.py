@@ -193,3 +193,51 @@ def test_a_rank_that_stops_reporting_closes_its_steps_after_the_timeout(
     ]
     late = [m for m in published if m["kind"] == "step" and not m["complete"]]
     assert late and all(m["missing"] == [{"dp": silent[0], "pp": silent[1]}] for m in late)
+
+
+def test_a_worker_restored_at_the_end_of_a_job_closes_the_step_a_rank_never_finished(
+    kafka_bootstrap, kafka_topics, tmp_path
+):
+    """The job's last step reached a worker that had caught up, from every rank but one (a
+    rank that died, or ops of a step its training loop never finished); the worker
+    snapshotted it open and was killed before its lateness timeout. The next worker
+    restores that snapshot at the partition's end: no record will come to move the
+    record-time clock the window waits on, so the wall clock must close the step, and the
+    worker must conclude the job and idle out. (Seen in CI: a rebalance after a job's last
+    records left the window open, and the worker up, for good.)"""
+    create_topics(kafka_bootstrap, kafka_topics)
+    trace, meta = load_reference("ST")
+    info = JobInfo.from_meta(meta, job_id="ST")
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(kafka_topics["topic_jobs"], key=info.key.encode(),
+                     value=info.model_dump_json().encode())  # fmt: skip
+    steps = list(iter_step_batches(trace, meta, job_id="ST", start_wall_ns=time.time_ns()))
+    sent = 0
+
+    def send(batches: list) -> None:
+        nonlocal sent
+        for batch in batches:
+            producer.produce(kafka_topics["topic_ops"], key=b"ST", value=batch.encode())
+            sent += 1
+        producer.flush(30)
+
+    work = tmp_path / "w"
+    first = start_worker(kafka_bootstrap, kafka_topics, work, group="end", exit_when_idle_s=None,
+                         env={"LAGSCOPE_PROCESSOR__LATENESS_S": "600",
+                              "LAGSCOPE_WORKER__CHECKPOINT_INTERVAL_S": "1.0"},
+                         log_name="first.log")  # fmt: skip
+    send([batch for _, _, batches in steps[:-1] for batch in batches])
+    wait_for_log(first, f"next offset {sent} ", 1, timeout_s=120)  # caught up
+    send(steps[-1][2][:-1])  # the last step, one rank short, while the worker is live
+    wait_for_log(first, f"next offset {sent} ", 1, timeout_s=60)
+    time.sleep(3.0)  # its offset committed too (every second): the next worker reads nothing
+    first.kill9()
+    second = start_worker(kafka_bootstrap, kafka_topics, work, group="end",
+                          env={"LAGSCOPE_PROCESSOR__LATENESS_S": "2"},
+                          log_name="second.log")  # fmt: skip
+    assert second.wait(90) == 0, second.log()[-4000:]
+    assert "restored snapshot" in second.log()
+    assert "idle for" in second.log()  # after concluding the job
+    rows = query_store(work, "SELECT step, complete FROM steps FINAL ORDER BY step")
+    assert [r["step"] for r in rows] == [step for _, step, _ in steps]
+    assert [r["complete"] for r in rows] == [True] * (len(steps) - 1) + [False]
