@@ -558,6 +558,7 @@ class OpTimer:
             return
         if self._gc_probe and self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        self._drop_gc_only_step()
         self.flush()
         if self._cuda is not None:
             self._cuda.stop()
@@ -568,6 +569,21 @@ class OpTimer:
             self._sealer.join()
         self.flush()  # what other threads (a comm callback) recorded meanwhile
         self._writer.close()
+
+    def _drop_gc_only_step(self) -> None:
+        """At close, a step begun but holding nothing but GC pauses (the collections of a
+        job's teardown, after the optimizer's last step began the next) is no step:
+        written, it would be a step this rank alone reported, held open by every live
+        analysis until its lateness timeout and then stored incomplete."""
+        gc_code = self._codes[GC_PAUSE]
+        with self._hand_over_lock:
+            current = self._current_step
+            ops = [op for op in self._buffer if op[0][1] == current]
+            if not ops or any(op[0][0] != gc_code for op in ops):
+                return
+            if self._cuda is not None and self._cuda.holds_step(current):
+                return
+            self._buffer[:] = [op for op in self._buffer if op[0][1] != current]
 
     def __enter__(self) -> OpTimer:
         return self
@@ -838,6 +854,13 @@ class _CudaTimer:
             self.resolve()
             if time.monotonic() - self._last_calibration > self._calibrate_every_s:
                 self._calibrate()
+
+    def holds_step(self, step: int) -> bool:
+        """Whether an op of `step` timed on the device is pending or resolved unwritten."""
+        with self._pending_lock:
+            return any(item[0][1] == step for item in tuple(self._pending)) or any(
+                op[0][1] == step for op in self._resolved
+            )
 
     def take_host_ops(self, ops: list[_Op], before_step: int) -> None:
         """The host clock's ops, handed over by the training thread: every one of a step

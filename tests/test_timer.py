@@ -113,13 +113,28 @@ def test_decorator_and_explicit_step_and_job_info(tmp_path: Path) -> None:
 def test_gc_probe_records_collections_as_gc_pause_ops(tmp_path: Path) -> None:
     with _timer(tmp_path, gc_probe=True) as timer:
         timer.step(1)
-        gc.collect()
+        with timer.op("forward-compute"):
+            gc.collect()
         gc.collect()
     (batch,) = _batches(tmp_path, 3)
     gc_ops = [o for o in batch.to_records() if o["optype"] == "gc-pause"]
     assert len(gc_ops) >= 2
     assert [o["seq"] for o in gc_ops] == list(range(len(gc_ops)))
     assert timer._on_gc not in gc.callbacks
+
+
+def test_a_step_of_nothing_but_gc_pauses_at_close_is_not_written(tmp_path: Path) -> None:
+    """A torch job's optimizer ends its last step by beginning the next, and a collection
+    in its teardown lands there: written, that step would be one only this rank reported
+    (seen in a live CI run: a 1F1B job's 241st batch, one gc-pause, held open by the
+    worker). A step that also holds an op is written with its pauses."""
+    with _timer(tmp_path, gc_probe=True) as timer:
+        timer.step(0)
+        with timer.op("forward-compute"):
+            pass
+        timer.step(1)
+        gc.collect()
+    assert [b.step for b in _batches(tmp_path, 3)] == [0]
 
 
 def test_host_overhead_per_op_is_small(tmp_path: Path) -> None:
