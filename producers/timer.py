@@ -811,8 +811,10 @@ class _CudaTimer:
     def mark(self, stream: Any = None) -> Any:
         """A pooled event recorded now on `stream` (default: the calling thread's current
         stream): the hot path's one CUDA call."""
-        pool = self._pool
-        event = pool.pop() if pool else self._new_event()
+        try:  # the training thread and the autograd thread both take from the pool
+            event = self._pool.pop()
+        except IndexError:
+            event = self._new_event()
         self._record(event, stream if stream is not None else self._current_stream())
         return event
 
