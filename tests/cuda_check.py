@@ -15,6 +15,19 @@
 Each part runs in its own process with a time limit and says how it ended in check.log, so
 one that fails or runs out of time leaves the others' results. The machine needs torch with
 CUDA, pytest and lagscope's plain install (numpy, pydantic, pyyaml); nothing else.
+
+On a machine lent with torch but no network (how it ran on the H200, 2026-11-26): build the
+wheels here (`pip wheel --no-deps -w .whl .`, and `pip download --no-deps --only-binary
+:all: --python-version 3.12 -d .whl pydantic pydantic-core annotated-types
+typing-inspection typing-extensions` at this venv's versions), carry `.whl`, and there:
+
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+    mkdir /tmp/run && cp -r tests pyproject.toml /tmp/run && cd /tmp/run
+    PYTHONPATH=/tmp/site:/tmp/run python3 -P -m tests.cuda_check --out "$OUT"
+
+Run from a copy of `tests/`, not the repository's root: there the source folder
+`lagscope/` shadows the installed package, which maps `lagscope.producers` and the rest
+from their own folders. All parts take about 3 minutes on an H200, `profile` one more.
 """
 
 from __future__ import annotations
