@@ -525,14 +525,13 @@ class OpTimer:
         # Short steps are handed over several at a time: each hand-over wakes the sealer,
         # whose work then competes with the training thread for the interpreter and the
         # cores.
+        self._current_step = step  # before a hand-over: it takes the steps before this one
         now = time.monotonic()
         elapsed = now - self._handed_over_at
         if elapsed >= self._seal_interval_s:
             self._handed_over_at = now
             self._pace(step, elapsed)
-            self._current_step = step
             self._hand_over()
-        self._current_step = step
 
     def _pace(self, step: int, elapsed: float) -> None:
         """The next hand-over's interval: `_STEPS_PER_SEAL` steps at the pace of the steps

@@ -78,10 +78,10 @@ class Monitor:
         """The timer's entry points the hooks call, bound once: on the host clock, `begin`
         and `end` stamp ops themselves and `append` takes a finished op."""
         recorder = timer.cuda_recorder()
-        if timer.on_host_clock:
+        if recorder is None:
             self.begin = self._begin_host  # type: ignore[method-assign]
             self.end = self._end_host  # type: ignore[method-assign]
-        elif recorder is not None:
+        else:
             self._mark, self._add_cuda = recorder
             self.begin = self._begin_cuda  # type: ignore[method-assign]
             self.end = self._end_cuda  # type: ignore[method-assign]
