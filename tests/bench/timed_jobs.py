@@ -14,6 +14,11 @@ code is not touched. Each rank writes `<log_dir>/../bench/rank-<r>.json`:
   rank-step is the first over the second: a direct reading, not the difference of two
   noisy runs, and not skewed by the steps the last seal, at close(), writes on the
   training thread.
+- `threads_gc_s`: of that, the CPU of garbage collections that ran on those threads.
+  CPython runs a scheduled collection on whichever thread next checks for pending work,
+  so the job's own garbage is often collected on the sealer's thread just after it takes
+  the interpreter lock (in a 1F1B run, one young collection every seal and now and then a
+  1.6 ms older one): work the job would do anyway, which the monitor's own CPU leaves out.
 
 Knobs for the bench's experiments, in the ranks' environment (`Knobs.env`):
 `BENCH_NICE=19` gives the monitor's thread that nice value once the monitor started;
@@ -23,6 +28,7 @@ Knobs for the bench's experiments, in the ranks' environment (`Knobs.env`):
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import threading
@@ -47,7 +53,8 @@ def _lagscope_threads_cpu_s() -> float:
 
 
 class _Probe:
-    """Stamps each optimizer step's end; reads the monitor threads' CPU at two steps."""
+    """Stamps each optimizer step's end; reads the monitor threads' CPU at two steps, and
+    the CPU of the collections that ran on them between those steps."""
 
     def __init__(self, knobs: Knobs) -> None:
         from torch.optim import optimizer
@@ -62,6 +69,19 @@ class _Probe:
 
             timer._SATURATED_STRETCH = int(os.environ["BENCH_STRETCH"])
         self.handle = optimizer.register_optimizer_step_post_hook(self._stamp)
+        self.gc_s = 0.0
+        self._gc_began: float | None = None
+        self._counting_gc = False
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, _: dict[str, int]) -> None:
+        if not self._counting_gc or not threading.current_thread().name.startswith("lagscope-"):
+            return
+        if phase == "start":
+            self._gc_began = time.thread_time()
+        elif self._gc_began is not None:
+            self.gc_s += time.thread_time() - self._gc_began
+            self._gc_began = None
 
     def _stamp(self, *_: Any) -> None:
         self.ends.append(time.perf_counter())
@@ -71,6 +91,7 @@ class _Probe:
         if index in (WARM_UP_STEPS - 1, self.knobs.steps - 1):
             self.cpu_at[index] = _lagscope_threads_cpu_s()
             self.counts_at[index] = _sealer_counts()
+            self._counting_gc = index == WARM_UP_STEPS - 1
 
     @staticmethod
     def _renice(nice: int) -> None:
@@ -80,6 +101,7 @@ class _Probe:
 
     def write(self, rank: int) -> None:
         self.handle.remove()
+        gc.callbacks.remove(self._on_gc)
         first, last = WARM_UP_STEPS - 1, self.knobs.steps - 1
         (batches_0, seals_0), (batches_1, seals_1) = (
             self.counts_at.get(first, (0, 0)), self.counts_at.get(last, (0, 0))
@@ -89,6 +111,7 @@ class _Probe:
         (out / f"rank-{rank}.json").write_text(json.dumps({
             "step_seconds": [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)],
             "threads_cpu_s": self.cpu_at.get(last, 0.0) - self.cpu_at.get(first, 0.0),
+            "threads_gc_s": self.gc_s,
             "sealed_steps": batches_1 - batches_0,
             "seals": seals_1 - seals_0,
         }))  # fmt: skip

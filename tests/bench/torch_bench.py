@@ -30,8 +30,9 @@ Step-time overhead, two designs, each with its 95 % confidence interval:
 The monitor thread's CPU per rank-step is read on the thread's CPU clock (the sealer, which
 encodes and writes the recorded steps, its wakes included) over the steps it sealed, in
 monitored runs of 120 steps (the paired runs' 30 steps are mostly the sealer's first,
-shorter intervals; their figure is in the row's note): robust to the noise of a shared
-machine, where step times are not.
+shorter intervals; their figure is in the row's note), less the job's own garbage
+collections that CPython ran on that thread (`tests/bench/timed_jobs.py`; the figure with
+them is in the note): robust to the noise of a shared machine, where step times are not.
 
 Busy: one CPU burner per core (`os.cpu_count()`) runs throughout. There the bench also
 measures what the monitor does to yield: its longer seal interval on a saturated node
@@ -260,6 +261,12 @@ def _run_job(tmp: Path, job: str, *, monitor: bool, steps: int, every_other: boo
         "threads_us_per_step": [
             r["threads_cpu_s"] / r["sealed_steps"] * 1e6 for r in ranks if r["sealed_steps"]
         ],
+        # the same, less the job's own garbage collections that ran on the monitor's thread
+        "own_us_per_step": [
+            (r["threads_cpu_s"] - r["threads_gc_s"]) / r["sealed_steps"] * 1e6
+            for r in ranks
+            if r["sealed_steps"]
+        ],
         "steps_per_seal": [r["sealed_steps"] / r["seals"] for r in ranks if r["seals"]],
         "recorded": recorded,
     }
@@ -331,7 +338,8 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
     c_median, m_low, m_high = _median_ci(pooled)
     long_runs = [_run_job(tmp, job, monitor=True, steps=_THREAD_STEPS)
                  for _ in range(_THREAD_RUNS)]  # fmt: skip
-    threads = [t for run in long_runs for t in run["threads_us_per_step"]]
+    threads = [t for run in long_runs for t in run["own_us_per_step"]]
+    with_gc = [t for run in long_runs for t in run["threads_us_per_step"]]
     per_seal = [s for run in long_runs for s in run["steps_per_seal"]]
     short = [t for m, _ in pairs for t in m["threads_us_per_step"]]
     short_per_seal = [s for m, _ in pairs for s in m["steps_per_seal"]]
@@ -356,7 +364,9 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
         {"benchmark": f"torch: {job} job monitor thread CPU per rank-step ({condition})",
          "value": statistics.median(threads), "unit": "us", "target": "<= 20",
          "spread": [min(threads), max(threads)], "runs": len(threads),
-         "note": f"the sealer's thread CPU clock over the steps it sealed (wakes included), "
+         "note": f"the sealer's thread CPU clock over the steps it sealed (wakes included, "
+                 f"the job's garbage collections that ran on it left out: with them "
+                 f"{statistics.median(with_gc):.1f} us, {min(with_gc):.1f}-{max(with_gc):.1f}), "
                  f"median of ranks x {len(long_runs)} runs of {_THREAD_STEPS} steps; "
                  f"{statistics.median(per_seal):.0f} steps per seal; "
                  f"= {statistics.median(threads) / (base * 1e6) * 100:.3f} % of a step; "
