@@ -34,18 +34,18 @@ reports like any other).
 
 The sealer's CPU is the monitor's cost beyond the hot path, so it is kept to a wake and a
 write per seal plus the steps' encoding (`make bench`: ~20 us per rank-step of ~20 ops on
-a shared 2-core box, the job's garbage collections that run on its thread left out):
-short steps are handed over ~20 at a time (the log lags the job by at most 2 s, twice
-that while the node's cores are all busy), and a step whose ops repeat an earlier step's
-sequence reuses everything but its times (`producers/seal_record.py`). With seal records (`seal_records=True`, or
-`$LAGSCOPE_SEAL_RECORDS=1`) the sealer writes a seal's ops as four columns instead and
-whoever reads the log encodes the batches, in its own process: in the real 4-rank jobs
-(120-step runs, interleaved) 19 us of sealer CPU per rank-step against 21 encoding here
-on 1F1B, 14 against 19 on DDP; off by default for a release, as readers older than this
-one cannot read them. The sealer keeps the job's own scheduling
-priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a saturated machine,
-as the low-priority thread, preempted while it held the interpreter lock, kept the
-training thread waiting for it (`make bench`, torch module).
+a shared 2-core box, the job's garbage collections that run on its thread left out): short
+steps are handed over ~20 at a time (the log lags the job by at most 2 s, twice that while
+the node's cores are all busy), and a step whose ops repeat an earlier step's sequence
+reuses everything but its times (`producers/seal_record.py`). With seal records
+(`seal_records=True`, or `$LAGSCOPE_SEAL_RECORDS=1`) the sealer writes a seal's ops as
+four columns instead and whoever reads the log encodes the batches, in its own process: in
+the real 4-rank jobs (120-step runs, interleaved) 19 us of sealer CPU per rank-step
+against 21 encoding here on 1F1B, 14 against 19 on DDP; off by default for a release, as
+readers older than this one cannot read them. The sealer keeps the job's own scheduling
+priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a saturated machine, as
+the low-priority thread, preempted while it held the interpreter lock, kept the training
+thread waiting for it (`make bench`, torch module).
 
 `mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
 names are still checked (a typo fails on every rank alike), nothing is timed or written,
