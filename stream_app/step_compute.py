@@ -11,7 +11,6 @@ same wherever it runs.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,6 +24,7 @@ from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.prepare import PreparedTrace, prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import WhatIfResult, analyze_each_step
+from lagscope.simulator.window_median import WindowMedian
 
 if TYPE_CHECKING:
     from lagscope.stream_app.processor import ProcessorSettings
@@ -66,18 +66,13 @@ class StepComputed:
 
 
 class RunningIdeal:
-    """Running ideal costs: exact means for compute, windowed exact medians for comm.
-
-    The window of each comm op type is also kept sorted (values in, evicted values out by
-    binary search), so a median costs O(1) to read and O(window) memmove to update, not a
-    sort of the whole window per step.
-    """
+    """Running ideal costs: exact means for compute, windowed exact medians for comm
+    (`simulator/window_median.py`: only the ranks around each median kept sorted)."""
 
     def __init__(self, window_steps: int, values_per_step: int) -> None:
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
-        self.recent: dict[str, deque[np.ndarray]] = {}
-        self.sorted: dict[str, np.ndarray] = {}
+        self.medians: dict[str, WindowMedian] = {}
         self.window_steps = window_steps
         self.values_per_step = values_per_step
         #: Nodes of each op type; the job's model is fixed, so computed once.
@@ -98,21 +93,15 @@ class RunningIdeal:
         if values.size > self.values_per_step:
             stride = values.size / self.values_per_step
             values = values[(np.arange(self.values_per_step) * stride).astype(int)]
-        values = np.sort(values)
-        window = self.recent.setdefault(optype, deque(maxlen=self.window_steps))
-        merged = self.sorted.get(optype, np.zeros(0, values.dtype))
-        gone = window[0] if len(window) == window.maxlen else values[:0]
-        window.append(values)
-        self.sorted[optype] = _replace_sorted(merged, gone, values)
+        median = self.medians.get(optype)
+        if median is None:
+            median = self.medians[optype] = WindowMedian(self.window_steps)
+        median.add(np.sort(values))
 
     def current(self) -> dict[str, float]:
         ideal = {t: self.sums[t] / self.counts[t] for t in self.sums if self.counts[t]}
-        for optype, values in self.sorted.items():
-            middle = values.size // 2
-            if values.size % 2:
-                ideal[optype] = float(values[middle])
-            else:
-                ideal[optype] = (float(values[middle - 1]) + float(values[middle])) / 2
+        for optype, median in self.medians.items():
+            ideal[optype] = median.value()
         return ideal
 
     def state(self) -> dict[str, Any]:
@@ -282,30 +271,6 @@ def with_model(computed: list[StepComputed], model: DependencyModel) -> list[Ste
 def _nodes_by_optype(prepared: PreparedTrace) -> dict[str, np.ndarray]:
     node_optype = np.array(prepared.node_optype)
     return {t: np.flatnonzero(node_optype == t) for t in sorted(set(prepared.node_optype))}
-
-
-def _replace_sorted(values: np.ndarray, gone: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """`values` (sorted) without the elements of `gone` and with those of `new` (both
-    sorted; all of `gone` present), sorted. Masks, not `np.delete`/`np.insert`: their
-    generic paths cost ~70 µs a call, and a step makes two per comm op type.
-
-    >>> _replace_sorted(np.array([1.0, 2.0, 2.0, 5.0]), np.array([2.0]), np.array([0.0, 3.0]))
-    array([0., 1., 2., 3., 5.])
-    """
-    kept = values
-    if gone.size:
-        # Equal values in `gone` must hit distinct positions: the k-th copy goes k further.
-        repeat_rank = np.arange(gone.size) - np.searchsorted(gone, gone, side="left")
-        keep = np.ones(values.size, dtype=bool)
-        keep[np.searchsorted(values, gone, side="left") + repeat_rank] = False
-        kept = values[keep]
-    at = np.searchsorted(kept, new) + np.arange(new.size)
-    out = np.empty(kept.size + new.size, dtype=np.result_type(kept, new))
-    free = np.ones(out.size, dtype=bool)
-    free[at] = False
-    out[at] = new
-    out[free] = kept
-    return out
 
 
 def step_bytes(prepared: PreparedTrace) -> int:
