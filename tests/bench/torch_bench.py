@@ -481,13 +481,28 @@ def run() -> list[dict]:
         for condition in _CONDITIONS:
             with _Burners((os.cpu_count() or 1) if condition == "busy" else 0):
                 if condition == "busy":
-                    time.sleep(5)  # the load average catches up with the burners
+                    _wait_for_saturation()
                 for job in ("1F1B", "DDP"):
                     rows += _job_rows(tmp, job, condition, os.getloadavg()[0])
                 if condition == "busy":
                     rows += _stretch_rows(tmp, os.getloadavg()[0])
                     rows.append(_priority_row(os.getloadavg()[0]))
     return rows
+
+
+#: The longest wait for the busy condition's load average to reach the core count.
+_SATURATION_WAIT_S = 120.0
+
+
+def _wait_for_saturation() -> None:
+    """Wait until the 1-minute load average reaches the core count (at most
+    `_SATURATION_WAIT_S`): the monitor stretches its seal interval only from there
+    (`producers.timer._node_saturated`), and the load average follows the burners with a
+    one-minute time constant (5 s of waiting left it at 1.4 on 2 cores)."""
+    cores = os.cpu_count() or 1
+    deadline = time.monotonic() + _SATURATION_WAIT_S
+    while os.getloadavg()[0] < cores and time.monotonic() < deadline:
+        time.sleep(1.0)
 
 
 def _sealer_rows(tmp: Path) -> list[dict]:
