@@ -3,7 +3,7 @@
 Rank 1 joins the all-reduce late; rank 0 holds the interpreter lock (a long sort, C code
 that never yields) across the moment it completes, so gloo's thread, which runs the
 monitor's callback and drops the work, is still waiting for the lock when the script ends.
-`no-grace` starts the monitor without its pause at exit, to show the crash it prevents.
+Argument: the log directory.
 """
 
 import sys
@@ -13,13 +13,10 @@ import torch
 import torch.distributed as dist
 
 import lagscope.torch
-from lagscope.producers import integration_start
 
 dist.init_process_group("gloo")
-if sys.argv[1] == "no-grace":
-    integration_start._exit_grace_registered = True
 monitor = lagscope.torch.monitor(
-    model=torch.nn.Linear(4, 4), job_id="exit-after-collective", log_dir=sys.argv[2]
+    model=torch.nn.Linear(4, 4), job_id="exit-after-collective", log_dir=sys.argv[1]
 )
 if dist.get_rank() == 1:
     time.sleep(0.5)
