@@ -2,19 +2,19 @@
 
 The running comm ideal of a job (`stream_app/step_compute.py`) is, per comm op type, the
 median of the op type's costs over the job's retained steps: up to 256 steps of up to 384
-values each. Keeping the whole window sorted costs a pass over its ~98,000 values per
-step (masks and copies, ~60 µs), the largest single part of a streaming worker's per-step
+values each. Keeping the whole window sorted costs a pass over its ~98,000 values per step
+(masks and copies, ~60 µs), as much as the engine pass of a streaming worker's per-step
 compute on the AR trace.
 
 Only the ranks around the median are kept sorted here: a band of the window's values from
 `low` to `high` (every value equal to either included), and the counts of the values below
-and above it. A step's values in and out move the counts or the band, so an update costs
-a pass over the band, not the window. When the median's ranks leave the band (the values
+and above it. A step's values in and out move the counts or the band, so an update costs a
+pass over the band, not the window. When the median's ranks leave the band (the values
 drifted), the band is rebuilt from the window's steps, around the new median, and so is a
-band that grew four times wider than asked (a window filling up); a band
-outgrown within `_QUICK_REBUILD_STEPS` steps is rebuilt twice as wide, up to the whole
-window (and half as wide after a band that held four times as long), so a median that
-keeps drifting costs about what the sorted window did, plus a rebuild now and then.
+band that grew four times wider than asked (a window filling up); a band outgrown within
+`_QUICK_REBUILD_STEPS` steps is rebuilt twice as wide, up to the whole window (and half as
+wide after a band that held four times as long), so a median that keeps drifting costs
+about what the sorted window did, plus a rebuild now and then.
 
 >>> median = WindowMedian(window_steps=2)
 >>> median.add(np.array([1.0, 5.0]))
