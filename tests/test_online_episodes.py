@@ -102,6 +102,39 @@ def test_the_costliest_kind_of_a_worker_is_its_one_episode() -> None:
     assert episode.kind == "input-wait"
 
 
+def test_a_small_episode_does_not_hide_a_costlier_one_that_follows() -> None:
+    """A worker already in a small episode (its host, +40 ms) that then waits 150 ms for
+    its input gets that episode too; one starved of input whose host then rises by less
+    stays one episode."""
+    values = _job(11)
+    values[10:45, 3, 0, 1] += 0.040  # host: +40 ms from step 10
+    values[20:35, 2, 0, 1] += 0.150  # input wait: +150 ms for steps 20-34
+    episodes = _run(values).episodes
+    assert [(e.kind, e.onset, e.recovery) for e in episodes] == [
+        (HOST, 10, 45),
+        ("input-wait", 20, 35),
+    ]
+    values = _job(11)
+    values[20:35, 2, 0, 1] += 0.150
+    values[23:35, 3, 0, 1] += 0.040  # host rises 3 steps later, by less
+    assert [e.kind for e in _run(values).episodes] == ["input-wait"]
+
+
+def test_a_baseline_still_by_chance_does_not_make_noise_an_episode() -> None:
+    """Right after the warm-up, a worker's 4 baseline steps of host time happen to be
+    equal (no noise of its own) while its peers' vary by a third: a rise of the size of
+    their noise is no episode. Read on its own series only, it was one at once."""
+    values = _job(12)[:10]
+    peers = np.array([[30, 55, 40], [52, 28, 45], [38, 60, 27], [58, 33, 41]]) * 1e-3
+    values[:4, 3, 0, [0, 2, 3]] = peers
+    values[:4, 3, 0, 1] = 0.040
+    values[4:, 3, 0, [0, 2, 3]] = 0.040
+    values[4:, 3, 0, 1] = 0.080
+    assert _run(values).episodes == []
+    alone = OnlineEpisodeSettings(peer_noise_steps=0)
+    assert [e.kind for e in _run(values, alone).episodes] == [HOST]
+
+
 def test_state_round_trips_mid_episode() -> None:
     values = _job(11)
     values[20:35, 0, 0, 0] *= 2.0
