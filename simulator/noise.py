@@ -27,6 +27,7 @@ import dataclasses
 import numpy as np
 
 from lagscope.simulator.engine import CompiledModel
+from lagscope.simulator.medians import median_along
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis
 
@@ -78,7 +79,7 @@ def step_series(prepared: PreparedTrace) -> np.ndarray:
     work = own_work(prepared)  # [step, stage, dp]
 
     def relative(values: np.ndarray) -> np.ndarray:
-        median = np.median(values, axis=1, keepdims=True)
+        median = median_along(values, axis=1)
         return values / np.where(median > 0, median, np.nan)
 
     return np.concatenate(

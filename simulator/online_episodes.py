@@ -65,6 +65,7 @@ import numpy as np
 
 from lagscope.simulator.episodes import StretchFit
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
+from lagscope.simulator.medians import median_along, median_of_others
 from lagscope.simulator.noise import own_work_mask
 from lagscope.simulator.prepare import PreparedTrace
 
@@ -365,7 +366,7 @@ class OnlineEpisodes:
         candidates = self._candidates() & ~open_kind
         if not candidates.any():
             return changes  # a healthy job's usual step: no spike rate to take
-        spikes = self._spike_rate()  # [kind]
+        spikes = self._spike_rate(np.flatnonzero(candidates.any(axis=(1, 2))))  # [kind]
         lanes = (
             (cfg.onset_steps, cfg.onset_z, spikes <= cfg.quiet_spike_rate),
             (cfg.confirm_steps, cfg.confirm_z, spikes <= cfg.busy_spike_rate),
@@ -425,15 +426,17 @@ class OnlineEpisodes:
             inside_any |= (steps >= episode.onset) & (steps < end)
         return (steps[:, None, None] >= self._baseline_from[None]) & ~inside_any[:, None, None]
 
-    def _spike_rate(self) -> np.ndarray:
+    def _spike_rate(self, kinds: np.ndarray) -> np.ndarray:
         """[kind]: the share of the workers' recent steps (none of an episode) in which
         one jumped by `min_rise` over its own median and by `min_cost` of a step: how
-        often the job's own noise makes a worker look like a straggler for a step."""
+        often the job's own noise makes a worker look like a straggler for a step. Only
+        `kinds` (indices) are measured, the others read 1 (they have no candidate)."""
         cfg = self.settings
         history = self._history
+        rate = np.ones(len(self.kinds))
         if history.count < cfg.min_baseline_steps:
-            return np.ones(len(self.kinds))
-        values = history.recent(history.count)[-cfg.baseline_steps :]
+            return rate
+        values = history.recent(history.count)[-cfg.baseline_steps :, kinds]
         steps = history.steps[: history.count][-cfg.baseline_steps :]
         usable = self._usable(steps)  # [slot, stage, dp]
         with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -445,7 +448,10 @@ class OnlineEpisodes:
                 kept - median >= cfg.min_cost * step_s
             )
             counted = np.sum(~np.isnan(kept), axis=(0, 2, 3))
-        return np.where(counted > 0, jumped.sum(axis=(0, 2, 3)) / np.maximum(counted, 1), 1.0)
+        rate[kinds] = np.where(
+            counted > 0, jumped.sum(axis=(0, 2, 3)) / np.maximum(counted, 1), 1.0
+        )
+        return rate
 
     def _candidates(self) -> np.ndarray:
         """[kind, stage, dp]: the series that may pass the gates in some window: every
@@ -689,14 +695,8 @@ def _peer_median(values: np.ndarray) -> np.ndarray:
     n_stages, n_dp = values.shape[2], values.shape[3]
     if n_dp > 1:
         if n_dp > 16:
-            return np.broadcast_to(np.median(values, axis=3, keepdims=True), values.shape)
-        out = np.empty_like(values)
-        for dp in range(n_dp):
-            out[..., dp] = np.median(np.delete(values, dp, axis=3), axis=3)
-        return out
+            return np.broadcast_to(median_along(values, axis=3), values.shape)
+        return median_of_others(values, axis=3)
     if n_stages == 1:
         return np.full_like(values, np.nan)
-    out = np.empty_like(values)
-    for stage in range(n_stages):
-        out[:, :, stage, 0] = np.median(np.delete(values[..., 0], stage, axis=2), axis=2)
-    return out
+    return median_of_others(values, axis=2)
