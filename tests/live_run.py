@@ -49,16 +49,19 @@ class Seen:
 
 def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
     try:
-        _, rows = sink.query(
-            "SELECT max(step) FROM steps WHERE job_id = {job:String}", {"job": job}
-        )
-        last = int(rows[0][0]) if rows and rows[0][0] is not None else -1
         names, rows = sink.query(
             "SELECT episode_id, state, dp_rank, pp_rank, cause, optype, node, onset_step, "
             "recovery_step, first_seen_step FROM episodes FINAL WHERE job_id = {job:String}",
             {"job": job},
         )
         episodes = [dict(zip(names, row, strict=True)) for row in rows]
+        # The last step after the episodes: a host that writes both between the two
+        # queries must not show an episode beside the steps before it (a poll read an
+        # episode first seen at step 19 beside step 1 that way).
+        _, rows = sink.query(
+            "SELECT max(step) FROM steps WHERE job_id = {job:String}", {"job": job}
+        )
+        last = int(rows[0][0]) if rows and rows[0][0] is not None else -1
         names, rows = sink.query(EPISODE_RULE.sql)
         alerts = [dict(zip(names, row, strict=True)) for row in rows]
     except Exception:  # the tables appear when a host first writes
