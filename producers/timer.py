@@ -36,7 +36,9 @@ The sealer's CPU is the monitor's cost beyond the hot path, so it is kept to a w
 write per seal plus the steps' encoding (`make bench`: ~20 us per rank-step of ~20 ops on
 a shared 2-core box, the job's garbage collections that run on its thread left out): short
 steps are handed over ~20 at a time (the log lags the job by at most 2 s, twice that while
-the node's cores are all busy), and a step whose ops repeat an earlier step's sequence
+the node's cores are all busy), but one at a time for a few steps once the rank's step time
+changed (a straggler appeared or recovered, `producers/step_change.py`: the live analysis
+needs those steps within a step or two), and a step whose ops repeat an earlier step's sequence
 reuses everything but its times (`producers/seal_record.py`). With seal records
 (`seal_records=True`, or `$LAGSCOPE_SEAL_RECORDS=1`) the sealer writes a seal's ops as
 four columns instead and whoever reads the log encodes the batches, in its own process: in
@@ -120,6 +122,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 from lagscope.producers.events import JobInfo, StepEncoder
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, KIND_SEAL, LogWriter
 from lagscope.producers.seal_record import MAX_OPS_PER_SEAL, Op, SealPacker
+from lagscope.producers.step_change import StepChange
 from lagscope.simulator.optypes import GC_PAUSE, KNOWN_OPTYPES
 
 log = logging.getLogger("lagscope.timer")
@@ -205,6 +208,13 @@ _MAX_SEAL_INTERVAL_S = 2.0
 #: wakes, and as many times the lag): each wake is a thread the scheduler has to fit
 #: between the job's.
 _SATURATED_STRETCH = 2
+#: When a rank's step time changes (`producers/step_change.py`: a straggler appeared or
+#: recovered), its steps are handed over one at a time for this many steps, re-armed while
+#: the change goes on: the live analysis needs them within a step or two, not 20.
+_PROMPT_STEPS = 4
+#: ... but no two hand-overs closer than this: steps of a few ms (a toy job) would
+#: otherwise wake the sealer hundreds of times a second.
+_PROMPT_MIN_GAP_S = 0.05
 #: How often the sealer looks at the node's load (`os.getloadavg`).
 _LOAD_CHECK_S = 5.0
 
@@ -341,6 +351,9 @@ class OpTimer:
         self.saturated = False
         self._handed_over_at = time.monotonic()
         self._paced_step = 0
+        self._step_ended_at = self._handed_over_at
+        self._step_change = StepChange()
+        self._prompt_steps = 0
         self._hand_over_lock = threading.Lock()
 
     def _start(
@@ -518,7 +531,8 @@ class OpTimer:
 
     def step(self, step: int) -> None:
         """Start step `step`: ops recorded so far go to the sealer thread (every ~20 steps,
-        from `flush_interval_s` to 2 s apart: `_pace`), which encodes them into their steps'
+        from `flush_interval_s` to 2 s apart: `_pace`; every step for a few steps after
+        the step time changed: `step_change.py`), which encodes them into their steps'
         batches and writes those to the log."""
         if not 0 <= step < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT)
@@ -527,10 +541,19 @@ class OpTimer:
         # cores.
         self._current_step = step  # before a hand-over: it takes the steps before this one
         now = time.monotonic()
+        if self._step_change.observe(now - self._step_ended_at):
+            self._prompt_steps = _PROMPT_STEPS
+        self._step_ended_at = now
         elapsed = now - self._handed_over_at
-        if elapsed >= self._seal_interval_s:
+        prompt = self._prompt_steps > 0
+        if prompt:
+            self._prompt_steps -= 1
+        if elapsed >= self._seal_interval_s or (prompt and elapsed >= _PROMPT_MIN_GAP_S):
             self._handed_over_at = now
             self._pace(step, elapsed)
+            if prompt:
+                # The CUDA resolver waits this long between passes: prompt too.
+                self._seal_interval_s = self._min_seal_interval_s
             self._hand_over()
 
     def _pace(self, step: int, elapsed: float) -> None:

@@ -1,0 +1,96 @@
+"""A rank's step time: a lasting change is told within a few steps, noise and a lone slow
+step are not, and the timer then hands steps over one at a time."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from lagscope.producers import timer as timer_module
+from lagscope.producers.step_change import StepChange
+from lagscope.producers.timer import _PROMPT_STEPS, OpTimer
+
+
+def _steady(change: StepChange, rng: random.Random, steps: int, level: float = 0.1) -> int:
+    """Feed `steps` steps of `level` s with 10 % noise; how many fired."""
+    return sum(change.observe(rng.gauss(level, 0.1 * level)) for _ in range(steps))
+
+
+@pytest.mark.parametrize(("rise", "within"), [(1.3, 5), (1.5, 3), (0.7, 5)])
+def test_a_lasting_change_is_told_within_a_few_steps(rise: float, within: int) -> None:
+    """A step time 30 % or 50 % slower (a straggler's onset), or 30 % faster (its
+    recovery), fires within `within` steps in at least 9 of 10 noisy runs."""
+    quick = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        change = StepChange()
+        _steady(change, rng, 40)
+        fired_at = next(
+            (k for k in range(1, 30) if change.observe(rng.gauss(0.1 * rise, 0.01 * rise))), 99
+        )
+        quick += fired_at <= within
+    assert quick >= 9
+
+
+def test_steady_noise_rarely_fires_and_a_lone_slow_step_never() -> None:
+    rng = random.Random(7)
+    change = StepChange()
+    assert _steady(change, rng, 5000) <= 0.01 * 5000
+    change = StepChange()
+    _steady(change, random.Random(8), 40, level=0.1)
+    for _ in range(5):  # one step 10x slower now and then, steady in between
+        assert not change.observe(1.0)
+        assert _steady(change, random.Random(9), 20) == 0
+
+
+def test_a_rank_whose_steps_repeat_exactly_needs_a_real_change() -> None:
+    """No noise at all: the scale's floor (2 % of the median) keeps 1 % jitter quiet."""
+    change = StepChange()
+    assert not any(change.observe(0.1) for _ in range(40))
+    assert not any(change.observe(0.1 * (1.01 if i % 2 else 0.99)) for i in range(200))
+    assert any(change.observe(0.15) for _ in range(3))
+
+
+def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short steady steps go to the sealer ~20 at a time; once the step time rose, every
+    step is handed over as it ends, for a few steps, then the pace resumes."""
+    clock = [1000.0]
+
+    class _Clock:
+        """The timer module's `time`, its monotonic clock driven by the test."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+        def monotonic(self) -> float:
+            return clock[0]
+
+    monkeypatch.setattr(timer_module, "time", _Clock())
+    timer = OpTimer(job_id="j", rank=0, dp_rank=0, pp_rank=0, log_dir=tmp_path, mode="host")
+    handed: list[int] = []
+
+    def hand_over(finished_steps_only: bool = False, wake: bool = True) -> None:
+        if not finished_steps_only:  # not the sealer's own, when no step ends for a while
+            handed.append(timer._current_step)
+
+    monkeypatch.setattr(timer, "_hand_over", hand_over)
+    try:
+        for step, duration in enumerate([0.05] * 60 + [0.08] * 12, start=1):
+            clock[0] += duration
+            timer.step(step)
+        steady = [s for s in handed if s <= 60]
+        assert len(steady) <= 60 / 20 + 3, handed  # ~20 steps per hand-over
+        slow = [s for s in handed if s > 60]
+        # The change is told on its third slow step; from there on every step is handed
+        # over while the change lasts (the detector fires again every third step).
+        assert slow[0] <= 63, handed
+        assert slow == list(range(slow[0], 73)), handed
+        assert _PROMPT_STEPS >= 3
+    finally:
+        monkeypatch.undo()
+        timer.close()
