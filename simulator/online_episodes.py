@@ -34,10 +34,11 @@ for that long) opens none before `confirm_steps`, and above `busy_spike_rate` no
 of its two levels), and the baselines leave out every episode's steps (a straggler changes
 what its peers do too). Of the kinds that rose at once, the episode is the one that cost
 most (a rank starved of input also starts its next forward late: one episode); a worker
-in an episode opens another only in another kind that costs it more (a small episode must
-not hide a straggler that follows it). An episode stays open while the worker is slow
-and closes at the first of `recovery_steps` steps back below the middle of its two
-levels; the recovery step is the first of those.
+in an episode opens another only in another kind that costs it `second_episode_ratio`
+times more (a small episode must not hide a straggler that follows it, and the host time a
+straggler drags up with it stays part of its episode). An episode stays open while the
+worker is slow and closes at the first of `recovery_steps` steps back below the middle of
+its two levels; the recovery step is the first of those.
 
 Measured on 183 real 4-rank torch jobs on a shared 2-core machine (DDP and DP 2 x PP 2 1F1B
 pipelines, on an emulated accelerator and on real CPU compute, some with a CPU burner
@@ -104,6 +105,11 @@ class OnlineEpisodeSettings:
     #: few ms of contention then as 50 standard errors (a healthy DDP run opened a host
     #: episode at step 9 that way, and it hid an input straggler's episode at step 15).
     peer_noise_steps: int = 4
+    #: A worker in an episode opens another, in another kind, only when that kind costs
+    #: it this many times more: a 2x forward straggler of a real 1F1B job also raised its
+    #: host time, by 1.07x the forward's extra, later; an input straggler hidden behind a
+    #: host episode of noise cost 9x that episode.
+    second_episode_ratio: float = 2.0
     #: Fewest baseline steps before an onset: a job's first steps are its warm-up.
     min_baseline_steps: int = 4
     #: Most baseline steps compared against (the recent past, not the whole run).
@@ -156,6 +162,7 @@ _SETTINGS_BOUNDS = {
     "confirm_z": Bound(ge=0),
     "min_cost": Bound(ge=0),
     "peer_noise_steps": Bound(integer=True, ge=0),
+    "second_episode_ratio": Bound(ge=1),
     "min_baseline_steps": Bound(integer=True, ge=2),
     "baseline_steps": Bound(integer=True, ge=2),
     "recovery_steps": Bound(integer=True, ge=1),
@@ -352,9 +359,10 @@ class OnlineEpisodes:
     def _open_new(self, step: int) -> list[EpisodeChange]:
         cfg = self.settings
         # A worker with an open episode opens another only in another kind that costs it
-        # more: a small episode (a few ms of host noise) must not hide a straggler that
-        # follows it, and a rank starved of input, which also starts its next forward
-        # late, stays one episode.
+        # `second_episode_ratio` times more: a small episode (a few ms of host noise) must
+        # not hide a straggler that follows it, while the host time a straggler drags up
+        # with it (a rank starved of input starts its next forward late; a slow forward
+        # stage's launches wait) stays part of its one episode.
         open_extra = np.full((self.n_stages, self.n_dp), -np.inf)
         open_kind = np.zeros((len(self.kinds), self.n_stages, self.n_dp), dtype=bool)
         for episode in self.open_episodes():
@@ -382,7 +390,10 @@ class OnlineEpisodes:
             raised = (
                 evidence.raised
                 & ~open_kind
-                & (np.nan_to_num(evidence.extra_s, nan=-np.inf) > open_extra[None])
+                & (
+                    np.nan_to_num(evidence.extra_s, nan=-np.inf)
+                    > cfg.second_episode_ratio * open_extra[None]
+                )
                 & ~opened_now[None]
                 & kinds_allowed[:, None, None]
             )

@@ -104,8 +104,8 @@ def test_the_costliest_kind_of_a_worker_is_its_one_episode() -> None:
 
 def test_a_small_episode_does_not_hide_a_costlier_one_that_follows() -> None:
     """A worker already in a small episode (its host, +40 ms) that then waits 150 ms for
-    its input gets that episode too; one starved of input whose host then rises by less
-    stays one episode."""
+    its input gets that episode too; one whose host rises later, by less or by a little
+    more than its episode's own kind, stays one episode."""
     values = _job(11)
     values[10:45, 3, 0, 1] += 0.040  # host: +40 ms from step 10
     values[20:35, 2, 0, 1] += 0.150  # input wait: +150 ms for steps 20-34
@@ -118,6 +118,12 @@ def test_a_small_episode_does_not_hide_a_costlier_one_that_follows() -> None:
     values[20:35, 2, 0, 1] += 0.150
     values[23:35, 3, 0, 1] += 0.040  # host rises 3 steps later, by less
     assert [e.kind for e in _run(values).episodes] == ["input-wait"]
+    # A slow forward that drags its host time up a little more, later (a real 1F1B job's
+    # forward straggler did): still one episode.
+    values = _job(11)
+    values[20:35, 1, 0, 1] += 0.045  # forward: +45 ms
+    values[24:35, 3, 0, 1] += 0.050  # host: +50 ms from 4 steps later
+    assert [e.kind for e in _run(values).episodes] == ["forward-compute"]
 
 
 def test_a_baseline_still_by_chance_does_not_make_noise_an_episode() -> None:
