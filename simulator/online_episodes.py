@@ -501,7 +501,8 @@ class OnlineEpisodes:
         before_slots = np.arange(history.count - window)
         before_slots = before_slots[-cfg.baseline_steps :]
         # A worker's baseline leaves out its last episode's steps: NaN there.
-        usable = self._usable(steps[before_slots])[:, stage, dp]
+        usable_all = self._usable(steps[before_slots])  # [slot, stage, dp]
+        usable = usable_all[:, stage, dp]
         rise = 1.0 + cfg.min_rise
         # The least-step gate below, against the baseline's least step (never above its
         # quick level; the slack covers the quantile's rounding): most series fail it,
@@ -524,9 +525,10 @@ class OnlineEpisodes:
             n_before = np.maximum(np.sum(~np.isnan(before), axis=0), 1)
             # The worker's noise, its own pooled with its peers' (as `peer_noise_steps`
             # steps of its own): a few steps of its own can read as still by chance.
-            peers_noise = np.nan_to_num(self._peers_noise(before_slots)[kind, stage, dp])
+            peers_noise = self._peers_noise(before_slots, usable_all)[kind, stage, dp]
+            own_noise = _mad_sigma(before, level_before)
             noise = np.sqrt(
-                (n_before * _mad_sigma(before) ** 2 + cfg.peer_noise_steps * peers_noise**2)
+                (n_before * own_noise**2 + cfg.peer_noise_steps * np.nan_to_num(peers_noise) ** 2)
                 / (n_before + cfg.peer_noise_steps)
             )
             stderr = noise * np.sqrt(1.0 / window + 1.0 / n_before)
@@ -571,16 +573,16 @@ class OnlineEpisodes:
             ),
         )
 
-    def _peers_noise(self, before_slots: np.ndarray) -> np.ndarray:
+    def _peers_noise(self, before_slots: np.ndarray, usable: np.ndarray) -> np.ndarray:
         """[kind, stage, dp]: the median noise (sigma) of each worker's peers over the
-        baseline slots (NaN where none has enough steps). With many DP ranks, the noise
-        of up to 64 of them, evenly spread, stands for all."""
+        baseline slots (`usable`: [slot, stage, dp], which of them each worker's baseline
+        may use; NaN where none has enough steps). With many DP ranks, the noise of up
+        to 64 of them, evenly spread, stands for all."""
         history = self._history
         dp_index = np.arange(self.n_dp)
         if self.n_dp > 16:
             dp_index = np.unique(np.linspace(0, self.n_dp - 1, 64).astype(np.intp))
-        steps = history.steps[: history.count][before_slots]
-        usable = self._usable(steps)[:, :, dp_index]  # [slot, stage, dp]
+        usable = usable[:, :, dp_index]
         values = history.values[before_slots][..., dp_index]
         before = np.where(usable[:, None], values, np.nan)
         enough = usable.sum(axis=0) >= self.settings.min_baseline_steps
@@ -631,14 +633,15 @@ class OnlineEpisodes:
         return tracker
 
 
-def _mad_sigma(values: np.ndarray) -> np.ndarray:
+def _mad_sigma(values: np.ndarray, level: np.ndarray | None = None) -> np.ndarray:
     """The standard deviation of each column of `values` (NaN: no value) estimated from
-    its median absolute deviation, robust to the few outliers a baseline holds.
+    its median absolute deviation (around `level`, its median when not given), robust to
+    the few outliers a baseline holds.
 
     >>> _mad_sigma(np.array([[1.0], [2.0], [3.0], [np.nan], [100.0]])).round(3).tolist()
     [1.483]
     """
-    level = nanmedian_first_axis(values)
+    level = nanmedian_first_axis(values) if level is None else level
     return _MAD_TO_SIGMA * nanmedian_first_axis(np.abs(values - level))
 
 
