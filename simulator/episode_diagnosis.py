@@ -153,7 +153,8 @@ def refined_bounds(
 ) -> tuple[int, int | None]:
     """The episode's (onset, recovery) fitted on the worker's own series of its kind over
     `prepared` (the steps kept around it), each within the settings' slack of the live
-    bounds; the live bounds where the fit finds no raised stretch there."""
+    bounds; the live bounds where the fit finds no raised stretch there. An episode still
+    open takes the fit's recovery, if it finds one."""
     steps = prepared.steps
     series = worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp]
     live_onset = int(np.searchsorted(steps, episode.onset))
@@ -169,8 +170,14 @@ def refined_bounds(
         return episode.onset, episode.recovery
     onset, end = fitted
     recovery = episode.recovery
-    if episode.recovery is not None and end is not None:
-        live_end = int(np.searchsorted(steps, episode.recovery))
-        if abs(end - live_end) <= settings.refine_recovery_slack_steps:
-            recovery = int(steps[end])
+    if end is None:
+        return int(steps[onset]), recovery
+    if episode.recovery is None:
+        # Still open when the input ended, yet the worker's series came back (the fit
+        # asks for steps at the old level after it): a recovery noisier than the live
+        # rule's run of steps below the middle, placed by the whole series.
+        return int(steps[onset]), int(steps[end])
+    live_end = int(np.searchsorted(steps, episode.recovery))
+    if abs(end - live_end) <= settings.refine_recovery_slack_steps:
+        recovery = int(steps[end])
     return int(steps[onset]), recovery

@@ -37,8 +37,9 @@ most (a rank starved of input also starts its next forward late: one episode); a
 in an episode opens another only in another kind that costs it `second_episode_ratio`
 times more (a small episode must not hide a straggler that follows it, and the host time a
 straggler drags up with it stays part of its episode). An episode stays open while the
-worker is slow and closes at the first of `recovery_steps` steps back below the middle of
-its two levels; the recovery step is the first of those.
+worker is slow and closes once `recovery_steps` of its last `recovery_steps` + 1 steps, the
+latest among them, are back below the middle of its two levels (one noisy step does not
+hold a recovered worker's episode open); the recovery step is the first of those.
 
 Measured on 183 real 4-rank torch jobs on a shared 2-core machine (DDP and DP 2 x PP 2 1F1B
 pipelines, on an emulated accelerator and on real CPU compute, some with a CPU burner
@@ -114,7 +115,7 @@ class OnlineEpisodeSettings:
     min_baseline_steps: int = 4
     #: Most baseline steps compared against (the recent past, not the whole run).
     baseline_steps: int = 40
-    #: Steps back below the middle of the two levels that end an episode.
+    #: Steps back below the middle of the two levels (of one more) that end an episode.
     recovery_steps: int = 3
     #: A job whose workers jump by `min_rise` and `min_cost` in more than this share of
     #: their baseline steps (ranks sharing loaded cores lose them in runs of up to 10
@@ -346,10 +347,17 @@ class OnlineEpisodes:
             steps = history.steps[: history.count]
             since_onset = int((steps >= episode.onset).sum())
             middle = np.sqrt(episode.level_inside * episode.level_before)
-            recent = own[-cfg.recovery_steps :]
+            # The last `recovery_steps` + 1 steps, the latest of them and all but one back
+            # below the middle: one noisy step (a core lost for a step) does not keep a
+            # recovered worker's episode open.
+            below = own[-cfg.recovery_steps - 1 :] < middle
             episode.last_step = step
-            if since_onset >= cfg.onset_steps + cfg.recovery_steps and (recent < middle).all():
-                episode.recovery = int(steps[-cfg.recovery_steps])
+            if (
+                since_onset >= cfg.onset_steps + cfg.recovery_steps
+                and below[-1]
+                and below.sum() >= cfg.recovery_steps
+            ):
+                episode.recovery = int(steps[-below.size + int(np.argmax(below))])
                 self._baseline_from[episode.stage, episode.dp] = episode.recovery
                 changes.append(EpisodeChange("closed", episode))
             else:

@@ -57,6 +57,23 @@ def test_a_worker_slow_for_a_window_is_named_while_slow_and_bounded_at_the_end(s
     assert (first.dp, first.stage) == (1, 0)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_an_episode_still_open_at_the_end_takes_the_recovery_its_series_shows(seed):
+    """The worker is back from step 30 but 1.7x slow again every other step: the live rule
+    (3 steps in a row below the middle of its two levels) never closes the episode; the
+    end of the input does, where the worker's whole series shows it came back."""
+    slow = [SlowWorker(dp=1, stage=0, factor=2.0, start_step=15, end_step=30)]
+    slow += [SlowWorker(dp=1, stage=0, factor=1.7, start_step=s, end_step=s + 1)
+             for s in range(31, 50, 2)]  # fmt: skip
+    outputs, conclusion = streamed(tuple(slow), 50, seed)
+    states = [state for out in outputs for state in out.episodes]
+    assert states and states[-1].episode.open
+    (final,) = conclusion.episodes
+    assert abs(final.episode.onset - 15) <= 3
+    assert final.episode.recovery is not None and abs(final.episode.recovery - 30) <= 3
+    assert "(ongoing)" not in final.diagnosis.summary, final.diagnosis.summary
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_healthy_noisy_job_has_no_episode_and_no_cause(seed):
     outputs, conclusion = streamed((), 60, seed)
