@@ -7,6 +7,9 @@ code is not touched. Each rank writes `<log_dir>/../bench/rank-<r>.json`:
 
 - `step_seconds`: the time from each optimizer step's end to the next one's (one per step
   after the first);
+- `step_cpu_seconds`: the same on the training thread's CPU clock (the hook runs on it):
+  what each step cost the thread that runs the job, the monitor's recording included,
+  robust to what other processes do to the wall clock;
 - `threads_cpu_s`, `sealed_steps`, `seals`: the CPU seconds of lagscope's threads (named
   `lagscope-*`: the sealer, which encodes and writes the recorded steps), read on their own
   thread CPU clocks, the rank-steps they wrote (batches) and their seals (wakes that wrote),
@@ -61,6 +64,7 @@ class _Probe:
 
         self.knobs = knobs
         self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
         self.cpu_at: dict[int, float] = {}
         self.counts_at: dict[int, tuple[int, int]] = {}
         self.nice = os.environ.get("BENCH_NICE")
@@ -85,6 +89,7 @@ class _Probe:
 
     def _stamp(self, *_: Any) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.thread_time())
         index = len(self.ends) - 1
         if index == 0 and self.nice:
             self._renice(int(self.nice))
@@ -110,6 +115,9 @@ class _Probe:
         out.mkdir(exist_ok=True)
         (out / f"rank-{rank}.json").write_text(json.dumps({
             "step_seconds": [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)],
+            "step_cpu_seconds": [
+                b - a for a, b in zip(self.cpu_ends, self.cpu_ends[1:], strict=False)
+            ],
             "threads_cpu_s": self.cpu_at.get(last, 0.0) - self.cpu_at.get(first, 0.0),
             "threads_gc_s": self.gc_s,
             "sealed_steps": batches_1 - batches_0,

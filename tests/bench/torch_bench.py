@@ -27,6 +27,13 @@ Step-time overhead, two designs, each with its 95 % confidence interval:
   its CPU may land in either kind of step, which is why its own CPU is read directly
   besides.
 
+The same in-run runs give the cost on the training thread's CPU clock: each recorded
+step's CPU less its unrecorded neighbours', rank by rank (the wrappers, the hooks, the
+hand-overs, and the collections the monitor's garbage brings forward). A CPU clock does not
+count what other processes take, so it resolves microseconds where step times resolve
+percent; with the monitor thread's CPU per rank-step it is what recording costs a rank's
+CPU.
+
 The monitor thread's CPU per rank-step is read on the thread's CPU clock (the sealer, which
 encodes and writes the recorded steps, its wakes included) over the steps it sealed, less
 the job's own garbage collections that CPython ran on that thread
@@ -257,6 +264,8 @@ def _run_job(tmp: Path, job: str, *, monitor: bool, steps: int, every_other: boo
     shutil.rmtree(out, ignore_errors=True)
     return {
         "per_step": per_step,
+        # [rank][step - 1]: the training thread's CPU seconds of each step
+        "per_step_cpu": [r.get("step_cpu_seconds", []) for r in ranks],
         # after the first steps (the job's warm-up, DDP's re-bucketing)
         "median_step_s": statistics.median(per_step[3:]),
         "threads_us_per_step": [
@@ -294,6 +303,18 @@ def _in_run_contrasts(run: dict[str, Any]) -> list[float]:
     return [(time_of(s) / ((time_of(s - 1) + time_of(s + 1)) / 2) - 1) * 100
             for s in run["recorded"]
             if 4 <= s < len(per_step) and not {s - 1, s + 1} & recorded]  # fmt: skip
+
+
+def _in_run_cpu_contrasts(run: dict[str, Any]) -> list[float]:
+    """Each recorded step's training-thread CPU less the mean of its unrecorded neighbours'
+    (us), rank by rank: what recording a step costs the thread that runs the job."""
+    recorded = set(run["recorded"])
+    out = []
+    for cpu in run["per_step_cpu"]:
+        out += [(cpu[s - 1] - (cpu[s - 2] + cpu[s]) / 2) * 1e6
+                for s in run["recorded"]
+                if 4 <= s < len(cpu) and not {s - 1, s + 1} & recorded]  # fmt: skip
+    return out
 
 
 def _contrast_ci(series: list[list[float]]) -> tuple[float, float, float]:
@@ -337,6 +358,11 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
     c_mean, c_low, c_high = _contrast_ci(contrasts)
     pooled = [c for run in contrasts for c in run]
     c_median, m_low, m_high = _median_ci(pooled)
+    cpu_pooled = [c for run in in_run for c in _in_run_cpu_contrasts(run)]
+    cpu_median, cpu_low, cpu_high = _median_ci(cpu_pooled)
+    step_cpu = statistics.median(
+        [c for run in in_run for cpu in run["per_step_cpu"] for c in cpu[3:]]
+    )
     encoding = {"monitor": True, "steps": _THREAD_STEPS}
     seal_records = {**encoding, "env": "LAGSCOPE_SEAL_RECORDS=1"}
     long_pairs = _paired(tmp, job, _THREAD_RUNS, encoding, seal_records)
@@ -365,6 +391,16 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
          "note": f"median of {len(pooled)} recorded steps in {len(in_run)} runs recording "
                  f"every other step, 95 % CI {m_low:+.2f} to {m_high:+.2f} %; mean "
                  f"{c_mean:+.2f} % (CI {c_low:+.2f} to {c_high:+.2f})"},
+        {"benchmark": f"torch: {job} job training thread CPU, recorded step less unrecorded "
+                      f"neighbours ({condition})",
+         "value": cpu_median, "unit": "us",
+         "target": f"{cpu_median / (base * 1e6) * 100:.3f} % of a step; "
+                   f"{_ci_text(cpu_low, cpu_high)} us",
+         "ci95": [cpu_low, cpu_high],
+         "note": f"median of {len(cpu_pooled)} recorded rank-steps in {len(in_run)} runs "
+                 f"recording every other step, on the training thread's CPU clock (its "
+                 f"steps take {step_cpu * 1e6:.0f} us of CPU, median); with the monitor "
+                 f"thread's CPU below, what recording costs a rank's CPU per step"},
         {"benchmark": f"torch: {job} job monitor thread CPU per rank-step ({condition})",
          "value": statistics.median(threads), "unit": "us", "target": "<= 20",
          "spread": [min(threads), max(threads)], "runs": len(threads),
