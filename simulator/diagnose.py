@@ -115,8 +115,7 @@ class DiagnosisSettings:
     persistent_margin: float = 0.08
     #: A host stalls when its worker's launch delays are this many times its peers' in the
     #: median step: healthy 4-rank CPU jobs read 0.8-1.3, a host stalling as long as its
-    #: ops take 3-5x (80 real runs, while a DDP bucket's host time still held the backward
-    #: before it; without that, healthy DDP ranks read up to 3.4x: see `host_min_cost`).
+    #: ops take 3-5x (80 real runs).
     host_launch_ratio: float = 1.5
     #: ... unless the worker's own input wait is this share of its extra launch delays or
     #: more: a rank starved of input starts its next forward late too (on the same 80
