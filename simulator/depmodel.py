@@ -94,23 +94,6 @@ class DependencyModel:
         return [n.optype for n in self.nodes]
 
     @cached_property
-    def hook_launched(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-        """Per stage that has both: (its gradient-sync nodes, its backward nodes): what
-        backward hooks launch part-way through a backward (`host_time.py`), and the
-        backwards they may be launched from."""
-        stages = self._node_stage
-        optypes = np.array(self._node_optypes)
-        synced = np.isin(optypes, [ot.SEPARATE_GRADS_ALL_REDUCE, ot.GRADS_REDUCE_SCATTER])
-        backward = optypes == ot.BACKWARD_COMPUTE
-        out = []
-        for stage in np.unique(stages[synced]):
-            nodes = np.flatnonzero(synced & (stages == stage))
-            backwards = np.flatnonzero(backward & (stages == stage))
-            if backwards.size:
-                out.append((nodes, backwards))
-        return tuple(out)
-
-    @cached_property
     def own_work_nodes(self) -> np.ndarray:
         """Nodes whose duration is the worker's own work, not waiting for peers
         (read-only: it is shared by every caller)."""

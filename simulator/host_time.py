@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from lagscope.simulator import optypes as ot
 from lagscope.simulator.prepare import PreparedTrace
+
+#: What backward hooks launch, part-way through a backward: gradient synchronisation.
+_LAUNCHED_BY_BACKWARD_HOOKS = frozenset({ot.SEPARATE_GRADS_ALL_REDUCE, ot.GRADS_REDUCE_SCATTER})
 
 
 def host_delays(prepared: PreparedTrace) -> np.ndarray:
@@ -41,15 +45,23 @@ def host_delays(prepared: PreparedTrace) -> np.ndarray:
     True
     """
     delay = np.clip(prepared.launch_delay, 0.0, None)
-    out = None
-    for synced, backwards in prepared.model.hook_launched:
-        nodes = synced[(delay[synced] > 0).any(axis=(1, 2))]
-        if not nodes.size:
-            continue
-        launched = prepared.start[nodes][:, None]  # [node, 1, step, dp]
-        began = prepared.start[backwards][None]  # [1, backward, step, dp]
-        running = (began < launched) & (began + prepared.duration[backwards][None] > launched)
-        busy_since = np.where(running, began, launched).min(axis=1)
-        out = delay.copy() if out is None else out
-        out[nodes] = np.clip(busy_since - (launched[:, 0] - delay[nodes]), 0.0, None)
-    return delay if out is None else out
+    optypes = prepared.node_optype
+    stage = prepared.model.node_stage()
+    synced = np.array([t in _LAUNCHED_BY_BACKWARD_HOOKS for t in optypes])
+    backward = np.array([t == ot.BACKWARD_COMPUTE for t in optypes])
+    candidates = synced & (delay > 0).any(axis=(1, 2))
+    if not candidates.any():
+        return delay
+    out = delay.copy()
+    start = prepared.start
+    end = start + prepared.duration
+    for at_stage in np.unique(stage[candidates]):
+        nodes = np.flatnonzero(candidates & (stage == at_stage))
+        launched = start[nodes]  # [node, step, dp]
+        ready = launched - delay[nodes]
+        busy_since = launched.copy()
+        for node in np.flatnonzero(backward & (stage == at_stage)):
+            running = (start[node] < launched) & (end[node] > launched)
+            np.minimum(busy_since, np.where(running, start[node], launched), out=busy_since)
+        out[nodes] = np.clip(busy_since - ready, 0.0, None)
+    return out
