@@ -45,7 +45,6 @@ from lagscope.simulator.advice import (
 )
 from lagscope.simulator.causes import Cause
 from lagscope.simulator.engine import CompiledModel
-from lagscope.simulator.episode_cost import lost_seconds
 from lagscope.simulator.evidence import (
     Escalation,
     Evidence,
@@ -121,11 +120,6 @@ class DiagnosisSettings:
     #: more: a rank starved of input starts its next forward late too (on the same 80
     #: runs, no input straggler was named a slow host and every host straggler was).
     host_input_wait_share: float = 0.5
-    #: ... and its host's excess over its peers' costs the job this share of its ideal step
-    #: at least (replayed: `episode_cost.lost_seconds`): on the 16 healthy and straggler
-    #: DDP recordings a rank's host read up to 3.4x its peers' (a few ms: four ranks on two
-    #: cores), costing up to 0.09; a host stalling as long as its ops cost 0.7-0.95.
-    host_min_cost: float = 0.15
     #: Top-scoring workers (S_w) re-simulated one by one to verify which are slow alone:
     #: S_w lights up the crossings of each straggler's replica and stage (two per pair).
     verify_candidates: int = 8
@@ -159,7 +153,6 @@ _SETTINGS_BOUNDS = {
     "floor_margin_of_excess": Bound(ge=0),
     "persistent_margin": Bound(ge=0),
     "host_launch_ratio": Bound(gt=1),
-    "host_min_cost": Bound(ge=0),
     "host_input_wait_share": Bound(gt=0),
     "verify_candidates": Bound(integer=True, ge=1),
     "verify_min_share": Bound(ge=0, le=1),
@@ -325,9 +318,8 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     Named when the launch delays cost the job a margin of its ideal step, the worker's own
     launch delays are persistently above its peers' (in the median step, as a straggler's
     own work must be), they are not the wait for its input (a rank starved of input also
-    starts its next forward late), replaying the job with only its launch delays
-    explains most of what the launch delays add, and its host's excess over its peers'
-    costs the job a share of its step (contention on a shared machine costs less)."""
+    starts its next forward late), and replaying the job with only its launch delays
+    explains most of what the launch delays add."""
     result, prepared, cfg = ctx.result, ctx.prepared, ctx.cfg
     t_ideal = float(result.t_ideal.mean())
     launch_excess = float(np.mean(result.t_actual - result.t_nodelay))
@@ -356,16 +348,11 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     share = added / launch_excess
     if share < cfg.explains_share:
         return None
-    # What the job would gain with the worker's host part of its delays at its peers' level.
-    level = float(np.median(peers[:, stage, dp]))
-    gain = float(np.mean(lost_seconds(prepared, (int(dp), int(stage)), HOST, level, ctx.compiled)))
-    if gain < cfg.host_min_cost * t_ideal:
-        return None
     host = HostFacts(worker, float(ratio[stage, dp]), extra, share, result.launch_slowdown)
     finding = Finding(
         named=(worker,), verified=(VerifiedWorker(worker, share, {HOST: extra}),), host=host
     )
-    speedup = float(result.t_actual.mean() / max(result.t_actual.mean() - gain, 1e-12))
+    speedup = float(result.t_actual.mean() / max(result.t_actual.mean() - added, 1e-12))
     who = worker.label()
     summary = (
         f"the host of worker {who} stalls between its ops: {extra * 1e3:.1f} ms more per "

@@ -2,11 +2,10 @@
 
 The cost of one step is the step time as measured less the step time had the worker
 spent only its own usual time (its level before the episode) on the kind that rose: the
-durations of its ops of that op type, or for `host` the host's part of its ops' launch
-delays (`host_time.py`), scaled down to that level and replayed through the dependency
-model. A straggler whose extra time the pipeline absorbs (it waited anyway) costs nothing;
-one every rank waits for costs all of it. The job loses that many seconds on every GPU, so
-GPU-seconds = seconds x GPUs.
+durations of its ops of that op type, or for `host` the launch delays of its ops, scaled
+down to that level and replayed through the dependency model. A straggler whose extra time
+the pipeline absorbs (it waited anyway) costs nothing; one every rank waits for costs all
+of it. The job loses that many seconds on every GPU, so GPU-seconds = seconds x GPUs.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lagscope.simulator.engine import CompiledModel, simulate
-from lagscope.simulator.host_time import host_delays
 from lagscope.simulator.online_episodes import HOST, worker_signals
 from lagscope.simulator.prepare import PreparedTrace
 
@@ -56,9 +54,7 @@ def lost_seconds(
         rows = node_stage == stage
         delay = prepared.launch_delay.astype(np.float64)
         usual = delay.copy()
-        # Only the host's part of each delay shrinks: the rest was the worker at work.
-        host = host_delays(prepared)[rows, :, dp]
-        usual[rows, :, dp] = np.clip(usual[rows, :, dp], 0.0, None) - host * (1 - scale[None, :])
+        usual[rows, :, dp] = np.clip(usual[rows, :, dp], 0.0, None) * scale[None, :]
         costs = np.concatenate([cost.reshape(n_nodes, -1)] * 2, axis=1)
         delays: np.ndarray | None = np.concatenate(
             [delay.reshape(n_nodes, -1), usual.reshape(n_nodes, -1)], axis=1

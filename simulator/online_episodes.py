@@ -67,7 +67,6 @@ import numpy as np
 
 from lagscope.simulator.episodes import StretchFit
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
-from lagscope.simulator.host_time import host_delays
 from lagscope.simulator.medians import median_along, median_of_others
 from lagscope.simulator.noise import own_work_mask
 from lagscope.simulator.prepare import PreparedTrace
@@ -186,16 +185,15 @@ def signal_kinds(prepared: PreparedTrace) -> tuple[str, ...]:
 
 def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
     """[step, kind, stage, dp] seconds of each worker's own time of each kind: the summed
-    durations of its own-work ops of that op type, and for `host` the summed host part of
-    its ops' launch delays (`host_time.host_delays`: time its host took to start an op once
-    the op could start)."""
+    durations of its own-work ops of that op type, and for `host` the summed launch
+    delays of all its ops (time its host took to start an op once the op could start)."""
     stage = prepared.model.node_stage()
     optypes = np.array(prepared.node_optype)
     out = np.zeros((prepared.n_steps, len(kinds), prepared.n_stages, prepared.n_dp))
     for index, kind in enumerate(kinds):
         if kind == HOST:
             nodes = np.ones(optypes.size, dtype=bool)
-            values = host_delays(prepared)
+            values = np.clip(prepared.launch_delay, 0.0, None)
         else:
             nodes = optypes == kind
             values = prepared.duration

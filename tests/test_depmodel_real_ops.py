@@ -39,19 +39,12 @@ def ddp_step_rows(
     return rows
 
 
-def ddp_trace(
-    steps: int = 4, slow_input_dp: int | None = None, slow_compute_dp: int | None = None
-) -> Trace:
+def ddp_trace(steps: int = 4, slow_input_dp: int | None = None) -> Trace:
     columns: dict[str, list] = {k: [] for k in ("dp_rank", "stage", "rank", "step", "optype",
                                                 "start_ts", "duration", "seq_id")}  # fmt: skip
     for step in range(steps):
         per_dp = {
-            dp: ddp_step_rows(
-                step,
-                dp,
-                0.030 if dp == slow_input_dp else 0.001,
-                2.0 if dp == slow_compute_dp else 1.0,
-            )
+            dp: ddp_step_rows(step, dp, 0.030 if dp == slow_input_dp else 0.001, 1.0)
             for dp in range(2)
         }
         # The buckets are collectives: they end together, when the later rank joins.
