@@ -292,29 +292,27 @@ def _paired(tmp: Path, job: str, pairs: int, a: dict, b: dict) -> list[tuple[dic
     return out
 
 
+def _recorded_between_unrecorded(run: dict[str, Any], n_steps: int) -> list[int]:
+    """The recorded steps past the warm-up whose two neighbours were not recorded, of a
+    series of `n_steps` per-step values (value i is step i + 1)."""
+    recorded = set(run["recorded"])
+    return [s for s in run["recorded"]
+            if 4 <= s < n_steps and not {s - 1, s + 1} & recorded]  # fmt: skip
+
+
 def _in_run_contrasts(run: dict[str, Any]) -> list[float]:
     """Each recorded step's time over the mean of its unrecorded neighbours, minus 1 (%)."""
     per_step = run["per_step"]  # per_step[i] is step i + 1
-
-    def time_of(step: int) -> float:
-        return per_step[step - 1]
-
-    recorded = set(run["recorded"])
-    return [(time_of(s) / ((time_of(s - 1) + time_of(s + 1)) / 2) - 1) * 100
-            for s in run["recorded"]
-            if 4 <= s < len(per_step) and not {s - 1, s + 1} & recorded]  # fmt: skip
+    return [(per_step[s - 1] / ((per_step[s - 2] + per_step[s]) / 2) - 1) * 100
+            for s in _recorded_between_unrecorded(run, len(per_step))]  # fmt: skip
 
 
 def _in_run_cpu_contrasts(run: dict[str, Any]) -> list[float]:
     """Each recorded step's training-thread CPU less the mean of its unrecorded neighbours'
     (us), rank by rank: what recording a step costs the thread that runs the job."""
-    recorded = set(run["recorded"])
-    out = []
-    for cpu in run["per_step_cpu"]:
-        out += [(cpu[s - 1] - (cpu[s - 2] + cpu[s]) / 2) * 1e6
-                for s in run["recorded"]
-                if 4 <= s < len(cpu) and not {s - 1, s + 1} & recorded]  # fmt: skip
-    return out
+    return [(cpu[s - 1] - (cpu[s - 2] + cpu[s]) / 2) * 1e6
+            for cpu in run["per_step_cpu"]
+            for s in _recorded_between_unrecorded(run, len(cpu))]  # fmt: skip
 
 
 def _contrast_ci(series: list[list[float]]) -> tuple[float, float, float]:
