@@ -1,7 +1,7 @@
 """Whether a rank's step time just changed, so that the timer hands its steps over at once.
 
-The timer hands short steps to its sealer ~20 at a time (a wake and a write per seal are
-most of the monitor's CPU), so the log lags a job of 100 ms steps by up to 2 s: 20 steps.
+The timer hands short steps to its sealer ~40 at a time (a wake and a write per seal are
+much of the monitor's CPU), so the log lags a job of 100 ms steps by up to 3 s: 30 steps.
 While a job runs steadily nobody needs those steps sooner. When a straggler appears, the
 on-call engineer does: an episode needs 5 slow steps of evidence and is due in the store
 within 5 steps of its onset. In synchronous training a straggler slows every rank's step

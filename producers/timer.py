@@ -198,12 +198,16 @@ def _wall_minus_perf_ns() -> int:
 #: least; twice the seal interval when that is longer).
 _STALL_SEAL_S = 1.0
 #: Short steps are handed to the sealer this many at a time: each hand-over wakes it, and a
-#: seal costs a wake and a write besides its steps' encoding (on the shared 2-core box of
-#: `make bench`: a thread wake 15-80 us of CPU, a 22-op step ~13 us to encode and frame).
-_STEPS_PER_SEAL = 20
+#: seal costs a wake and a write besides its steps' ops. In the real 4-rank jobs on the
+#: shared 2-core box of `make bench`, on the sealer's CPU clock: 150-250 us between one
+#: seal and the next (the wake, taking the interpreter lock from a training thread that
+#: drops and retakes it around every torch op) and 30-80 us for the write, against
+#: 12-20 us per 22-op step to encode and frame its batch.
+_STEPS_PER_SEAL = 40
 #: ... but the log never lags the job by more than this (the live analysis reads it; its
-#: lateness timeout is 30 s by default).
-_MAX_SEAL_INTERVAL_S = 2.0
+#: lateness timeout is 30 s, and a worker concludes a job idle after 10 s without input).
+#: A straggler's steps do not wait for it: they are handed over as they end (below).
+_MAX_SEAL_INTERVAL_S = 3.0
 #: While every core of the node is busy, seals are rarer still (this many times fewer
 #: wakes, and as many times the lag): each wake is a thread the scheduler has to fit
 #: between the job's.
@@ -288,11 +292,11 @@ class OpTimer:
         self.optype_names: tuple[str, ...] = tuple(dict.fromkeys((*KNOWN_OPTYPES, *extra_optypes)))
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
         #: Write each seal's ops as one seal record, which readers encode
-        #: (`producers/seal_record.py`), instead of encoding the batches here. Off by
-        #: default for a release (`$LAGSCOPE_SEAL_RECORDS=1` turns it on): a reader older
-        #: than this one sets seal records aside, so readers are upgraded first.
+        #: (`producers/seal_record.py`), instead of encoding the batches here: the
+        #: default since 0.3.0, as every reader since 0.2.0 expands them.
+        #: `$LAGSCOPE_SEAL_RECORDS=0` writes batches, for a streamer older than 0.2.0.
         self.seal_records = (
-            os.environ.get("LAGSCOPE_SEAL_RECORDS", "") == "1"
+            os.environ.get("LAGSCOPE_SEAL_RECORDS", "1") != "0"
             if seal_records is None
             else seal_records
         )
@@ -347,6 +351,9 @@ class OpTimer:
         self._stopping = False
         self._min_seal_interval_s = flush_interval_s
         self._seal_interval_s = flush_interval_s
+        #: The interval the steps' pace asks for (`_pace`), which a prompt spell shortens
+        #: and its end restores.
+        self._paced_interval_s = flush_interval_s
         #: Set by the sealer while the node's cores are all busy (see `_node_saturated`).
         self.saturated = False
         self._handed_over_at = time.monotonic()
@@ -551,10 +558,14 @@ class OpTimer:
         if elapsed >= self._seal_interval_s or (prompt and elapsed >= _PROMPT_MIN_GAP_S):
             self._handed_over_at = now
             self._pace(step, elapsed)
-            if prompt:
+            if self._prompt_steps:
                 # The CUDA resolver waits this long between passes: prompt too.
                 self._seal_interval_s = self._min_seal_interval_s
             self._hand_over()
+        elif prompt and not self._prompt_steps:
+            # A prompt spell ends at the steps' own pace, not at the shortest interval: a
+            # spell that fired on a healthy job's noise would cost one more short seal.
+            self._seal_interval_s = self._paced_interval_s
 
     def _pace(self, step: int, elapsed: float) -> None:
         """The next hand-over's interval: `_STEPS_PER_SEAL` steps at the pace of the steps
@@ -564,7 +575,7 @@ class OpTimer:
         self._paced_step = step
         stretch = _SATURATED_STRETCH if self.saturated else 1
         interval = min(_MAX_SEAL_INTERVAL_S, elapsed / steps * _STEPS_PER_SEAL) * stretch
-        self._seal_interval_s = max(self._min_seal_interval_s, interval)
+        self._seal_interval_s = self._paced_interval_s = max(self._min_seal_interval_s, interval)
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ step are not, and the timer then hands steps over one at a time."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from pathlib import Path
@@ -57,8 +58,9 @@ def test_a_rank_whose_steps_repeat_exactly_needs_a_real_change() -> None:
 def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Short steady steps go to the sealer ~20 at a time; once the step time rose, every
-    step is handed over as it ends, for a few steps, then the pace resumes."""
+    """Short steady steps go to the sealer ~40 at a time; once the step time rose, every
+    step is handed over as it ends, for a few steps, then the steps' own pace resumes (not
+    the shortest interval: a spell costs no short seal after it)."""
     clock = [1000.0]
 
     class _Clock:
@@ -80,17 +82,22 @@ def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
 
     monkeypatch.setattr(timer, "_hand_over", hand_over)
     try:
-        for step, duration in enumerate([0.05] * 60 + [0.08] * 12, start=1):
+        for step, duration in enumerate([0.05] * 120 + [0.08] * 12 + [0.08] * 100, start=1):
             clock[0] += duration
             timer.step(step)
-        steady = [s for s in handed if s <= 60]
-        assert len(steady) <= 60 / 20 + 3, handed  # ~20 steps per hand-over
-        slow = [s for s in handed if s > 60]
+        steady = [s for s in handed if s <= 120]
+        assert len(steady) <= 120 / 40 + 3, handed  # ~40 steps per hand-over
+        slow = [s for s in handed if 120 < s <= 132]
         # The change is told on its third slow step; from there on every step is handed
         # over while the change lasts (the detector fires again every third step).
-        assert slow[0] <= 63, handed
-        assert slow == list(range(slow[0], 73)), handed
+        assert slow[0] <= 123, handed
+        assert slow == list(range(slow[0], 133)), handed
         assert _PROMPT_STEPS >= 3
+        # Once the new level is the rank's usual (its window's median), the spell ends and
+        # the next hand-over comes at the pace of 0.08 s steps: 3 s, 37 steps on.
+        spell = [s for s in handed if s > 132]
+        ends = next(i for i, (a, b) in enumerate(itertools.pairwise(spell)) if b - a > 1)
+        assert spell[ends + 1] - spell[ends] >= 30, handed
     finally:
         monkeypatch.undo()
         timer.close()

@@ -273,22 +273,24 @@ def test_one_background_thread_writes_the_log_and_off_ranks_start_none(tmp_path:
 
 
 def test_seals_follow_the_step_pace_and_stretch_on_a_saturated_node(tmp_path: Path) -> None:
-    """20 steps per seal at the steps' own pace, within [flush_interval_s, 2 s]; twice that
+    """40 steps per seal at the steps' own pace, within [flush_interval_s, 3 s]; twice that
     while the node's cores are all busy."""
     with _timer(tmp_path, flush_interval_s=0.2) as timer:
-        timer._pace(10, 1.0)  # 10 steps of 0.1 s
+        timer._pace(10, 0.5)  # 10 steps of 0.05 s
         assert timer._seal_interval_s == pytest.approx(2.0)
-        timer._pace(20, 0.2)  # 10 steps of 0.02 s
-        assert timer._seal_interval_s == pytest.approx(0.4)
-        timer._pace(21, 0.001)  # shorter than the flush interval allows
-        assert timer._seal_interval_s == pytest.approx(0.2)
-        timer._pace(22, 30.0)  # one long step: each step handed over as it ends
-        assert timer._seal_interval_s == pytest.approx(2.0)
-        timer.saturated = True
-        timer._pace(32, 1.0)
-        assert timer._seal_interval_s == pytest.approx(4.0)
-        timer._pace(42, 0.2)
+        timer._pace(20, 1.0)  # 10 steps of 0.1 s: 40 of them would be 4 s
+        assert timer._seal_interval_s == pytest.approx(3.0)
+        timer._pace(30, 0.2)  # 10 steps of 0.02 s
         assert timer._seal_interval_s == pytest.approx(0.8)
+        timer._pace(31, 0.001)  # shorter than the flush interval allows
+        assert timer._seal_interval_s == pytest.approx(0.2)
+        timer._pace(32, 30.0)  # one long step: each step handed over as it ends
+        assert timer._seal_interval_s == pytest.approx(3.0)
+        timer.saturated = True
+        timer._pace(42, 1.0)
+        assert timer._seal_interval_s == pytest.approx(6.0)
+        timer._pace(52, 0.2)
+        assert timer._seal_interval_s == pytest.approx(1.6)
 
 
 def test_off_mode_checks_names_but_writes_nothing(tmp_path: Path) -> None:

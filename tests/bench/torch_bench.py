@@ -35,12 +35,13 @@ percent; with the monitor thread's CPU per rank-step it is what recording costs 
 CPU.
 
 The monitor thread's CPU per rank-step is read on the thread's CPU clock (the sealer, which
-encodes and writes the recorded steps, its wakes included) over the steps it sealed, less
+packs and writes the recorded steps, its wakes included) over the steps it sealed, less
 the job's own garbage collections that CPython ran on that thread
 (`tests/bench/timed_jobs.py`; the figure with them is in the note), in monitored runs of
 120 steps (the paired runs' 30 steps are mostly the sealer's first, shorter intervals;
-their figure is in the note too), interleaved with as many that write seal records: robust
-to the noise of a shared machine, where step times are not.
+their figure is in the note too), interleaved with as many that encode the batches on the
+node as before 0.3.0 (`LAGSCOPE_SEAL_RECORDS=0`): robust to the noise of a shared machine,
+where step times are not.
 
 Busy: one CPU burner per core (`os.cpu_count()`) runs throughout. There the bench also
 measures what the monitor does to yield: its longer seal interval on a saturated node
@@ -179,10 +180,10 @@ _PAIRS = int(os.environ.get("LAGSCOPE_BENCH_PAIRS", "4"))
 #: Runs recording every other step, per job and condition, and their steps.
 _IN_RUN_RUNS = int(os.environ.get("LAGSCOPE_BENCH_IN_RUN_RUNS", "2"))
 _IN_RUN_STEPS = 80
-#: The monitor thread's CPU is read in runs this long: the sealer's pace (20 steps a seal)
-#: starts from a 0.2 s interval, so a 30-step run's window holds one short seal and one
-#: full one (11-12 steps a seal) and counts a wake per step about twice as often as a
-#: training job pays it.
+#: The monitor thread's CPU is read in runs this long: the sealer's pace (40 steps a seal,
+#: 3 s at most) starts from a 0.2 s interval, so a 30-step run's window holds one short
+#: seal and one full one and counts a wake per step several times as often as a training
+#: job pays it.
 _THREAD_STEPS = 120
 _THREAD_RUNS = 2
 _PAIR_STEPS = 30
@@ -361,11 +362,12 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
     step_cpu = statistics.median(
         [c for run in in_run for cpu in run["per_step_cpu"] for c in cpu[3:]]
     )
-    encoding = {"monitor": True, "steps": _THREAD_STEPS}
-    seal_records = {**encoding, "env": "LAGSCOPE_SEAL_RECORDS=1"}
-    long_pairs = _paired(tmp, job, _THREAD_RUNS, encoding, seal_records)
+    default = {"monitor": True, "steps": _THREAD_STEPS}
+    batches = {**default, "env": "LAGSCOPE_SEAL_RECORDS=0"}
+    long_pairs = _paired(tmp, job, _THREAD_RUNS, default, batches)
     long_runs = [run for run, _ in long_pairs]
-    sealed = [t for _, run in long_pairs for t in run["own_us_per_step"]]
+    encoded = [t for _, run in long_pairs for t in run["own_us_per_step"]]
+    encoded_per_seal = [s for _, run in long_pairs for s in run["steps_per_seal"]]
     threads = [t for run in long_runs for t in run["own_us_per_step"]]
     with_gc = [t for run in long_runs for t in run["threads_us_per_step"]]
     per_seal = [s for run in long_runs for s in run["steps_per_seal"]]
@@ -402,8 +404,9 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
         {"benchmark": f"torch: {job} job monitor thread CPU per rank-step ({condition})",
          "value": statistics.median(threads), "unit": "us", "target": "<= 20",
          "spread": [min(threads), max(threads)], "runs": len(threads),
-         "note": f"the sealer's thread CPU clock over the steps it sealed (wakes included, "
-                 f"the job's garbage collections that ran on it left out: with them "
+         "note": f"seal records (the default since 0.3.0: the log's reader encodes the "
+                 f"batches); the sealer's thread CPU clock over the steps it sealed (wakes "
+                 f"included, the job's garbage collections that ran on it left out: with them "
                  f"{statistics.median(with_gc):.1f} us, {min(with_gc):.1f}-{max(with_gc):.1f}), "
                  f"median of ranks x {len(long_runs)} runs of {_THREAD_STEPS} steps; "
                  f"{statistics.median(per_seal):.0f} steps per seal; "
@@ -411,20 +414,21 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
                  f"in the {_PAIR_STEPS}-step paired runs {statistics.median(short):.1f} us "
                  f"({min(short):.1f}-{max(short):.1f}) at "
                  f"{statistics.median(short_per_seal):.0f} steps per seal"},
-        {"benchmark": f"torch: {job} job monitor thread CPU per rank-step, seal records "
-                      f"({condition})",
-         "value": statistics.median(sealed), "unit": "us", "target": "<= 20",
-         "spread": [min(sealed), max(sealed)], "runs": len(sealed),
-         "note": "as the row above, with LAGSCOPE_SEAL_RECORDS=1 (the log's reader encodes "
-                 "the batches; off by default until readers that know seal records are "
-                 "deployed), runs interleaved with the row above's"},
+        {"benchmark": f"torch: {job} job monitor thread CPU per rank-step, batches encoded "
+                      f"on the node ({condition})",
+         "value": statistics.median(encoded), "unit": "us", "target": "",
+         "spread": [min(encoded), max(encoded)], "runs": len(encoded),
+         "note": f"as the row above, with LAGSCOPE_SEAL_RECORDS=0 (the sealer encodes the "
+                 f"batches, as before 0.3.0, for a streamer older than 0.2.0), runs "
+                 f"interleaved with the row above's; "
+                 f"{statistics.median(encoded_per_seal):.0f} steps per seal"},
     ]  # fmt: skip
 
 
 def _stretch_rows(tmp: Path, load: float) -> list[dict]:
     """Busy only: the saturated node's longer seal interval, on and off, in paired runs of
-    the 1F1B job, on the monitor thread's CPU clock and on the step time. The runs are long
-    enough (~12 s) for several seals at the stretched interval (4 s)."""
+    the 1F1B job, on the monitor thread's CPU clock and on the step time. The runs (~12 s)
+    hold two seals or more at the stretched interval (6 s at most)."""
     on = {"monitor": True, "steps": _IN_RUN_STEPS}
     off = {"monitor": True, "steps": _IN_RUN_STEPS, "env": "BENCH_STRETCH=1"}
     pairs = _paired(tmp, "1F1B", max(2, _PAIRS // 2), on, off)
