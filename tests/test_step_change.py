@@ -55,6 +55,20 @@ def test_a_rank_whose_steps_repeat_exactly_needs_a_real_change() -> None:
     assert any(change.observe(0.15) for _ in range(3))
 
 
+@pytest.mark.parametrize(("rise", "fires_by"), [(1.03, None), (1.1, 4), (1.15, 3)])
+def test_a_quiet_rank_tells_a_change_an_episode_could_open_on(
+    rise: float, fires_by: int | None
+) -> None:
+    """Steps with 1 % noise: a 3 % drift costs less than any episode and never hurries the
+    log (20 steps); 10 % fires on its fourth step, 15 % on its third."""
+    rng = random.Random(3)
+    change = StepChange()
+    assert not any(change.observe(rng.gauss(0.1, 0.001)) for _ in range(40))
+    fired = [change.observe(rng.gauss(0.1 * rise, 0.001)) for _ in range(20)]
+    first = fired.index(True) + 1 if any(fired) else None
+    assert first == fires_by, fired
+
+
 def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
