@@ -33,21 +33,21 @@ toward gen-0 GC thresholds: one cheap young collection per ~700 ops, which the G
 reports like any other).
 
 The sealer's CPU is the monitor's cost beyond the hot path, so it is kept to a wake and a
-write per seal plus the steps' encoding (`make bench`: ~20 us per rank-step of ~20 ops on
-a shared 2-core box, the job's garbage collections that run on its thread left out): short
-steps are handed over ~20 at a time (the log lags the job by at most 2 s, twice that while
-the node's cores are all busy), but one at a time for a few steps once the rank's step time
-changed (a straggler appeared or recovered, `producers/step_change.py`: the live analysis
-needs those steps within a step or two), and a step whose ops repeat an earlier step's sequence
-reuses everything but its times (`producers/seal_record.py`). With seal records
-(`seal_records=True`, or `$LAGSCOPE_SEAL_RECORDS=1`) the sealer writes a seal's ops as
-four columns instead and whoever reads the log encodes the batches, in its own process: in
-the real 4-rank jobs (120-step runs, interleaved) 19 us of sealer CPU per rank-step
-against 21 encoding here on 1F1B, 14 against 19 on DDP; off by default for a release, as
-readers older than this one cannot read them. The sealer keeps the job's own scheduling
-priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a saturated machine, as
-the low-priority thread, preempted while it held the interpreter lock, kept the training
-thread waiting for it (`make bench`, torch module).
+write per seal plus copying the steps' ops into a seal record (`producers/seal_record.py`:
+whoever reads the log encodes the batches, in its own process): short steps are handed
+over ~40 at a time (the log lags the job by at most 3 s, twice that while the node's cores
+are all busy), but one at a time for a few steps once the rank's step time changed (a
+straggler appeared or recovered, `producers/step_change.py`: the live analysis needs those
+steps within a step or two). `make bench` on a shared 2-core box, the real 4-rank jobs in
+interleaved 120-step runs, the job's garbage collections that run on the sealer's thread
+left out: 18 us of sealer CPU per rank-step on 1F1B (~22 ops), 12 on DDP, against 28 and
+21 when the sealer encodes the batches itself (`seal_records=False`, or
+`$LAGSCOPE_SEAL_RECORDS=0`: for a streamer older than 0.2.0, which cannot read seal
+records; a step whose ops repeat an earlier step's sequence then reuses everything but its
+times). The sealer keeps the job's own scheduling priority: a lower one (nice 19,
+SCHED_IDLE) slowed the job down on a saturated machine, as the low-priority thread,
+preempted while it held the interpreter lock, kept the training thread waiting for it
+(`make bench`, torch module).
 
 `mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
 names are still checked (a typo fails on every rank alike), nothing is timed or written,
@@ -57,7 +57,7 @@ CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is impor
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
 and exit (the current stream, or `stream=`); nothing on the hot path waits on the device.
 A resolver thread polls `event.query()` for completed ops at the pace host-clock ops are
-handed over (every ~20 steps, from `flush_interval_s` to 2 s apart), computes the start as
+handed over (every ~40 steps, from `flush_interval_s` to 3 s apart), computes the start as
 `reference.elapsed_time(start_event)` after a reference event whose wall-clock time is
 known, and returns events to the pool. It is the one writer of finished steps: the ops
 timed on the host clock (input waits, GC pauses, `record()`) join their step's CUDA ops,
@@ -537,8 +537,8 @@ class OpTimer:
         )
 
     def step(self, step: int) -> None:
-        """Start step `step`: ops recorded so far go to the sealer thread (every ~20 steps,
-        from `flush_interval_s` to 2 s apart: `_pace`; every step for a few steps after
+        """Start step `step`: ops recorded so far go to the sealer thread (every ~40 steps,
+        from `flush_interval_s` to 3 s apart: `_pace`; every step for a few steps after
         the step time changed: `step_change.py`), which encodes them into their steps'
         batches and writes those to the log."""
         if not 0 <= step < _STEP_LIMIT:
