@@ -329,6 +329,10 @@ class RankLogReader:
     advances the reader's own position; call it again later to tail. A partial record at
     the end of the newest file is left for a later call, unless the file has not changed
     for `torn_grace_s` (its writer died): then it is reported as torn.
+
+    A call returns about `max_bytes` of records: a seal record holds up to ~40 steps of a
+    rank, and a backlog's reader must not open all of them at once (backpressure), so the
+    batches of a seal beyond the budget are kept for the next calls.
     """
 
     def __init__(
@@ -343,9 +347,14 @@ class RankLogReader:
         self.position = position
         self.max_record_bytes = max_record_bytes
         self.torn_grace_s = torn_grace_s
+        #: Records read from the file and not yet returned (a seal's batches past a call's
+        #: budget), in order.
+        self._held: list[Record | DeadLetter] = []
 
     def at_end(self) -> bool:
         """True when everything written to the rank's log so far has been read."""
+        if self._held:
+            return False
         files = list_log_files(self.directory)
         if not files:
             return True
@@ -357,8 +366,8 @@ class RankLogReader:
             return True
 
     def read(self, max_bytes: int = _READ_CHUNK) -> list[Record | DeadLetter]:
-        out: list[Record | DeadLetter] = []
-        budget = max_bytes
+        out, self._held = self._held, []
+        budget = max_bytes - sum(_size(item) for item in out)
         while budget > 0:
             files = list_log_files(self.directory)
             if not files:
@@ -381,8 +390,20 @@ class RankLogReader:
                 self.position = Position(files[files.index(current) + 1], 0)
                 continue
             if not items and consumed == 0:
-                return out
-        return out
+                break
+        return self._within(out, max_bytes)
+
+    def _within(
+        self, items: list[Record | DeadLetter], max_bytes: int
+    ) -> list[Record | DeadLetter]:
+        """The first of `items` that fit `max_bytes` (one at least); the rest are held."""
+        total = 0
+        for i, item in enumerate(items):
+            total += _size(item)
+            if total > max_bytes and i:
+                self._held = items[i:]
+                return items[:i]
+        return items
 
     def _read_file(
         self, name: str, is_newest: bool, budget: int
@@ -447,6 +468,10 @@ class RankLogReader:
         ):
             return whole
         return 0
+
+
+def _size(item: Record | DeadLetter) -> int:
+    return len(item.payload) if isinstance(item, Record) else 0
 
 
 class _Chunk:

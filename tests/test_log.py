@@ -267,6 +267,35 @@ def test_a_seal_record_reads_as_its_batches_and_a_resume_mid_seal_makes_them_all
     assert [i.payload for i in resumed.read() if isinstance(i, Record)] == [b"after"]
 
 
+def test_a_seal_of_many_steps_comes_out_over_several_reads_within_their_budget(
+    tmp_path: Path,
+) -> None:
+    """A read returns about its byte budget even when one seal record holds 40 steps: the
+    seal's other batches wait for the next reads, in order, and the reader is not at its
+    end until they are out (a backlog is read no faster than its steps close)."""
+    from lagscope.producers.events import decode_batch
+    from lagscope.producers.log import KIND_SEAL
+    from lagscope.producers.seal_record import SealPacker
+
+    packer = SealPacker(job_id="j", attempt=0, rank=0, dp_rank=0, pp_rank=0, tp_rank=0,
+                        cp_rank=0, optype_names=("forward-compute",))  # fmt: skip
+    ops = [((0, step, mb, 0), 1_000 * step + 10 * mb, 5) for step in range(40) for mb in range(4)]
+    with LogWriter(tmp_path, rank=0) as writer:
+        writer.append(KIND_SEAL, packer.pack(ops, wall_offset_ns=10**18, current_step=40))
+        writer.append(KIND_BATCH, b"after")
+    reader = RankLogReader(rank_dir(tmp_path, 0), torn_grace_s=0)
+    batch_bytes = len(RankLogReader(rank_dir(tmp_path, 0)).read()[0].payload)
+    reads = []
+    while not reader.at_end():
+        got = reader.read(3 * batch_bytes)
+        assert 1 <= len(got) <= 3
+        reads.append(got)
+    payloads = [r.payload for got in reads for r in got]
+    assert payloads[-1] == b"after"
+    assert [decode_batch(p).step for p in payloads[:-1]] == list(range(40))
+    assert len(reads) >= 40 / 3
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_a_damaged_seal_record_is_a_schema_error_or_batches_never_a_crash(data) -> None:
