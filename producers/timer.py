@@ -214,8 +214,10 @@ _MAX_SEAL_INTERVAL_S = 3.0
 _SATURATED_STRETCH = 2
 #: When a rank's step time changes (`producers/step_change.py`: a straggler appeared or
 #: recovered), its steps are handed over one at a time for this many steps, re-armed while
-#: the change goes on: the live analysis needs them within a step or two, not 20.
-_PROMPT_STEPS = 4
+#: the change goes on: the live analysis needs them within a step or two, not 40. As many
+#: as an episode may need to open after the change is told (`OnlineEpisodeSettings.
+#: confirm_steps`), so that a spell does not end before the episode's last steps.
+_PROMPT_STEPS = 8
 #: ... but no two hand-overs closer than this: steps of a few ms (a toy job) would
 #: otherwise wake the sealer hundreds of times a second.
 _PROMPT_MIN_GAP_S = 0.05
