@@ -250,6 +250,11 @@ class HostCore:
         self.last_closed_wall: dict[tuple[str, int], float] = {}
         #: Per job, the last step a conclusion covered.
         self.concluded_step: dict[tuple[str, int], int] = {}
+        #: Per job, each episode's id and whether it was open, as last closed into
+        #: `pending`: an episode opening or closing is what the on-call acts on, so the
+        #: step that does it is written at once rather than at the write cadence.
+        self._episodes_open: dict[tuple[str, int], dict[int, bool]] = {}
+        self.has_news = False
         self.counters: dict[str, int] = {"ops": 0, "steps_written": 0, "steps_already_stored": 0}
 
     # -- input ------------------------------------------------------------------------
@@ -363,6 +368,11 @@ class HostCore:
                 del changes[:-_CHANGES_KEPT]
             if not out.complete:
                 self.incomplete.setdefault(key, []).append((out.step, out.missing))
+            known = self._episodes_open.setdefault(key, {})
+            for state in out.episodes:
+                episode = state.episode
+                self.has_news |= known.get(episode.episode_id) is not episode.open
+                known[episode.episode_id] = episode.open
             self.pending.append(out)
 
     # -- the end of a job -------------------------------------------------------------
@@ -432,6 +442,7 @@ class HostCore:
                 log.info("stored %d step(s); %d re-processed step(s) were already stored",
                          len(fresh), len(outputs) - len(fresh))  # fmt: skip
             self.pending = []  # only now: a failure above kept them for the next write
+            self.has_news = False
             written.outputs = fresh
         if self._raw_ops:
             batch = SinkBatch(f"ops/{self._writes}/{len(self._raw_ops)}")

@@ -281,7 +281,8 @@ class WorkerCore:
         self.write_due()
 
     def write_due(self) -> None:
-        """Write the partitions whose closed steps waited long enough, or are many."""
+        """Write the partitions whose closed steps waited long enough, or are many, or
+        opened or closed an episode."""
         now = self.clock()
         settings = self.config.worker
         if self.records.pending or self.records.dead:
@@ -289,7 +290,11 @@ class WorkerCore:
         for part in list(self.partitions.values()):
             core = part.core
             if core.has_pending:
-                due = len(core.pending) >= settings.write_every_steps or core.conclusions
+                due = (
+                    core.has_news
+                    or len(core.pending) >= settings.write_every_steps
+                    or core.conclusions
+                )
                 if due or now - part.last_write >= settings.write_interval_s:
                     self.write(part)
 
