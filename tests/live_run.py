@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lagscope.dashboards.alerts import RULES
+from lagscope.producers.events import peek_header
+from lagscope.producers.log import KIND_BATCH, RankLogReader, Record, list_rank_dirs
 from lagscope.store.sink import ClickHouseSink
 from tests.worker_util import (
     WorkerProcess,
@@ -47,6 +50,33 @@ class Seen:
     rules_firing: list[str] = field(default_factory=list)
 
 
+@dataclass
+class LogArrivals:
+    """When each rank's steps reached its log (epoch seconds, read every 0.1 s): how long
+    the timer held them, apart from how long the hosts took."""
+
+    #: rank -> step -> when it was first readable.
+    at: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def step_in_log(self, step: int) -> float | None:
+        """When the last rank's batch of `step` reached its log; None if one never did."""
+        times = [steps.get(step) for steps in self.at.values()]
+        return max(times) if times and None not in times else None  # type: ignore[type-var]
+
+
+def _watch_logs(logs: Path, arrivals: LogArrivals, stop: threading.Event) -> None:
+    readers: dict[Path, RankLogReader] = {}
+    while not stop.wait(0.1):
+        for directory in list_rank_dirs(logs):
+            readers.setdefault(directory, RankLogReader(directory, torn_grace_s=60.0))
+        now = time.time()
+        for reader in readers.values():
+            for item in reader.read(1 << 30):
+                if isinstance(item, Record) and item.kind == KIND_BATCH:
+                    header = peek_header(item.payload)
+                    arrivals.at.setdefault(header["rank"], {}).setdefault(header["step"], now)
+
+
 def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
     try:
         names, rows = sink.query(
@@ -75,11 +105,14 @@ def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
 
 def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str,
                 knobs: list[str], *, module: str = "tests.torch_jobs.pipeline_1f1b",
-                steps: int = 60) -> dict[str, Seen]:  # fmt: skip
+                steps: int = 60,
+                arrivals: LogArrivals | None = None) -> dict[str, Seen]:  # fmt: skip
     """Run the job, both hosts following it, polling the store; returns what each host's
-    database showed."""
+    database showed. With `arrivals`, the logs are read as well, to note when each step
+    reached them."""
     server = start_store_server(tmp_path / "store")
     processes: list[WorkerProcess] = []
+    stop = threading.Event()
     try:
         databases = {"embedded": server.dsn("live_embedded"), "kafka": server.dsn("live_kafka")}
         sinks = {name: ClickHouseSink(dsn) for name, dsn in databases.items()}
@@ -87,6 +120,10 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
             sink.ensure_schema()
         logs = tmp_path / "logs"
         logs.mkdir()
+        if arrivals is not None:
+            watching = threading.Thread(target=_watch_logs, args=(logs, arrivals, stop),
+                                        daemon=True)  # fmt: skip
+            watching.start()
         create_topics(bootstrap, topics)
         # The hosts first, as on a cluster where they run before any job: the workers
         # joined their group and the followers wait for the job's logs.
@@ -145,6 +182,7 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
             seen[name].rules_firing = _rules_firing(sink, job)
         return seen
     finally:
+        stop.set()
         for process in processes:
             if process.process.poll() is None:
                 process.process.kill()

@@ -9,7 +9,10 @@ host; each worker 2x slower for steps 15-44 of 60):
   episode, minus the true onset (what the on-call sees, the pipeline's lag included), and
   first_seen_step minus the onset (the detector's own evidence);
 - detection latency in seconds: from the start of the onset step to the poll that first
-  showed it;
+  showed it, and where that time goes: from the end of the episode's first_seen step
+  until every rank's batch of it was in its log (the timer's sealing pace), and from then
+  until the store showed the episode (the host: reading, windows, analysis, its write,
+  and the poll's own quarter second);
 - stragglers named with the right worker and cause, and episodes on the healthy runs.
 
 `LAGSCOPE_BENCH_LIVE_REPEAT` (default 1) runs each job that many times. Before these hosts
@@ -25,7 +28,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from tests.live_run import first_named, follow_live
+from tests.live_run import LogArrivals, first_named, follow_live
 
 SLOW_START, SLOW_END = 15, 45
 #: (job module, slow rank, worker of it, phase, cause expected).
@@ -54,6 +57,8 @@ def _knobs(module: str) -> list[str]:
 
 def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
     found: dict[str, list[tuple[int, int, float]]] = {"embedded": [], "kafka": []}
+    log_lag: list[float] = []
+    host_lag: dict[str, list[float]] = {"embedded": [], "kafka": []}
     right: dict[str, int] = {"embedded": 0, "kafka": 0}
     healthy_episodes: dict[str, int] = {"embedded": 0, "kafka": 0}
     runs = 0
@@ -63,12 +68,21 @@ def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
             job = f"bench-{phase}-{module.rsplit('.', 1)[1]}-{index}"
             knobs = [*_knobs(module), "--slow-rank", str(rank), "--slow-phase", phase,
                      "--slow-steps", f"{SLOW_START}-{SLOW_END - 1}"]  # fmt: skip
-            seen = follow_live(work / job, bootstrap, _topics(), job, knobs, module=module)
+            arrivals = LogArrivals()
+            seen = follow_live(work / job, bootstrap, _topics(), job, knobs, module=module,
+                               arrivals=arrivals)  # fmt: skip
             for host, polled in seen.items():
                 first = first_named(polled, worker)
                 if first is None:
                     continue
                 last, at, episode = first
+                evidence_step = episode["first_seen_step"]
+                in_log = arrivals.step_in_log(evidence_step)
+                ended = polled.step_starts.get(evidence_step + 1)
+                if in_log is not None:
+                    host_lag[host].append(at - in_log)
+                    if ended is not None and host == "embedded":  # the same logs for both
+                        log_lag.append(in_log - ended)
                 right[host] += episode["cause"] == cause
                 onset_at = polled.step_starts.get(SLOW_START)
                 seconds = at - onset_at if onset_at is not None else float("nan")
@@ -97,12 +111,18 @@ def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
                 _median_row(f"live {host}: in the store, seconds after onset", seconds, "s",
                             "a few steps' time"),
             ]  # fmt: skip
+            if host_lag[host]:
+                rows.append(_median_row(f"live {host}: host lag, evidence in the logs to the "
+                                        "store (s)", host_lag[host], "s", "< 0.5"))  # fmt: skip
         rows.append({"benchmark": f"live {host}: stragglers named right (worker and cause)",
                      "value": f"{right[host]}/{runs}", "unit": "runs",
                      "target": "all"})  # fmt: skip
         rows.append({"benchmark": f"live {host}: episodes on healthy runs",
                      "value": healthy_episodes[host], "unit": "episodes", "target": "0",
                      "runs": repeat * len(HEALTHY)})  # fmt: skip
+    if log_lag:
+        rows.append(_median_row("live: timer lag, evidence step's end to every rank's log (s)",
+                                log_lag, "s", "<= 3 (the seal pace)"))  # fmt: skip
     return rows
 
 
