@@ -385,13 +385,15 @@ class FaustWorker:
         messages = _ops_messages(runs)
         await self._wait_for_store()
         await self._wait_for_jobs(messages)
+        # Whether Kafka holds more past this pass, told before the core takes it: a step
+        # that opens an episode is written at once only when nothing more waits.
+        await self._track_backlog(runs)
         # A rebalance may have come while this pass waited. No await between this filter
         # and the hand-over to the core.
         current = self._current_runs(runs)
         if len(current) < len(runs):
             runs, messages = current, _ops_messages(current)
         await self._core(self.core.on_messages, messages)
-        await self._track_backlog(runs)
         await self._checkpoint_due()
 
     def _current_runs(self, runs: list[Any]) -> list[Any]:

@@ -282,7 +282,8 @@ class WorkerCore:
 
     def write_due(self) -> None:
         """Write the partitions whose closed steps waited long enough, or are many, or
-        opened or closed an episode."""
+        opened or closed an episode while the partition is caught up (a backlog's steps
+        are nobody's news yet: a flapping worker would make a write of every few steps)."""
         now = self.clock()
         settings = self.config.worker
         if self.records.pending or self.records.dead:
@@ -291,7 +292,7 @@ class WorkerCore:
             core = part.core
             if core.has_pending:
                 due = (
-                    core.has_news
+                    (core.has_news and not part.clock.behind)
                     or len(core.pending) >= settings.write_every_steps
                     or core.conclusions
                 )

@@ -1,7 +1,8 @@
 """An episode reaches the store with the step that opens it: the worker writes closed
 steps on a cadence (every `write_interval_s`, or `write_every_steps` at once), but a step
-that opens or closes an episode is written at once, whatever the cadence. The worker core
-runs in-process on a real chDB store with real encoded batches."""
+that opens or closes an episode is written at once, whatever the cadence, once the
+partition is caught up (a backlog keeps its batched writes). The worker core runs
+in-process on a real chDB store with real encoded batches."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ SPEC = JobSpec(dp=2, pp=2, microbatches=4, steps=40, name="prompt", seed=3,
                                       end_step=RECOVERY),))  # fmt: skip
 
 
-def test_a_step_that_opens_or_closes_an_episode_is_stored_at_once(chdb_dsn):
+def _follow(chdb_dsn: str, *, behind: bool) -> list[tuple[int, int, list[tuple[int, bool]]]]:
+    """Each step's id, the steps stored and the episodes stored (first_seen_step, open)
+    once its batches were taken."""
     job = generate_job(SPEC)
     info = JobInfo.from_meta(job.meta, job_id="prompt")
     sink = ClickHouseSink(chdb_dsn)
@@ -40,6 +43,7 @@ def test_a_step_that_opens_or_closes_an_episode_is_stored_at_once(chdb_dsn):
         core.on_messages([OpsMessage(0, offset + i, b"prompt", batch.encode(), time.time())
                           for i, batch in enumerate(batches)])  # fmt: skip
         offset += len(batches)
+        core.set_behind(0, behind)  # as the worker does after a fetch, from Kafka's highwater
         _, rows = sink.query("SELECT count() FROM steps")
         _, episodes = sink.query(
             "SELECT first_seen_step, recovery_step IS NULL FROM episodes FINAL ORDER BY "
@@ -47,6 +51,11 @@ def test_a_step_that_opens_or_closes_an_episode_is_stored_at_once(chdb_dsn):
         )
         seen.append((step, int(rows[0][0]), [(int(s), bool(o)) for s, o in episodes]))
     sink.close()
+    return seen
+
+
+def test_a_step_that_opens_or_closes_an_episode_is_stored_at_once(chdb_dsn):
+    seen = _follow(chdb_dsn, behind=False)
     opened = next(((step, n) for step, n, episodes in seen if episodes), None)
     assert opened is not None, "no episode was stored while the job ran"
     step, stored = opened
@@ -59,3 +68,8 @@ def test_a_step_that_opens_or_closes_an_episode_is_stored_at_once(chdb_dsn):
     # Between the two, the steps the open episode covers wait for the cadence.
     stored_between = {n for s, n, _ in seen if step <= s < closed}
     assert stored_between == {step + 1}, stored_between
+
+
+def test_a_backlog_keeps_its_batched_writes(chdb_dsn):
+    seen = _follow(chdb_dsn, behind=True)
+    assert {stored for _, stored, _ in seen} == {0}, "a backlog's episode was news"
