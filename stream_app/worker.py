@@ -394,6 +394,8 @@ class FaustWorker:
         if len(current) < len(runs):
             runs, messages = current, _ops_messages(current)
         await self._core(self.core.on_messages, messages)
+        # Again for the partitions this pass created (told before, they did not exist).
+        await self._track_backlog(runs)
         await self._checkpoint_due()
 
     def _current_runs(self, runs: list[Any]) -> list[Any]:
