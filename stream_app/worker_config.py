@@ -53,7 +53,8 @@ class WorkerSettings(BaseModel):
     group_id: str = "lagscope-worker"
     #: Write closed steps at least this often (seconds) ...
     write_interval_s: float = Field(default=0.5, gt=0)
-    #: ... or as soon as this many are waiting.
+    #: ... or as soon as this many are waiting. A step that opens or closes an episode is
+    #: written at once, once the partition is caught up.
     write_every_steps: int = Field(default=64, ge=1)
     #: Snapshot the processors (and commit offsets) this often ...
     checkpoint_interval_s: float = Field(default=5.0, gt=0)
