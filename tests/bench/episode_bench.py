@@ -56,7 +56,8 @@ def _knobs(module: str) -> list[str]:
 
 
 def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
-    found: dict[str, list[tuple[int, int, float]]] = {"embedded": [], "kafka": []}
+    #: Per host: (steps after onset in the store, first_seen - onset, seconds, job).
+    found: dict[str, list[tuple[int, int, float, str]]] = {"embedded": [], "kafka": []}
     log_lag: list[float] = []
     host_lag: dict[str, list[float]] = {"embedded": [], "kafka": []}
     right: dict[str, int] = {"embedded": 0, "kafka": 0}
@@ -87,7 +88,7 @@ def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
                 onset_at = polled.step_starts.get(SLOW_START)
                 seconds = at - onset_at if onset_at is not None else float("nan")
                 found[host].append(
-                    (last - SLOW_START, episode["first_seen_step"] - SLOW_START, seconds)
+                    (last - SLOW_START, episode["first_seen_step"] - SLOW_START, seconds, job)
                 )
         for module in HEALTHY:
             job = f"bench-healthy-{module.rsplit('.', 1)[1]}-{index}"
@@ -103,9 +104,11 @@ def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
             evidence = [float(x[1]) for x in latencies]
             seconds = [x[2] for x in latencies]
             target = "<= 5 typical, never > 10"
+            worst = max(latencies, key=lambda x: x[0])
             rows += [
-                _median_row(f"live {host}: in the store, steps after onset", stored, "steps",
-                            target),
+                {**_median_row(f"live {host}: in the store, steps after onset", stored,
+                               "steps", target),
+                 "note": f"the most: {worst[0]} steps ({worst[2]:.2f} s), {worst[3]}"},
                 _median_row(f"live {host}: first_seen_step - onset", evidence, "steps",
                             target),
                 _median_row(f"live {host}: in the store, seconds after onset", seconds, "s",
