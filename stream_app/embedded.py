@@ -232,14 +232,13 @@ class EmbeddedRunner:
     # -- output -------------------------------------------------------------------------
     def _write(self, *, force: bool = False) -> None:
         """Write what is pending: at once when forced or when an episode opened or closed
-        (once the logs are read up to their end: a backlog's episodes are nobody's news
-        yet), when `write_every_steps` steps wait (a backlog is written in batches), or
-        `write_interval_s` after the last write (a job followed live shows in the store
-        within that)."""
+        (`HostCore.news_due`), when `write_every_steps` steps wait (a backlog is written in
+        batches), or `write_interval_s` after the last write (a job followed live shows in
+        the store within that)."""
         now = time.monotonic()
         due = (
             force
-            or (self.core.has_news and not self.clock.behind)
+            or self.core.news_due
             or len(self.core.pending) >= self.write_every_steps
             or bool(self.core.conclusions)
             or (self.core.has_pending and now - self._last_write >= self.write_interval_s)

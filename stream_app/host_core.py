@@ -252,7 +252,8 @@ class HostCore:
         self.concluded_step: dict[tuple[str, int], int] = {}
         #: Per job, each episode's id and whether it was open, as last closed into
         #: `pending`: an episode opening or closing is what the on-call acts on, so the
-        #: step that does it is written at once rather than at the write cadence.
+        #: step that does it is written at once rather than at the write cadence
+        #: (`news_due`).
         self._episodes_open: dict[tuple[str, int], dict[int, bool]] = {}
         self.has_news = False
         self.counters: dict[str, int] = {"ops": 0, "steps_written": 0, "steps_already_stored": 0}
@@ -410,6 +411,13 @@ class HostCore:
     def has_pending(self) -> bool:
         return bool(self.pending or self.conclusions or self.dead or self.records.pending
                     or self.records.dead or self._raw_ops)  # fmt: skip
+
+    @property
+    def news_due(self) -> bool:
+        """Whether a pending step opened or closed an episode and the host has read all
+        there is: then it is written at once. In a backlog it is nobody's news yet (and a
+        flapping worker would make a write of every few steps)."""
+        return self.has_news and not self.clock.behind
 
     def write(self, sink: ClickHouseSink) -> Written:
         """Store every pending row exactly once: a step already stored (re-processed after

@@ -386,7 +386,8 @@ class FaustWorker:
         await self._wait_for_store()
         await self._wait_for_jobs(messages)
         # Whether Kafka holds more past this pass, told before the core takes it: a step
-        # that opens an episode is written at once only when nothing more waits.
+        # that opens an episode is written at once only when nothing more waits. A
+        # partition this pass creates is told at the next tick (`_periodic`).
         await self._track_backlog(runs)
         # A rebalance may have come while this pass waited. No await between this filter
         # and the hand-over to the core.
@@ -394,8 +395,6 @@ class FaustWorker:
         if len(current) < len(runs):
             runs, messages = current, _ops_messages(current)
         await self._core(self.core.on_messages, messages)
-        # Again for the partitions this pass created (told before, they did not exist).
-        await self._track_backlog(runs)
         await self._checkpoint_due()
 
     def _current_runs(self, runs: list[Any]) -> list[Any]:

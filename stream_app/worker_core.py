@@ -282,8 +282,7 @@ class WorkerCore:
 
     def write_due(self) -> None:
         """Write the partitions whose closed steps waited long enough, or are many, or
-        opened or closed an episode while the partition is caught up (a backlog's steps
-        are nobody's news yet: a flapping worker would make a write of every few steps)."""
+        opened or closed an episode (`HostCore.news_due`)."""
         now = self.clock()
         settings = self.config.worker
         if self.records.pending or self.records.dead:
@@ -292,7 +291,7 @@ class WorkerCore:
             core = part.core
             if core.has_pending:
                 due = (
-                    (core.has_news and not part.clock.behind)
+                    core.news_due
                     or len(core.pending) >= settings.write_every_steps
                     or core.conclusions
                 )
