@@ -105,8 +105,14 @@ def noise_headline(
 ) -> str:
     """S split into the job's own jitter and what stragglers cost on top of it.
 
+    Without a straggler episode, what lies above the jitter is the job's steady state
+    (a heavier stage, a slow node from the start): the verdict names it, so the headline
+    says so rather than "stragglers cost nothing" beside a verdict that costs 15 %.
+
     >>> print(noise_headline(1.49, 1.42, 0.0, 3600.0))
-    slowdown S 1.490, of which the job's own jitter gives S 1.42 (its noise floor); stragglers cost nothing beyond it
+    slowdown S 1.490, of which the job's own jitter gives S 1.42 (its noise floor); no straggler episode: the rest is the job's steady state (see the verdict)
+    >>> print(noise_headline(1.02, 1.04, 0.0, 3600.0))
+    slowdown S 1.020, within the job's own jitter (its noise floor, S 1.04); no straggler episode
     >>> print(noise_headline(1.31, 1.12, 540.0, 3600.0))
     slowdown S 1.310, of which the job's own jitter gives S 1.12 (its noise floor); stragglers cost 15.0% of its GPU time (0.15 GPU-h)
 
@@ -129,8 +135,10 @@ def noise_headline(
         whose = "stragglers' episodes" if within_floor else "stragglers"
         share = straggler_gpu_s / gpu_s
         text += f"; {whose} cost {share:.1%} of its GPU time ({_gpu_time(straggler_gpu_s)})"
+    elif floor_known and not within_floor:
+        text += "; no straggler episode: the rest is the job's steady state (see the verdict)"
     else:
-        text += "; stragglers cost nothing beyond it"
+        text += "; no straggler episode"
     return text
 
 

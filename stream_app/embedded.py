@@ -74,6 +74,11 @@ class LiveReport:
 #: Rendering takes at most this share of the host's time: the interval between two live
 #: reports is at least (1 / share - 1) renders long.
 _REPORT_TIME_SHARE = 0.2
+#: Seconds a follower waits after a round that found no new data, as the streamer polls
+#: its logs (producers/config.py, `poll_interval_s`): a step that opens an episode waits
+#: half of it on average before this host reads it, and an idle round costs a directory
+#: listing and a stat per log.
+_IDLE_POLL_S = 0.1
 
 
 class EmbeddedRunner:
@@ -173,7 +178,7 @@ class EmbeddedRunner:
                 last_data is not None and time.monotonic() - last_data >= idle_exit_s
             ):
                 break
-            time.sleep(0.2)
+            time.sleep(_IDLE_POLL_S)
         self.close_open_steps()
         self.report.seconds = time.monotonic() - started
         return self.report
