@@ -391,7 +391,10 @@ def _explain(
 ) -> str:
     """`field (from source): problem`, without the value (it may be a password)."""
     loc = tuple(error["loc"])
-    problem = "no such setting" if error["type"] == "extra_forbidden" else error["msg"]
+    # A pydantic model says extra_forbidden, a dataclass section (the episodes' settings)
+    # unexpected_keyword_argument: both mean a misspelt or unknown name.
+    unknown = error["type"] in ("extra_forbidden", "unexpected_keyword_argument")
+    problem = "no such setting" if unknown else error["msg"]
     return f"{'.'.join(map(str, loc))} (from {_origin(loc, sources, flags)}): {problem}"
 
 

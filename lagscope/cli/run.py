@@ -24,6 +24,7 @@ from lagscope.store.dsn import DSN_HELP, resolve_dsn
 
 if TYPE_CHECKING:
     from lagscope.stream_app.embedded import LiveReport
+    from lagscope.stream_app.worker_config import WorkerConfig
 
 # The pipeline, numpy and the store are imported by the handler when it runs, so that
 # registering the command (and `lagscope --help`) stays cheap.
@@ -42,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "lagscope run --log-dir logs --follow --idle-exit-s 120 --report report.html",
             "lagscope run --log-dir logs --follow --report report.html --report-every-s 5",
             "lagscope run --log-dir logs --dsn http://user:pw@clickhouse:8123/lagscope",
+            "lagscope run --log-dir logs --config worker.yaml   # the cluster's settings",
             'lagscope query "SELECT step, slowdown FROM steps FINAL ORDER BY step"   # after',
         ),
     )
@@ -57,6 +59,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_old_name(log_dir_names, "--logs", log_dir)
     run.add_argument("--dsn", help=DSN_HELP)
     run.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="the workers' yaml/json config file (`lagscope worker --config`): its "
+        "processor settings, as LAGSCOPE_PROCESSOR__* variables', apply here too, so logs "
+        "analysed here tell the story the cluster's workers tell; its store.dsn is the "
+        "store when --dsn is not given",
+    )
+    run.add_argument(
         "--follow", action="store_true", help="keep tailing the logs until they are idle"
     )
     run.add_argument(
@@ -70,9 +81,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--lateness-s",
         type=float,
-        default=30.0,
         metavar="SECONDS",
-        help="close a step this long after its first batch even if ranks miss",
+        help="close a step this long after its first batch even if ranks miss (default "
+        "processor.lateness_s, 30)",
     )
     run.add_argument(
         "--report",
@@ -99,16 +110,17 @@ def run_logs_command(args: argparse.Namespace) -> int:
     from lagscope.store.dsn import parse_dsn
     from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
-    from lagscope.stream_app.processor import ProcessorSettings
 
-    # Before the store opens: a mistyped directory must not leave an empty store behind.
-    dsn = resolve_dsn(args.dsn)
+    # Before the store opens: a mistyped directory or setting must not leave an empty
+    # store behind.
+    config = _worker_config(args)
+    dsn = resolve_dsn(config.store.dsn)
     parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at
     _check_log_dir(args)
     live = _live_report(args)
     sink = ClickHouseSink(dsn)
     sink.ensure_schema()
-    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=args.lateness_s), live_report=live)
+    runner = EmbeddedRunner(sink, config.processor, live_report=live)
     display, show = pipeline_progress(None)
     if args.follow and not list_rank_dirs(args.log_dir):
         print(f"lagscope run: waiting for the job's rank logs under {args.log_dir} "
@@ -143,6 +155,20 @@ def run_logs_command(args: argparse.Namespace) -> int:
         print("lagscope run: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The workers' configuration model, layered as theirs (flags > LAGSCOPE_* variables >
+    --config file > defaults): one set of analysis settings for both hosts. Its Kafka and
+    worker sections are checked and not used."""
+    from lagscope.producers.config import load_config
+    from lagscope.stream_app.worker_config import WorkerConfig
+
+    return load_config(
+        WorkerConfig,
+        file=args.config,
+        overrides={"processor": {"lateness_s": args.lateness_s}, "store": {"dsn": args.dsn}},
+    )
 
 
 def _check_log_dir(args: argparse.Namespace) -> None:

@@ -1,0 +1,101 @@
+"""`lagscope run` analyses with the workers' settings: the same configuration model, file
+and LAGSCOPE_* variables as `lagscope worker`, so a team that tuned its episodes or its
+diagnosis for the cluster sees the same story when it replays a node's logs locally.
+Before, `lagscope run` took the defaults whatever the workers were told."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lagscope.cli.demo import write_logs_with_timers
+from lagscope.producers.events import JobInfo
+from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.store.sink import ClickHouseSink
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DP 4 x PP 2 job whose worker (dp 2, pp 1) is 1.8x slower in its computes for
+    steps 25-44 of 70: an episode under the default settings."""
+    spec = JobSpec(
+        name="run-config", dp=4, pp=2, microbatches=4, steps=70, seed=11,
+        stragglers=(SlowWorker(dp=2, stage=1, factor=1.8, start_step=25, end_step=45),),
+    )  # fmt: skip
+    job = generate_job(spec)
+    info = JobInfo.from_meta(job.meta, job_id="run-config")
+    log_dir = tmp_path_factory.mktemp("run-config") / "logs"
+    total_s = float(job.truth.t_injected.sum())
+    write_logs_with_timers(job.trace, info, log_dir, time.time_ns() - int(total_s * 1e9))
+    return log_dir
+
+
+def run(logs: Path, store: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("LAGSCOPE_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "lagscope", "run", "--log-dir", str(logs),
+         "--dsn", f"chdb://{store}", *args],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**environment, **(env or {})},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def stored_episodes(store: Path) -> int:
+    sink = ClickHouseSink(f"chdb://{store}")
+    try:
+        _, rows = sink.query("SELECT count() FROM episodes FINAL")
+    finally:
+        sink.close()
+    return int(rows[0][0])
+
+
+#: An episode must cost 5 steps' time a step to open: none can.
+NO_EPISODES = {"LAGSCOPE_PROCESSOR__EPISODES__MIN_COST": "5"}
+
+
+def test_the_workers_config_file_sets_the_analysis(logs: Path, tmp_path: Path) -> None:
+    printed = run(logs, tmp_path / "defaults")
+    assert "episode 1 from step" in printed
+    assert stored_episodes(tmp_path / "defaults") >= 1
+
+    config = tmp_path / "worker.yaml"
+    config.write_text(
+        "kafka:\n  bootstrap_servers: kafka:9092\n"  # the workers' file, whole
+        "processor:\n  episodes:\n    min_cost: 5.0\n"
+    )
+    printed = run(logs, tmp_path / "configured", "--config", str(config))
+    assert "episode 1 from step" not in printed
+    assert stored_episodes(tmp_path / "configured") == 0
+
+
+def test_the_workers_variables_set_the_analysis_and_flags_win(logs: Path, tmp_path: Path) -> None:
+    printed = run(logs, tmp_path / "variables", env=NO_EPISODES)
+    assert "episode 1 from step" not in printed
+    assert stored_episodes(tmp_path / "variables") == 0
+    # --lateness-s over the variable: a lateness that cannot work would fail the run.
+    run(logs, tmp_path / "flag", "--lateness-s", "30",
+        env={"LAGSCOPE_PROCESSOR__LATENESS_S": "-1"})  # fmt: skip
+
+
+def test_a_config_that_cannot_work_is_one_line_and_leaves_no_store(tmp_path: Path) -> None:
+    (tmp_path / "logs" / "rank-000000").mkdir(parents=True)
+    config = tmp_path / "worker.yaml"
+    config.write_text("processor:\n  episodes:\n    min_cots: 5.0\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "lagscope", "run", "--log-dir", str(tmp_path / "logs"),
+         "--dsn", f"chdb://{tmp_path / 'store'}", "--config", str(config)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("lagscope run: error: ")
+    assert "processor.episodes.min_cots (from " in line
+    assert line.endswith("worker.yaml): no such setting")
+    assert not (tmp_path / "store").exists()
