@@ -208,15 +208,22 @@ class ClickHouseSink:
         if int(exists or 0):
             self.client.database = name
 
-    def ensure_schema(self, *, ops_ttl_days: int = schema.DEFAULT_OPS_TTL_DAYS) -> list[int]:
-        """Create the database, apply pending migrations and set the TTL of raw ops;
-        returns the migration versions applied."""
+    def ensure_schema(self, *, ops_ttl_days: int | None = None) -> list[int]:
+        """Create the database and apply pending migrations; returns the migration
+        versions applied. `ops_ttl_days`: the days raw ops are kept, set on the store
+        whatever it was (the workers' setting: they own the store). Without it a new
+        `ops` table gets the default and an existing one keeps its own: `lagscope run`
+        pointed at the cluster's store must not cut what the workers keep for 30 days
+        to 7 (ClickHouse deletes past a TTL at its next merge)."""
         self._use_database(create=True)
         try:
-            applied = migrations.apply_migrations(self, ops_ttl_days=ops_ttl_days)
+            applied = migrations.apply_migrations(
+                self,
+                ops_ttl_days=schema.DEFAULT_OPS_TTL_DAYS if ops_ttl_days is None else ops_ttl_days,
+            )
         finally:
             self._column_types.clear()
-        if self.ops_ttl_days() != ops_ttl_days:
+        if ops_ttl_days is not None and self.ops_ttl_days() != ops_ttl_days:
             self._command(schema.ops_ttl_sql(ops_ttl_days))
         return applied
 

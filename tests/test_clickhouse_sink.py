@@ -164,6 +164,10 @@ def test_ops_ttl_is_configurable(store: ClickHouseSink) -> None:
     assert store.ops_ttl_days() == schema.DEFAULT_OPS_TTL_DAYS
     store.ensure_schema(ops_ttl_days=30)
     assert store.ops_ttl_days() == 30
+    # Another host opening the store without a TTL of its own (`lagscope run`, the demo)
+    # keeps the workers' 30 days: the default would delete 23 days of raw ops.
+    store.ensure_schema()
+    assert store.ops_ttl_days() == 30
     with pytest.raises(ValueError, match="ops_ttl_days"):
         migrations.migrations(ops_ttl_days=0)
 

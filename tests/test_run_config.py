@@ -99,3 +99,27 @@ def test_a_config_that_cannot_work_is_one_line_and_leaves_no_store(tmp_path: Pat
     assert "processor.episodes.min_cots (from " in line
     assert line.endswith("worker.yaml): no such setting")
     assert not (tmp_path / "store").exists()
+
+
+def test_a_run_into_the_workers_store_keeps_their_raw_ops_ttl(logs: Path, tmp_path: Path) -> None:
+    store = tmp_path / "shared"
+    sink = ClickHouseSink(f"chdb://{store}")
+    try:
+        sink.ensure_schema(ops_ttl_days=30)  # as workers with store.ops_ttl_days: 30
+    finally:
+        sink.close()
+    run(logs, store)
+    assert ops_ttl_days(store) == 30
+    # With the workers' file that names it, their setting applies, as at their start.
+    config = tmp_path / "worker.yaml"
+    config.write_text("store:\n  ops_ttl_days: 14\n")
+    run(logs, store, "--config", str(config))
+    assert ops_ttl_days(store) == 14
+
+
+def ops_ttl_days(store: Path) -> int | None:
+    sink = ClickHouseSink(f"chdb://{store}")
+    try:
+        return sink.ops_ttl_days()
+    finally:
+        sink.close()

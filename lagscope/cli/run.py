@@ -119,7 +119,12 @@ def run_logs_command(args: argparse.Namespace) -> int:
     _check_log_dir(args)
     live = _live_report(args)
     sink = ClickHouseSink(dsn)
-    sink.ensure_schema()
+    # The raw ops' TTL only when the settings name one: a store the workers keep 30 days
+    # of ops in must not be cut to the default by a run pointed at it.
+    store = config.store
+    sink.ensure_schema(
+        ops_ttl_days=store.ops_ttl_days if "ops_ttl_days" in store.model_fields_set else None
+    )
     runner = EmbeddedRunner(sink, config.processor, live_report=live)
     display, show = pipeline_progress(None)
     if args.follow and not list_rank_dirs(args.log_dir):
