@@ -275,9 +275,12 @@ class KafkaBroker:
         """Format storage on first start, launch, and wait until the broker answers.
 
         A JVM that fails to come up on a loaded machine is retried once (a first start on
-        a clean data directory); if that fails too, the error names both failures.
+        freshly formatted storage); if that fails too, the error names both failures.
+        What a failed first start formatted is removed before the retry, nothing else:
+        the directory may hold the user's own files, and the logs the error names stay.
         """
-        fresh = not (self.data_dir / "kraft-logs" / "meta.properties").exists()
+        storage = self.data_dir / "kraft-logs"
+        fresh = not (storage / "meta.properties").exists()
         failures: list[str] = []
         for _ in range(attempts):
             try:
@@ -285,7 +288,7 @@ class KafkaBroker:
             except KafkaLocalError as exc:
                 failures.append(str(exc))
                 if fresh:  # never wipe a broker's existing data (a restart keeps topics)
-                    shutil.rmtree(self.data_dir, ignore_errors=True)
+                    shutil.rmtree(storage, ignore_errors=True)
         raise KafkaLocalError(" / then: ".join(failures))
 
     def _start_once(self, timeout_s: float) -> KafkaBroker:
