@@ -25,7 +25,10 @@ class StoreSettings(BaseModel):
     #: ClickHouse DSN (chdb:///dir or http(s)://...); default $LAGSCOPE_CLICKHOUSE_DSN or
     #: the embedded store under the working directory.
     dsn: str | None = None
-    ops_ttl_days: int = Field(default=7, ge=1)
+    #: Days raw ops are kept, set on the store when the host starts. Unset, a new store
+    #: keeps them 7 days and an existing one keeps the TTL it has: a host started without
+    #: this setting must not cut what the store keeps (ClickHouse deletes past a TTL).
+    ops_ttl_days: int | None = Field(default=None, ge=1)
     #: A failed write is tried this many times in all, with exponential back-off of at most
     #: `write_retry_max_wait_s` between tries; after that the closed steps stay pending
     #: (and the offsets uncommitted) until a later write succeeds.

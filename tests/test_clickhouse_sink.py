@@ -172,6 +172,26 @@ def test_ops_ttl_is_configurable(store: ClickHouseSink) -> None:
         migrations.migrations(ops_ttl_days=0)
 
 
+@pytest.mark.parametrize("configured, kept", [(None, 30), (14, 14)])
+def test_a_worker_sets_the_ttl_only_when_told(
+    chdb_dsn: str, configured: int | None, kept: int
+) -> None:
+    """A worker started without `store.ops_ttl_days` (a restart with a config that lost
+    it) leaves the store's 30 days as they are; one told 14 sets 14."""
+    from lagscope.stream_app.worker import FaustWorker
+    from lagscope.stream_app.worker_config import WorkerConfig
+
+    with ClickHouseSink(chdb_dsn) as sink:
+        sink.ensure_schema(ops_ttl_days=30)
+    store = {"dsn": chdb_dsn} | ({"ops_ttl_days": configured} if configured else {})
+    worker = FaustWorker(WorkerConfig(kafka={"bootstrap_servers": "127.0.0.1:1"}, store=store))
+    try:
+        assert worker.sink.ops_ttl_days() == kept
+    finally:
+        worker.close()
+        worker.sink.close()
+
+
 # -- idempotent writes ------------------------------------------------------------------
 def test_replayed_batch_changes_nothing(store: ClickHouseSink) -> None:
     batch = step_batch([1, 2, 3, 4, 5, 6, 7], slowdown=1.5, version=1)

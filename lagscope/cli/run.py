@@ -20,7 +20,7 @@ from lagscope.cli.conventions import (
 )
 from lagscope.cli.job_summary import print_job_summary
 from lagscope.cli.progress import pipeline_progress
-from lagscope.store.dsn import DSN_HELP, resolve_dsn
+from lagscope.store.dsn import DSN_HELP
 
 if TYPE_CHECKING:
     from lagscope.stream_app.embedded import LiveReport
@@ -114,17 +114,12 @@ def run_logs_command(args: argparse.Namespace) -> int:
     # Before the store opens: a mistyped directory or setting must not leave an empty
     # store behind.
     config = _worker_config(args)
-    dsn = resolve_dsn(config.store.dsn)
+    dsn = config.store.resolved_dsn()
     parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at
     _check_log_dir(args)
     live = _live_report(args)
     sink = ClickHouseSink(dsn)
-    # The raw ops' TTL only when the settings name one: a store the workers keep 30 days
-    # of ops in must not be cut to the default by a run pointed at it.
-    store = config.store
-    sink.ensure_schema(
-        ops_ttl_days=store.ops_ttl_days if "ops_ttl_days" in store.model_fields_set else None
-    )
+    sink.ensure_schema(ops_ttl_days=config.store.ops_ttl_days)
     runner = EmbeddedRunner(sink, config.processor, live_report=live)
     display, show = pipeline_progress(None)
     if args.follow and not list_rank_dirs(args.log_dir):
