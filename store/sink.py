@@ -211,10 +211,10 @@ class ClickHouseSink:
     def ensure_schema(self, *, ops_ttl_days: int | None = None) -> list[int]:
         """Create the database and apply pending migrations; returns the migration
         versions applied. `ops_ttl_days`: the days raw ops are kept, set on the store
-        whatever it was (the workers' setting: they own the store). Without it a new
-        `ops` table gets the default and an existing one keeps its own: `lagscope run`
-        pointed at the cluster's store must not cut what the workers keep for 30 days
-        to 7 (ClickHouse deletes past a TTL at its next merge)."""
+        whatever it had (a host whose settings name `store.ops_ttl_days`). Without it a
+        new `ops` table gets the default and an existing one keeps its own: a run pointed
+        at the cluster's store must not cut the 30 days the workers keep to 7 (ClickHouse
+        deletes past a TTL at its next merge)."""
         self._use_database(create=True)
         try:
             applied = migrations.apply_migrations(

@@ -62,10 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--config",
         type=Path,
         metavar="PATH",
-        help="the workers' yaml/json config file (`lagscope worker --config`): its "
-        "processor settings, as LAGSCOPE_PROCESSOR__* variables', apply here too, so logs "
-        "analysed here tell the story the cluster's workers tell; its store.dsn is the "
-        "store when --dsn is not given",
+        help="the workers' yaml/json config file (as `lagscope worker --config`): its "
+        "processor section applies here, as LAGSCOPE_* variables do, so these logs tell "
+        "the story the cluster's workers tell; its store.dsn is the store unless --dsn "
+        "is given",
     )
     run.add_argument(
         "--follow", action="store_true", help="keep tailing the logs until they are idle"
