@@ -27,13 +27,18 @@ import numpy as np
 from lagscope.producers.config import LagscopeConfig
 from lagscope.producers.events import BATCH_VERSION, JobInfo, RankStepBatch, batch_id_of
 from lagscope.producers.kafka_login import kafka_client
-from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter, Record, list_rank_dirs, read_all
 from lagscope.producers.redact import redact_url
 from lagscope.simulator.trace import JobMeta, Trace
 
 
 class UndeliveredError(RuntimeError):
     """Kafka did not confirm every message of a replay (the message says how many)."""
+
+
+class LogDirInUse(ValueError):
+    """The log directory already holds the logs of the job attempt a replay would write:
+    a second replay would record each of its steps twice, which no step survives."""
 
 
 @dataclass
@@ -224,6 +229,14 @@ class _LogDestination:
     first log written."""
 
     def __init__(self, log_dir: str | Path, info: JobInfo, max_file_bytes: int | None) -> None:
+        holder = _holder_of(Path(log_dir), info)
+        if holder is not None:
+            raise LogDirInUse(
+                f"{log_dir}: {holder.name} already holds job {info.job_id} attempt "
+                f"{info.attempt}; a second replay would record each of its steps twice: "
+                f"replay into an empty directory, or as another attempt (--attempt "
+                f"{info.attempt + 1})"
+            )
         self.log_dir = log_dir
         self.info = info
         self.options = {} if max_file_bytes is None else {"max_file_bytes": max_file_bytes}
@@ -242,6 +255,21 @@ class _LogDestination:
     def close(self) -> None:
         for writer in self.writers.values():
             writer.close()
+
+
+def _holder_of(log_dir: Path, info: JobInfo) -> Path | None:
+    """The first rank log under `log_dir` with a job record of `info`'s job attempt."""
+    for directory in list_rank_dirs(log_dir):
+        for item in read_all(directory):
+            if not isinstance(item, Record) or item.kind != KIND_JOB:
+                continue
+            try:
+                other = JobInfo.model_validate_json(item.payload)
+            except ValueError:
+                continue  # the analysis sets it aside; not this replay's concern
+            if (other.job_id, other.attempt) == (info.job_id, info.attempt):
+                return directory
+    return None
 
 
 class _KafkaDestination:

@@ -179,6 +179,8 @@ class JobReport:
     machines: dict[tuple[int, int], str] = field(default_factory=dict)
     #: When this host closed the job's last step (epoch seconds).
     last_step_closed_at: float | None = None
+    #: The first step that closed unanalysed and why (the steps table has every one).
+    first_failure: tuple[int, str] | None = None
 
     @property
     def steps(self) -> int:
@@ -243,6 +245,7 @@ class HostCore:
         #: Per job, what summaries and reports show beyond the processor's own state.
         self.changes: dict[tuple[str, int], list[DetectedChange]] = {}
         self.incomplete: dict[tuple[str, int], list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
+        self.first_failure: dict[tuple[str, int], tuple[int, str]] = {}
         #: Per job, when it last moved: a batch of it arrived or a step closed (this host's
         #: clock), for idle conclusions; when its last step closed in wall-clock time, for
         #: a report's "last step closed at".
@@ -369,6 +372,8 @@ class HostCore:
                 del changes[:-_CHANGES_KEPT]
             if not out.complete:
                 self.incomplete.setdefault(key, []).append((out.step, out.missing))
+            if out.reason and key not in self.first_failure:
+                self.first_failure[key] = (out.step, out.reason)
             known = self._episodes_open.setdefault(key, {})
             for state in out.episodes:
                 episode = state.episode
@@ -548,6 +553,7 @@ class HostCore:
             list(self.incomplete.get(key, [])),
             dict(machines),
             self.last_closed_wall.get(key),
+            self.first_failure.get(key),
         )
 
     # -- state --------------------------------------------------------------------------

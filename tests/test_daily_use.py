@@ -213,6 +213,40 @@ def test_run_that_could_analyse_nothing_fails_and_says_why(tmp_path: Path) -> No
     assert "32 incomplete, missing (dp 0, pp 1)" in line
 
 
+def test_a_second_replay_of_a_job_into_its_logs_is_refused(tmp_path: Path) -> None:
+    """Each step would be recorded twice, which no step survives: the run that follows
+    analysed nothing. Refused, with the fix; the logs are left as they were."""
+    replay = ("replay", "--trace", str(ST_TRACE), "--meta", str(ST_META), "--log-dir", "st",
+              "--no-progress")  # fmt: skip
+    assert lagscope(*replay, cwd=tmp_path).returncode == 0
+    before = tree(tmp_path / "st")
+    again = lagscope(*replay, cwd=tmp_path)
+    assert again.returncode == 2
+    line = one_error_line(again, "replay")
+    assert "--log-dir st: rank-000000 already holds job ST-0 attempt 0" in line
+    assert "replay into an empty directory, or as another attempt (--attempt 1)" in line
+    assert tree(tmp_path / "st") == before
+    assert lagscope(*replay, "--attempt", "1", cwd=tmp_path).returncode == 0
+
+
+def test_a_run_over_steps_recorded_twice_names_why_in_its_line(tmp_path: Path) -> None:
+    """Two recordings of one job attempt in one rank log (a replay into logs that held it
+    before this version refused, a streamer's logs copied twice): the line says what the
+    steps table says of the first failed step."""
+    for name in ("a", "b"):
+        done = lagscope("replay", "--trace", str(ST_TRACE), "--meta", str(ST_META),
+                        "--log-dir", name, "--no-progress", cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    for rank in (tmp_path / "b").iterdir():
+        for log in rank.iterdir():  # after a's files, in the readers' order
+            log.rename(tmp_path / "a" / rank.name / f"9{log.name}")
+    done = lagscope("run", "--log-dir", "a", cwd=tmp_path)
+    assert done.returncode == 1
+    line = one_error_line(done, "run")
+    assert "(job ST-0 attempt 0: 32 steps, 0 incomplete; step " in line
+    assert "is recorded more than once)" in line
+
+
 def test_query_into_a_reader_that_leaves_early_is_quiet(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "lagscope", "query", "--dsn", "chdb://memory", "--format", "csv",

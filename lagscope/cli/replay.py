@@ -68,7 +68,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from lagscope.producers.config import ConfigError
     from lagscope.producers.kafka_login import check_kafka_settings
     from lagscope.producers.reference_format import load_meta, load_trace
-    from lagscope.producers.replay import UndeliveredError, replay
+    from lagscope.producers.replay import LogDirInUse, UndeliveredError, replay
 
     try:
         config = kafka_config(args, {}) if args.to_kafka else None
@@ -101,6 +101,9 @@ def run_replay(args: argparse.Namespace) -> int:
     except UndeliveredError as exc:
         print(f"lagscope replay: error: {exc}", file=sys.stderr)
         return 1
+    except LogDirInUse as exc:
+        print(f"lagscope replay: error: --log-dir {exc}", file=sys.stderr)
+        return 2
     finally:
         if bar is not None:
             bar.close()

@@ -74,9 +74,13 @@ def nothing_analysed(log_dir: Path, report: RunReport) -> str | None:
         shown = ", ".join(f"(dp {dp}, pp {pp})" for dp, pp in missing[:_NAMED])
         more = f" and {len(missing) - _NAMED} more" if len(missing) > _NAMED else ""
         lacking = f", missing {shown}{more}" if missing else ""
+        why = ""
+        if job.first_failure is not None:
+            step, reason = job.first_failure
+            why = f"; step {step}: {reason.removeprefix(f'{job_id}/{attempt} step {step}: ')}"
         jobs.append(
             f"job {job_id} attempt {attempt}: {job.steps} steps, "
-            f"{len(job.incomplete_steps)} incomplete{lacking}"
+            f"{len(job.incomplete_steps)} incomplete{lacking}{why}"
         )
     return (
         f"--log-dir {log_dir}: no step of any job could be analysed ({'; '.join(jobs)}); "
