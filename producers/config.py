@@ -56,13 +56,15 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-ENV_PREFIX = "LAGSCOPE_"
-#: Separates a section from its field in variable and secret-file names.
-NESTED_DELIMITER = "__"
+from lagscope.producers.config_names import (
+    CONFIG_ENV,
+    ENV_PREFIX,
+    NESTED_DELIMITER,
+    SECRETS_DIR_ENV,
+)
+
 #: Read when it exists and `$LAGSCOPE_SECRETS_DIR` does not name another directory.
 DEFAULT_SECRETS_DIR = Path("/run/secrets/lagscope")
-CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
-SECRETS_DIR_ENV = f"{ENV_PREFIX}SECRETS_DIR"
 
 
 class ConfigError(ValueError):

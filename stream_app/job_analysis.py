@@ -405,6 +405,8 @@ def trace_story(
     info: JobInfo | JobMeta,
     *,
     decompose_threshold: float,
+    episode_settings: OnlineEpisodeSettings | None = None,
+    diagnosis_settings: DiagnosisSettings | None = None,
 ) -> tuple[Diagnosis, list[EpisodeState]]:
     """The story of a recorded trace as a host tells it of the same steps: its episodes,
     found one step at a time in step order (each step costed with `rollup`'s ideals, the
@@ -418,7 +420,12 @@ def trace_story(
         decompose_threshold=decompose_threshold,
         compiled=prepared.model.compiled,
     )
-    live = LiveJob(info, diagnose_every_steps=prepared.n_steps)
+    live = LiveJob(
+        info,
+        diagnose_every_steps=prepared.n_steps,
+        episode_settings=episode_settings,
+        diagnosis_settings=diagnosis_settings,
+    )
     for index, result in enumerate(per_step):
         step = prepared.select_steps([index])
         live.on_step(int(step.steps[0]), 0, result, step, complete=True)

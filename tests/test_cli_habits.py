@@ -71,7 +71,8 @@ def test_defaults_are_shown_and_empty_defaults_are_not() -> None:
     run_help = " ".join(parsers["run"].format_help().split())
     assert "is waited for) (default: 30.0)" in run_help  # --idle-exit-s
     analyze_help = " ".join(parsers["analyze"].format_help().split())
-    assert "reaches this (default: 1.03)" in analyze_help  # --decompose-threshold
+    # --decompose-threshold: the default, and where a setting overrides it
+    assert "reaches this (default: 1.03, or the settings' processor" in analyze_help
     changepoints_help = " ".join(parsers["changepoints"].format_help().split())
     assert f"before detection (default: {BOCD_WARMUP})" in changepoints_help  # --warmup
     for command, parser in parsers.items():

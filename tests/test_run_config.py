@@ -1,7 +1,8 @@
-"""`lagscope run` analyses with the workers' settings: the same configuration model, file
-and LAGSCOPE_* variables as `lagscope worker`, so a team that tuned its episodes or its
-diagnosis for the cluster sees the same story when it replays a node's logs locally.
-Before, `lagscope run` took the defaults whatever the workers were told."""
+"""`lagscope run` and `lagscope analyze` analyse with the workers' settings: the same
+configuration model, file and LAGSCOPE_* variables as `lagscope worker`, so a team that
+tuned its episodes or its diagnosis for the cluster sees the same story when it replays a
+node's logs or analyses a recorded trace locally. Before, both took the defaults whatever
+the workers were told."""
 
 from __future__ import annotations
 
@@ -123,3 +124,46 @@ def ops_ttl_days(store: Path) -> int | None:
         return sink.ops_ttl_days()
     finally:
         sink.close()
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A generated trace whose worker (dp 1, pp 2) is 1.6x slower for steps 20-39 of 60:
+    an episode under the default settings."""
+    out = tmp_path_factory.mktemp("trace")
+    subprocess.run(
+        [sys.executable, "-m", "lagscope", "generate", "--out", str(out), "--dp", "8",
+         "--pp", "4", "--steps", "60", "--inject",
+         "slow_worker:dp=1,stage=2,factor=1.6,start_step=20,end_step=40"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return ["--trace", str(out / "trace.parquet"), "--meta", str(out / "meta.yaml")]
+
+
+def analyse(files: list[str], *args: str, env: dict[str, str] | None = None) -> str:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("LAGSCOPE_")}
+    program = (
+        "import sys; from lagscope.cli import main; code = main(sys.argv[1:]); "
+        "print('settings model imported:', 'pydantic_settings' in sys.modules); "
+        "sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, "analyze", *files, *args],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**environment, **(env or {})},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_analyze_takes_the_workers_settings_and_loads_them_only_when_given(
+    trace: list[str], tmp_path: Path
+) -> None:
+    printed = analyse(trace)
+    assert "  episode 1 from step" in printed
+    assert "settings model imported: False" in printed  # no file, no variable: no cost
+    config = tmp_path / "worker.yaml"
+    config.write_text("processor:\n  episodes:\n    min_cost: 5.0\n")
+    for given in (analyse(trace, "--config", str(config)), analyse(trace, env=NO_EPISODES)):
+        assert "episode 1 from step" not in given
+        assert "settings model imported: True" in given

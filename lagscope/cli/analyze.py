@@ -7,6 +7,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,9 @@ from lagscope.simulator.defaults import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from lagscope.simulator.diagnose import Diagnosis
+    from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
     from lagscope.simulator.episodes import Episode
+    from lagscope.simulator.online_episodes import OnlineEpisodeSettings
     from lagscope.simulator.prepare import PreparedTrace
     from lagscope.simulator.timeline import TimelineWindow
     from lagscope.simulator.whatif import WhatIfResult
@@ -137,8 +139,17 @@ def _add_analysis_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decompose-threshold",
         type=float,
-        default=DEFAULT_DECOMPOSE_THRESHOLD,
-        help="report attributions only when the slowdown reaches this",
+        help="report attributions only when the slowdown reaches this (default: "
+        f"{DEFAULT_DECOMPOSE_THRESHOLD}, or the settings' processor.decompose_threshold)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="the workers' yaml/json config file (as `lagscope worker --config`): its "
+        "processor section (what opens an episode, what names a cause) applies here, as "
+        "LAGSCOPE_PROCESSOR__* variables do, so the trace tells the story the cluster's "
+        "workers tell",
     )
     parser.add_argument(
         "--always-decompose", action="store_true", help="report attributions at any slowdown"
@@ -222,11 +233,19 @@ def run(args: argparse.Namespace) -> int:
     clocks = estimate_clock_offsets(prepared)
     if args.steps:
         prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
-    result = analyze(prepared, decompose_threshold=args.decompose_threshold)
+    settings = _analysis_settings(args)
+    result = analyze(prepared, decompose_threshold=settings.decompose_threshold)
     # The story decides the verdict that the summary, the JSON and the report all show:
     # the trace's diagnosis told with its episodes, as `lagscope run` tells it.
-    diagnosis, episodes = trace_story(prepared, result, diagnose(result, prepared), meta,
-                                      decompose_threshold=args.decompose_threshold)  # fmt: skip
+    diagnosis, episodes = trace_story(
+        prepared,
+        result,
+        diagnose(result, prepared, settings=settings.diagnosis),
+        meta,
+        decompose_threshold=settings.decompose_threshold,
+        episode_settings=settings.episodes,
+        diagnosis_settings=settings.diagnosis,
+    )
     # Chosen before any output: a selection naming nothing is a mistake of the command line.
     window = timeline_window(args, prepared, result, diagnosis) if args.timeline else None
     say(
@@ -252,6 +271,37 @@ def run(args: argparse.Namespace) -> int:
         assert window is not None
         _write_timeline(args, prepared, result, clocks, window, say)
     return 0
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What the analysis of a trace takes of the workers' processor settings."""
+
+    decompose_threshold: float
+    episodes: OnlineEpisodeSettings | None = None
+    diagnosis: DiagnosisSettings | None = None
+
+
+def _analysis_settings(args: argparse.Namespace) -> _Settings:
+    """The workers' processor settings (`lagscope run` and `lagscope worker` read the same
+    model, flags > variables > --config file > defaults), loaded only when a file or a
+    variable gives one: the model costs ~0.1 s of imports and changes nothing otherwise."""
+    import os
+
+    from lagscope.producers.config_names import processor_settings_given
+
+    if args.config is None and not processor_settings_given(os.environ):
+        threshold = args.decompose_threshold
+        return _Settings(DEFAULT_DECOMPOSE_THRESHOLD if threshold is None else threshold)
+    from lagscope.producers.config import load_config
+    from lagscope.stream_app.worker_config import WorkerConfig
+
+    processor = load_config(
+        WorkerConfig,
+        file=args.config,
+        overrides={"processor": {"decompose_threshold": args.decompose_threshold}},
+    ).processor
+    return _Settings(processor.decompose_threshold, processor.episodes, processor.diagnosis)
 
 
 def _read_trace(args: argparse.Namespace, say: Callable[..., None]) -> tuple[Any, Any, str]:

@@ -82,8 +82,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lateness-s",
         type=float,
         metavar="SECONDS",
-        help="close a step this long after its first batch even if ranks miss (default "
-        "processor.lateness_s, 30)",
+        help="close a step this long after its first batch even if ranks miss (default: 30, "
+        "or the settings' processor.lateness_s)",
     )
     run.add_argument(
         "--report",
