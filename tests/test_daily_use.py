@@ -94,6 +94,22 @@ def test_demo_takes_over_a_demo_folder_of_an_older_version(tmp_path: Path) -> No
     assert "old" not in (out / "report.html").read_text()
 
 
+@pytest.mark.parametrize("output", ["--json", "--report", "--timeline"])
+def test_analyze_never_writes_over_its_own_input(tmp_path: Path, output: str) -> None:
+    (tmp_path / "meta.yaml").write_bytes(ST_META.read_bytes())
+    (tmp_path / "trace.parquet").write_bytes(ST_TRACE.read_bytes())
+    before = tree(tmp_path)
+    target = "meta.yaml" if output == "--json" else "./trace.parquet"
+    done = lagscope("analyze", "--trace", "trace.parquet", "--meta", "meta.yaml",
+                    output, target, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2
+    source = "--meta" if output == "--json" else "--trace"
+    assert f"{output} {target}: is the command's input ({source})" in one_error_line(
+        done, "analyze"
+    )
+    assert tree(tmp_path) == before
+
+
 def test_generate_never_overwrites_a_trace_it_did_not_write(tmp_path: Path) -> None:
     recorded = tmp_path / "recorded"
     recorded.mkdir()

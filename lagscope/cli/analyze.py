@@ -165,6 +165,7 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"--{option.replace('_', '-')} chooses what --timeline holds: add it")
     if getattr(args, "timeline_max_slices", 0) < 0:
         raise UsageError("--timeline-max-slices: a count of slices, or 0 for no limit")
+    _check_outputs_spare_inputs(args)
     if args.heatmap and args.heatmap != STDOUT:
         suffix = Path(args.heatmap).suffix.lower()
         if suffix not in HEATMAP_SUFFIXES:
@@ -172,6 +173,28 @@ def check_outputs(args: argparse.Namespace) -> None:
                 f"--heatmap {args.heatmap}: cannot draw a {suffix or 'suffix-less'} file; "
                 f"use one of {', '.join(HEATMAP_SUFFIXES)}, or '-' for PNG on stdout"
             )
+
+
+def _check_outputs_spare_inputs(args: argparse.Namespace) -> None:
+    """An output written over one of the command's own inputs (`--json meta.yaml`, a
+    slip of the shell's completion) would destroy the file the user came with."""
+    inputs: dict[Path, str] = {}
+    for option in ("trace", "meta"):
+        if getattr(args, option, None):
+            inputs[Path(getattr(args, option))] = f"--{option}"
+    for given in getattr(args, "profiler_trace", None) or ():
+        for path in sorted(Path(given).iterdir()) if Path(given).is_dir() else [Path(given)]:
+            inputs[path] = "--profiler-trace"
+    for option in OUTPUT_OPTIONS:
+        value = getattr(args, option, None)
+        if not value or value == STDOUT or not Path(value).is_file():
+            continue
+        for path, source in inputs.items():
+            if path.is_file() and Path(value).samefile(path):
+                raise UsageError(
+                    f"--{option} {value}: is the command's input ({source}); writing there "
+                    "would destroy it: give another path"
+                )
 
 
 def select_steps(spec: str, available: np.ndarray, option: str = "--steps") -> np.ndarray:
