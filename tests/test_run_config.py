@@ -9,30 +9,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from lagscope.cli.demo import write_logs_with_timers
-from lagscope.producers.events import JobInfo
-from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
 from lagscope.store.sink import ClickHouseSink
+from tests.straggler_logs import write_straggler_logs
 
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A DP 4 x PP 2 job whose worker (dp 2, pp 1) is 1.8x slower in its computes for
-    steps 25-44 of 70: an episode under the default settings."""
-    spec = JobSpec(
-        name="run-config", dp=4, pp=2, microbatches=4, steps=70, seed=11,
-        stragglers=(SlowWorker(dp=2, stage=1, factor=1.8, start_step=25, end_step=45),),
-    )  # fmt: skip
-    job = generate_job(spec)
-    info = JobInfo.from_meta(job.meta, job_id="run-config")
+    """`tests/straggler_logs.py`'s job: an episode under the default settings."""
     log_dir = tmp_path_factory.mktemp("run-config") / "logs"
-    total_s = float(job.truth.t_injected.sum())
-    write_logs_with_timers(job.trace, info, log_dir, time.time_ns() - int(total_s * 1e9))
+    write_straggler_logs(log_dir, "run-config")
     return log_dir
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lagscope.cli.demo import write_logs_with_timers
-from lagscope.producers.events import JobInfo
-from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from tests.straggler_logs import write_straggler_logs
 from tests.worker_util import create_topics, query_dsn, start_streamer, start_worker
 
 pytestmark = pytest.mark.slow
@@ -41,21 +38,6 @@ TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def _job(log_dir: Path) -> None:
-    """A DP 4 x PP 2 job placed on two nodes, worker (dp 2, pp 1) 1.8x slower in its
-    computes for steps 25-44 of 70, written through the real timer API."""
-    spec = JobSpec(
-        name="two-hosts", dp=4, pp=2, microbatches=4, steps=70, seed=11,
-        stragglers=(SlowWorker(dp=2, stage=1, factor=1.8, start_step=25, end_step=45),),
-    )  # fmt: skip
-    job = generate_job(spec)
-    info = JobInfo.from_meta(job.meta, job_id="two-hosts")
-    total_s = float(job.truth.t_injected.sum())
-    write_logs_with_timers(
-        job.trace, info, log_dir, time.time_ns() - int(total_s * 1e9), gpus_per_node=4
-    )
-
-
 def _rows(dsn: str, table: str) -> list[dict[str, Any]]:
     order, skip = TABLES[table]
     rows = query_dsn(dsn, f"SELECT * FROM {table} FINAL ORDER BY {order}")
@@ -72,7 +54,7 @@ def test_the_same_logs_give_the_same_rows_through_either_host(
     kafka_bootstrap: str, kafka_topics: dict[str, str], tmp_path: Path
 ) -> None:
     logs = tmp_path / "logs"
-    _job(logs)
+    write_straggler_logs(logs, "two-hosts", gpus_per_node=4)
     embedded_dsn = f"chdb://{tmp_path / 'embedded'}"
     ran = subprocess.run(
         [sys.executable, "-m", "lagscope.cli", "run", "--log-dir", str(logs),
