@@ -1,8 +1,8 @@
 """DDP's gradient buckets timed through its comm hook: the default all-reduce (lagscope's
 own copy of torch's hook, with the bucket's end in the one `then` it needs) and a job's own
 hook (`monitor(..., ddp_comm_hook=(hook, state))`) leave the gradients as DDP without the
-monitor makes them, and record one op per bucket. A world of one gloo rank in this
-process."""
+monitor makes them, and record one op per bucket (on a GPU, the step's last bucket only).
+A world of one gloo rank in this process."""
 
 from __future__ import annotations
 
@@ -118,3 +118,32 @@ def test_a_jobs_own_comm_hook_runs_and_its_buckets_are_recorded(
         _assert_same(monitored, _gradients(None))
     per_step = _buckets_per_step(tmp_path / "logs")
     assert sorted(per_step) == list(range(1, STEPS)) and per_step[1] >= 3, per_step
+
+
+@pytest.mark.parametrize("own_hook", [False, True])
+def test_on_the_device_clock_only_the_last_bucket_is_timed(
+    world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_hook: bool
+) -> None:
+    """On a GPU each timed bucket costs the backward's launches two CUDA events: the step's
+    last bucket alone is timed, from the end of backward to the gradient sync's end. Here
+    the timer says it is on the device clock (its ops still read the host's)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from lagscope.producers.timer import OpTimer
+
+    hook = default_hooks.allreduce_hook if own_hook else None
+    monkeypatch.setattr(OpTimer, "on_host_clock", property(lambda self: False))
+    _assert_same(_gradients(tmp_path / "logs", hook), _gradients(None, hook))
+    ops = recorded_ops(tmp_path / "logs")
+    for step in range(1, STEPS):
+        of_step = {op["optype"]: op for op in ops if op["step"] == step}
+        buckets = [
+            o for o in ops if o["step"] == step and o["optype"] == "separate-grads-all-reduce"
+        ]
+        assert len(buckets) == 1, (step, buckets)
+        (bucket,) = buckets
+        assert bucket["microbatch"] >= 2  # DDP launches its buckets in index order
+        backward, optimizer = of_step["backward-compute"], of_step["optimizer"]
+        backward_end = backward["start_ns"] + backward["duration_ns"]
+        assert backward_end - 1e6 <= bucket["start_ns"]
+        assert bucket["start_ns"] + bucket["duration_ns"] <= optimizer["start_ns"]
