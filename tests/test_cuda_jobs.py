@@ -104,9 +104,11 @@ def test_forward_times_are_the_devices_and_follow_a_device_slowdown(tmp_path: Pa
     slow = statistics.median(recorded[s] for s in range(12, 22))
     healthy = statistics.median(recorded[s] for s in range(3, 12))
     assert 2.5 < slow / healthy < 3.5, (slow, healthy)
-    # NCCL times DDP's buckets on the device: one op per bucket, never longer than a step.
+    # DDP's gradient sync timed on the device: the step's last bucket, one op a step,
+    # never longer than a step.
     buckets = [op for op in ops if op["optype"] == "separate-grads-all-reduce"]
-    assert buckets, "no gradient bucket recorded"
+    per_step = Counter(op["step"] for op in buckets)
+    assert buckets and set(per_step.values()) == {1}, per_step
     step_ns = statistics.median(truth["step_s"]) * 1e9
     assert all(0 < op["duration_ns"] < step_ns for op in buckets), buckets[:3]
 
@@ -120,13 +122,16 @@ def test_a_host_stall_leaves_the_device_times_alone(tmp_path: Path) -> None:
     truth = truths[0]
     step_s = truth["step_s"]
     assert statistics.median(step_s[12:22]) > 1.5 * statistics.median(step_s[3:12]), step_s
-    # Not read as slow compute: the ops are no longer than before. (Shorter is seen: an
-    # op whose kernels the host launches one by one lasts as long as their launches.)
+    # Not read as slow compute: the stall planted after each op is not in it. An op whose
+    # kernels the host then launches one by one into an idle device lasts as long as their
+    # launches, which can be shorter or longer than its device time with a queue (one H100
+    # run read backward 8.1 -> 11.6 ms beside a 16 ms stall), never the stall itself.
+    stall_ms = statistics.median(truth["planted_ms"][12:22]) / 2  # after forward, backward
     for optype in ("forward-compute", "backward-compute"):
         recorded = _per_step_ms(ops, 0, optype)
         stalled = statistics.median(recorded[s] for s in range(12, 22))
         healthy = statistics.median(recorded[s] for s in range(3, 12))
-        assert stalled < 1.2 * healthy, (optype, stalled, healthy)
+        assert stalled - healthy < 0.4 * stall_ms, (optype, stalled, healthy, stall_ms)
     # The stall is where it happened: between forward's end and backward's start.
     for step in range(12, 22):
         (forward,) = [o for o in ops if o["step"] == step and o["optype"] == "forward-compute"]
