@@ -10,16 +10,20 @@
 3. the CUDA tests: the timer's own and tests/test_cuda_jobs.py -> DIR/check.log;
 4. the monitor's cost on a real CUDA model (`tests/bench/cuda_bench.py`) -> DIR/bench.json;
 5. with `--parts ...,profile`: torch.profiler over recorded and unrecorded steps of it ->
-   DIR/profile.json.gz, DIR/profile.txt.
+   DIR/profile.json.gz, DIR/profile.txt;
+6. with `--parts ...,ablation`: the monitor with one part at a time taken away
+   (`tests/bench/cuda_ablation.py`: where a recorded step's extra time comes from) ->
+   DIR/ablation.json.
 
 Each part runs in its own process with a time limit and says how it ended in check.log, so
 one that fails or runs out of time leaves the others' results. The machine needs torch with
 CUDA, pytest and lagscope's plain install (numpy, pydantic, pyyaml); nothing else.
 
-On a machine lent with torch but no network (how it ran on the H200, 2026-11-26): build the
-wheels here (`pip wheel --no-deps -w .whl .`, and `pip download --no-deps --only-binary
-:all: --python-version 3.12 -d .whl pydantic pydantic-core annotated-types
-typing-inspection typing-extensions` at this venv's versions), carry `.whl`, and there:
+On a machine lent with torch but no network (how it ran on an H200, 2026-11-26, and on an
+H100, 2026-11-27): build the wheels here (`pip wheel --no-deps -w .whl .`, and `pip
+download --no-deps --only-binary :all: --python-version 3.12 -d .whl pydantic
+pydantic-core annotated-types typing-inspection typing-extensions` at this venv's
+versions), carry `.whl`, and there:
 
     pip install --no-index --no-deps --target /tmp/site .whl/*.whl
     mkdir /tmp/run && cp -r tests pyproject.toml /tmp/run && cd /tmp/run
@@ -27,7 +31,9 @@ typing-inspection typing-extensions` at this venv's versions), carry `.whl`, and
 
 Run from a copy of `tests/`, not the repository's root: there the source folder
 `lagscope/` shadows the installed package, which maps `lagscope.producers` and the rest
-from their own folders. All parts take about 3 minutes on an H200, `profile` one more.
+from their own folders. All parts take about 3 minutes on an H200, `profile` and
+`ablation` one more each. To compare two trees on one machine, install the other tree's
+lagscope wheel into its own folder and put it first on PYTHONPATH for its runs.
 """
 
 from __future__ import annotations
@@ -194,6 +200,9 @@ def main() -> int:
               "no:cacheprovider", "-q", "-rA", "--durations=0", "-o", "faulthandler_timeout=50",
               "tests/test_timer.py::test_cuda_mode_records_events_without_synchronizing",
               "tests/test_cuda_jobs.py"], 150, stacks_after_s=35)  # fmt: skip
+    if "ablation" in parts:
+        _part(out, "ablation", [*python, "-m", "tests.bench.cuda_ablation",
+              str(out / "ablation.json")], 150)  # fmt: skip
     if "profile" in parts:
         _part(out, "profile", [*python, "-m", "tests.bench.cuda_bench", str(out)], 120)
     if "bench" in parts:

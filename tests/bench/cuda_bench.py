@@ -65,7 +65,6 @@ def _block(job: dict[str, Any], steps: int, monitor_dir: Path | None,
            every_other: bool = False, after_step: Any = None) -> dict[str, Any]:  # fmt: skip
     """`steps` steps with a fresh DDP wrapper, monitored into `monitor_dir` when given;
     `after_step()` is called after each (a profiler's step)."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     import lagscope.torch
@@ -81,8 +80,28 @@ def _block(job: dict[str, Any], steps: int, monitor_dir: Path | None,
             log_dir=monitor_dir, mode="cuda", gc_probe=False, schedule=schedule,
         )  # fmt: skip
     cpu_before = _lagscope_threads_cpu_s()
-    times = []
-    began = time.perf_counter()
+    times = train(job, ddp, steps, after_step)["step_s"]
+    threads_cpu_s = _lagscope_threads_cpu_s() - cpu_before
+    if monitor is not None:
+        # close() seals what the threads had not yet: the same work, on this thread.
+        closing = time.thread_time()
+        monitor.close()
+        threads_cpu_s += time.thread_time() - closing
+    del ddp
+    gc.collect()
+    return {"step_s": times, "threads_cpu_s": threads_cpu_s}
+
+
+def train(job: dict[str, Any], ddp: Any, steps: int, after_step: Any = None) -> dict[str, list]:
+    """`steps` training steps of `ddp` (the job's model wrapped); per step: its time (from
+    the previous step's end, s), the training thread's CPU (s) and the host's wait in the
+    step's closing `loss.item()` (s). `after_step()` is called after each (a profiler's
+    step)."""
+    import torch
+
+    optimizer, loader = job["optimizer"], job["loader"]
+    times, cpu, waits = [], [], []
+    began, cpu_began = time.perf_counter(), time.thread_time()
     step = 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     while step < steps:
@@ -96,24 +115,34 @@ def _block(job: dict[str, Any], steps: int, monitor_dir: Path | None,
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            before_item = time.perf_counter()
             loss.item()
-            now = time.perf_counter()
+            now, cpu_now = time.perf_counter(), time.thread_time()
             times.append(now - began)
-            began = now
+            cpu.append(cpu_now - cpu_began)
+            waits.append(now - before_item)
+            began, cpu_began = now, cpu_now
             if after_step is not None:
                 after_step()
             step += 1
             if step == steps:
                 break
-    threads_cpu_s = _lagscope_threads_cpu_s() - cpu_before
-    if monitor is not None:
-        # close() seals what the threads had not yet: the same work, on this thread.
-        closing = time.thread_time()
-        monitor.close()
-        threads_cpu_s += time.thread_time() - closing
-    del ddp
-    gc.collect()
-    return {"step_s": times, "threads_cpu_s": threads_cpu_s}
+    return {"step_s": times, "cpu_s": cpu, "wait_s": waits}
+
+
+def neighbour_contrast(
+    values: list[float], recorded: set[int], relative: bool = True
+) -> list[float]:
+    """Each recorded step's value against the mean of its two neighbours, where both were
+    unrecorded (and after the first `SKIP`): in % when `relative`, else in millionths of
+    the values' unit."""
+    out = []
+    for s in sorted(recorded):
+        if SKIP <= s < len(values) - 1 and not {s - 1, s + 1} & recorded:
+            neighbours = (values[s - 1] + values[s + 1]) / 2
+            out.append((values[s] / neighbours - 1) * 100 if relative
+                       else (values[s] - neighbours) * 1e6)  # fmt: skip
+    return out
 
 
 def _recorded_steps(log_dir: Path) -> list[int]:
@@ -143,11 +172,7 @@ def _size_rows(name: str, size: dict[str, int], tmp: Path, pairs: int) -> list[d
     recorded = set(_recorded_steps(out))
     times = every_other["step_s"]
     # times[i] is step i's time (from the previous step's end); the monitor skips step 0.
-    contrasts = [
-        (times[s] / ((times[s - 1] + times[s + 1]) / 2) - 1) * 100
-        for s in sorted(recorded)
-        if SKIP <= s < len(times) - 1 and not {s - 1, s + 1} & recorded
-    ]
+    contrasts = neighbour_contrast(times, recorded)
     median, m_low, m_high = _median_ci(contrasts)
     step_ms = statistics.median(plain_medians) * 1e3
     return [
