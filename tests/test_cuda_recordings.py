@@ -1,5 +1,5 @@
 """The analysis on real GPU jobs: tests/data/recorded-cuda, recorded by `lagscope.torch` in
-CUDA mode on an NVIDIA H200 (see its README), read step by step as the job ran.
+CUDA mode on an NVIDIA H100 (see its README), read step by step as the job ran.
 
 Four ranks of a small GPT share the one GPU, so their device times carry the time slices
 of their neighbours (a forward of 2.5-10 ms for the same work). On that noise a rank
@@ -59,3 +59,5 @@ def test_every_step_of_a_gpu_job_is_analysed(tmp_path: Path) -> None:
     assert job.incomplete_steps == []
     assert job.totals.steps == 39  # step 0 (DDP's re-bucketing) is not recorded
     assert job.diagnosis is not None and job.rollup is not None
+    # Four ranks sharing one GPU, no straggler planted: no episode on their noise.
+    assert job.episodes == [], [(e.onset, e.diagnosis.summary) for e in job.episodes]
