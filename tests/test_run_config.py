@@ -107,6 +107,31 @@ def test_a_run_into_the_workers_store_keeps_their_raw_ops_ttl(logs: Path, tmp_pa
     assert ops_ttl_days(store) == 14
 
 
+def test_a_run_stores_raw_ops_unless_the_workers_settings_say_none(
+    logs: Path, tmp_path: Path
+) -> None:
+    """Replayed into the cluster's store with the workers' file, a node's logs add no raw
+    ops where the workers keep none; on its own, a run keeps them for drill-down."""
+    run(logs, tmp_path / "own")
+    assert stored_ops(tmp_path / "own") > 0
+    config = tmp_path / "worker.yaml"
+    config.write_text("store:\n  raw_ops: false\n")
+    run(logs, tmp_path / "shared", "--config", str(config))
+    assert stored_ops(tmp_path / "shared") == 0
+    assert stored_episodes(tmp_path / "shared") >= 1  # the analysis is stored all the same
+    run(logs, tmp_path / "by-variable", env={"LAGSCOPE_STORE__RAW_OPS": "false"})
+    assert stored_ops(tmp_path / "by-variable") == 0
+
+
+def stored_ops(store: Path) -> int:
+    sink = ClickHouseSink(f"chdb://{store}")
+    try:
+        _, rows = sink.query("SELECT count() FROM ops")
+    finally:
+        sink.close()
+    return int(rows[0][0])
+
+
 def ops_ttl_days(store: Path) -> int | None:
     sink = ClickHouseSink(f"chdb://{store}")
     try:

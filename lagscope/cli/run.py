@@ -120,7 +120,11 @@ def run_logs_command(args: argparse.Namespace) -> int:
     live = _live_report(args)
     sink = ClickHouseSink(dsn)
     sink.ensure_schema(ops_ttl_days=config.store.ops_ttl_days)
-    runner = EmbeddedRunner(sink, config.processor, live_report=live)
+    # Raw ops by default, for drill-down into the replayed job; not where the workers'
+    # settings say the store keeps none (a node's logs replayed into the cluster's store).
+    store = config.store
+    raw_ops = store.raw_ops if "raw_ops" in store.model_fields_set else True
+    runner = EmbeddedRunner(sink, config.processor, store_raw_ops=raw_ops, live_report=live)
     display, show = pipeline_progress(None)
     if args.follow and not list_rank_dirs(args.log_dir):
         print(f"lagscope run: waiting for the job's rank logs under {args.log_dir} "
