@@ -36,7 +36,14 @@ from lagscope.producers.log import (
 from lagscope.producers.log import DeadLetter as SkippedSpan
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.store.sink import ClickHouseSink
-from lagscope.stream_app.host_core import HostCore, JobRecords, JobReport, LatenessClock
+from lagscope.stream_app.host_core import (
+    WRITE_EVERY_STEPS,
+    WRITE_INTERVAL_S,
+    HostCore,
+    JobRecords,
+    JobReport,
+    LatenessClock,
+)
 from lagscope.stream_app.processor import ProcessorSettings
 
 
@@ -89,8 +96,8 @@ class EmbeddedRunner:
         sink: ClickHouseSink,
         settings: ProcessorSettings | None = None,
         *,
-        write_every_steps: int = 32,
-        write_interval_s: float = 0.5,
+        write_every_steps: int = WRITE_EVERY_STEPS,
+        write_interval_s: float = WRITE_INTERVAL_S,
         store_raw_ops: bool = True,
         clock: Callable[[], float] = time.time,
         live_report: LiveReport | None = None,
@@ -241,14 +248,8 @@ class EmbeddedRunner:
         batches), or `write_interval_s` after the last write (a job followed live shows in
         the store within that)."""
         now = time.monotonic()
-        due = (
-            force
-            or self.core.news_due
-            or len(self.core.pending) >= self.write_every_steps
-            or bool(self.core.conclusions)
-            or (self.core.has_pending and now - self._last_write >= self.write_interval_s)
-        )
-        if due:
+        every, interval = self.write_every_steps, self.write_interval_s
+        if force or self.core.write_due(now, self._last_write, every, interval):
             self.core.write(self.sink)
             self._last_write = now
 

@@ -54,6 +54,12 @@ from lagscope.stream_app.processor import (
 
 log = logging.getLogger("lagscope.host")
 
+#: A host writes its closed steps at least this often (s) ...
+WRITE_INTERVAL_S = 0.5
+#: ... or as soon as this many wait: the defaults of both hosts (`lagscope worker`'s
+#: settings, `lagscope run`'s runner).
+WRITE_EVERY_STEPS = 64
+
 #: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
 #: that is no batch, a batch the admission or the windows set aside, a batch a windowing
 #: bug dropped, a job record that is invalid or conflicts with a known one, and what a
@@ -416,6 +422,20 @@ class HostCore:
     def has_pending(self) -> bool:
         return bool(self.pending or self.conclusions or self.dead or self.records.pending
                     or self.records.dead or self._raw_ops)  # fmt: skip
+
+    def write_due(self, now: float, last_write: float, every_steps: int, interval_s: float) -> bool:
+        """Whether what is pending is to be written now: at once when a step opened or
+        closed an episode (`news_due`) or a job was concluded; when `every_steps` steps wait
+        (a backlog is written in batches); else `interval_s` after the last write (a job
+        followed live shows in the store within that). `now` and `last_write` on one clock."""
+        if not self.has_pending:
+            return False
+        return (
+            self.news_due
+            or len(self.pending) >= every_steps
+            or bool(self.conclusions)
+            or now - last_write >= interval_s
+        )
 
     @property
     def news_due(self) -> bool:

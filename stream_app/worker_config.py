@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lagscope.producers.config import KafkaSettings, LagscopeConfig
 from lagscope.store.dsn import DEFAULT_DSN, DSN_ENV
 from lagscope.store.sink import RetryPolicy
+from lagscope.stream_app.host_core import WRITE_EVERY_STEPS, WRITE_INTERVAL_S
 from lagscope.stream_app.processor import ProcessorSettings
 
 
@@ -55,10 +56,10 @@ class WorkerSettings(BaseModel):
     #: Consumer group (and faust app id): workers of one group share the partitions.
     group_id: str = "lagscope-worker"
     #: Write closed steps at least this often (seconds) ...
-    write_interval_s: float = Field(default=0.5, gt=0)
+    write_interval_s: float = Field(default=WRITE_INTERVAL_S, gt=0)
     #: ... or as soon as this many are waiting. A step that opens or closes an episode is
     #: written at once, once the partition is caught up.
-    write_every_steps: int = Field(default=64, ge=1)
+    write_every_steps: int = Field(default=WRITE_EVERY_STEPS, ge=1)
     #: Snapshot the processors (and commit offsets) this often ...
     checkpoint_interval_s: float = Field(default=5.0, gt=0)
     #: ... or less often, so that snapshots take at most this share of the worker's time:

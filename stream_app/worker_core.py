@@ -288,15 +288,9 @@ class WorkerCore:
         if self.records.pending or self.records.dead:
             self._store_or_keep(self.records.write, self.sink)
         for part in list(self.partitions.values()):
-            core = part.core
-            if core.has_pending:
-                due = (
-                    core.news_due
-                    or len(core.pending) >= settings.write_every_steps
-                    or core.conclusions
-                )
-                if due or now - part.last_write >= settings.write_interval_s:
-                    self.write(part)
+            every, interval = settings.write_every_steps, settings.write_interval_s
+            if part.core.write_due(now, part.last_write, every, interval):
+                self.write(part)
 
     def checkpoint_due(self, number: int) -> bool:
         part = self.partitions.get(number)

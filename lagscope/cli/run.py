@@ -124,7 +124,11 @@ def run_logs_command(args: argparse.Namespace) -> int:
     # settings say the store keeps none (a node's logs replayed into the cluster's store).
     store = config.store
     raw_ops = store.raw_ops if "raw_ops" in store.model_fields_set else True
-    runner = EmbeddedRunner(sink, config.processor, store_raw_ops=raw_ops, live_report=live)
+    runner = EmbeddedRunner(
+        sink, config.processor, store_raw_ops=raw_ops, live_report=live,
+        write_every_steps=config.worker.write_every_steps,
+        write_interval_s=config.worker.write_interval_s,
+    )  # fmt: skip
     display, show = pipeline_progress(None)
     if args.follow and not list_rank_dirs(args.log_dir):
         print(f"lagscope run: waiting for the job's rank logs under {args.log_dir} "
