@@ -37,13 +37,17 @@ def run(logs: Path, store: Path, *args: str, env: dict[str, str] | None = None) 
     return done.stdout
 
 
-def stored_episodes(store: Path) -> int:
+def stored_count(store: Path, table: str) -> int:
     sink = ClickHouseSink(f"chdb://{store}")
     try:
-        _, rows = sink.query("SELECT count() FROM episodes FINAL")
+        _, rows = sink.query(f"SELECT count() FROM {table}")
     finally:
         sink.close()
     return int(rows[0][0])
+
+
+def stored_episodes(store: Path) -> int:
+    return stored_count(store, "episodes FINAL")
 
 
 #: An episode must cost 5 steps' time a step to open: none can.
@@ -124,12 +128,7 @@ def test_a_run_stores_raw_ops_unless_the_workers_settings_say_none(
 
 
 def stored_ops(store: Path) -> int:
-    sink = ClickHouseSink(f"chdb://{store}")
-    try:
-        _, rows = sink.query("SELECT count() FROM ops")
-    finally:
-        sink.close()
-    return int(rows[0][0])
+    return stored_count(store, "ops")
 
 
 def ops_ttl_days(store: Path) -> int | None:
