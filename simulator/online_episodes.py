@@ -51,6 +51,10 @@ all but one within 10. The misses are real-CPU ranks whose 2x slower ops of a fe
 1.3-1.6x beside the contention of three other ranks on two cores. The pooled noise and
 the costlier second episode came later (2026-11-26), for a 16th recording kept there
 (ddp-input-3: noise read as a host episode hid an input straggler); the 15 read as before.
+So did the spike rate counted over the workers that do a kind of work (2026-11-27: the
+input waits of a 1F1B job's second stage, always zero, had halved it), and what the
+hosts name on top of this detector: an episode only once it has cost the job enough
+(`episode_diagnosis.costs_the_job`), which leaves one of the recorded stragglers unnamed.
 
 State (`state_dict` / `from_state`) is plain arrays and numbers: a host snapshots it with
 the rest of its step processor.
@@ -446,10 +450,11 @@ class OnlineEpisodes:
         return (steps[:, None, None] >= self._baseline_from[None]) & ~inside_any[:, None, None]
 
     def _spike_rate(self, kinds: np.ndarray) -> np.ndarray:
-        """[kind]: the share of the workers' recent steps (none of an episode) in which
-        one jumped by `min_rise` over its own median and by `min_cost` of a step: how
-        often the job's own noise makes a worker look like a straggler for a step. Only
-        `kinds` (indices) are measured, the others read 1 (they have no candidate)."""
+        """[kind]: the share of the workers' recent steps (none of an episode; only the
+        workers that do that kind of work) in which one jumped by `min_rise` over its own
+        median and by `min_cost` of a step: how often the job's own noise makes a worker
+        look like a straggler for a step. Only `kinds` (indices) are measured, the others
+        read 1 (they have no candidate)."""
         cfg = self.settings
         history = self._history
         rate = np.ones(len(self.kinds))
@@ -458,9 +463,13 @@ class OnlineEpisodes:
         values = history.recent(history.count)[-cfg.baseline_steps :, kinds]
         steps = history.steps[: history.count][-cfg.baseline_steps :]
         usable = self._usable(steps)  # [slot, stage, dp]
+        # A worker with none of a kind's work (no input wait on a later pipeline stage)
+        # has a series of zeros: no series at all. Counted, they halved a 1F1B job's
+        # input-wait spike rate and opened an episode on five steps of its noise.
+        has_work = (values != 0).any(axis=0, keepdims=True)
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            kept = np.where(usable[:, None], values, np.nan)
+            kept = np.where(usable[:, None] & has_work, values, np.nan)
             median = nanmedian_first_axis(kept)
             step_s = float(np.median(self._step_times[-cfg.baseline_steps :]))
             jumped = (kept >= (1 + cfg.min_rise) * median) & (

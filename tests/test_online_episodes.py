@@ -107,6 +107,21 @@ def test_a_short_stretch_of_a_noisy_job_waits_for_more_evidence() -> None:
     assert _run(noisy).episodes == []
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_kind_only_some_workers_do_is_as_noisy_as_their_series(seed: int) -> None:
+    """Only the first stage waits for input (a pipeline's later stages never do), and its
+    input waits jump by 40 ms in 15 % of their steps: a 6-step stretch as long is noise
+    there (the second stage's empty series do not make the job quiet), while on a job
+    whose input waits never jump it is an episode."""
+    for spike_rate, episodes in ((0.0, 1), (0.15, 0)):
+        values = _job(seed)
+        values[:, 2, 1, :] = 0.0
+        spikes = np.random.default_rng(100 + seed).random((N_STEPS, N_DP)) < spike_rate
+        values[:, 2, 0, :] += np.where(spikes, 0.040, 0.0)
+        values[30:36, 2, 0, 1] = 0.042
+        assert len(_run(values).episodes) == episodes, spike_rate
+
+
 def test_the_costliest_kind_of_a_worker_is_its_one_episode() -> None:
     """An input-starved rank also starts its next forward late (its host time rises):
     one episode, of the kind that cost the most."""
