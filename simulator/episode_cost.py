@@ -97,6 +97,18 @@ class EpisodeCost:
         return float(min(max(self.lost_s / self.excess_s, 0.0), 1.0))
 
     @property
+    def saved_share(self) -> float:
+        """Share of those steps' measured time the job would have saved without the
+        episode.
+
+        >>> EpisodeCost(lost_s=1.0, measured_s=4.0).saved_share
+        0.25
+        """
+        if self.measured_s <= 0:
+            return 0.0
+        return float(min(max(self.lost_s / self.measured_s, 0.0), 1.0))
+
+    @property
     def speedup(self) -> float:
         """How much faster those steps would have run without the episode.
 

@@ -55,6 +55,27 @@ def cause_of(kind: str) -> Cause:
     return CAUSE_OF_KIND.get(kind, Cause.SLOW_WORKERS)
 
 
+def costs_the_job(cost: EpisodeCost, settings: DiagnosisSettings | None = None) -> bool:
+    """Whether an episode has cost the job enough over its steps so far to be named: by
+    the run's own test for a slow worker (`diagnose.py`), it explains `explains_share` of
+    the job's slowdown over those steps, or the job would have run `floor_margin` faster
+    without it. A worker whose own time rose, beside a job that lost next to nothing to
+    it, is the job's noise: on a shared 2-core machine a healthy 1F1B rank's input waits
+    rose 4-5x for 8-10 steps and cost 1-2 % of those steps, 5-12 % of their slowdown;
+    every straggler planted in a recorded job and found cost 5-63 % of its steps at the
+    opening but one (a 2x forward that cost 0.6 %, 1.3 % in the end).
+
+    >>> costs_the_job(EpisodeCost(lost_s=0.1, excess_s=1.0, measured_s=10.0, steps=8))
+    False
+    >>> costs_the_job(EpisodeCost(lost_s=0.6, excess_s=1.0, measured_s=10.0, steps=8))
+    True
+    >>> costs_the_job(EpisodeCost(lost_s=0.4, excess_s=4.0, measured_s=10.0, steps=8))
+    True
+    """
+    cfg = settings or DiagnosisSettings()
+    return cost.share >= cfg.explains_share or cost.saved_share >= cfg.floor_margin
+
+
 def episode_diagnosis(
     episode: WorkerEpisode,
     cost: EpisodeCost,

@@ -9,7 +9,11 @@ episodes at the same steps and store the same rows:
   episodes' share is what stragglers cost; the rest is the job's own jitter), MFU.
 - **Episodes** (`simulator/online_episodes.py`): updated at every complete step; an open
   episode's cost (`simulator/episode_cost.py`) grows with every step it covers, and its
-  diagnosis (`simulator/episode_diagnosis.py`) is redone with it.
+  diagnosis (`simulator/episode_diagnosis.py`) is redone with it. An episode is named (a
+  state, a row, an alert) once it has cost the job enough (`costs_the_job`: the run's own
+  test for a slow worker), from the step it does: a worker whose own time rose while the
+  job lost next to nothing to it is the job's noise, and one that closes so is never
+  named. Its `first_seen` is the step it was named at.
 - **Diagnosis**: the retained steps are rolled up (`lagscope analyze` of them),
   diagnosed, and the run's one story is composed from that diagnosis and the episodes
   (`simulator/run_story.py`): first after `diagnose_every_steps` complete steps, then
@@ -38,7 +42,11 @@ import numpy as np
 from lagscope.simulator.advice import Advice, advise_resplit
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
-from lagscope.simulator.episode_diagnosis import episode_diagnosis, refined_bounds
+from lagscope.simulator.episode_diagnosis import (
+    costs_the_job,
+    episode_diagnosis,
+    refined_bounds,
+)
 from lagscope.simulator.online_episodes import (
     HOST,
     OnlineEpisodes,
@@ -168,8 +176,11 @@ class LiveJob:
         self.totals = JobTotals()
         self.detector: OnlineEpisodes | None = None
         self.costs: dict[int, EpisodeCost] = {}
-        #: The latest state of every episode, by id.
+        #: The latest state of every named episode, by id.
         self.states: dict[int, EpisodeState] = {}
+        #: The episodes named so far (their cost passed `costs_the_job`): the step each
+        #: was named at, by id.
+        self.named: dict[int, int] = {}
         #: Per compute episode, the re-split of micro-batches its steps were re-simulated
         #: with (at its opening, again at the job's end); None where it would not help.
         self.resplit: dict[int, Advice | None] = {}
@@ -218,6 +229,7 @@ class LiveJob:
         changed = []
         for change in changes:
             episode = change.episode
+            key = episode.episode_id
             if change.change == "opened":
                 cost = EpisodeCost()
                 inside = []
@@ -225,14 +237,20 @@ class LiveJob:
                     if int(earlier.steps[0]) >= episode.onset:
                         cost = self._cost_of(episode, earlier, earlier_times, cost)
                         inside.append(earlier)
-                self.costs[episode.episode_id] = cost
-                self.resplit[episode.episode_id] = _resplit(episode, inside)
-            if change.change in ("opened", "closed"):
-                self.story_changed = True
+                self.costs[key] = cost
+                self.resplit[key] = _resplit(episode, inside)
             if change.change == "updated":
-                self.costs[episode.episode_id] = self._cost_of(
-                    episode, prepared, times, self.costs[episode.episode_id]
-                )
+                self.costs[key] = self._cost_of(episode, prepared, times, self.costs[key])
+            if key not in self.named:
+                if not costs_the_job(self.costs[key], self.diagnosis_settings):
+                    if change.change == "closed":  # never named: nothing to keep
+                        self.costs.pop(key, None)
+                        self.resplit.pop(key, None)
+                    continue
+                self.named[key] = step
+                self.story_changed = True
+            elif change.change == "closed":
+                self.story_changed = True
             changed.append(self._state(episode, step))
         return changed
 
@@ -253,7 +271,9 @@ class LiveJob:
         return cost.plus(lost, excess, actual)
 
     def _state(self, episode: WorkerEpisode, step: int, *, final: bool = False) -> EpisodeState:
-        snapshot = dataclasses.replace(episode)
+        snapshot = dataclasses.replace(
+            episode, first_seen=self.named.get(episode.episode_id, episode.first_seen)
+        )
         cost = self.costs.get(episode.episode_id, EpisodeCost())
         diagnosis = episode_diagnosis(
             snapshot,
@@ -341,7 +361,7 @@ class LiveJob:
         refined = []
         if window and self.detector is not None:
             prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
-            for episode in self.detector.episodes:
+            for episode in self._named_episodes():
                 onset, recovery = refined_bounds(episode, prepared, self.episode_settings)
                 fitted = dataclasses.replace(episode, onset=onset, recovery=recovery)
                 end = recovery if recovery is not None else np.inf
@@ -350,6 +370,11 @@ class LiveJob:
                     self.resplit[episode.episode_id] = _resplit(fitted, inside)
                 refined.append(self._state(fitted, self.totals.last_step, final=True))
         return refined
+
+    def _named_episodes(self) -> list[WorkerEpisode]:
+        if self.detector is None:
+            return []
+        return [e for e in self.detector.episodes if e.episode_id in self.named]
 
     def _states_by_cost(self) -> list[EpisodeState]:
         return sorted(self.states.values(), key=lambda s: -s.cost.lost_s)
@@ -374,6 +399,7 @@ class LiveJob:
             "since_diagnosis": self.since_diagnosis,
             "diagnosis_interval": self.diagnosis_interval,
             "step_start_ns": [[k, v] for k, v in self.step_start_ns.items()],
+            "named": [[k, v] for k, v in self.named.items()],
         }
 
     def restore(self, state: dict[str, Any], retained: Sequence[PreparedTrace]) -> None:
@@ -393,9 +419,13 @@ class LiveJob:
         self.since_diagnosis = int(state["since_diagnosis"])
         self.diagnosis_interval = int(state.get("diagnosis_interval", self.diagnose_every_steps))
         self.step_start_ns = {int(k): int(v) for k, v in state["step_start_ns"]}
-        if self.detector is not None:
-            for episode in self.detector.episodes:
-                self._state(episode, self.totals.last_step)
+        named = state.get("named")
+        if named is None:  # a snapshot from before naming: every episode was named
+            episodes = self.detector.episodes if self.detector is not None else []
+            named = [[e.episode_id, e.first_seen] for e in episodes]
+        self.named = {int(k): int(v) for k, v in named}
+        for episode in self._named_episodes():
+            self._state(episode, self.totals.last_step)
 
 
 def trace_story(
@@ -431,7 +461,7 @@ def trace_story(
         live.on_step(int(step.steps[0]), 0, result, step, complete=True)
     # The steps one by one again only to refine episodes: a large trace is not held twice
     # when it has none.
-    found = live.detector is not None and live.detector.episodes
+    found = bool(live.named)
     window = [prepared.select_steps([i]) for i in range(prepared.n_steps)] if found else []
     refined = live.refine(window)
     return live.story(run, rollup), refined

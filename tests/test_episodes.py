@@ -8,15 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lagscope.simulator.diagnose import DiagnosisSettings
 from lagscope.simulator.episodes import square_wave
 from lagscope.simulator.generate import CostModel, JobSpec, SlowWorker, generate_job
-from lagscope.stream_app.processor import StepProcessor
+from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
 from tests.test_processor import stream_of
 
 NOISY = CostModel(first_stage_extra=0.0, last_stage_extra=0.1, noise_cv=0.12)
 
 
-def streamed(stragglers, steps, seed):
+def streamed(stragglers, steps, seed, settings=None):
     """The processor's outputs of a generated DP 2 x PP 2 job, closed step by step, and its
     conclusion."""
     job = generate_job(
@@ -25,7 +26,7 @@ def streamed(stragglers, steps, seed):
         )
     )
     info, batches = stream_of(job)
-    processor = StepProcessor()
+    processor = StepProcessor(settings)
     processor.on_job(info)
     outputs = []
     for _, _, step_batches in batches:
@@ -55,6 +56,30 @@ def test_a_worker_slow_for_a_window_is_named_while_slow_and_bounded_at_the_end(s
     assert conclusion.diagnosis.verdict.cause == "slow_workers"
     first = conclusion.diagnosis.verdict.evidence.named_workers[0]
     assert (first.dp, first.stage) == (1, 0)
+
+
+def test_an_episode_is_named_from_the_step_it_has_cost_the_job_enough():
+    """The straggler's episode, with the bar its cost must pass raised: half-way between
+    the share of the job's slowdown it explained when it opened and at its end, it is
+    named at the first step its share reaches that, seen there, and nothing before; with a
+    bar no cost can pass, never, not even at the end of the job."""
+    slow = SlowWorker(dp=1, stage=0, factor=2.0, start_step=15, end_step=30)
+    outputs, _ = streamed((slow,), 40, 0)
+    shares = [(out.step, state.cost.share) for out in outputs for state in out.episodes]
+    onset = next(state.episode.onset for out in outputs for state in out.episodes)
+    bar = (shares[0][1] + shares[-1][1]) / 2
+    named_at = next(step for step, share in shares if share >= bar)
+    assert named_at > shares[0][0]
+    raised = ProcessorSettings(diagnosis=DiagnosisSettings(explains_share=bar, floor_margin=1.0))
+    outputs, conclusion = streamed((slow,), 40, 0, raised)
+    states = [(out.step, state) for out in outputs for state in out.episodes]
+    assert states[0][0] == named_at and states[0][1].episode.first_seen == named_at
+    assert states[0][1].episode.onset == onset  # named later, the same slow steps
+    (final,) = conclusion.episodes
+    assert final.episode.first_seen == named_at
+    never = ProcessorSettings(diagnosis=DiagnosisSettings(explains_share=1.5, floor_margin=1.0))
+    outputs, conclusion = streamed((slow,), 40, 0, never)
+    assert [s for out in outputs for s in out.episodes] == [] and conclusion.episodes == ()
 
 
 @pytest.mark.parametrize("seed", range(3))
