@@ -20,6 +20,7 @@ Light on purpose (no client library is imported), so that `--help` can show the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from lagscope.producers.redact import MASK, redact_url
@@ -45,6 +46,29 @@ def resolve_dsn(given: str | None) -> str:
     import os
 
     return given or os.environ.get(DSN_ENV) or DEFAULT_DSN
+
+
+def directory_to_make(dsn: str) -> Path | None:
+    """The outermost directory that opening `dsn`'s embedded store would make (None: a
+    server, a store in memory, or one whose directory exists): what a command that made
+    the store and then stored nothing may remove again, and nothing more.
+
+    >>> directory_to_make("http://localhost:8123/default") is None
+    True
+    >>> directory_to_make("chdb:///") is None
+    True
+    >>> str(directory_to_make("chdb:///nonexistent-root/lagscope-data/chdb"))
+    '/nonexistent-root'
+    """
+    parsed = parse_dsn(dsn)
+    if parsed.kind != "chdb" or not parsed.path:
+        return None
+    made = None
+    for directory in (Path(parsed.path).absolute(), *Path(parsed.path).absolute().parents):
+        if directory.exists():
+            break
+        made = directory
+    return made
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from lagscope.producers.events import SchemaError, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.metrics import MetricsServer
 from lagscope.producers.redact import scrub, secret_values
+from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
 from lagscope.stream_app.worker_config import WorkerConfig
@@ -64,6 +65,9 @@ class FaustWorker:
         check_kafka_login(config.kafka, broker_required=False)
         #: The state directory, and whether this worker made it (and so removes it).
         self.data_dir, self._own_data_dir = state_directory(config.worker.data_dir)
+        #: The directory of the embedded store this worker makes, removed again if it
+        #: never reaches Kafka: a mistyped broker must not leave an empty store behind.
+        self._made_store = directory_to_make(config.store.resolved_dsn())
         self.sink = ClickHouseSink(config.store.resolved_dsn(), retry=config.store.retry_policy())
         self.sink.ensure_schema(ops_ttl_days=config.store.ops_ttl_days)
         #: The producer of `lagscope.results`: made once a broker answers (`run`), so a
@@ -576,9 +580,13 @@ class FaustWorker:
         ).execute_from_commandline()
 
     def close(self) -> None:
-        """Remove the state directory this worker made for itself (none it was given)."""
+        """Remove the state directory this worker made for itself (none it was given), and
+        the store it made if it never reached Kafka (so stored nothing)."""
         if self._own_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._producer is None and self._made_store is not None:
+            self.sink.close()
+            shutil.rmtree(self._made_store, ignore_errors=True)
 
 
 def state_directory(configured: Path | None) -> tuple[Path, bool]:

@@ -26,17 +26,26 @@ def _worker(args: list[str], cwd: Path, env: dict[str, str] | None = None,
     )  # fmt: skip
 
 
-@pytest.mark.slow  # waits out the broker attempts (~11 s)
-def test_a_broker_that_does_not_answer_is_waited_for_one_line_per_attempt(tmp_path: Path):
+@pytest.mark.slow  # waits out the broker attempts (~11 s each)
+@pytest.mark.parametrize("store", ["default", "existing"])
+def test_a_broker_that_does_not_answer_is_waited_for_one_line_per_attempt(
+    tmp_path: Path, store: str
+):
+    """... and the store is left as it was: the default one the worker made in the working
+    directory is removed again (nothing was consumed), one it was given is kept."""
     empty = tmp_path / "empty"
     empty.mkdir()
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    existing = tmp_path / "store"
+    existing.mkdir()
+    (existing / "kept").write_text("the user's")
+    args = ["--dsn", f"chdb://{existing}"] if store == "existing" else []
+    env = {"LAGSCOPE_WORKER__BROKER_RETRY_S": "1", "TMPDIR": str(scratch)}
     done = _worker(
-        ["--dsn", f"chdb://{tmp_path / 'store'}", "--bootstrap-servers", "127.0.0.1:1",
-         "--idle-exit-s", "4"],
+        [*args, "--bootstrap-servers", "127.0.0.1:1", "--idle-exit-s", "4"],
         empty,
-        {"LAGSCOPE_WORKER__BROKER_RETRY_S": "1", "TMPDIR": str(scratch)},
+        {**env, "LAGSCOPE_CLICKHOUSE_DSN": ""},
     )  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
@@ -48,6 +57,7 @@ def test_a_broker_that_does_not_answer_is_waited_for_one_line_per_attempt(tmp_pa
     # Nothing made in the working directory, and its temporary state directory is gone.
     assert list(empty.iterdir()) == []
     assert list(scratch.iterdir()) == []
+    assert (existing / "kept").read_text() == "the user's"
 
 
 def test_a_state_directory_that_cannot_be_made_is_one_line(tmp_path: Path):
