@@ -93,6 +93,35 @@ class DependencyModel:
     def _node_optypes(self) -> list[str]:
         return [n.optype for n in self.nodes]
 
+    def nodes_by_stage(
+        self, optype: str | None, *, own_work_only: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The nodes of `optype` (None: of every op type; `own_work_only`: only those whose
+        duration is the worker's own work) in stage order (stable), the position of each
+        stage's first among them, and those stages: what sums a per-node quantity per stage
+        with one `np.add.reduceat` (read-only: shared by every caller)."""
+        key = (optype, own_work_only)
+        found = self._nodes_by_stage.get(key)
+        if found is None:
+            chosen = np.ones(self.n_nodes, dtype=bool)
+            if optype is not None:
+                chosen &= np.array(self._node_optypes) == optype
+            if own_work_only:
+                chosen &= self.own_work_nodes
+            mine = np.flatnonzero(chosen)
+            nodes = mine[np.argsort(self._node_stage[mine], kind="stable")]
+            ordered = self._node_stage[nodes]
+            firsts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]][: nodes.size])
+            found = (nodes, firsts, ordered[firsts])
+            for array in found:
+                array.flags.writeable = False
+            self._nodes_by_stage[key] = found
+        return found
+
+    @cached_property
+    def _nodes_by_stage(self) -> dict[tuple[str | None, bool], tuple[np.ndarray, ...]]:
+        return {}
+
     @cached_property
     def own_work_nodes(self) -> np.ndarray:
         """Nodes whose duration is the worker's own work, not waiting for peers

@@ -40,14 +40,7 @@ def own_work_mask(prepared: PreparedTrace) -> np.ndarray:
 def own_work(prepared: PreparedTrace, optype: str | None = None) -> np.ndarray:
     """Own work of every worker in every step, [step, stage, dp] (seconds); only that of
     `optype` when given."""
-    mask = own_work_mask(prepared)
-    if optype is not None:
-        mask = mask & np.array([t == optype for t in prepared.node_optype])
-    stage = prepared.model.node_stage()
-    out = np.zeros((prepared.n_steps, prepared.n_stages, prepared.n_dp))
-    values = prepared.duration[mask].astype(np.float64)  # [node, step, dp]
-    np.add.at(out.transpose(1, 0, 2), stage[mask], values)
-    return out
+    return prepared.stage_sums(prepared.duration, optype, own_work_only=True)
 
 
 def relative_to_peers(work: np.ndarray) -> np.ndarray:

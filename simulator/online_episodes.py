@@ -191,20 +191,12 @@ def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
     """[step, kind, stage, dp] seconds of each worker's own time of each kind: the summed
     durations of its own-work ops of that op type, and for `host` the summed launch
     delays of all its ops (time its host took to start an op once the op could start)."""
-    stage = prepared.model.node_stage()
-    optypes = np.array(prepared.node_optype)
     out = np.zeros((prepared.n_steps, len(kinds), prepared.n_stages, prepared.n_dp))
     for index, kind in enumerate(kinds):
         if kind == HOST:
-            nodes = np.ones(optypes.size, dtype=bool)
-            values = np.clip(prepared.launch_delay, 0.0, None)
+            out[:, index] = prepared.stage_sums(np.clip(prepared.launch_delay, 0.0, None))
         else:
-            nodes = optypes == kind
-            values = prepared.duration
-        if not nodes.any():
-            continue
-        view = out[:, index].transpose(1, 0, 2)  # [stage, step, dp]
-        np.add.at(view, stage[nodes], values[nodes].astype(np.float64))
+            out[:, index] = prepared.stage_sums(prepared.duration, kind)
     return out
 
 

@@ -71,6 +71,20 @@ class PreparedTrace:
     def node_optype(self) -> list[str]:
         return self.model.node_optypes()
 
+    def stage_sums(
+        self, values: np.ndarray, optype: str | None = None, *, own_work_only: bool = False
+    ) -> np.ndarray:
+        """[step, stage, dp]: `values` ([node, step, dp]) summed over each worker's nodes of
+        `optype` (None: every op type; `own_work_only`: only its own work). Summed in node
+        order, as `np.add.at` would, at a fraction of its cost: a streamed step asks for
+        these several times."""
+        nodes, firsts, stages = self.model.nodes_by_stage(optype, own_work_only=own_work_only)
+        out = np.zeros((self.n_steps, self.n_stages, self.n_dp))
+        if nodes.size:
+            sums = np.add.reduceat(values[nodes].astype(np.float64), firsts, axis=0)
+            out[:, stages] = sums.transpose(1, 0, 2)
+        return out
+
     def select_steps(self, keep: np.ndarray) -> PreparedTrace:
         """Keep some steps (a boolean mask or indices), with inputs already derived."""
         idx = np.flatnonzero(keep) if np.asarray(keep).dtype == bool else np.asarray(keep)

@@ -695,7 +695,9 @@ class StepProcessor:
         index = job.detector.steps_seen
         job.fed_steps.append((index, step))
         found = job.detector.update(values)
-        step_of = dict(job.fed_steps)
+        if not found:
+            return ()
+        step_of = dict(job.fed_steps)  # up to 4096 steps: only when a change was found
         detected = []
         for c in found:
             series = job.series_names[c.series]
