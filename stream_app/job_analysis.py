@@ -178,9 +178,10 @@ class LiveJob:
         self.costs: dict[int, EpisodeCost] = {}
         #: The latest state of every named episode, by id.
         self.states: dict[int, EpisodeState] = {}
-        #: The episodes named so far (their cost passed `costs_the_job`): the step each
-        #: was named at, by id.
-        self.named: dict[int, int] = {}
+        #: The episodes named so far (their cost passed `costs_the_job`), by the
+        #: detector's id: the step each was named at and the id it is shown with (1, 2, ...
+        #: in the order they were named: the detector's count the unnamed ones too).
+        self.named: dict[int, tuple[int, int]] = {}
         #: Per compute episode, the re-split of micro-batches its steps were re-simulated
         #: with (at its opening, again at the job's end); None where it would not help.
         self.resplit: dict[int, Advice | None] = {}
@@ -247,7 +248,7 @@ class LiveJob:
                         self.costs.pop(key, None)
                         self.resplit.pop(key, None)
                     continue
-                self.named[key] = step
+                self.named[key] = (step, len(self.named) + 1)
                 self.story_changed = True
             elif change.change == "closed":
                 self.story_changed = True
@@ -271,9 +272,10 @@ class LiveJob:
         return cost.plus(lost, excess, actual)
 
     def _state(self, episode: WorkerEpisode, step: int, *, final: bool = False) -> EpisodeState:
-        snapshot = dataclasses.replace(
-            episode, first_seen=self.named.get(episode.episode_id, episode.first_seen)
+        first_seen, shown_id = self.named.get(
+            episode.episode_id, (episode.first_seen, episode.episode_id)
         )
+        snapshot = dataclasses.replace(episode, episode_id=shown_id, first_seen=first_seen)
         cost = self.costs.get(episode.episode_id, EpisodeCost())
         diagnosis = episode_diagnosis(
             snapshot,
@@ -399,7 +401,7 @@ class LiveJob:
             "since_diagnosis": self.since_diagnosis,
             "diagnosis_interval": self.diagnosis_interval,
             "step_start_ns": [[k, v] for k, v in self.step_start_ns.items()],
-            "named": [[k, v] for k, v in self.named.items()],
+            "named": [[k, *v] for k, v in self.named.items()],
         }
 
     def restore(self, state: dict[str, Any], retained: Sequence[PreparedTrace]) -> None:
@@ -422,8 +424,8 @@ class LiveJob:
         named = state.get("named")
         if named is None:  # a snapshot from before naming: every episode was named
             episodes = self.detector.episodes if self.detector is not None else []
-            named = [[e.episode_id, e.first_seen] for e in episodes]
-        self.named = {int(k): int(v) for k, v in named}
+            named = [[e.episode_id, e.first_seen, e.episode_id] for e in episodes]
+        self.named = {int(k): (int(step), int(shown)) for k, step, shown in named}
         for episode in self._named_episodes():
             self._state(episode, self.totals.last_step)
 
