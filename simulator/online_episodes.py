@@ -28,7 +28,7 @@ time
 
 A weaker rise, clear of the noise by `confirm_z` only, opens the episode once it has lasted
 `confirm_steps`; a job whose workers jump that much in more than `quiet_spike_rate` of
-their steps (ranks that lose shared cores in runs of up to 10 steps look like stragglers
+their steps before the evidence (ranks that lose shared cores in runs of up to 10 steps look like stragglers
 for that long) opens none before `confirm_steps`, and above `busy_spike_rate` none before
 `noisy_steps`. The evidence begins where the worker rose (its first step is past the middle
 of its two levels), and the baselines leave out every episode's steps (a straggler changes
@@ -51,8 +51,10 @@ all but one within 10. The misses are real-CPU ranks whose 2x slower ops of a fe
 1.3-1.6x beside the contention of three other ranks on two cores. The pooled noise and
 the costlier second episode came later (2026-11-26), for a 16th recording kept there
 (ddp-input-3: noise read as a host episode hid an input straggler); the 15 read as before.
-So did the spike rate counted over the workers that do a kind of work (2026-11-27: the
-input waits of a 1F1B job's second stage, always zero, had halved it), and what the
+So did the spike rate counted over the workers that do a kind of work and before the
+evidence (2026-11-27: the input waits of a 1F1B job's second stage, always zero, had
+halved it; the straggler's own first slow steps had raised it, which in a live run made
+an input straggler's host time, risen with it, open first and name it a slow host), and what the
 hosts name on top of this detector: an episode only once it has cost the job enough
 (`episode_diagnosis.costs_the_job`), which leaves one of the recorded stragglers unnamed.
 
@@ -378,13 +380,16 @@ class OnlineEpisodes:
         candidates = self._candidates() & ~open_kind
         if not candidates.any():
             return changes  # a healthy job's usual step: no spike rate to take
-        spikes = self._spike_rate(np.flatnonzero(candidates.any(axis=(1, 2))))  # [kind]
+        measured = np.flatnonzero(candidates.any(axis=(1, 2)))
         lanes = (
-            (cfg.onset_steps, cfg.onset_z, spikes <= cfg.quiet_spike_rate),
-            (cfg.confirm_steps, cfg.confirm_z, spikes <= cfg.busy_spike_rate),
-            (cfg.noisy_steps, cfg.confirm_z, np.ones_like(spikes, dtype=bool)),
+            (cfg.onset_steps, cfg.onset_z, cfg.quiet_spike_rate),
+            (cfg.confirm_steps, cfg.confirm_z, cfg.busy_spike_rate),
+            (cfg.noisy_steps, cfg.confirm_z, None),
         )
-        for window, z, kinds_allowed in lanes:
+        for window, z, most_spikes in lanes:
+            kinds_allowed = np.ones(len(self.kinds), dtype=bool)
+            if most_spikes is not None:
+                kinds_allowed = self._spike_rate(measured, window) <= most_spikes
             columns = np.nonzero(candidates & kinds_allowed[:, None, None])
             if not columns[0].size:
                 continue
@@ -441,19 +446,21 @@ class OnlineEpisodes:
             inside_any |= (steps >= episode.onset) & (steps < end)
         return (steps[:, None, None] >= self._baseline_from[None]) & ~inside_any[:, None, None]
 
-    def _spike_rate(self, kinds: np.ndarray) -> np.ndarray:
-        """[kind]: the share of the workers' recent steps (none of an episode; only the
-        workers that do that kind of work) in which one jumped by `min_rise` over its own
-        median and by `min_cost` of a step: how often the job's own noise makes a worker
-        look like a straggler for a step. Only `kinds` (indices) are measured, the others
-        read 1 (they have no candidate)."""
+    def _spike_rate(self, kinds: np.ndarray, window: int) -> np.ndarray:
+        """[kind]: the share of the workers' steps before the last `window` (the evidence:
+        a straggler's own first slow steps are no measure of the job's noise; none of an
+        episode; only the workers that do that kind of work) in which one jumped by
+        `min_rise` over its own median and by `min_cost` of a step: how often the job's
+        own noise makes a worker look like a straggler for a step. Only `kinds` (indices)
+        are measured, the others read 1 (they have no candidate)."""
         cfg = self.settings
         history = self._history
         rate = np.ones(len(self.kinds))
-        if history.count < cfg.min_baseline_steps:
+        before = history.count - window
+        if before < cfg.min_baseline_steps:
             return rate
-        values = history.recent(history.count)[-cfg.baseline_steps :, kinds]
-        steps = history.steps[: history.count][-cfg.baseline_steps :]
+        values = history.values[:before][-cfg.baseline_steps :, kinds]
+        steps = history.steps[:before][-cfg.baseline_steps :]
         usable = self._usable(steps)  # [slot, stage, dp]
         # A worker with none of a kind's work (no input wait on a later pipeline stage)
         # has a series of zeros: no series at all. Counted, they halved a 1F1B job's
@@ -463,7 +470,8 @@ class OnlineEpisodes:
             warnings.simplefilter("ignore", RuntimeWarning)
             kept = np.where(usable[:, None] & has_work, values, np.nan)
             median = nanmedian_first_axis(kept)
-            step_s = float(np.median(self._step_times[-cfg.baseline_steps :]))
+            step_times = self._step_times[: len(self._step_times) - window]
+            step_s = float(np.median(step_times[-cfg.baseline_steps :]))
             jumped = (kept >= (1 + cfg.min_rise) * median) & (
                 kept - median >= cfg.min_cost * step_s
             )

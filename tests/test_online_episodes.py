@@ -122,6 +122,25 @@ def test_a_kind_only_some_workers_do_is_as_noisy_as_their_series(seed: int) -> N
         assert len(_run(values).episodes) == episodes, spike_rate
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_straggler_s_own_first_slow_steps_do_not_make_the_job_look_noisy(seed: int) -> None:
+    """Two workers wait for input (a 2-DP pipeline's first stage), and one of them spiked
+    twice in 20 steps: a job quiet enough to open at 5 steps. The straggler's own first
+    slow steps are the evidence, not the job's noise: counted, they made the job read
+    noisy and the episode waited 3 steps more."""
+    detector = OnlineEpisodes(KINDS, N_STAGES, 2)
+    values = _job(seed)[:, :, :, :2].copy()
+    values[:, 2, 1] = 0.0
+    values[[6, 13], 2, 0, 0] += 0.030
+    values[20:35, 2, 0, 1] += 0.060
+    step_time = values.sum(axis=(1, 3)).max(axis=1)
+    for step in range(N_STEPS):
+        detector.update(step, values[step], float(step_time[step]))
+    (episode,) = detector.episodes
+    assert (episode.kind, episode.stage, episode.dp) == ("input-wait", 0, 1)
+    assert (episode.onset, episode.first_seen) == (20, 24)
+
+
 def test_the_costliest_kind_of_a_worker_is_its_one_episode() -> None:
     """An input-starved rank also starts its next forward late (its host time rises):
     one episode, of the kind that cost the most."""
