@@ -26,20 +26,21 @@ time
   pooled with its peers' as `peer_noise_steps` steps of its own (a few steps of its own can
   read as still by chance).
 
-A weaker rise, clear of the noise by `confirm_z` only, opens the episode once it has lasted
-`confirm_steps`; a job whose workers jump that much in more than `quiet_spike_rate` of
-their steps before the evidence (ranks that lose shared cores in runs of up to 10 steps look like stragglers
-for that long) opens none before `confirm_steps`, and above `busy_spike_rate` none before
-`noisy_steps`. The evidence begins where the worker rose (its first step is past the middle
-of its two levels), and the baselines leave out every episode's steps (a straggler changes
-what its peers do too). Of the kinds that rose at once, the episode is the one that cost
-most (a rank starved of input also starts its next forward late: one episode); a worker
-in an episode opens another only in another kind that costs it `second_episode_ratio`
-times more (a small episode must not hide a straggler that follows it, and the host time a
-straggler drags up with it stays part of its episode). An episode stays open while the
-worker is slow and closes once `recovery_steps` of its last `recovery_steps` + 1 steps, the
-latest among them, are back below the middle of its two levels (one noisy step does not
-hold a recovered worker's episode open); the recovery step is the first of those.
+A weaker rise, clear of the noise by `confirm_z` only, opens the episode once it has
+lasted `confirm_steps`; a job whose workers jump that much in more than `quiet_spike_rate`
+of their steps before the evidence (ranks that lose shared cores in runs of up to 10 steps
+look like stragglers for that long) opens none before `confirm_steps`, and above
+`busy_spike_rate` none before `noisy_steps`. The evidence begins where the worker rose
+(its first step is past the middle of its two levels), and the baselines leave out every
+episode's steps (a straggler changes what its peers do too). Of the kinds that rose at
+once, the episode is the one that cost most (a rank starved of input also starts its next
+forward late: one episode); a worker in an episode opens another only in another kind that
+costs it `second_episode_ratio` times more (a small episode must not hide a straggler that
+follows it, and the host time a straggler drags up with it stays part of its episode). An
+episode stays open while the worker is slow and closes once `recovery_steps` of its last
+`recovery_steps` + 1 steps, the latest among them, are back below the middle of its two
+levels (one noisy step does not hold a recovered worker's episode open); the recovery step
+is the first of those.
 
 Measured on 183 real 4-rank torch jobs on a shared 2-core machine (DDP and DP 2 x PP 2 1F1B
 pipelines, on an emulated accelerator and on real CPU compute, some with a CPU burner
