@@ -13,8 +13,10 @@ What it speaks:
   body, or both (the body follows the parameter, as ClickHouse reads them).
 - `INSERT INTO t (cols) FORMAT F` (in `query`, or as the body's first line) with the data
   in the body: the data goes to a temp file and is inserted with `FROM INFILE`.
-- `database`, `param_<name>` (bound parameters) and settings as URL parameters; transport
-  parameters (session, compression, progress, query id) are taken, not passed on.
+- `database`, `param_<name>` (bound parameters) and settings as URL parameters, or as the
+  fields of a `multipart/form-data` body (clickhouse-connect sends `query` and its bound
+  parameters so once they would make the URL longer than 4 KB); transport parameters
+  (session, compression, progress, query id) are taken, not passed on.
   Settings are applied with `SET` for the one statement (the session is the server's
   one); settings of the previous request that this one lacks are reset to DEFAULT.
 - Request bodies in chunked transfer encoding, and `Content-Encoding` lz4, zstd, gzip,
@@ -151,6 +153,26 @@ class ChdbEngine:
                 os.unlink(path)
 
 
+def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
+    """The fields of a multipart/form-data body, by name (files are not taken: external
+    data is not spoken here)."""
+    from email.parser import BytesParser
+    from email.policy import HTTP
+
+    message = BytesParser(policy=HTTP).parsebytes(
+        f"Content-Type: {content_type}\r\n\r\n".encode() + body
+    )
+    if not message.is_multipart():
+        raise ValueError("not a multipart body")
+    fields = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if name is None or part.get_filename() is not None:
+            raise ValueError("a part without a field name, or a file")
+        fields[str(name)] = part.get_payload(decode=True).decode()
+    return fields
+
+
 def _decompress(data: bytes, encoding: str) -> bytes:
     if encoding in ("", "identity"):
         return data
@@ -233,6 +255,13 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a body we cannot read: the client's mistake
             self._error(f"Code: 1001. DB::Exception: cannot read the request body: {exc}", "")
             return
+        if self.headers.get_content_type() == "multipart/form-data":
+            try:
+                args.update(_form_fields(self.headers["Content-Type"], body))
+            except ValueError as exc:
+                self._error(f"Code: 1001. DB::Exception: cannot read the form: {exc}", "")
+                return
+            body = b""
         if url.path in ("/ping", "/ping/"):
             self._reply(200, b"Ok.\n", {"Content-Type": "text/plain; charset=UTF-8"})
             return
