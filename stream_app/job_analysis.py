@@ -180,7 +180,7 @@ class LiveJob:
         self.states: dict[int, EpisodeState] = {}
         #: The episodes named so far (their cost passed `costs_the_job`), by the
         #: detector's id: the step each was named at and the id it is shown with (1, 2, ...
-        #: in the order they were named: the detector's count the unnamed ones too).
+        #: in the order they were named: the detector's ids count the unnamed ones too).
         self.named: dict[int, tuple[int, int]] = {}
         #: Per compute episode, the re-split of micro-batches its steps were re-simulated
         #: with (at its opening, again at the job's end); None where it would not help.
