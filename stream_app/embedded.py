@@ -124,6 +124,8 @@ class EmbeddedRunner:
         self.report = RunReport()
         #: Per job, the latest step each rank's log delivered (the log's own progress).
         self._progress: dict[tuple[str, int], dict[str, int]] = {}
+        #: Per job attempt, the (dp, pp) coordinates whose batches have been read.
+        self._coordinates: dict[tuple[str, int], set[tuple[int, int]]] = {}
 
     # -- input --------------------------------------------------------------------------
     def run_logs(
@@ -219,6 +221,9 @@ class EmbeddedRunner:
         self.clock.observe(float(kept.start_ns.max() + kept.duration_ns.max()) / 1e9)
         job_progress = self._progress.setdefault((kept.job_id, kept.attempt), {})
         job_progress[source] = max(job_progress.get(source, kept.step), kept.step)
+        self._coordinates.setdefault((kept.job_id, kept.attempt), set()).add(
+            (kept.dp_rank, kept.pp_rank)
+        )
 
     def _held_back(self, unread: set[str], ahead_steps: int) -> set[str]:
         """Logs to skip this round: those more than `ahead_steps` past a log of the same job
@@ -235,9 +240,18 @@ class EmbeddedRunner:
     def _close_passed_steps(self, behind: set[str]) -> None:
         """Close the steps every rank's log has moved past: nothing more comes for them.
         A log with unread data that has delivered nothing of a job yet may still hold
-        its first steps, so it holds the job's steps open."""
+        its first steps, so it holds the job's steps open; so does a worker coordinate
+        whose log has delivered nothing yet at all: its rank may not have written its
+        first steps (each rank's timer writes them at its own pace) or made its log
+        directory, and closing the others' first steps without it leaves them incomplete
+        here and complete on a worker (its episodes' baselines then differ). A rank that
+        never writes is left to the lateness clock."""
         for (job_id, attempt), by_rank in self._progress.items():
             if behind - set(by_rank):
+                continue
+            job = self.processor.jobs.get((job_id, attempt))
+            seen = self._coordinates.get((job_id, attempt), set())
+            if job is None or len(seen) < job.info.dp_size * job.info.pp_size:
                 continue
             self.core.close_through(job_id, attempt, min(by_rank.values()) - 1)
 

@@ -143,3 +143,28 @@ def test_every_step_stores_its_discrepancy_and_an_unanalysed_one_its_reason(chdb
         assert complete and analysed and reason == "", step
         # Generated steps follow their model: the replay misses them by launch gaps only.
         assert 0 <= discrepancy < 0.05 and trusted, (step, discrepancy)
+
+
+def test_a_rank_whose_log_comes_late_still_makes_complete_steps(chdb_dir, tmp_path):
+    """Followed live, one rank's log appears only after the others have written every
+    step (its process, or its timer's first write, came late): the steps wait for it and
+    are complete, as a worker reading Kafka closes them. Before, the others' log having
+    moved past a step closed it without that rank."""
+    import threading
+
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=8, name="late-rank", seed=4)
+    job = generate_job(spec)
+    info = JobInfo.from_meta(job.meta, job_id="late-rank")
+    logs, aside = tmp_path / "logs", tmp_path / "aside"
+    write_logs_with_timers(job.trace, info, logs, time.time_ns())
+    late = sorted(logs.iterdir())[-1]
+    aside.mkdir()
+    late.rename(aside / late.name)
+    threading.Timer(1.5, lambda: (aside / late.name).rename(late)).start()
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=embedded_late_rank")
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=30.0))
+    report = runner.run_logs(logs, follow=True, idle_exit_s=3.0)
+    assert report.jobs["late-rank", 0].incomplete_steps == []
+    _, rows = sink.query("SELECT count(), countIf(complete) FROM steps FINAL")
+    assert rows == [(spec.steps, spec.steps)]
