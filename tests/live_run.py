@@ -85,13 +85,15 @@ def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
             {"job": job},
         )
         episodes = [dict(zip(names, row, strict=True)) for row in rows]
-        # The last step after the episodes: a host that writes both between the two
-        # queries must not show an episode beside the steps before it (a poll read an
-        # episode first seen at step 19 beside step 1 that way).
+        # The last step after the episodes, and at least the step an episode was seen
+        # at: the sink inserts a write's `steps` last (the exactly-once marker), so a
+        # poll between its inserts reads the episode beside the previous write's steps
+        # (an episode first seen at step 19 read beside step 1 that way).
         _, rows = sink.query(
             "SELECT max(step) FROM steps WHERE job_id = {job:String}", {"job": job}
         )
         last = int(rows[0][0]) if rows and rows[0][0] is not None else -1
+        last = max([last, *(int(e["first_seen_step"]) for e in episodes)])
         names, rows = sink.query(EPISODE_RULE.sql)
         alerts = [dict(zip(names, row, strict=True)) for row in rows]
     except Exception:  # the tables appear when a host first writes
