@@ -102,3 +102,26 @@ def test_the_worker_runs_from_an_empty_directory(
     assert list(scratch.iterdir()) == []
     (row,) = query_store(tmp_path / "w", "SELECT count() AS n FROM steps FINAL")
     assert row["n"] == len(set(trace.step.tolist()))
+
+
+def test_sigterm_while_waiting_for_the_broker_is_one_line_and_leaves_nothing(tmp_path: Path):
+    """An orchestrator stops a worker that is still waiting for Kafka: it says so in one
+    line, exits 143, and removes the default store it made in the working directory."""
+    import signal
+    import time
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "lagscope.cli", "worker", "--bootstrap-servers", "127.0.0.1:1"],
+        cwd=empty, env={**os.environ, "LAGSCOPE_WORKER__BROKER_RETRY_S": "1",
+                        "LAGSCOPE_CLICKHOUSE_DSN": "", "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(4)
+    worker.send_signal(signal.SIGTERM)
+    out, err = worker.communicate(timeout=30)
+    assert worker.returncode == 143, err
+    assert "Traceback" not in out + err, err
+    assert err.strip().splitlines()[-1] == "lagscope worker: terminated while waiting for Kafka"
+    assert list(empty.iterdir()) == []

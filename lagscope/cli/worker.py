@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -112,12 +113,19 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"lagscope worker: error: metrics endpoint: {exc}", file=sys.stderr)
         return 2
+    # Until faust takes the signals over, SIGTERM (an orchestrator stopping the worker while
+    # it waits for Kafka) ends it as Ctrl-C does: one line, and what it made removed.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         worker.wait_for_broker()
+        signal.signal(signal.SIGTERM, previous)
         worker.run()
     except ConfigError as exc:
         print(f"lagscope worker: error: {exc}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print("lagscope worker: terminated while waiting for Kafka", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         # Ctrl-C while waiting for Kafka (faust handles its own signals once started).
         print("lagscope worker: interrupted", file=sys.stderr)
@@ -125,3 +133,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         worker.close()
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived before faust took the signals over."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
