@@ -27,6 +27,10 @@ from lagscope.simulator.depmodel import DependencyModel, topological_levels
 class _Level:
     #: Nodes of this level: plain ops first, then comm members sorted by group.
     ops: np.ndarray
+    #: The level's rows in the end buffer, `first` to `first + ops.size` (the engine's
+    #: order, `CompiledModel.order`): contiguous, so a level writes its ends in place
+    #: instead of scattering them.
+    first: int
     #: Dependency slots: deps[j] holds, for every op, its j-th dependency's row in the end
     #: buffer (padded with the sentinel rows), so max over slots = latest dependency end.
     deps: tuple[np.ndarray, ...]
@@ -39,8 +43,8 @@ class _Level:
     #: its members; a maximum per member slot is one pass over contiguous rows, where
     #: `np.maximum.reduceat` along rows is some 30x slower.
     group_rest: tuple[tuple[np.ndarray | None, np.ndarray], ...]
-    #: group (local index) of each comm member.
-    member_group: np.ndarray
+    #: group (local index) of each comm member; None when every group is a singleton.
+    member_group: np.ndarray | None
     synced: np.ndarray
     any_synced: bool
 
@@ -51,6 +55,8 @@ class CompiledModel:
 
     n_nodes: int
     levels: tuple[_Level, ...]
+    #: The node at each row of the end buffer: the levels' nodes one after the other.
+    order: np.ndarray
 
     @property
     def zero_row(self) -> int:
@@ -68,28 +74,35 @@ def compile_model(model: DependencyModel) -> CompiledModel:
     by_level = np.argsort(level_of, kind="stable")
     bounds = np.searchsorted(level_of[by_level], np.arange(int(level_of.max()) + 2 if n else 1))
     group_of = model.group_of.tolist()
-    levels = []
+    level_ops = []
     for level in range(bounds.size - 1):
         nodes = by_level[bounds[level] : bounds[level + 1]].tolist()
         plain = [v for v in nodes if group_of[v] < 0]
         group_ids = sorted({group_of[v] for v in nodes if group_of[v] >= 0})
+        level_ops.append((plain, group_ids))
+    order: list[int] = []
+    for plain, group_ids in level_ops:
+        order.extend(plain)
+        order.extend(m for g in group_ids for m in model.groups[g].members)
+    row_of = np.empty(n + 2, dtype=np.int64)
+    row_of[np.array(order, dtype=np.int64)] = np.arange(n)
+    row_of[zero_row], row_of[void_row] = zero_row, void_row
+    levels = []
+    first_row = 0
+    for plain, group_ids in level_ops:
         members = [m for g in group_ids for m in model.groups[g].members]
         sizes = [len(model.groups[g].members) for g in group_ids]
         ops = plain + members
         width = max(1, max(len(model.deps[v]) for v in ops))
         slots = []
         for j in range(width):
-            slots.append(
-                np.array(
-                    [
-                        model.deps[v][j]
-                        if j < len(model.deps[v])
-                        else (void_row if model.deps[v] else zero_row)
-                        for v in ops
-                    ],
-                    dtype=np.int64,
-                )
-            )
+            slot = [
+                model.deps[v][j]
+                if j < len(model.deps[v])
+                else (void_row if model.deps[v] else zero_row)
+                for v in ops
+            ]
+            slots.append(row_of[np.array(slot, dtype=np.int64)])
         synced = np.array([model.groups[g].dp_synchronized for g in group_ids], dtype=bool)
         all_singletons = all(size == 1 for size in sizes)
         first = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
@@ -101,16 +114,18 @@ def compile_model(model: DependencyModel) -> CompiledModel:
         levels.append(
             _Level(
                 ops=np.array(ops, dtype=np.int64),
+                first=first_row,
                 deps=tuple(slots),
                 n_plain=len(plain),
                 group_first=None if all_singletons else first,
                 group_rest=tuple(rest),
-                member_group=np.repeat(np.arange(len(sizes)), sizes),
+                member_group=None if all_singletons else np.repeat(np.arange(len(sizes)), sizes),
                 synced=synced,
                 any_synced=bool(synced.any()),
             )
         )
-    return CompiledModel(n_nodes=n, levels=tuple(levels))
+        first_row += len(ops)
+    return CompiledModel(n_nodes=n, levels=tuple(levels), order=np.array(order, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,8 @@ def simulate(
     segment_of_col = np.repeat(
         np.arange(segment_offsets.size), np.diff(np.append(segment_offsets, n_cols))
     )
+    # The end buffer's rows are in the engine's order (each level's contiguous); costs
+    # and delays are read in the nodes' order, a level at a time.
     end = np.empty((n + 2, n_cols), dtype=np.float64)
     end[compiled.zero_row] = 0.0
     end[compiled.void_row] = -np.inf
@@ -166,11 +183,10 @@ def simulate(
             start += delay[level.ops]
             np.minimum(earliest, start.min(axis=0), out=earliest)
         if starts is not None:
-            starts[level.ops] = start
-        p = level.n_plain
+            starts[level.first : level.first + level.ops.size] = start
+        p, comm_first = level.n_plain, level.first + level.n_plain
         if p:
-            plain = level.ops[:p]
-            end[plain] = start[:p] + cost[plain]
+            np.add(start[:p], cost[level.ops[:p]], out=end[level.first : comm_first])
         if p < level.ops.size:
             if level.group_first is None:
                 group_start = start[p:]
@@ -187,12 +203,22 @@ def simulate(
                     group_start[level.synced], segment_offsets, axis=1
                 )
                 group_start[level.synced] = synced_start[:, segment_of_col]
-            members = level.ops[p:]
-            end[members] = group_start[level.member_group] + cost[members]
+            if level.member_group is not None:
+                group_start = group_start[level.member_group]
+            np.add(
+                group_start,
+                cost[level.ops[p:]],
+                out=end[comm_first : level.first + level.ops.size],
+            )
 
     latest = end[:n].max(axis=0)
     step_time = np.maximum.reduceat(latest, segment_offsets) - np.minimum.reduceat(
         earliest, segment_offsets
     )
-    timeline = Timeline(start=starts, end=end[:n].copy()) if starts is not None else None
+    timeline = None
+    if starts is not None:
+        # Back in the nodes' order.
+        row_of = np.empty(n, dtype=np.int64)
+        row_of[compiled.order] = np.arange(n)
+        timeline = Timeline(start=starts[row_of], end=end[:n][row_of])
     return SimulationResult(step_time=step_time, timeline=timeline)
