@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import re
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,8 @@ _T = TypeVar("_T")
 WRITABLE_TABLES: tuple[str, ...] = (
     "jobs",
     "ops",
-    "attribution",
     "worker_slowdown",
+    "attribution",
     "changepoints",
     "episodes",
     "diagnoses",
@@ -52,8 +53,9 @@ WRITABLE_TABLES: tuple[str, ...] = (
 )
 
 #: Per-step tables written with `steps` from the same what-if result: a re-processed
-#: step's new version replaces their rows of the old version as a whole.
-SUPERSEDED_WITH_STEPS: tuple[str, ...] = ("attribution", "worker_slowdown")
+#: step's new version replaces their rows of the old version as a whole. The first is
+#: written first and ordered by step: a step without rows there has none in the others.
+SUPERSEDED_WITH_STEPS: tuple[str, ...] = ("worker_slowdown", "attribution")
 
 _DATETIME64 = re.compile(r"^(?:Nullable\()?DateTime64\((\d)")
 _NULLABLE_FLOAT = re.compile(r"^Nullable\(Float(32|64)\)$")
@@ -128,6 +130,8 @@ class WriteReport:
     steps_skipped: int
     #: Superseded step versions retracted from the minute rollup.
     steps_retracted: int
+    #: Steps whose rows a write cut short had left, replaced (`replace_cut_short`).
+    steps_replaced: int = 0
 
 
 class ClickHouseSink:
@@ -332,13 +336,20 @@ class ClickHouseSink:
         return scrub(text, [written, unquote(written)])
 
     # -- writes -------------------------------------------------------------------------
-    def write(self, batch: SinkBatch) -> WriteReport:
+    def write(self, batch: SinkBatch, *, replace_cut_short: bool = False) -> WriteReport:
         """Insert a batch idempotently: replaying it, or writing an older version of its
         steps, changes nothing; a newer version of a step replaces the stored one. A failed
-        write is retried as `self.retry` says (repeating a half-done write is safe)."""
-        return self.retry.call(self._write_once, batch, what=f"write of {batch.dedup_token!r}")
+        write is retried as `self.retry` says (repeating a half-done write is safe).
 
-    def _write_once(self, batch: SinkBatch) -> WriteReport:
+        `replace_cut_short`: the batch's steps may have rows of an earlier write that was
+        cut short before their `steps` row (a crash, a store failing past the retries),
+        written as part of another batch: those rows are replaced rather than doubled.
+        One lookup more; a host asks for it until it knows such writes are behind it."""
+        return self.retry.call(
+            self._write_once, batch, replace_cut_short, what=f"write of {batch.dedup_token!r}"
+        )
+
+    def _write_once(self, batch: SinkBatch, replace_cut_short: bool = False) -> WriteReport:
         if not batch.dedup_token:
             raise BatchError("SinkBatch has no dedup_token; it must identify the content")
         unknown = sorted(set(batch.tables) - set(WRITABLE_TABLES))
@@ -366,6 +377,15 @@ class ClickHouseSink:
                     {"insert_deduplication_token": f"{batch.dedup_token}/steps_1m-retraction"},
                 )
                 retracted = len(superseded)
+        tokens = {table: f"{batch.dedup_token}/{table}" for table in prepared}
+        replaced = 0
+        if replace_cut_short and "steps" in prepared:
+            replaced = self._drop_cut_short(prepared["steps"])
+        if replaced:
+            # Stored again under the same token they would be dropped as a repeat.
+            fresh = uuid.uuid4().hex
+            for table in SUPERSEDED_WITH_STEPS:
+                tokens[table] = f"{tokens[table]}/replaced-{fresh}"
         inserted: dict[str, int] = {}
         for table, columns in prepared.items():
             if table == "steps" and superseded:
@@ -373,8 +393,38 @@ class ClickHouseSink:
             n_rows = len(next(iter(columns.values())))
             inserted[table] = n_rows
             if n_rows:
-                self._insert(table, columns, f"{batch.dedup_token}/{table}")
-        return WriteReport(inserted, skipped, retracted)
+                self._insert(table, columns, tokens[table])
+        return WriteReport(inserted, skipped, retracted, replaced)
+
+    def _drop_cut_short(self, steps: dict[str, pa.Array]) -> int:
+        """Delete the per-step rows of these steps (none stored) that a write cut short
+        left; returns how many steps had some."""
+        keys = list(
+            zip(
+                _python_values(steps["job_id"]),
+                _python_values(steps["attempt"]),
+                _python_values(steps["step"]),
+                strict=True,
+            )
+        )
+        if not keys:
+            return 0
+        _, rows = self.query(
+            f"SELECT DISTINCT job_id, attempt, step FROM {SUPERSEDED_WITH_STEPS[0]} "
+            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
+            {"keys": keys},
+        )
+        if rows:
+            found = [(j, int(a), int(s)) for j, a, s in rows]
+            log.info("%d step(s) were partly stored by a write cut short: their rows are "
+                     "replaced", len(found))  # fmt: skip
+            for table in SUPERSEDED_WITH_STEPS:
+                self._command(
+                    f"DELETE FROM {table} WHERE (job_id, attempt, step) IN "
+                    "{keys:Array(Tuple(String, UInt32, UInt64))}",
+                    {"keys": found},
+                )
+        return len(rows)
 
     def _delete_superseded_step_rows(self, superseded: list[tuple[str, int, int, int]]) -> None:
         """Delete the superseded versions' rows from the per-step result tables: the new

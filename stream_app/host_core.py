@@ -252,6 +252,10 @@ class HostCore:
         self.dead: list[DeadLetter] = []
         self._raw_ops: list[dict[str, Any]] = []
         self._writes = 0
+        #: Whether the store may hold rows of steps whose write was cut short: at the start
+        #: (by an earlier run of this host, or a crashed owner of its partition) and after
+        #: a failed write, until a write stores steps no earlier one touched.
+        self._cut_short_possible = True
         #: Per job, what summaries and reports show beyond the processor's own state.
         self.changes: dict[tuple[str, int], list[DetectedChange]] = {}
         self.incomplete: dict[tuple[str, int], list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
@@ -464,6 +468,8 @@ class HostCore:
             stored = sink.retry.call(sink.stored_steps, keys, what="steps lookup")
             fresh = [o for o in outputs if (o.job_id, o.attempt, o.step) not in stored]
             self.counters["steps_already_stored"] += len(outputs) - len(fresh)
+            checked, self._cut_short_possible = self._cut_short_possible, True
+            replaced = 0
             by_job: dict[tuple[str, int], list[StepOutput]] = {}
             for out in fresh:
                 by_job.setdefault((out.job_id, out.attempt), []).append(out)
@@ -473,7 +479,8 @@ class HostCore:
                 if self._raw_ops:
                     batch.add("ops", joined_rows(self._raw_ops))
                     self._raw_ops = []
-                sink.write(batch)
+                report = sink.write(batch, replace_cut_short=checked)
+                replaced += report.steps_replaced
                 self.counters["steps_written"] += len(job_outputs)
             if len(fresh) < len(outputs):
                 log.info("stored %d step(s); %d re-processed step(s) were already stored",
@@ -481,6 +488,9 @@ class HostCore:
             self.pending = []  # only now: a failure above kept them for the next write
             self.has_news = False
             written.outputs = fresh
+            # Re-processed steps (stored ones among them) may still be followed by those of
+            # the write that was cut short.
+            self._cut_short_possible = checked and (replaced > 0 or len(fresh) < len(outputs))
         if self._raw_ops:
             batch = SinkBatch(f"ops/{self._writes}/{len(self._raw_ops)}")
             batch.add("ops", joined_rows(self._raw_ops))

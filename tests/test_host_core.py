@@ -3,7 +3,11 @@ closed for the idle time, however long its steps take to fill."""
 
 from __future__ import annotations
 
+import pytest
+
 from lagscope.simulator.generate import JobSpec, generate_job
+from lagscope.store.errors import StoreError
+from lagscope.store.sink import ClickHouseSink, RetryPolicy
 from lagscope.stream_app.host_core import HostCore, JobRecords
 from lagscope.stream_app.processor import ProcessorSettings
 from tests.test_processor import stream_of
@@ -34,3 +38,63 @@ def test_a_job_whose_batches_still_arrive_is_not_concluded_until_they_stop() -> 
     now[0] += IDLE_S
     assert core.conclude_idle(IDLE_S) == [(info.job_id, info.attempt)]
     assert len(core.conclusions) == 1
+
+
+def _core_with_closed_steps(steps: list, info) -> HostCore:
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    core = HostCore(settings, JobRecords(settings.max_world_size))
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    for _, _, batches in steps:
+        core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+    core.settle()
+    return core
+
+
+@pytest.mark.parametrize(
+    "redo",
+    ["the same host, with more steps", "a restarted host, with more steps",
+     "a restarted host, the same steps"],
+    ids=["same-host", "restarted", "restarted-same-batch"],
+)  # fmt: skip
+def test_a_cut_short_write_is_stored_once_later(chdb_dsn, monkeypatch, redo):
+    """A write that stored a step's attribution but not its `steps` row (the store failed
+    past the retries, or the host was killed) is done again later: in a batch of other
+    steps, under another dedup token, the half-stored rows are replaced, not doubled; in
+    the same batch, they are not lost to the dedup of a repeated insert."""
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=6, seed=0))
+    info, steps = stream_of(job)
+    sink = ClickHouseSink(chdb_dsn, retry=RetryPolicy(attempts=1))
+    sink.ensure_schema()
+    insert = ClickHouseSink._insert
+
+    def steps_insert_fails(self, table, columns, token):
+        if table == "steps":
+            raise StoreError("injected: the store went away before the steps insert")
+        insert(self, table, columns, token)
+
+    core = _core_with_closed_steps(steps[:3], info)
+    with monkeypatch.context() as patch:
+        patch.setattr(ClickHouseSink, "_insert", steps_insert_fails)
+        with pytest.raises(StoreError):
+            core.write(sink)
+    rows = "SELECT count() AS n, uniqExact(step, kind, name) AS unique_rows FROM attribution"
+    half = query(sink, rows)
+    assert half["n"] == half["unique_rows"] > 0, "the first write stored no attribution"
+    redone = steps if "more steps" in redo else steps[:3]
+    if redo.startswith("a restarted host"):
+        core = _core_with_closed_steps(redone, info)
+    else:
+        core.on_batches([(b.encode(), "ops@0", 0.0) for _, _, bs in steps[3:] for b in bs])
+        core.settle()
+    assert len(core.pending) == len(redone)
+    core.write(sink)
+    stored = query(sink, rows)
+    per_step = half["n"] // 3
+    assert stored["n"] == stored["unique_rows"] == per_step * len(redone), stored
+    assert query(sink, "SELECT count() AS n FROM steps")["n"] == len(redone)
+    sink.close()
+
+
+def query(sink: ClickHouseSink, sql: str) -> dict:
+    names, rows = sink.query(sql)
+    return dict(zip(names, rows[0], strict=True))
