@@ -57,12 +57,14 @@ log = logging.getLogger("lagscope.host")
 #: A host writes its closed steps at least this often (s) ...
 WRITE_INTERVAL_S = 0.5
 #: ... or as soon as this many wait: the defaults of both hosts (`lagscope worker`'s
-#: settings, `lagscope run`'s runner). A write costs the store a fixed part per table (in
-#: chDB ~30 ms for the AR job's 64 steps, a tenth of their analysis), so a backlog of
-#: small steps is written as often as the interval says: 256 steps is a bound on what
-#: waits, reached only by jobs of over 500 steps a second (one worker drained the AR
-#: backlog 6-11 % faster than with 64).
+#: settings, `lagscope run`'s runner). 256 steps bound what waits in a backlog (one worker
+#: drained the AR backlog 6-11 % faster than with 64).
 WRITE_EVERY_STEPS = 256
+#: ... and no more often than keeps writes to this share of the host's time: a write's
+#: cost is mostly fixed per table (in chDB ~100 ms for ~100 AR steps on a shared core), so
+#: a backlog drained at the interval spent a sixth of its time writing; a job followed live
+#: writes a few steps in tens of ms and keeps the interval.
+WRITE_MAX_SHARE = 0.1
 
 #: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
 #: that is no batch, a batch the admission or the windows set aside, a batch a windowing
@@ -252,6 +254,8 @@ class HostCore:
         self.dead: list[DeadLetter] = []
         self._raw_ops: list[dict[str, Any]] = []
         self._writes = 0
+        #: Seconds the last write that stored steps took (`write_due` spaces writes by it).
+        self.write_seconds = 0.0
         #: Whether the store may hold rows of steps whose write was cut short: at the start
         #: (by an earlier run of this host, or a crashed owner of its partition) and after
         #: a failed write, until a write stores steps no earlier one touched.
@@ -435,14 +439,16 @@ class HostCore:
         """Whether what is pending is to be written now: at once when a step opened or
         closed an episode (`news_due`) or a job was concluded; when `every_steps` steps wait
         (a backlog is written in batches); else `interval_s` after the last write (a job
-        followed live shows in the store within that). `now` and `last_write` on one clock."""
+        followed live shows in the store within that), or later when writes are slow, so
+        they take at most `WRITE_MAX_SHARE` of the host's time. `now` and `last_write` on
+        one clock."""
         if not self.has_pending:
             return False
         return (
             self.news_due
             or len(self.pending) >= every_steps
             or bool(self.conclusions)
-            or now - last_write >= interval_s
+            or now - last_write >= max(interval_s, self.write_seconds / WRITE_MAX_SHARE)
         )
 
     @property
@@ -463,6 +469,7 @@ class HostCore:
             self.dead = []
         written = Written()
         if self.pending:
+            started = time.perf_counter()
             outputs = self.pending
             keys = sorted({(o.job_id, o.attempt, o.step) for o in outputs})
             stored = sink.retry.call(sink.stored_steps, keys, what="steps lookup")
@@ -488,6 +495,7 @@ class HostCore:
             self.pending = []  # only now: a failure above kept them for the next write
             self.has_news = False
             written.outputs = fresh
+            self.write_seconds = time.perf_counter() - started
             # Re-processed steps (stored ones among them) may still be followed by those of
             # the write that was cut short.
             self._cut_short_possible = checked and (replaced > 0 or len(fresh) < len(outputs))

@@ -55,7 +55,8 @@ class WorkerSettings(BaseModel):
 
     #: Consumer group (and faust app id): workers of one group share the partitions.
     group_id: str = "lagscope-worker"
-    #: Write closed steps at least this often (seconds) ...
+    #: Write closed steps at least this often (seconds; a slow store's writes are spaced
+    #: further, to a tenth of the worker's time: `host_core.WRITE_MAX_SHARE`) ...
     write_interval_s: float = Field(default=WRITE_INTERVAL_S, gt=0)
     #: ... or as soon as this many are waiting. A step that opens or closes an episode is
     #: written at once, once the partition is caught up.

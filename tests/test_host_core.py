@@ -8,7 +8,7 @@ import pytest
 from lagscope.simulator.generate import JobSpec, generate_job
 from lagscope.store.errors import StoreError
 from lagscope.store.sink import ClickHouseSink, RetryPolicy
-from lagscope.stream_app.host_core import HostCore, JobRecords
+from lagscope.stream_app.host_core import WRITE_MAX_SHARE, HostCore, JobRecords
 from lagscope.stream_app.processor import ProcessorSettings
 from tests.test_processor import stream_of
 
@@ -98,3 +98,28 @@ def test_a_cut_short_write_is_stored_once_later(chdb_dsn, monkeypatch, redo):
 def query(sink: ClickHouseSink, sql: str) -> dict:
     names, rows = sink.query(sql)
     return dict(zip(names, rows[0], strict=True))
+
+
+def test_slow_writes_are_spaced_to_their_share_of_the_hosts_time(chdb_dsn):
+    """A backlog written every `interval_s` spent a sixth of its time on the store's fixed
+    cost per write: a write that took long is followed by the next no sooner than keeps
+    writes to `WRITE_MAX_SHARE` of the time; a quick one keeps the interval."""
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=4, seed=0))
+    info, steps = stream_of(job)
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+    core = _core_with_closed_steps(steps[:2], info)
+    core.write(sink)
+    assert core.write_seconds > 0
+    core.on_batches([(b.encode(), "ops@0", 0.0) for _, _, bs in steps[2:] for b in bs])
+    core.settle()
+    interval, every = 0.5, 100
+    core.write_seconds = interval * WRITE_MAX_SHARE / 2  # quick
+    assert core.write_due(10.0 + interval, 10.0, every, interval)
+    core.write_seconds = 0.2  # slow: 2 s apart
+    spaced = core.write_seconds / WRITE_MAX_SHARE
+    assert not core.write_due(10.0 + interval, 10.0, every, interval)
+    assert not core.write_due(10.0 + 0.99 * spaced, 10.0, every, interval)
+    assert core.write_due(10.0 + spaced, 10.0, every, interval)
+    assert core.write_due(10.0, 10.0, len(core.pending), interval), "a full batch waits not"
+    sink.close()
