@@ -268,14 +268,16 @@ class WhatIfAnalysis:
     ) -> None:
         """Write a variant's inputs into its slice of a pass's buffers ([node, column])."""
         prep = self.prepared
-        n = prep.model.n_nodes
         n_steps = cost.shape[1] // dp_cols.size
         all_dp = dp_cols.size == prep.n_dp and np.array_equal(dp_cols, np.arange(prep.n_dp))
 
-        def measured(values: np.ndarray) -> np.ndarray:
+        def measured(values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+            """`values` [node, step, dp] as the pass' [node, column] (of `rows` only)."""
+            if rows is not None:
+                values = values[rows]
             if all_dp:
-                return values.reshape(n, -1)  # a view: columns are (step, dp) in order
-            return values[:, :, dp_cols].reshape(n, -1)
+                return values.reshape(values.shape[0], -1)  # columns are (step, dp) in order
+            return values[:, :, dp_cols].reshape(values.shape[0], -1)
 
         ideal = self.ideal_node_cost
         if ideal.shape[1] > 1:
@@ -284,25 +286,57 @@ class WhatIfAnalysis:
             cost[:] = measured(prep.cost)
         else:
             cost[:] = ideal
-        swap = None
-        if variant.swap is not None:
-            col_dp = np.tile(dp_cols, n_steps)
-            swap = variant.swap.nodes[:, None] & variant.swap.workers[:, col_dp][self.node_stage]
-            if variant.delay != "swap":
-                other = (
-                    np.broadcast_to(ideal, cost.shape)
-                    if variant.cost == "measured"
-                    else measured(prep.cost)
-                )
-                np.copyto(cost, other, where=swap)
+        if variant.swap is None:
+            if delay is not None:
+                delay[:] = measured(prep.launch_delay) if variant.delay == "all" else 0.0
+            return
+        # The swapped cells: whole rows (op types, stages), whole columns (DP ranks), or
+        # (top workers) a mask of both.
+        rows, cols, mask = self._swapped_cells(variant.swap, np.tile(dp_cols, n_steps))
+
+        def swap_in(target: np.ndarray, source: np.ndarray) -> None:
+            """`target`'s swapped cells from `source` (values [node, step, dp], or the
+            ideal: [node, column] or [node, 1])."""
+            if source.ndim == 3:
+                if rows is not None:
+                    target[rows] = measured(source, rows)
+                    return
+                source = measured(source)
+            elif rows is not None:
+                target[rows] = source[rows]
+                return
+            source = np.broadcast_to(source, target.shape)
+            if cols is not None:
+                target[:, cols] = source[:, cols]
+            else:
+                np.copyto(target, source, where=mask)
+
+        if variant.delay != "swap":
+            swap_in(cost, ideal if variant.cost == "measured" else prep.cost)
         if delay is not None:
-            if variant.delay == "none":
-                delay[:] = 0.0
-            elif variant.delay == "all":
+            if variant.delay == "all":
                 delay[:] = measured(prep.launch_delay)
             else:
                 delay[:] = 0.0
-                np.copyto(delay, measured(prep.launch_delay), where=swap)
+                if variant.delay == "swap":
+                    swap_in(delay, prep.launch_delay)
+
+    def _swapped_cells(
+        self, swap: Selection, col_dp: np.ndarray
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """(rows, None, None) when `swap` holds whole stages' workers, (None, columns, None)
+        when it holds every node of whole DP ranks, else (None, None, [node, column] mask):
+        a row or column copy instead of a masked copy of the whole pass."""
+        workers = swap.workers
+        whole_stages = workers.all(axis=1)
+        if np.array_equal(workers, np.broadcast_to(whole_stages[:, None], workers.shape)):
+            return np.flatnonzero(swap.nodes & whole_stages[self.node_stage]), None, None
+        whole_dp = workers.all(axis=0)
+        if swap.nodes.all() and np.array_equal(
+            workers, np.broadcast_to(whole_dp[None, :], workers.shape)
+        ):
+            return None, np.flatnonzero(whole_dp[col_dp]), None
+        return None, None, swap.nodes[:, None] & workers[:, col_dp][self.node_stage]
 
     def run(self, variants: list[Variant]) -> list[np.ndarray]:
         """Step time of every variant, [step] each.
