@@ -17,7 +17,13 @@ import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.depmodel import DependencyModel, infer_dependency_model
-from lagscope.simulator.trace import JobMeta, Trace, TraceError
+from lagscope.simulator.trace import (
+    JobMeta,
+    Trace,
+    TraceError,
+    ids_and_index,
+    small_ints_present,
+)
 
 #: Measured transfers and launch delays at or below this (s) are clock noise and become 0;
 #: smaller negatives are kept, as the reference analyzer does.
@@ -179,7 +185,7 @@ def prepare(
     if trace.n_rows == 0:
         raise TraceError(f"{trace.source}: the trace has no rows (other than GC pauses)")
     src = trace.source
-    step_ids, step_idx = np.unique(trace.step, return_inverse=True)
+    step_ids, step_idx = ids_and_index(trace.step)
     n_dp = int(trace.dp_rank.max()) + 1
     n_stages = int(trace.stage.max()) + 1
     _check_layout(trace, meta, n_dp, n_stages)
@@ -447,7 +453,7 @@ def _op_key(trace: Trace, rows: np.ndarray) -> np.ndarray:
 def _check_layout(trace: Trace, meta: JobMeta, n_dp: int, n_stages: int) -> None:
     src = trace.source
     for name, n, size in (("dp_rank", n_dp, meta.dp_size), ("stage", n_stages, meta.pp_size)):
-        present = np.unique(getattr(trace, name))
+        present = small_ints_present(getattr(trace, name))
         if present.size != n:
             absent = sorted(set(range(n)) - set(present.tolist()))
             raise TraceError(f"{src}: {name} values {absent[:8]} have no ops (found 0..{n - 1})")

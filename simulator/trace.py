@@ -209,7 +209,7 @@ class Trace:
         return trace
 
     def _validate(self, allow_unknown_optypes: bool) -> None:
-        present = np.unique(self.optype)
+        present = small_ints_present(self.optype)
         unknown = [
             self.optype_names[c] for c in present if self.optype_names[c] not in KNOWN_OPTYPES
         ]
@@ -261,3 +261,37 @@ def _optype_codes(
         raise TraceError(f"{source}: column 'optype' has the wrong number of rows")
     names_arr, codes = np.unique(values.astype(str), return_inverse=True)
     return codes.astype(np.int16), tuple(str(n) for n in names_arr)
+
+
+def small_ints_present(values: np.ndarray) -> np.ndarray:
+    """The distinct values of an integer column of small non-negative ids (ranks, stages,
+    op type codes), ascending: `np.unique` in one counting pass instead of a sort.
+
+    >>> small_ints_present(np.array([3, 0, 3, 1])).tolist()
+    [0, 1, 3]
+    """
+    if not values.size or int(values.min()) < 0 or int(values.max()) > 1 << 20:
+        return np.unique(values)
+    return np.flatnonzero(np.bincount(values)).astype(values.dtype)
+
+
+def ids_and_index(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(values, return_inverse=True)` for an integer column whose values span a
+    small range (a stream's few steps, repeated over many rows): a counting pass and a
+    lookup instead of a sort of the rows.
+
+    >>> ids, index = ids_and_index(np.array([12, 10, 12, 15]))
+    >>> ids.tolist(), index.tolist()
+    ([10, 12, 15], [1, 0, 1, 2])
+    """
+    if not values.size:
+        return np.unique(values, return_inverse=True)
+    low = int(values.min())
+    span = int(values.max()) - low
+    if span > max(1 << 16, values.size):
+        return np.unique(values, return_inverse=True)
+    offset = values - low
+    present = np.flatnonzero(np.bincount(offset, minlength=span + 1))
+    position = np.zeros(span + 1, dtype=np.intp)
+    position[present] = np.arange(present.size)
+    return (present + low).astype(values.dtype), position[offset]

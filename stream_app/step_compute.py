@@ -308,21 +308,22 @@ def batches_to_trace(
     for b in batches:
         if b.optype_names not in remaps:
             remaps[b.optype_names] = np.array([code_of[x] for x in b.optype_names], np.int16)
-    origin_of_step: dict[int, int] = {}
-    for b in batches:
-        first = int(b.start_ns.min())
-        origin_of_step[b.step] = min(origin_of_step.get(b.step, first), first)
-
     n_ops = np.array([b.n_ops for b in batches])
     renumber = {dp: i for i, dp in enumerate(dp_ranks)} if dp_ranks is not None else None
 
     def per_batch(values: list[int], dtype: type) -> np.ndarray:
         return np.repeat(np.array(values, dtype=dtype), n_ops)
 
+    # Each step's origin, its earliest op: one reduction over the batches' starts.
+    start_ns = np.concatenate([b.start_ns for b in batches])
+    first_of_batch = np.minimum.reduceat(start_ns, np.cumsum(n_ops) - n_ops)
+    steps, step_of_batch = np.unique([b.step for b in batches], return_inverse=True)
+    origin_of_step = np.full(steps.size, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(origin_of_step, step_of_batch, first_of_batch)
     codes = np.concatenate([remaps[b.optype_names][b.optype] for b in batches])
     stage = per_batch([b.pp_rank for b in batches], np.int32)
     chunk = np.maximum(np.concatenate([b.chunk for b in batches]).astype(np.int32), 0)
-    origin = per_batch([origin_of_step[b.step] for b in batches], np.int64)
+    origin = np.repeat(origin_of_step[step_of_batch], n_ops)
     columns: dict[str, Any] = {
         "dp_rank": per_batch(
             [renumber[b.dp_rank] if renumber else b.dp_rank for b in batches], np.int32
@@ -331,9 +332,7 @@ def batches_to_trace(
         "rank": per_batch([b.rank for b in batches], np.int64),
         "step": per_batch([b.step for b in batches], np.int64),
         "optype": codes,
-        "start_ts": ((np.concatenate([b.start_ns for b in batches]) - origin) / 1e9).astype(
-            np.float32
-        ),
+        "start_ts": ((start_ns - origin) / 1e9).astype(np.float32),
         "duration": (np.concatenate([b.duration_ns for b in batches]) / 1e9).astype(np.float32),
         "seq_id": np.concatenate([b.seq for b in batches]).astype(np.int32),
         "mc": np.where(chunked_code[codes], chunk, -1).astype(np.int32),
@@ -341,7 +340,6 @@ def batches_to_trace(
         "mb_id": np.concatenate([b.microbatch for b in batches]).astype(np.int32),
         "optype_names": tuple(names),
     }
-    steps = sorted(origin_of_step)
     job = batches[0]
-    shown = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+    shown = f"step {steps[0]}" if steps.size == 1 else f"steps {steps[0]}..{steps[-1]}"
     return Trace.from_columns(columns, source=f"{job.job_id}/{job.attempt} {shown}")
