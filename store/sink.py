@@ -399,14 +399,7 @@ class ClickHouseSink:
     def _drop_cut_short(self, steps: dict[str, pa.Array]) -> int:
         """Delete the per-step rows of these steps (none stored) that a write cut short
         left; returns how many steps had some."""
-        keys = list(
-            zip(
-                _python_values(steps["job_id"]),
-                _python_values(steps["attempt"]),
-                _python_values(steps["step"]),
-                strict=True,
-            )
-        )
+        keys = _step_keys(steps)
         if not keys:
             return 0
         _, rows = self.query(
@@ -465,14 +458,7 @@ class ClickHouseSink:
         """Keep the steps rows newer than what is stored (and the newest of duplicates in
         the batch); list the stored versions they supersede, and return the stored version
         of each step of the batch."""
-        keys = list(
-            zip(
-                _python_values(columns["job_id"]),
-                _python_values(columns["attempt"]),
-                _python_values(columns["step"]),
-                strict=True,
-            )
-        )
+        keys = _step_keys(columns)
         versions = _python_values(columns["version"])
         newest_in_batch: dict[tuple[str, int, int], int] = {}
         for i, key in enumerate(keys):
@@ -569,6 +555,18 @@ def _to_arrow(values: ColumnData, type_: str) -> pa.Array:
 
 def _sequence(values: ColumnData) -> np.ndarray | list:
     return values if isinstance(values, np.ndarray) else list(values)
+
+
+def _step_keys(columns: dict[str, pa.Array]) -> list[tuple[str, int, int]]:
+    """The (job_id, attempt, step) key of every row of a per-step table's columns."""
+    return list(
+        zip(
+            _python_values(columns["job_id"]),
+            _python_values(columns["attempt"]),
+            _python_values(columns["step"]),
+            strict=True,
+        )
+    )
 
 
 def _drop_stored_versions(
