@@ -380,23 +380,23 @@ class OnlineEpisodes:
         changes: list[EpisodeChange] = []
         candidates = self._candidates() & ~open_kind
         if not candidates.any():
-            return changes  # a healthy job's usual step: no spike rate to take
+            return changes  # a healthy job's usual step: no gate to take
         measured = np.flatnonzero(candidates.any(axis=(1, 2)))
         lanes = (
             (cfg.onset_steps, cfg.onset_z, cfg.quiet_spike_rate),
             (cfg.confirm_steps, cfg.confirm_z, cfg.busy_spike_rate),
             (cfg.noisy_steps, cfg.confirm_z, None),
         )
+        columns = np.nonzero(candidates)
         for window, z, most_spikes in lanes:
+            # The gates first: a series' evidence is its own, and the spike rate (medians
+            # over the job's baseline) is only needed where one rose.
+            evidence = self._evidence(window, z, columns)
+            if evidence is None or not evidence.raised.any():
+                continue
             kinds_allowed = np.ones(len(self.kinds), dtype=bool)
             if most_spikes is not None:
                 kinds_allowed = self._spike_rate(measured, window) <= most_spikes
-            columns = np.nonzero(candidates & kinds_allowed[:, None, None])
-            if not columns[0].size:
-                continue
-            evidence = self._evidence(window, z, columns)
-            if evidence is None:
-                continue
             raised = (
                 evidence.raised
                 & ~open_kind
