@@ -38,15 +38,17 @@ ColumnData = Sequence[Any] | np.ndarray
 _T = TypeVar("_T")
 
 #: Tables a batch may write, in write order: `steps` last, because a stored step is what
-#: marks its version as written (see `ClickHouseSink.write`).
+#: marks its version as written (see `ClickHouseSink.write`); the episodes and the
+#: diagnoses first after the job, because they are the news an on-call engineer waits for
+#: (a write that opens an episode is made at once, and its other tables take most of it).
 WRITABLE_TABLES: tuple[str, ...] = (
     "jobs",
+    "episodes",
+    "diagnoses",
     "ops",
     "worker_slowdown",
     "attribution",
     "changepoints",
-    "episodes",
-    "diagnoses",
     "dead_letters",
     "rank_identity",
     "steps",
@@ -284,15 +286,21 @@ class ClickHouseSink:
             ) from None
         return list(result.column_names), list(result.result_rows)
 
-    def stored_steps(self, keys: Sequence[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
-        """Which of these (job, attempt, step) keys are stored, at any version: a host leaves
-        a re-processed step out with all its rows."""
+    def stored_versions(
+        self, keys: Sequence[tuple[str, int, int]]
+    ) -> dict[tuple[str, int, int], int]:
+        """The newest stored version of each of these (job, attempt, step) keys that is
+        stored: a host leaves a re-processed step out with all its rows, and hands what it
+        found to `write` (`stored_versions`), which then needs no lookup of its own."""
+        if not keys:
+            return {}
         _, rows = self.query(
-            "SELECT DISTINCT job_id, attempt, step FROM steps "
-            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
+            "SELECT job_id, attempt, step, max(version) FROM steps "
+            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))} "
+            "GROUP BY job_id, attempt, step",
             {"keys": list(keys)},
         )
-        return {(j, int(a), int(s)) for j, a, s in rows}
+        return {(j, int(a), int(s)): int(v) for j, a, s, v in rows}
 
     def insert_rows(
         self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], token: str
@@ -336,7 +344,13 @@ class ClickHouseSink:
         return scrub(text, [written, unquote(written)])
 
     # -- writes -------------------------------------------------------------------------
-    def write(self, batch: SinkBatch, *, replace_cut_short: bool = False) -> WriteReport:
+    def write(
+        self,
+        batch: SinkBatch,
+        *,
+        replace_cut_short: bool = False,
+        stored_versions: Mapping[tuple[str, int, int], int] | None = None,
+    ) -> WriteReport:
         """Insert a batch idempotently: replaying it, or writing an older version of its
         steps, changes nothing; a newer version of a step replaces the stored one. A failed
         write is retried as `self.retry` says (repeating a half-done write is safe).
@@ -344,12 +358,27 @@ class ClickHouseSink:
         `replace_cut_short`: the batch's steps may have rows of an earlier write that was
         cut short before their `steps` row (a crash, a store failing past the retries),
         written as part of another batch: those rows are replaced rather than doubled.
-        One lookup more; a host asks for it until it knows such writes are behind it."""
-        return self.retry.call(
-            self._write_once, batch, replace_cut_short, what=f"write of {batch.dedup_token!r}"
-        )
+        One lookup more; a host asks for it until it knows such writes are behind it.
 
-    def _write_once(self, batch: SinkBatch, replace_cut_short: bool = False) -> WriteReport:
+        `stored_versions`: what `stored_versions` answered for the batch's steps just
+        before (a key absent: not stored), so that the write does not look them up again;
+        a retry looks them up itself (the failed try may have stored some)."""
+        tries = 0
+
+        def write_once() -> WriteReport:
+            nonlocal tries
+            tries += 1
+            known = stored_versions if tries == 1 else None
+            return self._write_once(batch, replace_cut_short, known)
+
+        return self.retry.call(write_once, what=f"write of {batch.dedup_token!r}")
+
+    def _write_once(
+        self,
+        batch: SinkBatch,
+        replace_cut_short: bool = False,
+        stored_versions: Mapping[tuple[str, int, int], int] | None = None,
+    ) -> WriteReport:
         if not batch.dedup_token:
             raise BatchError("SinkBatch has no dedup_token; it must identify the content")
         unknown = sorted(set(batch.tables) - set(WRITABLE_TABLES))
@@ -366,7 +395,9 @@ class ClickHouseSink:
         skipped = retracted = 0
         superseded: list[tuple[str, int, int, int]] = []
         if "steps" in prepared:
-            prepared["steps"], skipped, superseded, stored = self._newer_steps(prepared["steps"])
+            prepared["steps"], skipped, superseded, stored = self._newer_steps(
+                prepared["steps"], stored_versions
+            )
             for table in SUPERSEDED_WITH_STEPS:
                 if table in prepared:
                     prepared[table] = _drop_stored_versions(prepared[table], stored)
@@ -448,7 +479,9 @@ class ClickHouseSink:
             ) from None
 
     def _newer_steps(
-        self, columns: dict[str, pa.Array]
+        self,
+        columns: dict[str, pa.Array],
+        stored_versions: Mapping[tuple[str, int, int], int] | None = None,
     ) -> tuple[
         dict[str, pa.Array],
         int,
@@ -457,7 +490,7 @@ class ClickHouseSink:
     ]:
         """Keep the steps rows newer than what is stored (and the newest of duplicates in
         the batch); list the stored versions they supersede, and return the stored version
-        of each step of the batch."""
+        of each step of the batch (`stored_versions` when the caller looked them up)."""
         keys = _step_keys(columns)
         versions = _python_values(columns["version"])
         newest_in_batch: dict[tuple[str, int, int], int] = {}
@@ -465,13 +498,10 @@ class ClickHouseSink:
             best = newest_in_batch.get(key)
             if best is None or versions[i] > versions[best]:
                 newest_in_batch[key] = i
-        _, stored_rows = self.query(
-            "SELECT job_id, attempt, step, max(version) FROM steps "
-            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))} "
-            "GROUP BY job_id, attempt, step",
-            {"keys": list(newest_in_batch)},
-        )
-        stored = {(j, int(a), int(s)): int(v) for j, a, s, v in stored_rows}
+        if stored_versions is None:
+            stored = self.stored_versions(list(newest_in_batch))
+        else:
+            stored = {k: stored_versions[k] for k in newest_in_batch if k in stored_versions}
         keep = np.zeros(len(keys), dtype=bool)
         superseded: list[tuple[str, int, int, int]] = []
         for key, i in newest_in_batch.items():

@@ -461,8 +461,8 @@ class HostCore:
     def write(self, sink: ClickHouseSink) -> Written:
         """Store every pending row exactly once: a step already stored (re-processed after
         a crash or a rebalance) is left out with all its rows, even without FINAL; the
-        sink's own version check is the second line. What a failed write (a StoreError
-        after the sink's retries) did not store stays pending."""
+        sink's version check, on the same lookup, is the second line. What a failed write
+        (a StoreError after the sink's retries) did not store stays pending."""
         self.records.write(sink)
         if self.dead:
             sink.write(dead_letter_batch(self.dead))
@@ -472,7 +472,7 @@ class HostCore:
             started = time.perf_counter()
             outputs = self.pending
             keys = sorted({(o.job_id, o.attempt, o.step) for o in outputs})
-            stored = sink.retry.call(sink.stored_steps, keys, what="steps lookup")
+            stored = sink.retry.call(sink.stored_versions, keys, what="steps lookup")
             fresh = [o for o in outputs if (o.job_id, o.attempt, o.step) not in stored]
             self.counters["steps_already_stored"] += len(outputs) - len(fresh)
             checked, self._cut_short_possible = self._cut_short_possible, True
@@ -486,7 +486,7 @@ class HostCore:
                 if self._raw_ops:
                     batch.add("ops", joined_rows(self._raw_ops))
                     self._raw_ops = []
-                report = sink.write(batch, replace_cut_short=checked)
+                report = sink.write(batch, replace_cut_short=checked, stored_versions=stored)
                 replaced += report.steps_replaced
                 self.counters["steps_written"] += len(job_outputs)
             if len(fresh) < len(outputs):

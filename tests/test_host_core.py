@@ -123,3 +123,53 @@ def test_slow_writes_are_spaced_to_their_share_of_the_hosts_time(chdb_dsn):
     assert core.write_due(10.0 + spaced, 10.0, every, interval)
     assert core.write_due(10.0, 10.0, len(core.pending), interval), "a full batch waits not"
     sink.close()
+
+
+def test_a_write_looks_its_steps_up_once_and_a_retry_again(chdb_dsn, monkeypatch):
+    """A host's write of several jobs' steps asks the store which are stored once (the
+    sink's version check runs on that answer): the lookups were one per job more, ~10 ms
+    each against a real store, for every write of a job followed live. A retried write
+    looks again, as its failed try may have stored some of them."""
+    from lagscope.producers.events import JobInfo
+    from lagscope.producers.replay import iter_step_batches
+
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    core = HostCore(settings, JobRecords(settings.max_world_size))
+    for seed, job_id in enumerate(("job-a", "job-b", "job-c")):
+        job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=seed))
+        info = JobInfo.from_meta(job.meta, job_id=job_id)
+        core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+        for _, _, batches in iter_step_batches(
+            job.trace, job.meta, job_id=job_id, start_wall_ns=1_700_000_000 * 10**9
+        ):
+            core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+    core.settle()
+    assert len(core.pending) == 9
+    sink = ClickHouseSink(chdb_dsn, retry=RetryPolicy(attempts=2, first_wait_s=0.0))
+    sink.ensure_schema()
+    lookups = []
+    query, insert = ClickHouseSink.query, ClickHouseSink._insert
+    failed = []
+
+    def counted(self, sql, parameters=None):
+        if "FROM steps" in sql:
+            lookups.append(sql)
+        return query(self, sql, parameters)
+
+    def second_job_fails_once(self, table, columns, token):
+        if table == "steps" and "job-b" in str(columns["job_id"]) and not failed:
+            failed.append(token)
+            raise StoreError("injected: the steps insert of job-b failed once")
+        insert(self, table, columns, token)
+
+    monkeypatch.setattr(ClickHouseSink, "query", counted)
+    monkeypatch.setattr(ClickHouseSink, "_insert", second_job_fails_once)
+    core.write(sink)
+    assert failed, "the injected failure did not happen"
+    assert len(lookups) == 2, "one lookup for the write, one more for job-b's retry"
+    monkeypatch.undo()
+    _, rows = sink.query("SELECT job_id, count() FROM steps GROUP BY job_id ORDER BY job_id")
+    assert rows == [("job-a", 3), ("job-b", 3), ("job-c", 3)]
+    _, rows = sink.query("SELECT count(), uniqExact(job_id, step, kind, name) FROM attribution")
+    assert rows[0][0] == rows[0][1] > 0
+    sink.close()

@@ -18,7 +18,7 @@ def test_a_lookup_too_long_for_a_url_is_answered(tmp_path: Path) -> None:
         sink = ClickHouseSink(server.dsn("forms"))
         sink.ensure_schema()
         keys = [("a-job-with-a-long-name-of-a-real-cluster", 0, step) for step in range(300)]
-        assert sink.stored_steps(keys) == set()
+        assert sink.stored_versions(keys) == {}
         _, rows = sink.query("SELECT length({steps:Array(UInt64)})", {"steps": list(range(3000))})
         assert rows == [(3000,)]
     finally:
