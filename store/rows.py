@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -349,13 +349,35 @@ def rows_from_outputs(outputs: Sequence[ClosedStepRecord], *, version: int = 0) 
             )
         for table, columns in part.tables.items():
             tables.setdefault(table, []).append(columns)
-    first, last = outputs[0], outputs[-1]
-    batch = SinkBatch(
-        f"{first.job_id}/{first.attempt}/{first.step}-{last.step}/{len(outputs)}/{version}"
-    )
+    batch = SinkBatch(_outputs_token(outputs, version))
     for table, parts in tables.items():
-        batch.add(table, {name: _concat([p[name] for p in parts]) for name in parts[0]})
+        batch.add(table, concat_columns(parts))
     return batch
+
+
+def _outputs_token(outputs: Sequence[ClosedStepRecord], version: int) -> str:
+    """The dedup token of a batch of closed steps: one job's names its steps; several
+    jobs' (a host writing every job it follows at once) adds a digest of every step's
+    key, so that two writes of different steps never share a token.
+
+    >>> from types import SimpleNamespace as Out
+    >>> _outputs_token([Out(job_id="a", attempt=0, step=s) for s in (3, 4)], 0)
+    'a/0/3-4/2/0'
+    >>> _outputs_token([Out(job_id=j, attempt=0, step=3) for j in "ab"], 0)[:18]
+    'a/0/3-3/2/0/2 jobs'
+    """
+    first, last = outputs[0], outputs[-1]
+    token = f"{first.job_id}/{first.attempt}/{first.step}-{last.step}/{len(outputs)}/{version}"
+    jobs = {(out.job_id, out.attempt) for out in outputs}
+    if len(jobs) == 1:
+        return token
+    keys = "\n".join(sorted(f"{out.job_id}\t{out.attempt}\t{out.step}" for out in outputs))
+    return f"{token}/{len(jobs)} jobs/{hashlib.blake2b(keys.encode(), digest_size=12).hexdigest()}"
+
+
+def concat_columns(parts: Sequence[Mapping[str, Any]]) -> dict[str, list | np.ndarray]:
+    """Column sets of one table (name -> values, the same names in each) as one."""
+    return {name: _concat([part[name] for part in parts]) for name in parts[0]}
 
 
 def _concat(parts: list) -> list | np.ndarray:

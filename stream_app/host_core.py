@@ -29,6 +29,7 @@ from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, batch
 from lagscope.simulator.episodes import Episode
 from lagscope.simulator.whatif import WhatIfResult
 from lagscope.store.rows import (
+    concat_columns,
     dead_letter_batch,
     diagnosis_rows,
     episode_rows,
@@ -477,18 +478,17 @@ class HostCore:
             self.counters["steps_already_stored"] += len(outputs) - len(fresh)
             checked, self._cut_short_possible = self._cut_short_possible, True
             replaced = 0
-            by_job: dict[tuple[str, int], list[StepOutput]] = {}
-            for out in fresh:
-                by_job.setdefault((out.job_id, out.attempt), []).append(out)
-            for (job_id, attempt), job_outputs in by_job.items():
-                batch = rows_from_outputs(job_outputs)
-                self._add_live_rows(batch, job_id, attempt, job_outputs)
+            if fresh:
+                # Every job's steps in one batch: a write's cost is mostly per insert, so
+                # a worker following many jobs live writes them all in one insert a table.
+                batch = rows_from_outputs(fresh)
+                self._add_live_rows(batch, fresh)
                 if self._raw_ops:
                     batch.add("ops", joined_rows(self._raw_ops))
                     self._raw_ops = []
                 report = sink.write(batch, replace_cut_short=checked, stored_versions=stored)
-                replaced += report.steps_replaced
-                self.counters["steps_written"] += len(job_outputs)
+                replaced = report.steps_replaced
+                self.counters["steps_written"] += len(fresh)
             if len(fresh) < len(outputs):
                 log.info("stored %d step(s); %d re-processed step(s) were already stored",
                          len(fresh), len(outputs) - len(fresh))  # fmt: skip
@@ -511,16 +511,25 @@ class HostCore:
         self._writes += 1
         return written
 
-    def _add_live_rows(
-        self, batch: SinkBatch, job_id: str, attempt: int, outputs: list[StepOutput]
-    ) -> None:
-        """The episodes and diagnoses the steps of `outputs` made, into their batch."""
-        states = [state for out in outputs for state in out.episodes]
-        if states:
-            batch.add("episodes", episode_rows(job_id, attempt, states, self.records.machines))
-        diagnoses = [out.diagnosis for out in outputs if out.diagnosis is not None]
+    def _add_live_rows(self, batch: SinkBatch, outputs: list[StepOutput]) -> None:
+        """The episodes and diagnoses the steps of `outputs` (of any jobs) made, into
+        their batch."""
+        episodes: list[dict[str, list]] = []
+        diagnoses: list[dict[str, list]] = []
+        by_job: dict[tuple[str, int], list[StepOutput]] = {}
+        for out in outputs:
+            by_job.setdefault((out.job_id, out.attempt), []).append(out)
+        for (job_id, attempt), job_outputs in by_job.items():
+            states = [state for out in job_outputs for state in out.episodes]
+            if states:
+                episodes.append(episode_rows(job_id, attempt, states, self.records.machines))
+            found = [out.diagnosis for out in job_outputs if out.diagnosis is not None]
+            if found:
+                diagnoses.append(self._diagnosis_rows(job_id, attempt, found))
+        if episodes:
+            batch.add("episodes", concat_columns(episodes))
         if diagnoses:
-            batch.add("diagnoses", self._diagnosis_rows(job_id, attempt, diagnoses))
+            batch.add("diagnoses", concat_columns(diagnoses))
 
     def _diagnosis_rows(
         self, job_id: str, attempt: int, diagnoses: Sequence[JobDiagnosis]

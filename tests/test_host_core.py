@@ -125,51 +125,64 @@ def test_slow_writes_are_spaced_to_their_share_of_the_hosts_time(chdb_dsn):
     sink.close()
 
 
-def test_a_write_looks_its_steps_up_once_and_a_retry_again(chdb_dsn, monkeypatch):
-    """A host's write of several jobs' steps asks the store which are stored once (the
-    sink's version check runs on that answer): the lookups were one per job more, ~10 ms
-    each against a real store, for every write of a job followed live. A retried write
-    looks again, as its failed try may have stored some of them."""
+def test_a_write_of_many_jobs_is_one_lookup_and_one_insert_a_table(chdb_dsn, monkeypatch):
+    """A worker following many jobs live writes all their steps every half second: the
+    write asks the store which are stored once (the sink's version check runs on that
+    answer) and inserts each table once, for all the jobs. It was a lookup, plus a lookup
+    and an insert per table for each job: ~30 ms a job against the shared test store.
+    A retried write looks again, as its failed try may have stored some steps."""
     from lagscope.producers.events import JobInfo
     from lagscope.producers.replay import iter_step_batches
 
     settings = ProcessorSettings(lateness_s=1_000.0)
     core = HostCore(settings, JobRecords(settings.max_world_size))
+    streams = []
     for seed, job_id in enumerate(("job-a", "job-b", "job-c")):
-        job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=seed))
+        job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=4, seed=seed))
         info = JobInfo.from_meta(job.meta, job_id=job_id)
         core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
-        for _, _, batches in iter_step_batches(
-            job.trace, job.meta, job_id=job_id, start_wall_ns=1_700_000_000 * 10**9
-        ):
-            core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
-    core.settle()
-    assert len(core.pending) == 9
+        streams.append(
+            iter_step_batches(job.trace, job.meta, job_id=job_id, start_wall_ns=17 * 10**17)
+        )
+
+    def next_steps(n: int) -> None:
+        for stream in streams:
+            for _, _, batches in [next(stream) for _ in range(n)]:
+                core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+        core.settle()
+
     sink = ClickHouseSink(chdb_dsn, retry=RetryPolicy(attempts=2, first_wait_s=0.0))
     sink.ensure_schema()
-    lookups = []
+    lookups, inserts, failed = [], [], []
     query, insert = ClickHouseSink.query, ClickHouseSink._insert
-    failed = []
 
-    def counted(self, sql, parameters=None):
+    def counted_query(self, sql, parameters=None):
         if "FROM steps" in sql:
             lookups.append(sql)
         return query(self, sql, parameters)
 
-    def second_job_fails_once(self, table, columns, token):
-        if table == "steps" and "job-b" in str(columns["job_id"]) and not failed:
+    def counted_insert(self, table, columns, token):
+        inserts.append(table)
+        if table == "steps" and not failed:
             failed.append(token)
-            raise StoreError("injected: the steps insert of job-b failed once")
+            raise StoreError("injected: the first steps insert failed")
         insert(self, table, columns, token)
 
-    monkeypatch.setattr(ClickHouseSink, "query", counted)
-    monkeypatch.setattr(ClickHouseSink, "_insert", second_job_fails_once)
+    monkeypatch.setattr(ClickHouseSink, "query", counted_query)
+    monkeypatch.setattr(ClickHouseSink, "_insert", counted_insert)
+    next_steps(3)
     core.write(sink)
     assert failed, "the injected failure did not happen"
-    assert len(lookups) == 2, "one lookup for the write, one more for job-b's retry"
+    assert len(lookups) == 2, "one lookup for the write, one more for its retry"
+    next_steps(1)
+    lookups.clear()
+    inserts.clear()
+    core.write(sink)
+    assert len(lookups) == 1
+    assert sorted(inserts) == sorted(set(inserts)), f"a table inserted twice: {inserts}"
     monkeypatch.undo()
     _, rows = sink.query("SELECT job_id, count() FROM steps GROUP BY job_id ORDER BY job_id")
-    assert rows == [("job-a", 3), ("job-b", 3), ("job-c", 3)]
+    assert rows == [("job-a", 4), ("job-b", 4), ("job-c", 4)]
     _, rows = sink.query("SELECT count(), uniqExact(job_id, step, kind, name) FROM attribution")
     assert rows[0][0] == rows[0][1] > 0
     sink.close()
