@@ -460,60 +460,12 @@ class HostCore:
         return self.has_news and not self.clock.behind
 
     def write(self, sink: ClickHouseSink) -> Written:
-        """Store every pending row exactly once: a step already stored (re-processed after
-        a crash or a rebalance) is left out with all its rows, even without FINAL; the
-        sink's version check, on the same lookup, is the second line. What a failed write
-        (a StoreError after the sink's retries) did not store stays pending."""
-        self.records.write(sink)
-        if self.dead:
-            sink.write(dead_letter_batch(self.dead))
-            self.dead = []
-        written = Written()
-        if self.pending:
-            started = time.perf_counter()
-            outputs = self.pending
-            keys = sorted({(o.job_id, o.attempt, o.step) for o in outputs})
-            stored = sink.retry.call(sink.stored_versions, keys, what="steps lookup")
-            fresh = [o for o in outputs if (o.job_id, o.attempt, o.step) not in stored]
-            self.counters["steps_already_stored"] += len(outputs) - len(fresh)
-            checked, self._cut_short_possible = self._cut_short_possible, True
-            replaced = 0
-            if fresh:
-                # Every job's steps in one batch: a write's cost is mostly per insert, so
-                # a worker following many jobs live writes them all in one insert a table.
-                batch = rows_from_outputs(fresh)
-                self._add_live_rows(batch, fresh)
-                if self._raw_ops:
-                    batch.add("ops", joined_rows(self._raw_ops))
-                    self._raw_ops = []
-                report = sink.write(batch, replace_cut_short=checked, stored_versions=stored)
-                replaced = report.steps_replaced
-                self.counters["steps_written"] += len(fresh)
-            if len(fresh) < len(outputs):
-                log.info("stored %d step(s); %d re-processed step(s) were already stored",
-                         len(fresh), len(outputs) - len(fresh))  # fmt: skip
-            self.pending = []  # only now: a failure above kept them for the next write
-            self.has_news = False
-            written.outputs = fresh
-            self.write_seconds = time.perf_counter() - started
-            # Re-processed steps (stored ones among them) may still be followed by those of
-            # the write that was cut short.
-            self._cut_short_possible = checked and (replaced > 0 or len(fresh) < len(outputs))
-        if self._raw_ops:
-            batch = SinkBatch(f"ops/{self._writes}/{len(self._raw_ops)}")
-            batch.add("ops", joined_rows(self._raw_ops))
-            sink.write(batch)
-            self._raw_ops = []
-        while self.conclusions:
-            conclusion = self.conclusions[0]
-            sink.write(self._conclusion_batch(conclusion))
-            written.conclusions.append(self.conclusions.pop(0))
-        self._writes += 1
-        return written
+        """Store every pending row exactly once (`write_hosts` of this host alone)."""
+        return write_hosts([self], sink)[0]
 
-    def _add_live_rows(self, batch: SinkBatch, outputs: list[StepOutput]) -> None:
-        """The episodes and diagnoses the steps of `outputs` (of any jobs) made, into
-        their batch."""
+    def _live_rows(self, outputs: list[StepOutput]) -> tuple[list[dict], list[dict]]:
+        """The `episodes` and `diagnoses` rows the steps of `outputs` (of any of this
+        host's jobs) made, a column set per job."""
         episodes: list[dict[str, list]] = []
         diagnoses: list[dict[str, list]] = []
         by_job: dict[tuple[str, int], list[StepOutput]] = {}
@@ -526,10 +478,7 @@ class HostCore:
             found = [out.diagnosis for out in job_outputs if out.diagnosis is not None]
             if found:
                 diagnoses.append(self._diagnosis_rows(job_id, attempt, found))
-        if episodes:
-            batch.add("episodes", concat_columns(episodes))
-        if diagnoses:
-            batch.add("diagnoses", concat_columns(diagnoses))
+        return episodes, diagnoses
 
     def _diagnosis_rows(
         self, job_id: str, attempt: int, diagnoses: Sequence[JobDiagnosis]
@@ -615,3 +564,76 @@ class HostCore:
             "concluded_step": [[*key, step] for key, step in self.concluded_step.items()],
             "event_time_s": self.clock.newest_record_s,
         }
+
+
+def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written]:
+    """Store every pending row of `hosts` (a worker's partitions; the embedded host alone)
+    exactly once, and return what each stored.
+
+    Every job's closed steps go in one batch: a write costs mostly per insert, so a host
+    following many jobs live writes them all with one lookup and one insert a table. A
+    step already stored (re-processed after a crash or a rebalance) is left out with all
+    its rows, even without FINAL; the sink's version check, on the same lookup, is the
+    second line. What a failed write (a StoreError after the sink's retries) did not
+    store stays pending on its host."""
+    for host in hosts:
+        host.records.write(sink)  # a worker's hosts share theirs: written once
+    dead = [letter for host in hosts for letter in host.dead]
+    if dead:
+        sink.write(dead_letter_batch(dead))
+        for host in hosts:
+            host.dead = []
+    written = [Written() for _ in hosts]
+    if any(host.pending for host in hosts):
+        started = time.perf_counter()
+        keys = sorted({(o.job_id, o.attempt, o.step) for h in hosts for o in h.pending})
+        stored = sink.retry.call(sink.stored_versions, keys, what="steps lookup")
+        fresh = [
+            [o for o in host.pending if (o.job_id, o.attempt, o.step) not in stored]
+            for host in hosts
+        ]
+        checked = [host._cut_short_possible for host in hosts]
+        for host in hosts:
+            host._cut_short_possible = True  # until the write below says otherwise
+        replaced = 0
+        raw_ops = [row for host in hosts for row in host._raw_ops]
+        if any(fresh):
+            batch = rows_from_outputs([out for outputs in fresh for out in outputs])
+            live = [host._live_rows(outputs) for host, outputs in zip(hosts, fresh, strict=True)]
+            for table, index in (("episodes", 0), ("diagnoses", 1)):
+                parts = [part for rows in live for part in rows[index]]
+                if parts:
+                    batch.add(table, concat_columns(parts))
+            if raw_ops:
+                batch.add("ops", joined_rows(raw_ops))
+            report = sink.write(batch, replace_cut_short=any(checked), stored_versions=stored)
+            replaced = report.steps_replaced
+            for host in hosts:
+                host._raw_ops = []  # only now: a failed write keeps them for the next
+        seconds = time.perf_counter() - started
+        for host, outputs, was_checked, done in zip(hosts, fresh, checked, written, strict=True):
+            pending = len(host.pending)
+            if len(outputs) < pending:
+                log.info("stored %d step(s); %d re-processed step(s) were already stored",
+                         len(outputs), pending - len(outputs))  # fmt: skip
+            host.counters["steps_already_stored"] += pending - len(outputs)
+            host.counters["steps_written"] += len(outputs)
+            host.pending = []  # only now: a failure above kept them for the next write
+            host.has_news = False
+            host.write_seconds = seconds
+            done.outputs = outputs
+            # Re-processed steps (stored ones among them) may still be followed by those of
+            # the write that was cut short.
+            host._cut_short_possible = was_checked and (replaced > 0 or len(outputs) < pending)
+    for host, done in zip(hosts, written, strict=True):
+        if host._raw_ops:
+            batch = SinkBatch(f"ops/{host._writes}/{len(host._raw_ops)}")
+            batch.add("ops", joined_rows(host._raw_ops))
+            sink.write(batch)
+            host._raw_ops = []
+        while host.conclusions:
+            conclusion = host.conclusions[0]
+            sink.write(host._conclusion_batch(conclusion))
+            done.conclusions.append(host.conclusions.pop(0))
+        host._writes += 1
+    return written

@@ -66,6 +66,8 @@ from lagscope.stream_app.host_core import (
     HostCore,
     JobRecords,
     LatenessClock,
+    Written,
+    write_hosts,
 )
 from lagscope.stream_app.job_analysis import EpisodeState
 from lagscope.stream_app.processor import (
@@ -287,10 +289,12 @@ class WorkerCore:
         settings = self.config.worker
         if self.records.pending or self.records.dead:
             self._store_or_keep(self.records.write, self.sink)
-        for part in list(self.partitions.values()):
-            every, interval = settings.write_every_steps, settings.write_interval_s
-            if part.core.write_due(now, part.last_write, every, interval):
-                self.write(part)
+        every, interval = settings.write_every_steps, settings.write_interval_s
+        parts = list(self.partitions.values())
+        if any(part.core.write_due(now, part.last_write, every, interval) for part in parts):
+            # One write for every partition with something pending: its cost is mostly
+            # per insert, whatever the number of jobs in it.
+            self.write(*parts)
 
     def checkpoint_due(self, number: int) -> bool:
         part = self.partitions.get(number)
@@ -352,17 +356,21 @@ class WorkerCore:
             self.records.write, self.sink
         ):
             return False
-        return all(self.write(part) for part in list(self.partitions.values()))
+        return self.write(*self.partitions.values())
 
     # -- writes -------------------------------------------------------------------------
-    def write(self, part: _Partition) -> bool:
-        """Durably store what the partition's core closed (each step exactly once), then
-        publish it. False when the store failed even after the sink's retries: what was
-        not stored stays pending for the next write (nothing closed is dropped)."""
-        part.last_write = self.clock()
-        if not part.core.has_pending:
+    def write(self, *parts: _Partition) -> bool:
+        """Durably store what the partitions' cores closed (each step exactly once, all in
+        one write), then publish it. False when the store failed even after the sink's
+        retries: what was not stored stays pending for the next write (nothing closed is
+        dropped)."""
+        now = self.clock()
+        for part in parts:
+            part.last_write = now
+        pending = [part for part in parts if part.core.has_pending]
+        if not pending:
             return True
-        return self._store_or_keep(self._store, part)
+        return self._store_or_keep(self._store, pending)
 
     def _store_or_keep(self, store: Callable[..., Any], *args: Any) -> bool:
         """Run a store step that keeps its input on failure; a failure is logged in one
@@ -377,12 +385,18 @@ class WorkerCore:
         self.store_failing = False
         return True
 
-    def _store(self, part: _Partition) -> None:
-        stored_before = part.core.counters["steps_already_stored"]
-        written = part.core.write(self.sink)
+    def _store(self, parts: list[_Partition]) -> None:
+        stored_before = sum(part.core.counters["steps_already_stored"] for part in parts)
+        writes = write_hosts([part.core for part in parts], self.sink)
         self.counters["steps_already_stored"] += (
-            part.core.counters["steps_already_stored"] - stored_before
+            sum(part.core.counters["steps_already_stored"] for part in parts) - stored_before
         )
+        for written in writes:
+            self._publish(written)
+        self._count_totals()
+
+    def _publish(self, written: Written) -> None:
+        """Count what a write stored and publish it on the results topic."""
         self.counters["steps_written"] += len(written.outputs)
         for out in written.outputs:
             self.steps_stored[out.complete] += 1
@@ -399,7 +413,6 @@ class WorkerCore:
                 self.publish(
                     conclusion.job_id.encode(), _json(episode_result(conclusion.job_id, state))
                 )
-        self._count_totals()
 
     # -- snapshots ----------------------------------------------------------------------
     def _snapshot(self, part: _Partition) -> None:

@@ -1,0 +1,74 @@
+"""A worker writes the steps of all its partitions in one write: a write costs mostly per
+insert, and a worker owns a partition per job it follows (one job per partition). The
+worker core runs in-process on a real chDB store with real encoded batches."""
+
+from __future__ import annotations
+
+import time
+
+from lagscope.producers.events import JobInfo
+from lagscope.producers.replay import iter_step_batches
+from lagscope.simulator.generate import JobSpec, generate_job
+from lagscope.store.errors import StoreError
+from lagscope.store.sink import ClickHouseSink, RetryPolicy
+from lagscope.stream_app.processor import ProcessorSettings
+from lagscope.stream_app.worker_config import WorkerConfig, WorkerSettings
+from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
+
+JOBS = ("job-a", "job-b", "job-c")
+INTERVAL_S = 0.5
+
+
+def test_partitions_are_written_together_and_a_failed_write_keeps_them_all(chdb_dsn, monkeypatch):
+    sink = ClickHouseSink(chdb_dsn, retry=RetryPolicy(attempts=1))
+    sink.ensure_schema()
+    now = [0.0]
+    config = WorkerConfig(
+        processor=ProcessorSettings(lateness_s=1_000.0),
+        worker=WorkerSettings(write_interval_s=INTERVAL_S, write_every_steps=1_000),
+    )
+    core = WorkerCore(config, sink, publish=lambda key, value: None, clock=lambda: now[0])
+    streams = []
+    for seed, job_id in enumerate(JOBS):
+        job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=4, seed=seed))
+        info = JobInfo.from_meta(job.meta, job_id=job_id)
+        core.on_job_record(info.model_dump_json().encode(), time.time(), "jobs@0")
+        steps = iter_step_batches(job.trace, job.meta, job_id=job_id, start_wall_ns=time.time_ns())
+        streams.append([batch.encode() for _, _, batches in steps for batch in batches])
+    for partition, payloads in enumerate(streams):
+        core.on_messages(
+            [
+                OpsMessage(partition, offset, JOBS[partition].encode(), payload, time.time())
+                for offset, payload in enumerate(payloads)
+            ]
+        )
+        core.set_behind(partition, False)
+    assert len(core.partitions) == 3
+    inserts: list[str] = []
+    insert = ClickHouseSink._insert
+
+    def store_down(self, table, columns, token):
+        inserts.append(table)
+        raise StoreError("injected: the store is down")
+
+    def counted(self, table, columns, token):
+        inserts.append(table)
+        insert(self, table, columns, token)
+
+    # Due on the interval (the partitions' closed steps are no news): one write of all.
+    now[0] = INTERVAL_S
+    monkeypatch.setattr(ClickHouseSink, "_insert", store_down)
+    core.tick()
+    assert core.store_failing and inserts, "the injected failure did not happen"
+    assert all(p.core.pending for p in core.partitions.values()), "a failed write lost steps"
+    monkeypatch.setattr(ClickHouseSink, "_insert", counted)
+    inserts.clear()
+    assert core.retry_writes()
+    assert inserts.count("steps") == 1, inserts
+    assert not any(p.core.pending for p in core.partitions.values())
+    _, rows = sink.query("SELECT job_id, count() FROM steps GROUP BY job_id ORDER BY job_id")
+    assert rows == [(job_id, 4) for job_id in JOBS]
+    _, rows = sink.query("SELECT count(), uniqExact(job_id, step, kind, name) FROM attribution")
+    assert rows[0][0] == rows[0][1] > 0
+    assert core.counters["steps_written"] == 12
+    sink.close()
