@@ -12,6 +12,7 @@ bound parameters, retried writes, deduplicated by a token naming the content.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Sequence
 
 from lagscope.store.schema import WORKER_RETAINED_TABLE, WORKER_STATE_TABLE
@@ -28,11 +29,20 @@ class CheckpointStore:
 
     def write_snapshot(self, partition: int, next_offset: int, blob: bytes) -> None:
         """A partition's snapshot, covering everything before `next_offset`."""
+        self.write_snapshots([(partition, next_offset, blob)])
+
+    def write_snapshots(self, snapshots: Sequence[tuple[int, int, bytes]]) -> None:
+        """Snapshots of several partitions, (partition, next offset, snapshot) each, in
+        one insert (a worker checkpoints the partitions that are due together)."""
+        if not snapshots:
+            return
+        now = dt.datetime.now(dt.UTC)
+        covered = ",".join(f"{partition}@{offset}" for partition, offset, _ in snapshots)
         self.sink.insert_rows(
             WORKER_STATE_TABLE,
             ["group_id", "topic", "partition", "next_offset", "written_at", "state"],
-            [[self.group, self.topic, partition, next_offset, dt.datetime.now(dt.UTC), blob]],
-            f"state/{self.group}/{self.topic}/{partition}/{next_offset}",
+            [[self.group, self.topic, p, offset, now, blob] for p, offset, blob in snapshots],
+            f"state/{self.group}/{self.topic}/{covered}",
         )
 
     def snapshots(self, partition: int, newest: int) -> list[tuple[int, bytes]]:
@@ -52,12 +62,14 @@ class CheckpointStore:
             return
         now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
         first, last = steps[0], steps[-1]
+        keys = "\n".join(f"{job}\t{attempt}\t{step}" for job, attempt, step, _ in steps)
+        digest = hashlib.blake2b(keys.encode(), digest_size=12).hexdigest()
         self.sink.insert_rows(
             WORKER_RETAINED_TABLE,
             ["group_id", "job_id", "attempt", "step", "written_at", "inputs"],
             [[self.group, job, attempt, step, now, inputs] for job, attempt, step, inputs in steps],
             f"retained/{self.group}/{first[0]}/{first[1]}/{first[2]}-"
-            f"{last[0]}/{last[1]}/{last[2]}/{len(steps)}",
+            f"{last[0]}/{last[1]}/{last[2]}/{len(steps)}/{digest}",
         )
 
     def retained_inputs(self, job: tuple[str, int], steps: list[int]) -> dict[int, bytes]:

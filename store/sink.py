@@ -311,11 +311,18 @@ class ClickHouseSink:
         def insert() -> None:
             from clickhouse_connect.driver.exceptions import ClickHouseError
 
+            known = self._table_columns(table)
+            unknown = [name for name in columns if name not in known]
+            if unknown:
+                raise BatchError(f"insert into {table}: no column(s) {', '.join(unknown)}")
             try:
+                # With the types given, the client sends the rows at once instead of
+                # asking the store for the table's structure first (a round trip each).
                 self.client.insert(
                     table,
                     list(rows),
                     column_names=list(columns),
+                    column_type_names=[known[name][0] for name in columns],
                     settings={"insert_deduplicate": 1, "insert_deduplication_token": token},
                 )
             except (ClickHouseError, OSError) as exc:

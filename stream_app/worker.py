@@ -492,12 +492,11 @@ class FaustWorker:
         return not self._passes_in_flight and time.monotonic() - self._last_message >= seconds
 
     async def _checkpoint_due(self) -> None:
-        for number in await self._core(lambda: list(self.core.partitions)):
-            if number not in self._owned:
-                continue
-            offset = await self._core(self.core.checkpoint_if_due, number)
-            if offset is not None:
-                await self._commit({number: offset})
+        owned = [number for number in await self._core(lambda: list(self.core.partitions))
+                 if number in self._owned]  # fmt: skip
+        committed = await self._core(self.core.checkpoint_all_due, owned)
+        if committed:
+            await self._commit(committed)
 
     async def _commit(self, committed: dict[int, int]) -> None:
         """Commit offsets a durable snapshot covers (a failure only delays the commit)."""

@@ -11,9 +11,9 @@ same numbers as an uninterrupted run):
 1. *Snapshots aligned with offsets.* Per partition, the worker periodically writes a
    snapshot of its core (the processor's windows, running ideals, detectors, episodes and
    totals, the ids of the retained steps) together with `next_offset`, the first offset
-   the snapshot has not consumed (`store/checkpoints.py`). Before a snapshot is
-   written, every step the core closed so far is durably in the store and its results are
-   flushed to `lagscope.results`.
+   the snapshot has not consumed (`store/checkpoints.py`); the partitions due at once
+   share one insert. Before a snapshot is written, every step the core closed so far is
+   durably in the store and its results are flushed to `lagscope.results`.
 2. *Offsets follow snapshots.* The host gets the ops topic one fetched run at a time and
    commits a partition's offset itself, once a durable snapshot covers it. The snapshot's
    `next_offset` is the authority: after a restart or a rebalance the new owner loads the
@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,29 +313,40 @@ class WorkerCore:
         one call, so no rebalance comes between the question and the snapshot."""
         return self.checkpoint(number) if self.checkpoint_due(number) else None
 
+    def checkpoint_all_due(self, numbers: Iterable[int]) -> dict[int, int]:
+        """Checkpoint those of `numbers` that are due, together (`checkpoints`); returns
+        the offset safe to commit of each. One call, as `checkpoint_if_due`."""
+        return self.checkpoints_of([n for n in numbers if self.checkpoint_due(n)])
+
     def checkpoint(self, number: int) -> int:
         """Write everything closed, snapshot; returns the offset safe to commit: past the
         new snapshot only when every step it has closed is stored, else the last one's."""
-        part = self.partitions[number]
-        # Steps still being analysed are closed in the snapshot: stored first, or lost.
-        part.core.settle()
-        if self.write(part) and part.next_offset != part.snapshot_offset:
-            started = time.perf_counter()
-            if self._store_or_keep(self._snapshot, part):
-                self.counters["snapshots"] += 1
-                part.snapshot_cost_s = time.perf_counter() - started
-        part.last_snapshot = self.clock()
-        return part.snapshot_offset
+        return self.checkpoints_of([number])[number]
+
+    def checkpoints_of(self, numbers: Sequence[int]) -> dict[int, int]:
+        """`checkpoint` of several partitions in one write and one snapshot insert: a
+        worker following many jobs (a partition each) checkpoints them every
+        `checkpoint_interval_s`, and each insert is a round trip to the store."""
+        parts = [self.partitions[number] for number in numbers]
+        for part in parts:
+            # Steps still being analysed are closed in the snapshot: stored first, or lost.
+            part.core.settle()
+        if parts and self.write(*parts):
+            changed = [part for part in parts if part.next_offset != part.snapshot_offset]
+            if changed and self._store_or_keep(self._snapshot, changed):
+                self.counters["snapshots"] += len(changed)
+        now = self.clock()
+        for part in parts:
+            part.last_snapshot = now
+        return {part.number: part.snapshot_offset for part in parts}
 
     def finish(self) -> dict[int, int]:
         """Conclude every job not concluded at its last step and snapshot every partition
         (idle exit)."""
-        committed = {}
-        for number, part in list(self.partitions.items()):
+        for part in self.partitions.values():
             part.core.tick()
             part.core.conclude_idle(0.0)
-            committed[number] = self.checkpoint(number)
-        return committed
+        return self.checkpoints_of(list(self.partitions))
 
     def open_windows(self) -> int:
         return sum(len(p.core.processor.windows) for p in self.partitions.values())
@@ -415,22 +426,38 @@ class WorkerCore:
                 )
 
     # -- snapshots ----------------------------------------------------------------------
-    def _snapshot(self, part: _Partition) -> None:
+    def _snapshot(self, parts: list[_Partition]) -> None:
+        """Snapshot `parts` (one insert of the retained steps they added, one of their
+        states). Each one's cost (`snapshot_cost_s`, which spaces a large job's snapshots)
+        is its own encoding and its share of the inserts."""
+        began = time.perf_counter()
         self.flush_results()
-        self._persist_retained(part)
-        payload = {
-            "version": SNAPSHOT_VERSION,
-            "next_offset": part.next_offset,
-            "core": part.core.state_dict(),
-        }
-        blob = encode_state(payload)
-        self.checkpoints.write_snapshot(part.number, part.next_offset, blob)
-        part.snapshot_offset = part.next_offset
-        log.info("checkpoint %s[%d] next offset %d (%d KiB)", self.topic, part.number,
-                 part.next_offset, len(blob) // 1024)  # fmt: skip
+        retained = {part.number: self._new_retained(part) for part in parts}
+        self.checkpoints.write_retained([step for steps, _ in retained.values() for step in steps])
+        snapshots, encoding = [], []
+        for part in parts:
+            started = time.perf_counter()
+            payload = {
+                "version": SNAPSHOT_VERSION,
+                "next_offset": part.next_offset,
+                "core": part.core.state_dict(),
+            }
+            snapshots.append((part.number, part.next_offset, encode_state(payload)))
+            encoding.append(time.perf_counter() - started)
+        self.checkpoints.write_snapshots(snapshots)
+        shared = (time.perf_counter() - began - sum(encoding)) / len(parts)
+        for part, (_, _, blob), seconds in zip(parts, snapshots, encoding, strict=True):
+            part.persisted = retained[part.number][1]
+            part.snapshot_offset = part.next_offset
+            part.snapshot_cost_s = seconds + shared
+            log.info("checkpoint %s[%d] next offset %d (%d KiB)", self.topic, part.number,
+                     part.next_offset, len(blob) // 1024)  # fmt: skip
 
-    def _persist_retained(self, part: _Partition) -> None:
-        """Write the retained steps no snapshot has written yet (each step once)."""
+    def _new_retained(
+        self, part: _Partition
+    ) -> tuple[list[tuple[str, int, int, bytes]], set[tuple[str, int, int]]]:
+        """The retained steps of the partition no snapshot has written yet (each step is
+        written once), encoded, and the keys of all it retains."""
         steps = []
         current: set[tuple[str, int, int]] = set()
         for (job_id, attempt), job in part.core.processor.jobs.items():
@@ -439,8 +466,7 @@ class WorkerCore:
                 current.add(key)
                 if key not in part.persisted:
                     steps.append((*key, encode_step_inputs(prepared)))
-        self.checkpoints.write_retained(steps)
-        part.persisted = current
+        return steps, current
 
     def _restore(self, number: int) -> _Partition:
         rows = self.checkpoints.snapshots(number, SNAPSHOTS_TRIED)

@@ -19,30 +19,36 @@ JOBS = ("job-a", "job-b", "job-c")
 INTERVAL_S = 0.5
 
 
-def test_partitions_are_written_together_and_a_failed_write_keeps_them_all(chdb_dsn, monkeypatch):
-    sink = ClickHouseSink(chdb_dsn, retry=RetryPolicy(attempts=1))
+def _worker_with_jobs(chdb_dsn: str, now: list[float], **sink_options) -> WorkerCore:
+    """A worker core with one small job on each of three partitions, every batch of the
+    jobs delivered (their steps closed, not yet written)."""
+    sink = ClickHouseSink(chdb_dsn, **sink_options)
     sink.ensure_schema()
-    now = [0.0]
     config = WorkerConfig(
         processor=ProcessorSettings(lateness_s=1_000.0),
         worker=WorkerSettings(write_interval_s=INTERVAL_S, write_every_steps=1_000),
     )
     core = WorkerCore(config, sink, publish=lambda key, value: None, clock=lambda: now[0])
-    streams = []
-    for seed, job_id in enumerate(JOBS):
-        job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=4, seed=seed))
+    for partition, job_id in enumerate(JOBS):
+        job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=4, seed=partition))
         info = JobInfo.from_meta(job.meta, job_id=job_id)
         core.on_job_record(info.model_dump_json().encode(), time.time(), "jobs@0")
         steps = iter_step_batches(job.trace, job.meta, job_id=job_id, start_wall_ns=time.time_ns())
-        streams.append([batch.encode() for _, _, batches in steps for batch in batches])
-    for partition, payloads in enumerate(streams):
+        payloads = [batch.encode() for _, _, batches in steps for batch in batches]
         core.on_messages(
             [
-                OpsMessage(partition, offset, JOBS[partition].encode(), payload, time.time())
+                OpsMessage(partition, offset, job_id.encode(), payload, time.time())
                 for offset, payload in enumerate(payloads)
             ]
         )
         core.set_behind(partition, False)
+    return core
+
+
+def test_partitions_are_written_together_and_a_failed_write_keeps_them_all(chdb_dsn, monkeypatch):
+    now = [0.0]
+    core = _worker_with_jobs(chdb_dsn, now, retry=RetryPolicy(attempts=1))
+    sink = core.sink
     assert len(core.partitions) == 3
     inserts: list[str] = []
     insert = ClickHouseSink._insert
@@ -71,4 +77,36 @@ def test_partitions_are_written_together_and_a_failed_write_keeps_them_all(chdb_
     _, rows = sink.query("SELECT count(), uniqExact(job_id, step, kind, name) FROM attribution")
     assert rows[0][0] == rows[0][1] > 0
     assert core.counters["steps_written"] == 12
+    sink.close()
+
+
+def test_partitions_due_are_checkpointed_in_one_insert_and_each_restores(chdb_dsn, monkeypatch):
+    """Every partition is snapshotted each `checkpoint_interval_s`: the ones due go in one
+    insert of their states (and one of their retained steps), and each restores alone."""
+    now = [0.0]
+    core = _worker_with_jobs(chdb_dsn, now)
+    sink = core.sink
+    inserted: list[tuple[str, int]] = []
+    insert_rows = ClickHouseSink.insert_rows
+
+    def counted(self, table, columns, rows, token):
+        inserted.append((table, len(rows)))
+        insert_rows(self, table, columns, rows, token)
+
+    monkeypatch.setattr(ClickHouseSink, "insert_rows", counted)
+    now[0] = core.config.worker.checkpoint_interval_s
+    committed = core.checkpoint_all_due(list(core.partitions))
+    offsets = {number: part.next_offset for number, part in core.partitions.items()}
+    assert committed == offsets and min(offsets.values()) > 0
+    assert inserted == [("worker_retained", 12), ("worker_state", 3)], inserted
+    inserted.clear()
+    assert core.checkpoint_all_due(list(core.partitions)) == {}, "none is due again yet"
+    assert inserted == []
+    monkeypatch.undo()
+    successor = WorkerCore(core.config, sink, publish=lambda key, value: None)
+    for number, offset in offsets.items():
+        part = successor.partition(number)
+        assert part.next_offset == offset
+        job = next(iter(part.core.processor.jobs.values()))
+        assert len(job.retained) == 4, "the retained steps come back with the snapshot"
     sink.close()
