@@ -296,7 +296,9 @@ class WorkerCore:
             # per insert, whatever the number of jobs in it.
             self.write(*parts)
 
-    def checkpoint_due(self, number: int) -> bool:
+    def checkpoint_due(self, number: int, share: float = 1.0) -> bool:
+        """Whether the partition has taken records since its last snapshot and `share` of
+        the time between two of its snapshots has passed."""
         part = self.partitions.get(number)
         if part is None or part.next_offset == part.snapshot_offset:
             return False
@@ -306,7 +308,7 @@ class WorkerCore:
         interval = max(
             settings.checkpoint_interval_s, part.snapshot_cost_s / settings.checkpoint_max_share
         )
-        return self.clock() - part.last_snapshot >= interval
+        return self.clock() - part.last_snapshot >= share * interval
 
     def checkpoint_if_due(self, number: int) -> int | None:
         """`checkpoint` when due (None when not, or the partition was dropped meanwhile):
@@ -314,9 +316,14 @@ class WorkerCore:
         return self.checkpoint(number) if self.checkpoint_due(number) else None
 
     def checkpoint_all_due(self, numbers: Iterable[int]) -> dict[int, int]:
-        """Checkpoint those of `numbers` that are due, together (`checkpoints`); returns
-        the offset safe to commit of each. One call, as `checkpoint_if_due`."""
-        return self.checkpoints_of([n for n in numbers if self.checkpoint_due(n)])
+        """Checkpoint those of `numbers` that are due, together (`checkpoints_of`), with
+        those half-way to due, so that partitions assigned or woken at different times
+        fall into step; returns the offset safe to commit of each. One call, as
+        `checkpoint_if_due`."""
+        numbers = list(numbers)
+        if not any(self.checkpoint_due(n) for n in numbers):
+            return {}
+        return self.checkpoints_of([n for n in numbers if self.checkpoint_due(n, share=0.5)])
 
     def checkpoint(self, number: int) -> int:
         """Write everything closed, snapshot; returns the offset safe to commit: past the

@@ -109,4 +109,15 @@ def test_partitions_due_are_checkpointed_in_one_insert_and_each_restores(chdb_ds
         assert part.next_offset == offset
         job = next(iter(part.core.processor.jobs.values()))
         assert len(job.retained) == 4, "the retained steps come back with the snapshot"
+    # Partitions out of step (one woke up late) fall into step: the one half-way to due
+    # is checkpointed with the one that is due.
+    interval = core.config.worker.checkpoint_interval_s
+    first, second, third = core.partitions.values()
+    for part in (first, second):
+        part.next_offset += 1  # as if each had taken a record since
+    second.last_snapshot = now[0] + interval / 2
+    third.last_snapshot = now[0] + interval * 0.9
+    third.next_offset += 1
+    now[0] += interval
+    assert set(core.checkpoint_all_due(list(core.partitions))) == {first.number, second.number}
     sink.close()
