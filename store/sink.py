@@ -18,7 +18,7 @@ import datetime as dt
 import logging
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -292,15 +292,16 @@ class ClickHouseSink:
         """The newest stored version of each of these (job, attempt, step) keys that is
         stored: a host leaves a re-processed step out with all its rows, and hands what it
         found to `write` (`stored_versions`), which then needs no lookup of its own."""
-        if not keys:
-            return {}
-        _, rows = self.query(
-            "SELECT job_id, attempt, step, max(version) FROM steps "
-            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))} "
-            "GROUP BY job_id, attempt, step",
-            {"keys": list(keys)},
-        )
-        return {(j, int(a), int(s)): int(v) for j, a, s, v in rows}
+        versions: dict[tuple[str, int, int], int] = {}
+        for part in bound_in_parts(keys):
+            _, rows = self.query(
+                "SELECT job_id, attempt, step, max(version) FROM steps "
+                "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))} "
+                "GROUP BY job_id, attempt, step",
+                {"keys": part},
+            )
+            versions.update({(j, int(a), int(s)): int(v) for j, a, s, v in rows})
+        return versions
 
     def insert_rows(
         self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], token: str
@@ -408,13 +409,14 @@ class ClickHouseSink:
             for table in SUPERSEDED_WITH_STEPS:
                 if table in prepared:
                     prepared[table] = _drop_stored_versions(prepared[table], stored)
-            if superseded:
+            token = f"{batch.dedup_token}/steps_1m-retraction"
+            for index, part in enumerate(bound_in_parts(superseded)):
                 self._command(
                     schema.rollup_retraction_sql(),
-                    {"keys": superseded},
-                    {"insert_deduplication_token": f"{batch.dedup_token}/steps_1m-retraction"},
+                    {"keys": part},
+                    {"insert_deduplication_token": f"{token}/{index}" if index else token},
                 )
-                retracted = len(superseded)
+            retracted = len(superseded)
         tokens = {table: f"{batch.dedup_token}/{table}" for table in prepared}
         replaced = 0
         if replace_cut_short and "steps" in prepared:
@@ -437,25 +439,25 @@ class ClickHouseSink:
     def _drop_cut_short(self, steps: dict[str, pa.Array]) -> int:
         """Delete the per-step rows of these steps (none stored) that a write cut short
         left; returns how many steps had some."""
-        keys = _step_keys(steps)
-        if not keys:
-            return 0
-        _, rows = self.query(
-            f"SELECT DISTINCT job_id, attempt, step FROM {SUPERSEDED_WITH_STEPS[0]} "
-            "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
-            {"keys": keys},
-        )
-        if rows:
-            found = [(j, int(a), int(s)) for j, a, s in rows]
+        found: list[tuple[str, int, int]] = []
+        for part in bound_in_parts(_step_keys(steps)):
+            _, rows = self.query(
+                f"SELECT DISTINCT job_id, attempt, step FROM {SUPERSEDED_WITH_STEPS[0]} "
+                "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
+                {"keys": part},
+            )
+            found.extend((j, int(a), int(s)) for j, a, s in rows)
+        if found:
             log.info("%d step(s) were partly stored by a write cut short: their rows are "
                      "replaced", len(found))  # fmt: skip
             for table in SUPERSEDED_WITH_STEPS:
-                self._command(
-                    f"DELETE FROM {table} WHERE (job_id, attempt, step) IN "
-                    "{keys:Array(Tuple(String, UInt32, UInt64))}",
-                    {"keys": found},
-                )
-        return len(rows)
+                for part in bound_in_parts(found):
+                    self._command(
+                        f"DELETE FROM {table} WHERE (job_id, attempt, step) IN "
+                        "{keys:Array(Tuple(String, UInt32, UInt64))}",
+                        {"keys": part},
+                    )
+        return len(found)
 
     def _delete_superseded_step_rows(self, superseded: list[tuple[str, int, int, int]]) -> None:
         """Delete the superseded versions' rows from the per-step result tables: the new
@@ -463,11 +465,12 @@ class ClickHouseSink:
         replaces rows of the same key. Runs before the steps insert, so a crash before it
         is redone by the replay."""
         for table in SUPERSEDED_WITH_STEPS:
-            self._command(
-                f"DELETE FROM {table} WHERE (job_id, attempt, step, version) IN "
-                "{keys:Array(Tuple(String, UInt32, UInt64, UInt64))}",
-                {"keys": superseded},
-            )
+            for part in bound_in_parts(superseded):
+                self._command(
+                    f"DELETE FROM {table} WHERE (job_id, attempt, step, version) IN "
+                    "{keys:Array(Tuple(String, UInt32, UInt64, UInt64))}",
+                    {"keys": part},
+                )
 
     def _insert(self, table: str, columns: dict[str, pa.Array], token: str) -> None:
         # Arrow: columnar all the way (numpy buffers, dictionary-encoded LowCardinality)
@@ -592,6 +595,34 @@ def _to_arrow(values: ColumnData, type_: str) -> pa.Array:
 
 def _sequence(values: ColumnData) -> np.ndarray | list:
     return values if isinstance(values, np.ndarray) else list(values)
+
+
+#: Bound parameters travel as HTTP form fields, which a ClickHouse server takes up to
+#: `http_max_field_value_size` (128 KiB by default) each: lists of keys are bound in parts
+#: of at most this many bytes as ClickHouse's text format spells them (a worker's write of
+#: several partitions' backlogs looks up thousands of steps).
+BOUND_PART_BYTES = 64 * 1024
+
+
+def bound_in_parts(keys: Sequence[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
+    """`keys` in parts that each bind to at most `BOUND_PART_BYTES` (none when empty).
+
+    >>> [len(part) for part in bound_in_parts([("a-job", 0, step) for step in range(5000)])]
+    [2897, 2103]
+    """
+    part: list[tuple[Any, ...]] = []
+    size = 0
+    for key in keys:
+        # ('job', 0, 12): quotes or a separator per value, parentheses, a comma; a
+        # string's escapes at most double it.
+        cost = sum(2 * len(v) + 3 if isinstance(v, str) else len(str(v)) + 1 for v in key) + 3
+        if part and size + cost > BOUND_PART_BYTES:
+            yield part
+            part, size = [], 0
+        part.append(key)
+        size += cost
+    if part:
+        yield part
 
 
 def _step_keys(columns: dict[str, pa.Array]) -> list[tuple[str, int, int]]:

@@ -19,6 +19,8 @@ What it speaks:
   (session, compression, progress, query id) are taken, not passed on.
   Settings are applied with `SET` for the one statement (the session is the server's
   one); settings of the previous request that this one lacks are reset to DEFAULT.
+- A URL parameter or form field longer than a server takes by default
+  (`http_max_field_value_size`, 128 KiB) fails the request, as it does on a server.
 - Request bodies in chunked transfer encoding, and `Content-Encoding` lz4, zstd, gzip,
   deflate, br; responses are not compressed (no `Content-Encoding`), which the client
   reads as such.
@@ -169,8 +171,22 @@ def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
         name = part.get_param("name", header="content-disposition")
         if name is None or part.get_filename() is not None:
             raise ValueError("a part without a field name, or a file")
-        fields[str(name)] = part.get_payload(decode=True).decode()
+        fields[str(name)] = _field_value(part.get_payload(decode=True).decode())
     return fields
+
+
+#: A ClickHouse server takes a URL parameter or form field up to this long
+#: (`http_max_field_value_size`, its default): a longer one fails the request.
+HTTP_MAX_FIELD_VALUE_SIZE = 131_072
+
+
+def _field_value(value: str) -> str:
+    if len(value.encode()) > HTTP_MAX_FIELD_VALUE_SIZE:
+        raise ValueError(
+            f"field value too long: {len(value.encode())} bytes, http_max_field_value_size "
+            f"is {HTTP_MAX_FIELD_VALUE_SIZE}"
+        )
+    return value
 
 
 def _decompress(data: bytes, encoding: str) -> bytes:
@@ -250,6 +266,11 @@ class Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         url = urlsplit(self.path)
         args = dict(parse_qsl(url.query, keep_blank_values=True))
+        try:
+            args = {name: _field_value(value) for name, value in args.items()}
+        except ValueError as exc:
+            self._error(f"Code: 1001. DB::Exception: {exc}", "")
+            return
         try:
             body = self._body() if self.command == "POST" else b""
         except Exception as exc:  # a body we cannot read: the client's mistake
