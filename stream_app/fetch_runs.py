@@ -17,14 +17,23 @@ Offsets of run topics are not tracked by faust's acks (the topic is declared wit
 `acks=False`); the host commits them itself with `commit_offsets` once its snapshot covers
 them (see `stream_app.worker`, crash safety).
 
-This relies on two faust internals, pinned by the version range in pyproject and covered by
-the worker tests against the real broker: `Consumer.getmany` (overridden here) and
-`Consumer._commit` (the commit of explicit offsets).
+The host also moves a run topic's partitions back itself (`rewind`): a partition's records
+reach it in offset order, and where the consumer is past what its analysis took, it must
+read them again. faust's own filter of records below the last one it delivered (its read
+offsets) is left out for run topics: after such a seek, the rest of a run fetched before it
+would raise that mark past the records fetched again, and faust would drop them. The host
+skips what it already took by offset.
+
+This relies on faust internals, pinned by the version range in pyproject and covered by
+the worker tests against the real broker: `Consumer.getmany` (overridden here),
+`Consumer._commit` (the commit of explicit offsets), `Consumer._read_offset` and the
+consumer thread's `call_thread`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import faust
@@ -43,8 +52,53 @@ class PassThroughCodec(Codec):
         return s
 
 
+class _ReadOffsets(defaultdict):
+    """faust's read offsets (the last offset delivered of each partition, below which it
+    drops records), kept for every topic but the run topics."""
+
+    def __init__(self, run_topics: frozenset[str]):
+        super().__init__(lambda: None)
+        self.run_topics = run_topics
+
+    def __getitem__(self, tp: TP) -> int | None:
+        return None if tp.topic in self.run_topics else super().__getitem__(tp)
+
+    def __setitem__(self, tp: TP, offset: int | None) -> None:
+        if tp.topic not in self.run_topics:
+            super().__setitem__(tp, offset)
+
+
 class RunConsumer(faust_aiokafka.Consumer):
     """faust's aiokafka consumer, yielding one message per fetched run on run topics."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._read_offset = _ReadOffsets(getattr(self.app, "run_topics", frozenset()))
+
+    async def first_offsets(self, partitions: Iterable[TP]) -> dict[TP, int]:
+        """The first offset Kafka still holds of each partition (retention deleted the
+        records before it)."""
+        thread = self._thread
+        found = await thread.call_thread(thread._ensure_consumer().beginning_offsets,
+                                         list(partitions))  # fmt: skip
+        return dict(found)
+
+    async def rewind(self, offsets: Mapping[TP, int]) -> None:
+        """Move the consumer of these partitions (those still assigned) to these offsets.
+
+        In the consumer's own thread: aiokafka's seek is not thread-safe, and faust's
+        `seek` calls it from the event loop's thread, where it raced the fetcher
+        (KeyError in `fetched_records`)."""
+        thread = self._thread
+        consumer = thread._ensure_consumer()
+
+        def seek() -> None:
+            assigned = consumer.assignment()
+            for tp, offset in offsets.items():
+                if tp in assigned:
+                    consumer.seek(tp, offset)
+
+        await thread.call_thread(seek)
 
     async def getmany(self, timeout: float) -> AsyncIterator[tuple[TP, Any]]:
         records, active_partitions = await self._wait_next_records(timeout)

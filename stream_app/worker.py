@@ -353,8 +353,6 @@ class FaustWorker:
         whose snapshot already covers its end gets no message, yet its jobs may still
         await their roll-up), and move the consumer back where an older snapshot ends.
         A partition revoked meanwhile is skipped; one a pass restored first is kept."""
-        from faust.types import TP
-
         try:
             for number in numbers:
                 # The ownership check and the core call's submission have no await between
@@ -362,16 +360,35 @@ class FaustWorker:
                 if self._owned.get(number) != generation:
                     continue
                 await self._core(self.core.partition, number)
-                if self._owned.get(number) != generation:
-                    continue
-                seek = await self._core(self.core.take_seek, number)
-                if seek is not None:
-                    await self.app.consumer.seek(TP(self.core.topic, number), seek)
+            await self._rewind()
         except Exception:
             log.exception("restoring partitions %s failed; a pass restores them", numbers)
         finally:
             self._restores_in_flight -= 1
             self._last_message = time.monotonic()
+
+    async def _rewind(self) -> None:
+        """Move the consumer back where the core asks (`WorkerCore.take_seeks`), or to the
+        first record Kafka still holds where retention deleted those the core needs (the
+        core counts them as never read)."""
+        from faust.types import TP
+
+        seeks = await self._core(self.core.take_seeks)
+        seeks = {TP(self.core.topic, n): offset for n, offset in seeks.items() if n in self._owned}
+        if not seeks:
+            return
+        consumer = self.app.consumer
+        try:
+            first = await consumer.first_offsets(seeks)
+            for tp, offset in seeks.items():
+                kept = first.get(tp)
+                if kept is not None and kept > offset:
+                    await self._core(self.core.records_gone, tp.partition, kept)
+                    seeks[tp] = kept
+            await consumer.rewind(seeks)
+        except Exception:
+            # The core asks again (REWIND_RETRY_S) while the records it needs do not come.
+            log.exception("moving the consumer back to %s failed; retrying", seeks)
 
     async def _core(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -399,6 +416,7 @@ class FaustWorker:
         if len(current) < len(runs):
             runs, messages = current, _ops_messages(current)
         await self._core(self.core.on_messages, messages)
+        await self._rewind()
         await self._checkpoint_due()
 
     def _current_runs(self, runs: list[Any]) -> list[Any]:
@@ -456,6 +474,7 @@ class FaustWorker:
             # open for good, unanalysed, the job never concluded, the worker never idle.
             await self._core(self.core.set_behind, number, False)
         await self._core(self.core.tick)
+        await self._rewind()
         await self._checkpoint_due()
         idle_exit = self.config.worker.exit_when_idle_s
         if (

@@ -17,7 +17,10 @@ same numbers as an uninterrupted run):
 2. *Offsets follow snapshots.* The host gets the ops topic one fetched run at a time and
    commits a partition's offset itself, once a durable snapshot covers it. The snapshot's
    `next_offset` is the authority: after a restart or a rebalance the new owner loads the
-   snapshot and skips re-delivered messages below it.
+   snapshot and skips re-delivered messages below it. Where the consumer is past it (a
+   committed offset ahead of the snapshot read, a run fetched before a rebalance that
+   never reached the core), the host moves the consumer back (`take_seeks`); only the
+   records Kafka no longer holds are skipped, counted and named (`records_gone`).
 3. *Deterministic re-processing.* Everything after the snapshot is replayed from Kafka into
    the restored core: the same batches in the same partition order on the same state give
    the same closed steps with the same numbers, episodes and diagnoses, so a re-processed
@@ -38,7 +41,7 @@ wall-clock time, so a silent rank still times out.
 
 Limits: snapshots hand a partition over only between workers that share one store (one
 ClickHouse server). Workers with stores of their own (a chDB directory each) cannot read
-each other's snapshots: a partition that moves starts fresh at the committed offset. A
+each other's snapshots: a partition that moves is read again from Kafka's start. A
 step closed by the lateness timeout depends on wall-clock time, so a step closed
 incomplete before a crash may re-close complete after it; the first stored version
 stands. Retained inputs are kept 30 days (table TTL).
@@ -84,6 +87,10 @@ log = logging.getLogger("lagscope.worker")
 SNAPSHOT_VERSION = 4
 #: Snapshots of a partition tried, newest first, when the newest does not decode.
 SNAPSHOTS_TRIED = 5
+#: Seconds a seek back may take before the host is asked for it again: the record it
+#: went back for comes within a fetch (milliseconds), unless the seek failed or Kafka
+#: deleted the record between the host's look at the partition's start and the fetch.
+REWIND_RETRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -109,9 +116,12 @@ class _Partition:
     snapshot_cost_s: float = 0.0
     #: Retained steps whose inputs are in the store (written by a snapshot).
     persisted: set[tuple[str, int, int]] = field(default_factory=set)
-    #: Set when the partition was restored from an older snapshot than the newest (which
-    #: did not decode): the consumer must re-read from here.
+    #: The offset the host must move the consumer back to (`take_seeks`): the partition
+    #: was restored from an older snapshot than Kafka's committed offset, or the consumer
+    #: handed over a record past `next_offset`.
     seek_to: int | None = None
+    #: When the host took `seek_to`; None once the record at `next_offset` came.
+    seeking_since: float | None = None
 
     @property
     def clock(self) -> LatenessClock:
@@ -225,13 +235,21 @@ class WorkerCore:
                     self.counters["replayed_skipped"] += 1
                     continue
                 if message.offset > part.next_offset:
-                    if part.seek_to is not None:
-                        # Restored from an older snapshot, and the host has not moved the
-                        # consumer back yet: these records come again after its seek.
-                        self.counters["held_for_seek"] += 1
-                        continue
-                    self._never_read(number, part.next_offset, message.offset)
+                    # The consumer is past what the analysis took (a committed offset
+                    # past the snapshot, a run fetched before a rebalance and dropped
+                    # with its generation, records before a seek still in the buffers):
+                    # the records come again once the host moves the consumer back.
+                    # Those Kafka deleted meanwhile are counted then (`records_gone`).
+                    self.counters["held_for_seek"] += 1
+                    if part.seek_to is None and part.seeking_since is None:
+                        part.seek_to = part.next_offset
+                        log.warning("partition %s[%d]: handed offset %d, the analysis is at %d: "
+                                    "moving the consumer back from offset %d to %d", self.topic,
+                                    number, message.offset, part.next_offset, message.offset,
+                                    part.next_offset)  # fmt: skip
+                    continue
                 part.next_offset = message.offset + 1
+                part.seeking_since = None
                 fresh.append(message)
             if not fresh:
                 continue
@@ -250,15 +268,33 @@ class WorkerCore:
         self._count_totals()
         self.write_due()
 
-    def _never_read(self, number: int, expected: int, got: int) -> None:
-        """The partition's offsets are contiguous (the streamer's producer is idempotent,
-        not transactional): records between the partition's next offset and `got` were
-        deleted by Kafka's retention before this worker read them, or skipped. Their
-        steps are incomplete or missing: say so, once per gap."""
-        self.counters["records_never_read"] += got - expected
+    def take_seeks(self) -> dict[int, int]:
+        """The offsets the host must move the consumer of these partitions back to: those
+        asked for since the last call, and those asked for `REWIND_RETRY_S` ago whose
+        record has not come (the seek failed, or Kafka deleted the record meanwhile)."""
+        now = time.monotonic()
+        seeks = {}
+        for number, part in self.partitions.items():
+            stalled = part.seeking_since is not None and now - part.seeking_since > REWIND_RETRY_S
+            if part.seek_to is not None or stalled:
+                seeks[number] = part.next_offset
+                part.seek_to, part.seeking_since = None, now
+        return seeks
+
+    def records_gone(self, number: int, first_kept: int) -> None:
+        """Kafka holds the partition's records from `first_kept` on only: the offsets are
+        contiguous (the streamer's producer is idempotent, not transactional), so the
+        records between the analysis' next offset and `first_kept` were deleted by the
+        topic's retention before this worker read them. Their steps are incomplete or
+        missing: say so, once per gap, and go on from `first_kept`."""
+        part = self.partitions.get(number)
+        if part is None or first_kept <= part.next_offset:
+            return
+        self.counters["records_never_read"] += first_kept - part.next_offset
         log.warning("partition %s[%d]: records at offsets %d..%d were never read (deleted "
-                    "by the topic's retention?); their steps are incomplete or missing",
-                    self.topic, number, expected, got - 1)  # fmt: skip
+                    "by the topic's retention); their steps are incomplete or missing",
+                    self.topic, number, part.next_offset, first_kept - 1)  # fmt: skip
+        part.next_offset = first_kept
 
     def _observe_steps(self, part: _Partition, closed_before: int, seconds: float) -> None:
         closed = len(part.core.pending) - closed_before
@@ -363,6 +399,8 @@ class WorkerCore:
         return bool(self.records.pending or self.records.dead) or any(
             p.core.has_pending
             or p.next_offset != p.snapshot_offset
+            or p.seek_to is not None
+            or p.seeking_since is not None
             or p.core.processor.windows
             or p.core.processor.in_flight
             for p in self.partitions.values()
@@ -552,14 +590,6 @@ class WorkerCore:
             for p in job.retained
         }
         return part
-
-    def take_seek(self, number: int) -> int | None:
-        """The offset the host must move the consumer of a restored partition back to."""
-        part = self.partitions.get(number)
-        if part is None:
-            return None
-        seek, part.seek_to = part.seek_to, None
-        return seek
 
 
 # -- messages of lagscope.results ---------------------------------------------------------

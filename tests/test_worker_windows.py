@@ -2,7 +2,8 @@
 is behind, and wall-clock time once it has caught up: a worker held back mid-backlog
 closes complete steps complete, and a rank that went silent still times out. A partition
 handed over reads on from its snapshot, in offset order: a run fetched before its
-assignment is dropped, and offsets it skipped are counted and named. The worker core runs
+assignment is dropped, records past the analysis are read again after a seek back, and
+only offsets Kafka deleted are counted and named. The worker core runs
 in-process here on a real chDB store with real encoded batches."""
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def test_a_successor_reads_on_past_its_snapshot_and_the_first_owner_lets_go(chdb
     successor = WorkerCore(core.config, sink, publish=lambda key, value: None)
     part = successor.partition(0)
     assert part.next_offset == offset
-    assert successor.take_seek(0) is None  # the newest snapshot: no seek
+    assert successor.take_seeks() == {}  # the newest snapshot: no seek
     # Records Kafka delivers again from an older committed offset are skipped, the rest
     # taken: step 0 is stored once, step 1 after it.
     successor.on_messages(_messages(steps[0], 0, time.time()))
@@ -138,19 +139,55 @@ def test_a_successor_reads_on_past_its_snapshot_and_the_first_owner_lets_go(chdb
 
 
 @pytest.mark.slow  # a worker core on chDB (~5 s)
-def test_records_a_partition_skipped_are_counted_and_named_and_the_rest_analysed(chdb_dsn, caplog):
-    """A partition's offsets are contiguous: a jump (records deleted by retention before
-    the worker read them, or a stale fetch taken for the first records) is a count and
-    one line naming the offsets, and the records around it are analysed as ever."""
+def test_records_past_the_analysis_are_read_again_and_only_those_kafka_deleted_are_lost(
+    chdb_dsn, caplog
+):
+    """A partition's offsets are contiguous: records handed over past the analysis' next
+    offset are held and the host is asked to move the consumer back, once, however many
+    stale ones still come; where Kafka deleted the records in between (retention), the
+    gap is a count and one line naming the offsets, and the records around it are
+    analysed as ever. Before, the first record past a gap was taken and the ones before
+    it counted as deleted, whether Kafka still held them or not."""
     core, sink, steps = _setup(chdb_dsn)
     core.on_messages(_messages(steps[0], 0, time.time()))
     first_lost = len(steps[0])
-    after_gap = first_lost + len(steps[1])  # step 1's records never arrive
+    after_gap = first_lost + len(steps[1])  # step 1's records are deleted by retention
     core.on_messages(_messages(steps[2], after_gap, time.time()))
+    assert core.counters["held_for_seek"] == len(steps[2])
+    assert core.counters["records_never_read"] == 0
+    assert core.take_seeks() == {0: first_lost}
+    # Runs fetched before the seek still come: held again, and no second seek.
+    core.on_messages(_messages(steps[2], after_gap, time.time()))
+    assert core.take_seeks() == {}
+    # The host finds Kafka's first record at `after_gap`, and seeks there.
+    core.records_gone(0, after_gap)
     assert core.counters["records_never_read"] == len(steps[1])
     assert f"[0]: records at offsets {first_lost}..{after_gap - 1} were never read" in (caplog.text)
+    core.on_messages(_messages(steps[2], after_gap, time.time()))
     core.finish()
     assert [step for step, _ in _stored(sink)] == [0, 2]
+    sink.close()
+
+
+@pytest.mark.slow  # a worker core on chDB (~5 s)
+def test_a_seek_whose_record_does_not_come_is_asked_for_again(chdb_dsn, monkeypatch):
+    """A seek that failed (or went to a record Kafka deleted right after the host looked)
+    brings nothing: after `REWIND_RETRY_S` the core asks for it again, and the worker
+    does not count itself idle meanwhile."""
+    from lagscope.stream_app import worker_core
+
+    core, sink, steps = _setup(chdb_dsn)
+    core.on_messages(_messages(steps[1], len(steps[0]), time.time()))
+    assert core.take_seeks() == {0: 0}
+    assert core.busy()
+    assert core.take_seeks() == {}
+    monkeypatch.setattr(worker_core, "REWIND_RETRY_S", 0.0)
+    assert core.take_seeks() == {0: 0}
+    core.on_messages(_messages(steps[0] + steps[1], 0, time.time()))
+    monkeypatch.setattr(worker_core, "REWIND_RETRY_S", -1.0)
+    assert core.take_seeks() == {}  # the record came: nothing more to ask
+    core.finish()
+    assert [step for step, _ in _stored(sink)] == [0, 1]
     sink.close()
 
 
@@ -176,7 +213,7 @@ def test_records_past_an_older_snapshot_wait_for_the_hosts_seek(chdb_dsn):
     successor.on_messages(_messages(steps[2], step_2_at, time.time()))
     assert successor.counters["held_for_seek"] == len(steps[2])
     assert successor.counters["records_never_read"] == 0
-    assert successor.take_seek(0) == snapshot_at
+    assert successor.take_seeks() == {0: snapshot_at}
     successor.on_messages(_messages(steps[1], snapshot_at, time.time()))
     successor.on_messages(_messages(steps[2], step_2_at, time.time()))
     successor.finish()
