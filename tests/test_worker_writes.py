@@ -121,3 +121,36 @@ def test_partitions_due_are_checkpointed_in_one_insert_and_each_restores(chdb_ds
     now[0] += interval
     assert set(core.checkpoint_all_due(list(core.partitions))) == {first.number, second.number}
     sink.close()
+
+
+def test_partitions_revoked_together_are_handed_over_in_one_insert(chdb_dsn, tmp_path,
+                                                                    monkeypatch):  # fmt: skip
+    """A worker leaving the group (or a rebalance taking several jobs away) snapshots the
+    revoked partitions together, then forgets them; the others stay."""
+    import asyncio
+
+    from lagscope.stream_app.worker import FaustWorker
+
+    now = [0.0]
+    core = _worker_with_jobs(chdb_dsn, now)
+    config = WorkerConfig(store={"dsn": chdb_dsn}, worker={"data_dir": str(tmp_path / "state")})
+    worker = FaustWorker(config)
+    worker.core = core
+    inserted: list[tuple[str, int]] = []
+    insert_rows = ClickHouseSink.insert_rows
+
+    def counted(self, table, columns, rows, token):
+        inserted.append((table, len(rows)))
+        insert_rows(self, table, columns, rows, token)
+
+    monkeypatch.setattr(ClickHouseSink, "insert_rows", counted)
+    offsets = {number: part.next_offset for number, part in core.partitions.items()}
+    asyncio.run(worker._release({0, 2, 5}))  # 5: never taken a record here
+    assert [table for table, _ in inserted] == ["worker_retained", "worker_state"]
+    assert inserted[1] == ("worker_state", 2)
+    assert list(core.partitions) == [1]
+    monkeypatch.undo()
+    successor = WorkerCore(core.config, core.sink, publish=lambda key, value: None)
+    assert {n: successor.partition(n).next_offset for n in (0, 2)} == {0: offsets[0], 2: offsets[2]}
+    worker.sink.close()
+    core.sink.close()
