@@ -18,6 +18,7 @@ covers, `store/checkpoints.py`; the embedded host re-reads its logs).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -500,18 +501,18 @@ class HostCore:
                 rows.setdefault(name, []).extend(values)
         return rows
 
-    def _conclusion_batch(self, conclusion: JobConclusion) -> SinkBatch:
+    def _conclusion_rows(self, conclusion: JobConclusion) -> tuple[str, list, list]:
+        """A conclusion's dedup token, episodes rows and diagnoses rows (each a list of
+        column sets, empty when it has none)."""
         job_id, attempt = conclusion.job_id, conclusion.attempt
         last = conclusion.diagnosis.step if conclusion.diagnosis is not None else -1
-        batch = SinkBatch(f"conclusion/{job_id}/{attempt}/{last}/{len(conclusion.episodes)}")
+        token = f"conclusion/{job_id}/{attempt}/{last}/{len(conclusion.episodes)}"
+        episodes = diagnoses = []
         if conclusion.episodes:
-            batch.add(
-                "episodes",
-                episode_rows(job_id, attempt, conclusion.episodes, self.records.machines),
-            )
+            episodes = [episode_rows(job_id, attempt, conclusion.episodes, self.records.machines)]
         if conclusion.diagnosis is not None:
-            batch.add("diagnoses", self._diagnosis_rows(job_id, attempt, [conclusion.diagnosis]))
-        return batch
+            diagnoses = [self._diagnosis_rows(job_id, attempt, [conclusion.diagnosis])]
+        return token, episodes, diagnoses
 
     # -- views --------------------------------------------------------------------------
     def job_keys(self) -> list[tuple[str, int]]:
@@ -625,15 +626,38 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
             # Re-processed steps (stored ones among them) may still be followed by those of
             # the write that was cut short.
             host._cut_short_possible = was_checked and (replaced > 0 or len(outputs) < pending)
-    for host, done in zip(hosts, written, strict=True):
+    for host in hosts:
         if host._raw_ops:
             batch = SinkBatch(f"ops/{host._writes}/{len(host._raw_ops)}")
             batch.add("ops", joined_rows(host._raw_ops))
             sink.write(batch)
             host._raw_ops = []
-        while host.conclusions:
-            conclusion = host.conclusions[0]
-            sink.write(host._conclusion_batch(conclusion))
-            done.conclusions.append(host.conclusions.pop(0))
+    if any(host.conclusions for host in hosts):
+        # One batch for every job concluded (a worker's idle exit concludes all it follows).
+        sink.write(_conclusions_batch(hosts))
+        for host, done in zip(hosts, written, strict=True):
+            done.conclusions, host.conclusions = host.conclusions, []
+    for host in hosts:
         host._writes += 1
     return written
+
+
+def _conclusions_batch(hosts: Sequence[HostCore]) -> SinkBatch:
+    """The rows of every conclusion pending on `hosts`; its dedup token names the one
+    conclusion, or digests the names of several."""
+    tokens, tables = [], {"episodes": [], "diagnoses": []}
+    for host in hosts:
+        for conclusion in host.conclusions:
+            token, episodes, diagnoses = host._conclusion_rows(conclusion)
+            tokens.append(token)
+            tables["episodes"] += episodes
+            tables["diagnoses"] += diagnoses
+    if len(tokens) == 1:
+        batch = SinkBatch(tokens[0])
+    else:
+        digest = hashlib.blake2b("\n".join(sorted(tokens)).encode(), digest_size=12).hexdigest()
+        batch = SinkBatch(f"conclusions/{len(tokens)}/{digest}")
+    for table, parts in tables.items():
+        if parts:
+            batch.add(table, concat_columns(parts))
+    return batch

@@ -180,9 +180,17 @@ def test_a_write_of_many_jobs_is_one_lookup_and_one_insert_a_table(chdb_dsn, mon
     core.write(sink)
     assert len(lookups) == 1
     assert sorted(inserts) == sorted(set(inserts)), f"a table inserted twice: {inserts}"
+    # Every job ends at once (a worker's idle exit): their conclusions are one batch too.
+    core.conclude_all()
+    inserts.clear()
+    written = core.write(sink)
+    assert len(written.conclusions) == 3
+    assert inserts == ["diagnoses"], inserts
     monkeypatch.undo()
     _, rows = sink.query("SELECT job_id, count() FROM steps GROUP BY job_id ORDER BY job_id")
     assert rows == [("job-a", 4), ("job-b", 4), ("job-c", 4)]
+    _, rows = sink.query("SELECT job_id, max(step) FROM diagnoses GROUP BY job_id ORDER BY job_id")
+    assert rows == [("job-a", 3), ("job-b", 3), ("job-c", 3)]
     _, rows = sink.query("SELECT count(), uniqExact(job_id, step, kind, name) FROM attribution")
     assert rows[0][0] == rows[0][1] > 0
     sink.close()
