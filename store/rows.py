@@ -597,6 +597,22 @@ def raw_op_rows(batch: RankStepBatch, batch_id: str) -> dict[str, Any]:
     }
 
 
+def raw_ops_token(parts: Sequence[Mapping[str, Any]]) -> str:
+    """The dedup token of raw ops written without steps: a digest of their batches' ids,
+    so that a retried (or re-processed) write is stored once and two writes of other
+    batches never share a token (a count of the host's writes did, after a restart).
+
+    >>> part = lambda batch_id, n: {"batch_id": [batch_id] * n}
+    >>> raw_ops_token([part("a", 2), part("b", 3)]) == raw_ops_token([part("a", 2), part("b", 3)])
+    True
+    >>> raw_ops_token([part("a", 2)]) == raw_ops_token([part("c", 2)])
+    False
+    """
+    ids = "\n".join(str(part["batch_id"][0]) for part in parts if len(part["batch_id"]))
+    rows = sum(len(part["batch_id"]) for part in parts)
+    return f"ops/{rows}/{hashlib.blake2b(ids.encode(), digest_size=12).hexdigest()}"
+
+
 def joined_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Rows of one table, given in parts, as one set of columns."""
     joined: dict[str, Any] = {}

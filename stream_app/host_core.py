@@ -39,6 +39,7 @@ from lagscope.store.rows import (
     joined_rows,
     rank_identity_batch,
     raw_op_rows,
+    raw_ops_token,
     rows_from_outputs,
 )
 from lagscope.store.sink import ClickHouseSink, SinkBatch
@@ -255,7 +256,6 @@ class HostCore:
         self.conclusions: list[JobConclusion] = []
         self.dead: list[DeadLetter] = []
         self._raw_ops: list[dict[str, Any]] = []
-        self._writes = 0
         #: Seconds the last write that stored steps took (`write_due` spaces writes by it).
         self.write_seconds = 0.0
         #: Whether the store may hold rows of steps whose write was cut short: at the start
@@ -597,7 +597,6 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
         for host in hosts:
             host._cut_short_possible = True  # until the write below says otherwise
         replaced = 0
-        raw_ops = [row for host in hosts for row in host._raw_ops]
         if any(fresh):
             batch = rows_from_outputs([out for outputs in fresh for out in outputs])
             live = [host._live_rows(outputs) for host, outputs in zip(hosts, fresh, strict=True)]
@@ -605,12 +604,8 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
                 parts = [part for rows in live for part in rows[index]]
                 if parts:
                     batch.add(table, concat_columns(parts))
-            if raw_ops:
-                batch.add("ops", joined_rows(raw_ops))
             report = sink.write(batch, replace_cut_short=any(checked), stored_versions=stored)
             replaced = report.steps_replaced
-            for host in hosts:
-                host._raw_ops = []  # only now: a failed write keeps them for the next
         seconds = time.perf_counter() - started
         for host, outputs, was_checked, done in zip(hosts, fresh, checked, written, strict=True):
             pending = len(host.pending)
@@ -626,19 +621,20 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
             # Re-processed steps (stored ones among them) may still be followed by those of
             # the write that was cut short.
             host._cut_short_possible = was_checked and (replaced > 0 or len(outputs) < pending)
-    for host in hosts:
-        if host._raw_ops:
-            batch = SinkBatch(f"ops/{host._writes}/{len(host._raw_ops)}")
-            batch.add("ops", joined_rows(host._raw_ops))
-            sink.write(batch)
+    raw_ops = [rows for host in hosts for rows in host._raw_ops]
+    if raw_ops:
+        # A batch of their own, after the steps, named by their content: a write that
+        # failed after storing them, retried, stores them once.
+        batch = SinkBatch(raw_ops_token(raw_ops))
+        batch.add("ops", joined_rows(raw_ops))
+        sink.write(batch)
+        for host in hosts:
             host._raw_ops = []
     if any(host.conclusions for host in hosts):
         # One batch for every job concluded (a worker's idle exit concludes all it follows).
         sink.write(_conclusions_batch(hosts))
         for host, done in zip(hosts, written, strict=True):
             done.conclusions, host.conclusions = host.conclusions, []
-    for host in hosts:
-        host._writes += 1
     return written
 
 

@@ -3,6 +3,8 @@ closed for the idle time, however long its steps take to fill."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from lagscope.simulator.generate import JobSpec, generate_job
@@ -193,4 +195,64 @@ def test_a_write_of_many_jobs_is_one_lookup_and_one_insert_a_table(chdb_dsn, mon
     assert rows == [("job-a", 3), ("job-b", 3), ("job-c", 3)]
     _, rows = sink.query("SELECT count(), uniqExact(job_id, step, kind, name) FROM attribution")
     assert rows[0][0] == rows[0][1] > 0
+    sink.close()
+
+
+def test_raw_ops_are_stored_once_across_a_failed_write_and_a_restart(chdb_dsn, monkeypatch):
+    """Raw ops (the timeline drill-down) are their own batch, after the steps, named by
+    their batches' ids. Before, a write that failed after inserting them stored them again
+    under the next write's token, and raw ops written without steps were named by a count
+    of the host's writes, which a restart resets: the store dropped a restarted host's
+    first raw ops as a repeat of the old host's."""
+    from lagscope.producers.events import JobInfo
+    from lagscope.producers.replay import iter_step_batches
+
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=4))
+    info = JobInfo.from_meta(job.meta, job_id="raw")
+    # Recent ops: the table's TTL deletes old ones.
+    steps = [b for _, _, b in iter_step_batches(job.trace, job.meta, job_id="raw",
+                                                start_wall_ns=time.time_ns())]  # fmt: skip
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    sink = ClickHouseSink(chdb_dsn, retry=RetryPolicy(attempts=1))
+    sink.ensure_schema()
+
+    def host() -> HostCore:
+        core = HostCore(settings, JobRecords(settings.max_world_size), store_raw_ops=True)
+        core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+        return core
+
+    def stored_ops() -> int:
+        return sink.query("SELECT count() FROM ops")[1][0][0]
+
+    def deliver(core: HostCore, batches: list) -> None:
+        core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+
+    # Raw ops without a closed step (one batch short of it), by a host and then by its
+    # restarted successor: as many batches each.
+    first = host()
+    deliver(first, steps[0][:-1])
+    first.write(sink)
+    successor = host()
+    deliver(successor, steps[1][:-1])
+    successor.write(sink)
+    expected = sum(b.n_ops for b in steps[0][:-1] + steps[1][:-1])
+    assert stored_ops() == expected, "a restarted host's raw ops were dropped as a repeat"
+    # A write that fails after the raw ops of step 1's last batch could be stored, and
+    # is retried with step 2 in it.
+    deliver(successor, steps[1][-1:])
+    insert = ClickHouseSink._insert
+
+    def steps_insert_fails(self, table, columns, token):
+        if table == "steps":
+            raise StoreError("injected: the steps insert failed")
+        insert(self, table, columns, token)
+
+    monkeypatch.setattr(ClickHouseSink, "_insert", steps_insert_fails)
+    with pytest.raises(StoreError):
+        successor.write(sink)
+    monkeypatch.undo()
+    deliver(successor, steps[2])
+    successor.write(sink)
+    expected += sum(b.n_ops for b in steps[1][-1:] + steps[2])
+    assert stored_ops() == expected, "raw ops stored twice"
     sink.close()
