@@ -31,6 +31,10 @@ def worker_metric_families(
         counter("lagscope_worker_replayed_records_total",
                 "Re-delivered records skipped because a snapshot already covers them.",
                 counters["replayed_skipped"]),
+        counter("lagscope_worker_records_read_again_total",
+                "Records handed over past the analysis (the consumer ahead of a restored "
+                "state), held and read again after the worker moved the consumer back.",
+                counters["held_for_seek"]),
         counter("lagscope_worker_records_never_read_total",
                 "Records of the ops topic never read: the offsets a partition skipped "
                 "(deleted by retention before the worker came to them).",
