@@ -10,7 +10,6 @@ import time
 import numpy as np
 from confluent_kafka import Producer
 
-from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import iter_step_batches, replay
 from tests.conftest import REFERENCE_NAMES, analyzed_reference, load_reference
 from tests.kafka_util import consume_all
@@ -19,6 +18,7 @@ from tests.worker_util import (
     kafka_config,
     query_store,
     results_topic,
+    st_job_announced,
     start_worker,
     wait_for_log,
 )
@@ -146,22 +146,10 @@ def test_kill_9_at_many_points_loses_and_duplicates_no_step(
     assert query_store(work, rollup)[-1] == query_store(tmp_path / "ref", rollup)[-1]
 
 
-def _st_job_announced(bootstrap: str, topics: dict[str, str]) -> tuple[object, object, Producer]:
-    """The topics made and the ST job's record on `lagscope.jobs`: its trace, meta, and the
-    producer for its batches."""
-    create_topics(bootstrap, topics)
-    trace, meta = load_reference("ST")
-    info = JobInfo.from_meta(meta, job_id="ST")
-    producer = Producer({"bootstrap.servers": bootstrap})
-    producer.produce(topics["topic_jobs"], key=info.key.encode(),
-                     value=info.model_dump_json().encode())  # fmt: skip
-    return trace, meta, producer
-
-
 def test_a_rank_that_stops_reporting_closes_its_steps_after_the_timeout(
     kafka_bootstrap, kafka_topics, tmp_path
 ):
-    trace, meta, producer = _st_job_announced(kafka_bootstrap, kafka_topics)
+    trace, meta, producer = st_job_announced(kafka_bootstrap, kafka_topics)
     silent = (1, 2)  # (dp, pp) that goes quiet from step index 16 on
     steps = []
     for index, (_, step, batches) in enumerate(
@@ -212,7 +200,7 @@ def test_a_worker_restored_at_the_end_of_a_job_closes_the_step_a_rank_never_fini
     record-time clock the window waits on, so the wall clock must close the step, and the
     worker must conclude the job and idle out. (Seen in CI: a rebalance after a job's last
     records left the window open, and the worker up, for good.)"""
-    trace, meta, producer = _st_job_announced(kafka_bootstrap, kafka_topics)
+    trace, meta, producer = st_job_announced(kafka_bootstrap, kafka_topics)
     steps = list(iter_step_batches(trace, meta, job_id="ST", start_wall_ns=time.time_ns()))
     sent = 0
 

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import iter_step_batches
-from tests.conftest import load_reference
-from tests.worker_util import create_topics, query_store, start_worker
+from tests.worker_util import query_store, st_job_announced, start_worker
 
 
 def _st_job_sent(bootstrap: str, topics: dict[str, str]) -> list[tuple[int, int]]:
     """The ST job announced and all its batches on partition 0: (step, its first offset)."""
-    create_topics(bootstrap, topics)
-    trace, meta = load_reference("ST")
-    info = JobInfo.from_meta(meta, job_id="ST")
-    producer = Producer({"bootstrap.servers": bootstrap})
-    producer.produce(topics["topic_jobs"], key=info.key.encode(),
-                     value=info.model_dump_json().encode())  # fmt: skip
+    trace, meta, producer = st_job_announced(bootstrap, topics)
     steps, offset = [], 0
     for _, step, batches in iter_step_batches(trace, meta, job_id="ST",
                                               start_wall_ns=time.time_ns()):  # fmt: skip

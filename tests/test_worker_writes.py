@@ -45,6 +45,19 @@ def _worker_with_jobs(chdb_dsn: str, now: list[float], **sink_options) -> Worker
     return core
 
 
+def _count_row_inserts(monkeypatch) -> list[tuple[str, int]]:
+    """(table, rows) of each row insert (the checkpoints' inserts) from now on."""
+    inserted: list[tuple[str, int]] = []
+    insert_rows = ClickHouseSink.insert_rows
+
+    def counted(self, table, columns, rows, token):
+        inserted.append((table, len(rows)))
+        insert_rows(self, table, columns, rows, token)
+
+    monkeypatch.setattr(ClickHouseSink, "insert_rows", counted)
+    return inserted
+
+
 def test_partitions_are_written_together_and_a_failed_write_keeps_them_all(chdb_dsn, monkeypatch):
     now = [0.0]
     core = _worker_with_jobs(chdb_dsn, now, retry=RetryPolicy(attempts=1))
@@ -86,14 +99,7 @@ def test_partitions_due_are_checkpointed_in_one_insert_and_each_restores(chdb_ds
     now = [0.0]
     core = _worker_with_jobs(chdb_dsn, now)
     sink = core.sink
-    inserted: list[tuple[str, int]] = []
-    insert_rows = ClickHouseSink.insert_rows
-
-    def counted(self, table, columns, rows, token):
-        inserted.append((table, len(rows)))
-        insert_rows(self, table, columns, rows, token)
-
-    monkeypatch.setattr(ClickHouseSink, "insert_rows", counted)
+    inserted = _count_row_inserts(monkeypatch)
     now[0] = core.config.worker.checkpoint_interval_s
     committed = core.checkpoint_all_due(list(core.partitions))
     offsets = {number: part.next_offset for number, part in core.partitions.items()}
@@ -136,14 +142,7 @@ def test_partitions_revoked_together_are_handed_over_in_one_insert(chdb_dsn, tmp
     config = WorkerConfig(store={"dsn": chdb_dsn}, worker={"data_dir": str(tmp_path / "state")})
     worker = FaustWorker(config)
     worker.core = core
-    inserted: list[tuple[str, int]] = []
-    insert_rows = ClickHouseSink.insert_rows
-
-    def counted(self, table, columns, rows, token):
-        inserted.append((table, len(rows)))
-        insert_rows(self, table, columns, rows, token)
-
-    monkeypatch.setattr(ClickHouseSink, "insert_rows", counted)
+    inserted = _count_row_inserts(monkeypatch)
     offsets = {number: part.next_offset for number, part in core.partitions.items()}
     asyncio.run(worker._release({0, 2, 5}))  # 5: never taken a record here
     assert [table for table, _ in inserted] == ["worker_retained", "worker_state"]

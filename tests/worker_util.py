@@ -19,9 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from lagscope.producers.config import KafkaSettings, LagscopeConfig
+from lagscope.producers.events import JobInfo
+from tests.conftest import load_reference
 
 
 def create_topics(bootstrap: str, topics: dict[str, str], *, ops_partitions: int = 1) -> None:
@@ -37,6 +40,18 @@ def create_topics(bootstrap: str, topics: dict[str, str], *, ops_partitions: int
     ]
     for future in admin.create_topics(wanted, request_timeout=15).values():
         future.result(timeout=15)
+
+
+def st_job_announced(bootstrap: str, topics: dict[str, str]) -> tuple[object, object, Producer]:
+    """The topics made and the ST job's record on `lagscope.jobs`: its trace, meta, and the
+    producer for its batches."""
+    create_topics(bootstrap, topics)
+    trace, meta = load_reference("ST")
+    info = JobInfo.from_meta(meta, job_id="ST")
+    producer = Producer({"bootstrap.servers": bootstrap})
+    producer.produce(topics["topic_jobs"], key=info.key.encode(),
+                     value=info.model_dump_json().encode())  # fmt: skip
+    return trace, meta, producer
 
 
 def kafka_config(bootstrap: str, topics: dict[str, str]) -> LagscopeConfig:
