@@ -91,6 +91,11 @@ SNAPSHOTS_TRIED = 5
 #: went back for comes within a fetch (milliseconds), unless the seek failed or Kafka
 #: deleted the record between the host's look at the partition's start and the fetch.
 REWIND_RETRY_S = 10.0
+#: Seeks back to one offset after which the records Kafka hands over still start past it:
+#: that offset is not delivered at all (a transaction marker, if a transactional producer
+#: such as a mirroring one wrote the topic), and the analysis goes on from the first
+#: record Kafka did hand over.
+REWIND_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,9 @@ class _Partition:
     seek_to: int | None = None
     #: When the host took `seek_to`; None once the record at `next_offset` came.
     seeking_since: float | None = None
+    #: The lowest offset held since then, and the seeks taken for `next_offset`.
+    held_from: int | None = None
+    seek_tries: int = 0
 
     @property
     def clock(self) -> LatenessClock:
@@ -241,6 +249,8 @@ class WorkerCore:
                     # the records come again once the host moves the consumer back.
                     # Those Kafka deleted meanwhile are counted then (`records_gone`).
                     self.counters["held_for_seek"] += 1
+                    if part.held_from is None or message.offset < part.held_from:
+                        part.held_from = message.offset
                     if part.seek_to is None and part.seeking_since is None:
                         part.seek_to = part.next_offset
                         log.warning("partition %s[%d]: handed offset %d, the analysis is at %d: "
@@ -249,7 +259,7 @@ class WorkerCore:
                                     part.next_offset)  # fmt: skip
                     continue
                 part.next_offset = message.offset + 1
-                part.seeking_since = None
+                part.seeking_since, part.held_from, part.seek_tries = None, None, 0
                 fresh.append(message)
             if not fresh:
                 continue
@@ -276,9 +286,13 @@ class WorkerCore:
         seeks = {}
         for number, part in self.partitions.items():
             stalled = part.seeking_since is not None and now - part.seeking_since > REWIND_RETRY_S
-            if part.seek_to is not None or stalled:
-                seeks[number] = part.next_offset
-                part.seek_to, part.seeking_since = None, now
+            if part.seek_to is None and not stalled:
+                continue
+            part.seek_tries += 1
+            if part.seek_tries > REWIND_TRIES and part.held_from is not None:
+                self._skip(number, part.held_from, "were not delivered by Kafka")
+            seeks[number] = part.next_offset
+            part.seek_to, part.seeking_since, part.held_from = None, now, None
         return seeks
 
     def records_gone(self, number: int, first_kept: int) -> None:
@@ -287,14 +301,18 @@ class WorkerCore:
         records between the analysis' next offset and `first_kept` were deleted by the
         topic's retention before this worker read them. Their steps are incomplete or
         missing: say so, once per gap, and go on from `first_kept`."""
+        self._skip(number, first_kept, "were never read (deleted by the topic's retention)")
+
+    def _skip(self, number: int, to: int, why: str) -> None:
         part = self.partitions.get(number)
-        if part is None or first_kept <= part.next_offset:
+        if part is None or to <= part.next_offset:
             return
-        self.counters["records_never_read"] += first_kept - part.next_offset
-        log.warning("partition %s[%d]: records at offsets %d..%d were never read (deleted "
-                    "by the topic's retention); their steps are incomplete or missing",
-                    self.topic, number, part.next_offset, first_kept - 1)  # fmt: skip
-        part.next_offset = first_kept
+        self.counters["records_never_read"] += to - part.next_offset
+        log.warning("partition %s[%d]: records at offsets %d..%d %s; their steps are "
+                    "incomplete or missing", self.topic, number, part.next_offset, to - 1,
+                    why)  # fmt: skip
+        part.next_offset = to
+        part.seek_tries = 0
 
     def _observe_steps(self, part: _Partition, closed_before: int, seconds: float) -> None:
         closed = len(part.core.pending) - closed_before

@@ -191,6 +191,34 @@ def test_a_seek_whose_record_does_not_come_is_asked_for_again(chdb_dsn, monkeypa
     sink.close()
 
 
+@pytest.mark.slow  # a worker core on chDB (~5 s)
+def test_an_offset_kafka_never_delivers_is_passed_after_a_few_seeks(chdb_dsn, monkeypatch,
+                                                                    caplog):  # fmt: skip
+    """An offset Kafka holds but never hands over (a transaction marker, where a
+    transactional producer such as a mirroring one wrote the topic) would send the
+    worker back for it for good: after `REWIND_TRIES` seeks that bring only records past
+    it, the analysis goes on from the first of them, and the gap is counted and named."""
+    from lagscope.stream_app import worker_core
+
+    core, sink, steps = _setup(chdb_dsn)
+    core.on_messages(_messages(steps[0], 0, time.time()))
+    marker = len(steps[0])
+    after = _messages(steps[1] + steps[2], marker + 1, time.time())
+    monkeypatch.setattr(worker_core, "REWIND_RETRY_S", -1.0)  # every seek stalls at once
+    core.on_messages(after)
+    for _ in range(worker_core.REWIND_TRIES):
+        assert core.take_seeks() == {0: marker}
+        core.on_messages(after)  # what each seek back brings: the records past the marker
+    assert core.counters["records_never_read"] == 0
+    assert core.take_seeks() == {0: marker + 1}
+    assert core.counters["records_never_read"] == 1
+    assert f"records at offsets {marker}..{marker} were not delivered by Kafka" in caplog.text
+    core.on_messages(after)
+    core.finish()
+    assert [step for step, _ in _stored(sink)] == [0, 1, 2]
+    sink.close()
+
+
 @pytest.mark.slow  # two worker cores on chDB (~5 s)
 def test_records_past_an_older_snapshot_wait_for_the_hosts_seek(chdb_dsn):
     """A partition restored from an older snapshot than Kafka's committed offset (the
