@@ -47,6 +47,7 @@ from lagscope.producers.redact import scrub, secret_values
 from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
+from lagscope.stream_app.repeated_lines import quiet_repeats
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 from lagscope.stream_app.worker_metrics import worker_metric_families
@@ -599,6 +600,7 @@ class FaustWorker:
         self.serve_metrics()
         self.wait_for_broker()
         self._producer = self._make_producer()
+        quiet_repeats("aiokafka")  # its loggers exist: faust's driver imported them
         Worker(
             self.app, loglevel=logging.getLogger().level or logging.INFO
         ).execute_from_commandline()

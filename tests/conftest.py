@@ -32,7 +32,7 @@ REFERENCE_NAMES = ("AR", "SE", "ST")
 #: Fixtures whose tests are slow by nature, marked `slow` here rather than one by one: a
 #: real Kafka broker (its start, and the end-to-end runs through it); torch.profiler traces
 #: of a real torch job (tests/test_profiler_trace.py).
-SLOW_FIXTURES = frozenset({"kafka_bootstrap", "profiled_torch_job"})
+SLOW_FIXTURES = frozenset({"kafka_bootstrap", "own_broker", "profiled_torch_job"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -85,6 +85,15 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield broker.bootstrap
     finally:
         broker.stop()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[KafkaBroker]:
+    """A broker of the test's own, to stop and start again (the session's is shared)."""
+    broker = KafkaBroker(tmp_path / "kafka-own")
+    broker.start()
+    yield broker
+    broker.stop()
 
 
 @pytest.fixture

@@ -161,14 +161,6 @@ def test_kill_9_at_random_points_loses_nothing(
     assert len(consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])) >= 1
 
 
-@pytest.fixture
-def own_broker(tmp_path: Path):
-    broker = KafkaBroker(tmp_path / "kafka-own")
-    broker.start()
-    yield broker
-    broker.stop()
-
-
 def test_broker_stop_and_restart_mid_stream_delivers_everything(
     tmp_path: Path, own_broker: KafkaBroker, kafka_topics: dict[str, str]
 ) -> None:

@@ -1,0 +1,69 @@
+"""One log line per kind of Kafka client complaint, not one per retry.
+
+While the broker is away, aiokafka logs an ERROR at every retry of every request (a
+connection, a metadata update, a fetch, the group coordinator), each ~100 ms: a 12 s
+broker restart wrote 983 lines to a worker's log, and a ten-minute outage would bury the
+one line that says what happened under some 50,000. The worker lets each kind of line
+(its logger and format string) through once per window, and the next one after the window
+says how many like it were held back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+#: Seconds between two lines of one kind.
+WINDOW_S = 30.0
+
+
+class RepeatedLines(logging.Filter):
+    """A logger filter passing a kind of line once per `window_s`.
+
+    >>> now = [0.0]
+    >>> logger = logging.getLogger("example.client")
+    >>> logger.propagate = False
+    >>> lines = []
+    >>> handler = logging.Handler()
+    >>> handler.emit = lambda record: lines.append(record.getMessage())
+    >>> logger.addHandler(handler)
+    >>> logger.addFilter(RepeatedLines(30.0, clock=lambda: now[0]))
+    >>> for second in range(0, 40, 5):
+    ...     now[0] = second
+    ...     logger.error("Unable connect to node %d", 1)
+    >>> lines
+    ['Unable connect to node 1', 'Unable connect to node 1 (5 like it in the last 30 s)']
+    """
+
+    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        #: (logger, format string) -> when one last passed, lines held back since.
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = self._clock()
+        with self._lock:
+            passed_at, held = self._seen.get(key, (None, 0))
+            if passed_at is not None and now - passed_at < self.window_s:
+                self._seen[key] = (passed_at, held + 1)
+                return False
+            self._seen[key] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} like it in the last {self.window_s:.0f} s)"
+        return True
+
+
+def quiet_repeats(prefix: str, window_s: float = WINDOW_S) -> RepeatedLines:
+    """Put one `RepeatedLines` on every logger under `prefix` made so far (a logger's
+    filters see only the lines logged to it, not those its children pass up)."""
+    repeated = RepeatedLines(window_s)
+    names = [prefix, *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + "."))]
+    for name in names:
+        logging.getLogger(name).addFilter(repeated)
+    return repeated

@@ -1,0 +1,58 @@
+"""A Kafka outage in the middle of a job (a broker restarted for maintenance, longer than
+the group's session): `lagscope worker` waits it out, the group forms again, and every
+step of the job is stored once, and its log says so in a few lines, not one per retry. The
+real broker, stopped and started again; a chDB store."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import Producer
+
+from lagscope.deploy.kafka_local import KafkaBroker
+from lagscope.producers.replay import iter_step_batches
+from tests.worker_util import query_store, st_job_announced, start_worker, wait_for_log
+
+#: Longer than the workers' session timeout in tests (6 s): the group loses the member.
+OUTAGE_S = 12.0
+
+
+def test_a_broker_restart_mid_job_loses_and_duplicates_no_step(
+    own_broker: KafkaBroker, kafka_topics: dict[str, str], tmp_path
+):
+    bootstrap = own_broker.bootstrap
+    trace, meta, producer = st_job_announced(bootstrap, kafka_topics)
+    steps = list(iter_step_batches(trace, meta, job_id="ST", start_wall_ns=time.time_ns()))
+    half = len(steps) // 2
+
+    def send(part: list, producer: Producer) -> int:
+        sent = 0
+        for _, _, batches in part:
+            for batch in batches:
+                producer.produce(kafka_topics["topic_ops"], key=b"ST", value=batch.encode())
+                sent += 1
+        producer.flush(30)
+        return sent
+
+    first_half = send(steps[:half], producer)
+    work = tmp_path / "w"
+    # Idle exit well past the outage: a worker that cannot reach Kafka is not idle.
+    worker = start_worker(bootstrap, kafka_topics, work, group="outage", exit_when_idle_s=25.0,
+                          env={"LAGSCOPE_WORKER__CHECKPOINT_INTERVAL_S": "1.0"})  # fmt: skip
+    wait_for_log(worker, f"next offset {first_half} ", 1, timeout_s=120)
+    own_broker.stop()
+    time.sleep(OUTAGE_S)
+    assert worker.process.poll() is None, worker.log()[-4000:]
+    own_broker.start()
+    send(steps[half:], Producer({"bootstrap.servers": bootstrap}))
+
+    assert worker.wait(240) == 0, worker.log()[-4000:]
+    log = worker.log()
+    assert "never read" not in log, log[-4000:]
+    # One line per kind of complaint of the Kafka client (a handful of kinds), not one per
+    # retry: before, this outage wrote 983 ERROR lines.
+    errors = [line for line in log.splitlines() if "[ERROR]" in line]
+    assert len(errors) <= 20, "\n".join(errors[:40])
+    rows = query_store(work, "SELECT step, complete FROM steps ORDER BY step")  # no FINAL
+    stored = [(row["step"], row["complete"]) for row in rows]
+    assert stored == [(step, True) for _, step, _ in steps]
