@@ -3,9 +3,10 @@
 While the broker is away, aiokafka logs an ERROR at every retry of every request (a
 connection, a metadata update, a fetch, the group coordinator), each ~100 ms: a 12 s
 broker restart wrote 983 lines to a worker's log, and a ten-minute outage would bury the
-one line that says what happened under some 50,000. The worker lets each kind of line
-(its logger and format string) through once per window, and the next one after the window
-says how many like it were held back.
+one line that says what happened under some 50,000. The worker lets each kind of warning
+or error (its logger and format string) through once per window, and the next one after
+the window says how many like it were held back. Lines below WARNING all pass: they are
+the client's news (an assignment after each rebalance, a coordinator found), not retries.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ WINDOW_S = 30.0
 
 
 class RepeatedLines(logging.Filter):
-    """A logger filter passing a kind of line once per `window_s`.
+    """A logger filter passing a kind of warning or error once per `window_s`.
 
     >>> now = [0.0]
     >>> logger = logging.getLogger("example.client")
     >>> logger.propagate = False
+    >>> logger.setLevel(logging.INFO)
     >>> lines = []
     >>> handler = logging.Handler()
     >>> handler.emit = lambda record: lines.append(record.getMessage())
@@ -33,8 +35,11 @@ class RepeatedLines(logging.Filter):
     >>> for second in range(0, 40, 5):
     ...     now[0] = second
     ...     logger.error("Unable connect to node %d", 1)
-    >>> lines
+    ...     logger.info("Setting newly assigned partitions")
+    >>> [line for line in lines if "node" in line]
     ['Unable connect to node 1', 'Unable connect to node 1 (5 like it in the last 30 s)']
+    >>> lines.count("Setting newly assigned partitions")
+    8
     """
 
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
@@ -46,6 +51,8 @@ class RepeatedLines(logging.Filter):
         self._seen: dict[tuple[str, str], tuple[float, int]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
         key = (record.name, str(record.msg))
         now = self._clock()
         with self._lock:
