@@ -47,12 +47,14 @@ from lagscope.producers.redact import scrub, secret_values
 from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
-from lagscope.stream_app.repeated_lines import quiet_repeats
+from lagscope.stream_app.repeated_lines import librdkafka_logger, quiet_repeats
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 from lagscope.stream_app.worker_metrics import worker_metric_families
 
 log = logging.getLogger("lagscope.worker")
+#: librdkafka's lines of the worker's confluent-kafka clients, retries collapsed.
+_CLIENT_LOG = "lagscope.worker.librdkafka"
 
 
 # -- the faust host -------------------------------------------------------------------------
@@ -150,6 +152,7 @@ class FaustWorker:
         return Producer(
             {
                 **self.config.kafka.client_config(),
+                "logger": librdkafka_logger(_CLIENT_LOG),
                 "enable.idempotence": True,
                 "acks": "all",
                 "compression.type": "zstd",
@@ -180,6 +183,7 @@ class FaustWorker:
         consumer = Consumer(
             {
                 **self.config.kafka.client_config(),
+                "logger": librdkafka_logger(_CLIENT_LOG),
                 "group.id": f"{self.config.worker.group_id}-jobs-reader",
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
@@ -234,6 +238,7 @@ class FaustWorker:
             Consumer,
             {
                 **self.config.kafka.client_config(),
+                "logger": librdkafka_logger(_CLIENT_LOG),
                 "group.id": f"{self.config.worker.group_id}-deadletters",
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",

@@ -49,9 +49,10 @@ def test_a_broker_restart_mid_job_loses_and_duplicates_no_step(
     assert worker.wait(240) == 0, worker.log()[-4000:]
     log = worker.log()
     assert "never read" not in log, log[-4000:]
-    # One line per kind of complaint of the Kafka client (a handful of kinds), not one per
-    # retry: before, this outage wrote 983 ERROR lines.
-    errors = [line for line in log.splitlines() if "[ERROR]" in line]
+    # One line per kind of complaint of the Kafka clients (a handful of kinds), not one
+    # per retry: before, this outage wrote 983 ERROR lines of aiokafka's and 607 of
+    # librdkafka's (the results producer, the jobs and dead-letter readers).
+    errors = [line for line in log.splitlines() if "[ERROR]" in line or "|FAIL|" in line]
     assert len(errors) <= 20, "\n".join(errors[:40])
     rows = query_store(work, "SELECT step, complete FROM steps ORDER BY step")  # no FINAL
     stored = [(row["step"], row["complete"]) for row in rows]
