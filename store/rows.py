@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -371,8 +371,14 @@ def _outputs_token(outputs: Sequence[ClosedStepRecord], version: int) -> str:
     jobs = {(out.job_id, out.attempt) for out in outputs}
     if len(jobs) == 1:
         return token
-    keys = "\n".join(sorted(f"{out.job_id}\t{out.attempt}\t{out.step}" for out in outputs))
-    return f"{token}/{len(jobs)} jobs/{hashlib.blake2b(keys.encode(), digest_size=12).hexdigest()}"
+    keys = sorted(f"{out.job_id}\t{out.attempt}\t{out.step}" for out in outputs)
+    return f"{token}/{len(jobs)} jobs/{digest_of(keys)}"
+
+
+def digest_of(names: Iterable[str]) -> str:
+    """A short digest of these names, in this order: the part of a dedup token that tells
+    two batches of different content apart."""
+    return hashlib.blake2b("\n".join(names).encode(), digest_size=12).hexdigest()
 
 
 def concat_columns(parts: Sequence[Mapping[str, Any]]) -> dict[str, list | np.ndarray]:
@@ -598,7 +604,7 @@ def raw_op_rows(batch: RankStepBatch, batch_id: str) -> dict[str, Any]:
 
 
 def raw_ops_token(parts: Sequence[Mapping[str, Any]]) -> str:
-    """The dedup token of raw ops written without steps: a digest of their batches' ids,
+    """The dedup token of raw ops (a batch of their own): a digest of their batches' ids,
     so that a retried (or re-processed) write is stored once and two writes of other
     batches never share a token (a count of the host's writes did, after a restart).
 
@@ -608,9 +614,9 @@ def raw_ops_token(parts: Sequence[Mapping[str, Any]]) -> str:
     >>> raw_ops_token([part("a", 2)]) == raw_ops_token([part("c", 2)])
     False
     """
-    ids = "\n".join(str(part["batch_id"][0]) for part in parts if len(part["batch_id"]))
+    ids = [str(part["batch_id"][0]) for part in parts if len(part["batch_id"])]
     rows = sum(len(part["batch_id"]) for part in parts)
-    return f"ops/{rows}/{hashlib.blake2b(ids.encode(), digest_size=12).hexdigest()}"
+    return f"ops/{rows}/{digest_of(ids)}"
 
 
 def joined_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,7 +18,6 @@ covers, `store/checkpoints.py`; the embedded host re-reads its logs).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +32,7 @@ from lagscope.store.rows import (
     concat_columns,
     dead_letter_batch,
     diagnosis_rows,
+    digest_of,
     episode_rows,
     episode_version,
     job_rows,
@@ -651,8 +651,7 @@ def _conclusions_batch(hosts: Sequence[HostCore]) -> SinkBatch:
     if len(tokens) == 1:
         batch = SinkBatch(tokens[0])
     else:
-        digest = hashlib.blake2b("\n".join(sorted(tokens)).encode(), digest_size=12).hexdigest()
-        batch = SinkBatch(f"conclusions/{len(tokens)}/{digest}")
+        batch = SinkBatch(f"conclusions/{len(tokens)}/{digest_of(sorted(tokens))}")
     for table, parts in tables.items():
         if parts:
             batch.add(table, concat_columns(parts))
