@@ -13,7 +13,9 @@
    DIR/profile.json.gz, DIR/profile.txt;
 6. with `--parts ...,ablation`: the monitor with one part at a time taken away
    (`tests/bench/cuda_ablation.py`: where a recorded step's extra time comes from) ->
-   DIR/ablation.json.
+   DIR/ablation.json;
+7. with `--parts ...,threads`: the monitor threads' CPU part by part
+   (`tests/bench/cuda_threads.py`) -> DIR/threads.json.
 
 Each part runs in its own process with a time limit and says how it ended in check.log, so
 one that fails or runs out of time leaves the others' results. The machine needs torch with
@@ -207,8 +209,11 @@ def main() -> int:
         _part(out, "profile", [*python, "-m", "tests.bench.cuda_bench", str(out)], 120)
     if "bench" in parts:
         bench_json = HERE.parent / "bench-results" / "bench.json"
-        if _part(out, "bench", [*python, "-m", "tests.bench", "cuda"], 120):
+        if _part(out, "bench", [*python, "-m", "tests.bench", "cuda"], 150):
             (out / "bench.json").write_text(bench_json.read_text())
+    if "threads" in parts:
+        _part(out, "threads", [*python, "-m", "tests.bench.cuda_threads",
+              str(out / "threads.json")], 170)  # fmt: skip
     return 0
 
 

@@ -46,13 +46,21 @@ from tests.torch_jobs.harness import Knobs
 WARM_UP_STEPS = 3
 
 
-def _lagscope_threads_cpu_s() -> float:
-    total = 0.0
+def lagscope_threads_cpu() -> dict[str, float]:
+    """The CPU seconds of lagscope's threads (named `lagscope-*`) on their own thread
+    clocks, by name less the rank (`lagscope-sealer`, `lagscope-cuda-timer`)."""
+    found: dict[str, float] = {}
     for thread in threading.enumerate():
         if thread.name.startswith("lagscope-") and thread.ident is not None:
             with contextlib.suppress(OSError):  # ended meanwhile
-                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-    return total
+                cpu = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                name = thread.name.rstrip("-0123456789")
+                found[name] = found.get(name, 0.0) + cpu
+    return found
+
+
+def _lagscope_threads_cpu_s() -> float:
+    return sum(lagscope_threads_cpu().values())
 
 
 class _Probe:
