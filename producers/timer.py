@@ -56,17 +56,18 @@ and no thread is started.
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
 and exit (the current stream, or `stream=`); nothing on the hot path waits on the device.
-A resolver thread polls `event.query()` for completed ops at the pace host-clock ops are
-handed over (every ~40 steps, from `flush_interval_s` to 3 s apart), computes the start as
-`reference.elapsed_time(start_event)` after a reference event whose wall-clock time is
-known, and returns events to the pool. It is the one writer of finished steps: the ops
-timed on the host clock (input waits, GC pauses, `record()`) join their step's CUDA ops,
-and a step is written once both are in, so each rank-step reaches the log whole. On an
-H200 (torch 2.11, `tests/bench/cuda_bench.py`) an op costs the training thread 4.8 us
-(events pooled up front, recorded through torch._C's event methods on the current
-stream's cached Stream object: the public calls build a Stream per call), against 0.6 on
-the host clock. The reference is re-calibrated every
-`calibrate_every_s` from the resolver thread: it records an event on a private idle
+A resolver thread reads completed ops at the pace host-clock ops are handed over (every ~40
+steps, from `flush_interval_s` to 3 s apart): the start as the time elapsed after a
+reference event whose wall-clock time is known, the duration as the time between the op's
+two events (through the CUDA runtime torch loaded, `cuda_runtime.py`: half the CPU of
+torch's `query` and `elapsed_time`, which flush() uses), and returns events to the pool.
+It is the one writer of finished steps: the ops timed on the host clock (input waits, GC
+pauses, `record()`) join their step's CUDA ops, and a step is written once both are in, so
+each rank-step reaches the log whole. On an H200 (torch 2.11, `tests/bench/cuda_bench.py`)
+an op costs the training thread 4.8 us (events pooled up front, recorded through
+torch._C's event methods on the current stream's cached Stream object: the public calls
+build a Stream per call), against 0.6 on the host clock. The reference is re-calibrated
+every `calibrate_every_s` from the resolver thread: it records an event on a private idle
 stream and waits for *that event* only (`event.synchronize()`, never
 `torch.cuda.synchronize()`), bracketing it with host clock reads.
 
@@ -119,6 +120,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
+from lagscope.producers.cuda_runtime import EventReader, event_reader
 from lagscope.producers.events import JobInfo, StepEncoder
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, KIND_SEAL, LogWriter
 from lagscope.producers.seal_record import MAX_OPS_PER_SEAL, Op, SealPacker
@@ -760,6 +762,17 @@ _MAX_BRACKET_NS = 200_000
 _EVENT_POOL = 512
 #: The resolver gives the interpreter up after this many ops read.
 _YIELD_EVERY = 64
+#: Whether the resolver thread reads events through the CUDA runtime (`cuda_runtime.py`)
+#: where torch loaded one; the bench turns it off to compare.
+_NATIVE_READS = True
+
+
+def _runtime_reader(torch: Any) -> EventReader | None:
+    try:
+        device = torch.cuda.current_device()
+    except (AttributeError, RuntimeError):  # a torch whose CUDA module lacks it
+        return None
+    return event_reader(device)
 
 
 class _CudaTimer:
@@ -786,6 +799,8 @@ class _CudaTimer:
         self._host_ops_before = 0
         self._calibrate_every_s = calibrate_every_s
         self._bind_cuda_calls(torch)
+        #: The resolver thread's reader of finished events (`cuda_runtime.py`), if any.
+        self._native_reader = _runtime_reader(torch) if _NATIVE_READS else None
         #: Events are created up front: cudaEventCreate on the training thread costs more
         #: than the record itself. The resolver gives them back as it reads them.
         self._pool: list[Any] = [self._new_event() for _ in range(_EVENT_POOL)]
@@ -881,6 +896,10 @@ class _CudaTimer:
         return True
 
     def _resolve_loop(self) -> None:
+        read = self._read_with_torch
+        native = self._native_reader
+        if native is not None and native.bind_thread():
+            read = functools.partial(self._read_natively, native.read)
         # As often as the host clock's ops are handed over, not more: each round takes the
         # interpreter lock from the training thread, whose kernel launches a GPU job waits
         # on, and the log is written at that pace anyway.
@@ -888,7 +907,7 @@ class _CudaTimer:
             # The host clock's ops of the finished steps join them here, with no wait for
             # the training thread's next hand-over.
             self._owner._hand_over(finished_steps_only=True, wake=False)
-            self.resolve()
+            self.resolve(read)
             if time.monotonic() - self._last_calibration > self._calibrate_every_s:
                 self._calibrate()
 
@@ -908,8 +927,30 @@ class _CudaTimer:
         if before_step > self._host_ops_before:
             self._host_ops_before = before_step
 
-    def resolve(self) -> int:
-        """Move completed ops to the resolved buffer; write steps nothing is pending for."""
+    def _read_with_torch(self, reference: Any, start: Any, end: Any) -> tuple[float, float] | None:
+        """An op's start after `reference` and its duration (ms), or None while pending."""
+        try:
+            if not self._query(end):
+                return None
+            return self._elapsed_ms(reference, start), self._elapsed_ms(start, end)
+        except RuntimeError:  # its start on another stream is not reached yet
+            return None
+
+    def _read_natively(
+        self, read: Callable[[Any, Any, Any], tuple[float, float] | None],
+        reference: Any, start: Any, end: Any,
+    ) -> tuple[float, float] | None:  # fmt: skip
+        try:
+            return read(reference, start, end)
+        except RuntimeError:  # an error of the runtime itself: torch's calls say more
+            return self._read_with_torch(reference, start, end)
+
+    def resolve(
+        self, read: Callable[[Any, Any, Any], tuple[float, float] | None] | None = None
+    ) -> int:
+        """Move completed ops to the resolved buffer; write steps nothing is pending for.
+        `read` reads an op's events (default: torch's calls, which any thread may make)."""
+        read = read or self._read_with_torch
         resolved = 0
         owner = self._owner
         with self._pending_lock:
@@ -922,7 +963,7 @@ class _CudaTimer:
                 out.extend(host_ops.popleft())
             reference_event, reference_wall_ns = self._reference  # type: ignore[misc]
             wall_offset_ns = owner._wall_offset_ns
-            query, elapsed_ms, pool = self._query, self._elapsed_ms, self._pool
+            pool = self._pool
             pending = self._pending
             waiting_step = current_step
             # The training thread appends while we scan: rotate through the items present
@@ -931,18 +972,13 @@ class _CudaTimer:
             for index in range(len(pending)):
                 item = pending.popleft()
                 head, start_ev, end_ev = item
-                try:
-                    done = query(end_ev)
-                    if done:
-                        # elapsed_time is in ms (float, ~0.5 µs resolution).
-                        start_ms = elapsed_ms(reference_event, start_ev)
-                        duration_ms = elapsed_ms(start_ev, end_ev)
-                except RuntimeError:  # its start on another stream is not reached yet
-                    done = False
-                if not done:
+                # In ms (float, ~0.5 µs resolution).
+                times = read(reference_event, start_ev, end_ev)
+                if times is None:
                     pending.append(item)
                     waiting_step = min(waiting_step, head[1])
                     continue
+                start_ms, duration_ms = times
                 out.append((head, reference_wall_ns + round(start_ms * 1e6) - wall_offset_ns,
                             max(0, round(duration_ms * 1e6))))  # fmt: skip
                 pool.append(start_ev)

@@ -6,6 +6,7 @@ import gc
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -389,6 +390,63 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
     assert fake.device_synchronize_calls == 0
     # The training thread waited on one marker event, once, at start-up calibration.
     assert fake.event_synchronize_by_thread["MainThread"] == 1
+
+
+class _FakeRuntimeReader:
+    """A stand-in for `cuda_runtime.EventReader` over _FakeCuda's events: pending is None,
+    and every third op read raises as a runtime error would (the resolver then asks the
+    events themselves)."""
+
+    def __init__(self) -> None:
+        self.reads_by_thread: Counter[str] = Counter()
+        self.bound_threads: list[str] = []
+
+    def bind_thread(self) -> bool:
+        import threading
+
+        self.bound_threads.append(threading.current_thread().name)
+        return True
+
+    def read(self, reference: Any, start: Any, end: Any) -> tuple[float, float] | None:
+        import threading
+
+        if not end.query():
+            return None
+        self.reads_by_thread[threading.current_thread().name] += 1
+        if sum(self.reads_by_thread.values()) % 3 == 0:
+            raise RuntimeError("cudaEventElapsedTime returned error 999")
+        return reference.elapsed_time(start), start.elapsed_time(end)
+
+
+def test_the_resolver_thread_reads_events_through_the_runtime_and_falls_back_to_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import types
+
+    from lagscope.producers import timer as timer_module
+
+    fake, reader = _FakeCuda(), _FakeRuntimeReader()
+    fake.current_device = lambda: 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake))
+    monkeypatch.setattr(timer_module, "event_reader", lambda device: reader)
+    with _timer(tmp_path, mode="cuda", flush_interval_s=0.05) as timer:
+        for step in range(6):
+            timer.step(step)
+            with timer.op("forward-compute"):
+                time.sleep(0.001)
+        timer.step(6)
+        deadline = time.monotonic() + 30  # the resolver's passes read steps 0-5
+        while reader.reads_by_thread["lagscope-cuda-timer"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert reader.bound_threads == ["lagscope-cuda-timer"]
+    assert reader.reads_by_thread["lagscope-cuda-timer"] == 6
+    assert "MainThread" not in reader.reads_by_thread  # flush() at close reads with torch
+    batches = _batches(tmp_path, 3)
+    assert sorted(b.step for b in batches) == list(range(6))
+    # The ops whose runtime read raised were read through the events, the same times.
+    assert all(1_000_000 <= op["duration_ns"] < 50_000_000
+               for b in batches for op in b.to_records())  # fmt: skip
 
 
 class TestValidation:
