@@ -606,8 +606,10 @@ class FaustWorker:
         self.wait_for_broker()
         self._producer = self._make_producer()
         quiet_repeats("aiokafka")  # its loggers exist: faust's driver imported them
+        # Left out: faust logs what is printed as WARNING lines, and the idle exit's
+        # summary (one JSON line on stdout, for scripts) is no warning.
         Worker(
-            self.app, loglevel=logging.getLogger().level or logging.INFO
+            self.app, loglevel=logging.getLogger().level or logging.INFO, redirect_stdouts=False
         ).execute_from_commandline()
 
     def close(self) -> None:

@@ -39,6 +39,12 @@ def test_reference_traces_through_kafka_match_the_batch_analysis(
 
     worker = start_worker(kafka_bootstrap, kafka_topics, tmp_path / "w", group="e2e")
     assert worker.wait(180) == 0, worker.log()[-4000:]
+    # The idle exit's summary is a line of JSON of its own, for scripts: not a warning.
+    summaries = [json.loads(line) for line in worker.log().splitlines()
+                 if line.startswith('{"worker_counters"')]  # fmt: skip
+    assert len(summaries) == 1 and summaries[0]["worker_counters"]["ops"] > 0, worker.log_path
+    assert not [line for line in worker.log().splitlines()
+                if "worker_counters" in line and "WARN" in line], worker.log_path  # fmt: skip
 
     steps = query_store(
         tmp_path / "w",
