@@ -47,7 +47,11 @@ from lagscope.producers.redact import scrub, secret_values
 from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
-from lagscope.stream_app.repeated_lines import librdkafka_logger, quiet_repeats
+from lagscope.stream_app.repeated_lines import (
+    KAFKA_COMPLAINTS,
+    librdkafka_logger,
+    quiet_repeats,
+)
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 from lagscope.stream_app.worker_metrics import worker_metric_families
@@ -55,6 +59,9 @@ from lagscope.stream_app.worker_metrics import worker_metric_families
 log = logging.getLogger("lagscope.worker")
 #: librdkafka's lines of the worker's confluent-kafka clients, retries collapsed.
 _CLIENT_LOG = "lagscope.worker.librdkafka"
+#: Seconds without a complaint of the Kafka clients after which Kafka answering says it
+#: is back (while the broker is away they complain every ~100 ms).
+_KAFKA_QUIET_S = 3.0
 
 
 # -- the faust host -------------------------------------------------------------------------
@@ -89,6 +96,8 @@ class FaustWorker:
         self._stop = threading.Event()
         #: When the last pass over messages ended (or the last assignment came).
         self._last_message = time.monotonic()
+        #: When Kafka last answered: a pass took records, or the group assigned partitions.
+        self._kafka_answered_at = 0.0
         self._passes_in_flight = 0
         self._assigned = False
         #: The ops partitions this worker owns now, each with the consumer generation that
@@ -324,7 +333,7 @@ class FaustWorker:
 
         @app.on_partitions_assigned.connect
         async def on_assigned(app: Any, assigned: Any, **_: Any) -> None:
-            self._last_message = time.monotonic()
+            self._last_message = self._kafka_answered_at = time.monotonic()
             self._assigned = True
             # Owned from now on, before the first await: faust resumes fetching before this
             # handler ends, and a run of a partition not yet owned would be dropped after
@@ -422,6 +431,8 @@ class FaustWorker:
         if len(current) < len(runs):
             runs, messages = current, _ops_messages(current)
         await self._core(self.core.on_messages, messages)
+        if messages:
+            self._kafka_answered_at = time.monotonic()
         await self._rewind()
         await self._checkpoint_due()
 
@@ -480,6 +491,7 @@ class FaustWorker:
             # open for good, unanalysed, the job never concluded, the worker never idle.
             await self._core(self.core.set_behind, number, False)
         await self._core(self.core.tick)
+        self._say_when_kafka_is_back()
         await self._rewind()
         await self._checkpoint_due()
         idle_exit = self.config.worker.exit_when_idle_s
@@ -512,6 +524,22 @@ class FaustWorker:
             print(json.dumps(summary), flush=True)
             self._stop.set()
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def _say_when_kafka_is_back(self) -> None:
+        """One line once Kafka answered (records, or an assignment) after its clients'
+        complaints stopped: the news an operator waits for after an outage (the errors
+        are held back to a few lines, `repeated_lines.py`, and would otherwise just
+        stop)."""
+        outage = KAFKA_COMPLAINTS.take_outage(
+            time.monotonic(), _KAFKA_QUIET_S, self._kafka_answered_at
+        )
+        # Only after complaints that repeated (some were held back): a rebalance's one or
+        # two warnings are no outage.
+        if outage is not None and outage.lines > outage.shown:
+            log.info(
+                "Kafka answers again: its clients' warnings and errors stopped after %.0f s "
+                "(%d lines, %d of them logged)", outage.seconds, outage.lines, outage.shown,
+            )  # fmt: skip
 
     def _idle_for(self, seconds: float) -> bool:
         return not self._passes_in_flight and time.monotonic() - self._last_message >= seconds

@@ -54,6 +54,14 @@ def test_a_broker_restart_mid_job_loses_and_duplicates_no_step(
     # librdkafka's (the results producer, the jobs and dead-letter readers).
     errors = [line for line in log.splitlines() if "[ERROR]" in line or "|FAIL|" in line]
     assert len(errors) <= 20, "\n".join(errors[:40])
+    # And once records flow again, the log says so (the complaints just stop otherwise).
+    lines = log.splitlines()
+    back = [i for i, line in enumerate(lines) if "Kafka answers again" in line]
+    assert len(back) == 1, "\n".join(lines[-60:])
+    exiting = next(i for i, line in enumerate(lines) if "idle for" in line)
+    last_error = max(i for i, line in enumerate(lines[:exiting])
+                     if "[ERROR]" in line or "|FAIL|" in line)  # fmt: skip
+    assert last_error < back[0] < exiting, lines[back[0]]
     rows = query_store(work, "SELECT step, complete FROM steps ORDER BY step")  # no FINAL
     stored = [(row["step"], row["complete"]) for row in rows]
     assert stored == [(step, True) for _, step, _ in steps]
