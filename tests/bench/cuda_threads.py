@@ -125,24 +125,44 @@ def _size_parts(name: str, size: dict[str, int], tmp: Path, meter: _Meter) -> li
     job = _setup(size)
     _block(job, 20, None)  # warm-up, as cuda_bench's
     found = []
-    for reads, native, library in (("runtime", True, ctypes.PyDLL),
-                                   ("runtime, lock released", True, ctypes.CDLL),
-                                   ("torch", False, ctypes.PyDLL)):  # fmt: skip
-        timer._NATIVE_READS, cuda_runtime._LIBRARY = native, library
-        found.append({"reads": reads, **_block_parts(name, job, tmp, meter)})
-    timer._NATIVE_READS, cuda_runtime._LIBRARY = True, ctypes.PyDLL
+    # (2026-11-27, H200: the runtime's calls with the interpreter lock released around
+    # each, ctypes.CDLL, read 1-2 µs a rank-step more than held; that variant is gone.)
+    for reads, native, apart in (("runtime", True, False),
+                                 ("runtime, resolver on a core of its own", True, True),
+                                 ("torch", False, False)):  # fmt: skip
+        timer._NATIVE_READS, cuda_runtime._LIBRARY = native, ctypes.PyDLL
+        found.append({"reads": reads, **_block_parts(name, job, tmp, meter, apart)})
+    timer._NATIVE_READS = True
     return found
 
 
-def _block_parts(name: str, job: dict[str, Any], tmp: Path, meter: _Meter) -> dict:
+def _block_parts(
+    name: str, job: dict[str, Any], tmp: Path, meter: _Meter, resolver_apart: bool = False
+) -> dict:
+    """One metered block; with `resolver_apart`, the CUDA resolver thread pinned to the
+    last CPU and the training process' other threads kept off it: whether a resolver
+    call costs more under load for sharing the training thread's core or in the driver."""
     steps_done = 0
+    everywhere = os.sched_getaffinity(0)
+    last = max(everywhere)
 
     def each_step() -> None:
         nonlocal steps_done
         steps_done += 1
         meter.on = steps_done >= SKIP
+        if resolver_apart and steps_done == 1 and len(everywhere) > 1:
+            resolver = {t.native_id for t in threading.enumerate()
+                        if t.name.startswith("lagscope-cuda-timer")}  # fmt: skip
+            for tid in _threads():  # the C++ ones too: autograd's, NCCL's
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(tid, {last} if tid in resolver else everywhere - {last})
 
-    run = _block(job, STEADY_STEPS, Path(tempfile.mkdtemp(dir=tmp)), after_step=each_step)
+    try:
+        run = _block(job, STEADY_STEPS, Path(tempfile.mkdtemp(dir=tmp)), after_step=each_step)
+    finally:
+        for tid in _threads():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, everywhere)
     meter.on = False
     steps = STEADY_STEPS - SKIP
     parts = [
@@ -156,9 +176,14 @@ def _block_parts(name: str, job: dict[str, Any], tmp: Path, meter: _Meter) -> di
         counts.clear()
     steady = run["steady_cpu_s"]
     threads = {n: round(cpu / run["steady_steps"] * 1e6, 1) for n, cpu in steady.items()}
-    return {"size": name, "steps": steps, "threads_us_per_step": threads,
+    return {"size": name, "steps": steps, "threads_us_per_step": threads, "apart": resolver_apart,
             "close_ms": round(run["close_cpu_s"] * 1e3, 2), "parts": parts,
             "step_ms": round(sorted(run["step_s"])[len(run["step_s"]) // 2] * 1e3, 3)}  # fmt: skip
+
+
+def _threads() -> list[int]:
+    """The ids of this process' threads."""
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
 
 
 def main(out: Path) -> None:
