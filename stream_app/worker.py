@@ -634,6 +634,7 @@ class FaustWorker:
         self.wait_for_broker()
         self._producer = self._make_producer()
         quiet_repeats("aiokafka")  # its loggers exist: faust's driver imported them
+        logging.getLogger("mode.timers").addFilter(_overlap_as_info)
         # Left out: faust logs what is printed as WARNING lines, and the idle exit's
         # summary (one JSON line on stdout, for scripts) is no warning.
         Worker(
@@ -648,6 +649,21 @@ class FaustWorker:
         if self._producer is None and self._made_store is not None:
             self.sink.close()
             shutil.rmtree(self._made_store, ignore_errors=True)
+
+
+def _overlap_as_info(record: logging.LogRecord) -> bool:
+    """faust's timers warn when a tick ran longer than its interval; the worker's tick
+    waits for the core's one thread while a pass runs there (the first pass infers the
+    job's model: a second or more), so for it that is the design, told at INFO.
+
+    >>> record = logging.LogRecord("mode.timers", logging.WARNING, "", 0,
+    ...     "Timer %s is overlapping (interval=%r runtime=%r)", ("periodic", 0.5, 1.8), None)
+    >>> _overlap_as_info(record), record.levelname
+    (True, 'INFO')
+    """
+    if record.levelno == logging.WARNING and str(record.msg).startswith("Timer %s is overlapping"):
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
 
 
 def state_directory(configured: Path | None) -> tuple[Path, bool]:
