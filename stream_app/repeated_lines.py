@@ -69,6 +69,9 @@ class Complaints:
 
 
 class Outage(NamedTuple):
+    """An outage as the Kafka clients told it: seconds from their first complaint to their
+    last, the lines they logged, and how many of those passed the filters."""
+
     seconds: float
     lines: int
     shown: int
