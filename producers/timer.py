@@ -896,10 +896,9 @@ class _CudaTimer:
         return True
 
     def _resolve_loop(self) -> None:
-        read = self._read_with_torch
         native = self._native_reader
-        if native is not None and native.bind_thread():
-            read = functools.partial(self._read_natively, native.read)
+        bound = native is not None and native.bind_thread()
+        read = self._read_natively if bound else self._read_with_torch
         # As often as the host clock's ops are handed over, not more: each round takes the
         # interpreter lock from the training thread, whose kernel launches a GPU job waits
         # on, and the log is written at that pace anyway.
@@ -936,12 +935,10 @@ class _CudaTimer:
         except RuntimeError:  # its start on another stream is not reached yet
             return None
 
-    def _read_natively(
-        self, read: Callable[[Any, Any, Any], tuple[float, float] | None],
-        reference: Any, start: Any, end: Any,
-    ) -> tuple[float, float] | None:  # fmt: skip
+    def _read_natively(self, reference: Any, start: Any, end: Any) -> tuple[float, float] | None:
+        """As `_read_with_torch`, through the runtime reader (its bound thread only)."""
         try:
-            return read(reference, start, end)
+            return self._native_reader.read(reference, start, end)  # type: ignore[union-attr]
         except RuntimeError:  # an error of the runtime itself: torch's calls say more
             return self._read_with_torch(reference, start, end)
 
