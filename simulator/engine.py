@@ -154,6 +154,31 @@ def simulate(
     """Simulate every column of `cost` ([node, column]); `delay` is launch delay or None.
 
     `segment_offsets` are the first columns of each segment, ascending, starting at 0.
+    """
+    n = cost.shape[0]
+    if n != compiled.n_nodes:
+        raise ValueError(f"cost has {n} rows, the model has {compiled.n_nodes} nodes")
+    return simulate_in_engine_order(
+        compiled,
+        np.take(cost, compiled.order, axis=0),
+        None if delay is None else np.take(delay, compiled.order, axis=0),
+        segment_offsets,
+        record_timeline=record_timeline,
+    )
+
+
+def simulate_in_engine_order(
+    compiled: CompiledModel,
+    cost: np.ndarray,
+    delay: np.ndarray | None,
+    segment_offsets: np.ndarray,
+    *,
+    record_timeline: bool = False,
+) -> SimulationResult:
+    """`simulate` with `cost` and `delay` given in the engine's row order
+    (`CompiledModel.order`): a level reads its costs as one contiguous block instead of
+    gathering them, which was about half of a pass (AR trace, 2 cores). A caller that
+    fills its buffers itself (`simulator/whatif.py`) writes them in this order.
 
     One function on purpose (about 70 lines): it is the engine's hot loop, one pass per
     dependency level over every column, and it reads as the paper's recurrence (start =
@@ -165,8 +190,6 @@ def simulate(
     segment_of_col = np.repeat(
         np.arange(segment_offsets.size), np.diff(np.append(segment_offsets, n_cols))
     )
-    # The end buffer's rows are in the engine's order (each level's contiguous); costs
-    # and delays are read in the nodes' order, a level at a time.
     end = np.empty((n + 2, n_cols), dtype=np.float64)
     end[compiled.zero_row] = 0.0
     end[compiled.void_row] = -np.inf
@@ -174,30 +197,41 @@ def simulate(
     # Without launch delays every op starts at or after 0, and ops without dependencies
     # start exactly at 0, so the step's earliest start is 0.
     earliest = np.full(n_cols, np.inf) if delay is not None else np.zeros(n_cols)
+    # A level's dependency ends are gathered into these rather than into new arrays: a
+    # wide pass' gathers are past malloc's mmap threshold, and a fresh mapping per level
+    # costs its page faults.
+    widest = max((level.ops.size for level in compiled.levels), default=0)
+    start_buffer = np.empty((widest, n_cols), dtype=np.float64)
+    dep_buffer = np.empty((widest, n_cols), dtype=np.float64)
 
     for level in compiled.levels:
-        start = end[level.deps[0]]
+        size = level.ops.size
+        rows = slice(level.first, level.first + size)
+        start = start_buffer[:size]
+        np.take(end, level.deps[0], axis=0, out=start, mode="clip")
         for slot in level.deps[1:]:
-            np.maximum(start, end[slot], out=start)
+            dep_end = dep_buffer[:size]
+            np.take(end, slot, axis=0, out=dep_end, mode="clip")
+            np.maximum(start, dep_end, out=start)
         if delay is not None:
-            start += delay[level.ops]
+            start += delay[rows]
             np.minimum(earliest, start.min(axis=0), out=earliest)
         if starts is not None:
-            starts[level.first : level.first + level.ops.size] = start
+            starts[rows] = start
         p, comm_first = level.n_plain, level.first + level.n_plain
         if p:
-            np.add(start[:p], cost[level.ops[:p]], out=end[level.first : comm_first])
-        if p < level.ops.size:
+            np.add(start[:p], cost[level.first : comm_first], out=end[level.first : comm_first])
+        if p < size:
             if level.group_first is None:
                 group_start = start[p:]
             else:
                 posted = start[p:]
                 group_start = posted[level.group_first]
-                for having, rows in level.group_rest:
+                for having, member_rows in level.group_rest:
                     if having is None:
-                        np.maximum(group_start, posted[rows], out=group_start)
+                        np.maximum(group_start, posted[member_rows], out=group_start)
                     else:
-                        group_start[having] = np.maximum(group_start[having], posted[rows])
+                        group_start[having] = np.maximum(group_start[having], posted[member_rows])
             if level.any_synced:
                 synced_start = np.maximum.reduceat(
                     group_start[level.synced], segment_offsets, axis=1
@@ -205,11 +239,7 @@ def simulate(
                 group_start[level.synced] = synced_start[:, segment_of_col]
             if level.member_group is not None:
                 group_start = group_start[level.member_group]
-            np.add(
-                group_start,
-                cost[level.ops[p:]],
-                out=end[comm_first : level.first + level.ops.size],
-            )
+            np.add(group_start, cost[comm_first : rows.stop], out=end[comm_first : rows.stop])
 
     latest = end[:n].max(axis=0)
     step_time = np.maximum.reduceat(latest, segment_offsets) - np.minimum.reduceat(

@@ -14,13 +14,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.defaults import DEFAULT_DECOMPOSE_THRESHOLD
-from lagscope.simulator.engine import CompiledModel, Timeline, simulate
+from lagscope.simulator.engine import (
+    CompiledModel,
+    Timeline,
+    simulate,
+    simulate_in_engine_order,
+)
 from lagscope.simulator.prepare import DroppedStep, PreparedTrace
 
 #: Share of workers that M_W blames: the top 3 %.
@@ -210,6 +216,7 @@ class WhatIfAnalysis:
             )[:, None]
         self.node_stage = prepared.model.node_stage()
         self.max_cells_per_pass = max_cells_per_pass
+        self._repeated_ideals: dict[int, np.ndarray] = {}
 
     # -- selections -------------------------------------------------------------------
     def all_workers(self) -> np.ndarray:
@@ -263,40 +270,77 @@ class WhatIfAnalysis:
         untouched = np.flatnonzero(~touched)
         return np.concatenate([changed, untouched[:1]]) if untouched.size else changed
 
+    # The pass' buffers are in the engine's row order (`simulate_in_engine_order`); the
+    # trace's values are read in that order once per analysis, not once per variant.
+    @cached_property
+    def _order(self) -> np.ndarray:
+        return self.compiled.order
+
+    @cached_property
+    def _row_of_node(self) -> np.ndarray:
+        row_of = np.empty(self._order.size, dtype=np.int64)
+        row_of[self._order] = np.arange(self._order.size)
+        return row_of
+
+    @cached_property
+    def _cost_rows(self) -> np.ndarray:
+        """The measured costs, [row, step, dp] in the engine's order."""
+        return np.take(self.prepared.cost, self._order, axis=0)
+
+    @cached_property
+    def _delay_rows(self) -> np.ndarray:
+        """The measured launch delays, [row, step, dp] in the engine's order."""
+        return np.take(self.prepared.launch_delay, self._order, axis=0)
+
+    @cached_property
+    def _ideal_rows(self) -> np.ndarray:
+        """The ideal costs, [row, step] (or [row, 1]) in the engine's order."""
+        return np.take(self.ideal_node_cost, self._order, axis=0)
+
+    def _ideal_columns(self, n_dp_cols: int) -> np.ndarray:
+        """The ideal costs of a pass slice of `n_dp_cols` DP ranks a step ([row, column],
+        or [row, 1] when every step shares one ideal)."""
+        ideal = self._ideal_rows
+        if ideal.shape[1] == 1:
+            return ideal
+        cached = self._repeated_ideals.get(n_dp_cols)
+        if cached is None:
+            cached = self._repeated_ideals[n_dp_cols] = np.repeat(ideal, n_dp_cols, axis=1)
+        return cached
+
     def _fill(
         self, variant: Variant, dp_cols: np.ndarray, cost: np.ndarray, delay: np.ndarray | None
     ) -> None:
-        """Write a variant's inputs into its slice of a pass's buffers ([node, column])."""
+        """Write a variant's inputs into its slice of a pass's buffers ([row, column], rows
+        in the engine's order)."""
         prep = self.prepared
         n_steps = cost.shape[1] // dp_cols.size
         all_dp = dp_cols.size == prep.n_dp and np.array_equal(dp_cols, np.arange(prep.n_dp))
 
         def measured(values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-            """`values` [node, step, dp] as the pass' [node, column] (of `rows` only)."""
+            """`values` [row, step, dp] as the pass' [row, column] (of `rows` only)."""
             if rows is not None:
                 values = values[rows]
             if all_dp:
                 return values.reshape(values.shape[0], -1)  # columns are (step, dp) in order
             return values[:, :, dp_cols].reshape(values.shape[0], -1)
 
-        ideal = self.ideal_node_cost
-        if ideal.shape[1] > 1:
-            ideal = np.repeat(ideal, dp_cols.size, axis=1)
+        ideal = self._ideal_columns(dp_cols.size)
         if variant.cost == "measured":
-            cost[:] = measured(prep.cost)
+            cost[:] = measured(self._cost_rows)
         else:
             cost[:] = ideal
         if variant.swap is None:
             if delay is not None:
-                delay[:] = measured(prep.launch_delay) if variant.delay == "all" else 0.0
+                delay[:] = measured(self._delay_rows) if variant.delay == "all" else 0.0
             return
         # The swapped cells: whole rows (op types, stages), whole columns (DP ranks), or
         # (top workers) a mask of both.
         rows, cols, mask = self._swapped_cells(variant.swap, np.tile(dp_cols, n_steps))
 
         def swap_in(target: np.ndarray, source: np.ndarray) -> None:
-            """`target`'s swapped cells from `source` (values [node, step, dp], or the
-            ideal: [node, column] or [node, 1])."""
+            """`target`'s swapped cells from `source` (values [row, step, dp], or the
+            ideal: [row, column] or [row, 1])."""
             if source.ndim == 3:
                 if rows is not None:
                     target[rows] = measured(source, rows)
@@ -312,31 +356,34 @@ class WhatIfAnalysis:
                 np.copyto(target, source, where=mask)
 
         if variant.delay != "swap":
-            swap_in(cost, ideal if variant.cost == "measured" else prep.cost)
+            swap_in(cost, ideal if variant.cost == "measured" else self._cost_rows)
         if delay is not None:
             if variant.delay == "all":
-                delay[:] = measured(prep.launch_delay)
+                delay[:] = measured(self._delay_rows)
             else:
                 delay[:] = 0.0
                 if variant.delay == "swap":
-                    swap_in(delay, prep.launch_delay)
+                    swap_in(delay, self._delay_rows)
 
     def _swapped_cells(
         self, swap: Selection, col_dp: np.ndarray
     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
         """(rows, None, None) when `swap` holds whole stages' workers, (None, columns, None)
-        when it holds every node of whole DP ranks, else (None, None, [node, column] mask):
-        a row or column copy instead of a masked copy of the whole pass."""
+        when it holds every node of whole DP ranks, else (None, None, [row, column] mask):
+        a row or column copy instead of a masked copy of the whole pass. Rows are the
+        engine's."""
         workers = swap.workers
         whole_stages = workers.all(axis=1)
         if np.array_equal(workers, np.broadcast_to(whole_stages[:, None], workers.shape)):
-            return np.flatnonzero(swap.nodes & whole_stages[self.node_stage]), None, None
+            nodes = np.flatnonzero(swap.nodes & whole_stages[self.node_stage])
+            return np.sort(self._row_of_node[nodes]), None, None
         whole_dp = workers.all(axis=0)
         if swap.nodes.all() and np.array_equal(
             workers, np.broadcast_to(whole_dp[None, :], workers.shape)
         ):
             return None, np.flatnonzero(whole_dp[col_dp]), None
-        return None, None, swap.nodes[:, None] & workers[:, col_dp][self.node_stage]
+        mask = swap.nodes[:, None] & workers[:, col_dp][self.node_stage]
+        return None, None, mask[self._order]
 
     def run(self, variants: list[Variant]) -> list[np.ndarray]:
         """Step time of every variant, [step] each.
@@ -385,7 +432,9 @@ class WhatIfAnalysis:
                 )
                 offsets.extend(range(col, col + width, dp_cols.size))
                 col += width
-            times = simulate(self.compiled, cost, delay, np.array(offsets, dtype=np.int64))
+            times = simulate_in_engine_order(
+                self.compiled, cost, delay, np.array(offsets, dtype=np.int64)
+            )
             segment = 0
             for index, _, _, steps_simulated in group:
                 step_time = times.step_time[segment : segment + steps_simulated]
