@@ -210,6 +210,7 @@ class FaustWorker:
                     log.warning("jobs topic %s: %s", topic, exc)
                 if not partitions:
                     self._jobs_ready.set()  # nothing to wait for yet
+                    _serve_client_log(consumer)
                     time.sleep(1.0)
             tps = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions]
             ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
@@ -257,6 +258,7 @@ class FaustWorker:
         try:
             while not _topic_exists(consumer, topic):
                 self._dead_letters_idle.set()  # nothing to read (yet)
+                _serve_client_log(consumer)
                 if self._stop.wait(2.0):
                     return
             self._dead_letters_idle.clear()
@@ -684,6 +686,14 @@ def state_directory(configured: Path | None) -> tuple[Path, bool]:
             f"(uid {os.getuid()})"
         )
     return configured, False
+
+
+def _serve_client_log(consumer: Any) -> None:
+    """Hand the client's queued log lines to its logger now. librdkafka's lines reach the
+    logger only from a poll: a reader waiting for its topic to exist (list_topics does not
+    poll) kept an outage's connection errors queued until its close(), which logged them
+    as fresh ERRORs while the worker exited, long after Kafka had come back."""
+    consumer.poll(0)
 
 
 def _topic_exists(consumer: Any, topic: str) -> bool:
