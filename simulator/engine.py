@@ -150,43 +150,27 @@ def simulate(
     segment_offsets: np.ndarray,
     *,
     record_timeline: bool = False,
+    in_engine_order: bool = False,
 ) -> SimulationResult:
     """Simulate every column of `cost` ([node, column]); `delay` is launch delay or None.
 
     `segment_offsets` are the first columns of each segment, ascending, starting at 0.
-    """
-    n = cost.shape[0]
-    if n != compiled.n_nodes:
-        raise ValueError(f"cost has {n} rows, the model has {compiled.n_nodes} nodes")
-    return simulate_in_engine_order(
-        compiled,
-        np.take(cost, compiled.order, axis=0),
-        None if delay is None else np.take(delay, compiled.order, axis=0),
-        segment_offsets,
-        record_timeline=record_timeline,
-    )
-
-
-def simulate_in_engine_order(
-    compiled: CompiledModel,
-    cost: np.ndarray,
-    delay: np.ndarray | None,
-    segment_offsets: np.ndarray,
-    *,
-    record_timeline: bool = False,
-) -> SimulationResult:
-    """`simulate` with `cost` and `delay` given in the engine's row order
-    (`CompiledModel.order`): a level reads its costs as one contiguous block instead of
-    gathering them, which was about half of a pass (AR trace, 2 cores). A caller that
-    fills its buffers itself (`simulator/whatif.py`) writes them in this order.
+    `in_engine_order`: the rows of `cost` and `delay` are in the engine's order
+    (`CompiledModel.order`), not the nodes'. Either way a level then reads its costs as
+    one contiguous block instead of gathering them (most of a pass' time on the AR trace);
+    a caller that fills its buffers itself (`simulator/whatif.py`) writes them in this
+    order rather than have them reordered here.
 
     One function on purpose (about 70 lines): it is the engine's hot loop, one pass per
     dependency level over every column, and it reads as the paper's recurrence (start =
     latest dependency end + launch delay; a group starts when its last member posts).
     """
+    if cost.shape[0] != compiled.n_nodes:
+        raise ValueError(f"cost has {cost.shape[0]} rows, the model has {compiled.n_nodes} nodes")
+    if not in_engine_order:
+        cost = np.take(cost, compiled.order, axis=0)
+        delay = None if delay is None else np.take(delay, compiled.order, axis=0)
     n, n_cols = cost.shape
-    if n != compiled.n_nodes:
-        raise ValueError(f"cost has {n} rows, the model has {compiled.n_nodes} nodes")
     segment_of_col = np.repeat(
         np.arange(segment_offsets.size), np.diff(np.append(segment_offsets, n_cols))
     )

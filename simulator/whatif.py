@@ -21,12 +21,7 @@ import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.defaults import DEFAULT_DECOMPOSE_THRESHOLD
-from lagscope.simulator.engine import (
-    CompiledModel,
-    Timeline,
-    simulate,
-    simulate_in_engine_order,
-)
+from lagscope.simulator.engine import CompiledModel, Timeline, simulate
 from lagscope.simulator.prepare import DroppedStep, PreparedTrace
 
 #: Share of workers that M_W blames: the top 3 %.
@@ -270,7 +265,7 @@ class WhatIfAnalysis:
         untouched = np.flatnonzero(~touched)
         return np.concatenate([changed, untouched[:1]]) if untouched.size else changed
 
-    # The pass' buffers are in the engine's row order (`simulate_in_engine_order`); the
+    # The pass' buffers are in the engine's row order (`simulate`'s `in_engine_order`): the
     # trace's values are read in that order once per analysis, not once per variant.
     @cached_property
     def _order(self) -> np.ndarray:
@@ -432,8 +427,12 @@ class WhatIfAnalysis:
                 )
                 offsets.extend(range(col, col + width, dp_cols.size))
                 col += width
-            times = simulate_in_engine_order(
-                self.compiled, cost, delay, np.array(offsets, dtype=np.int64)
+            times = simulate(
+                self.compiled,
+                cost,
+                delay,
+                np.array(offsets, dtype=np.int64),
+                in_engine_order=True,
             )
             segment = 0
             for index, _, _, steps_simulated in group:
