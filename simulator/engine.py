@@ -17,6 +17,7 @@ its group starts (G) when every member is posted, and each member ends at G + it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -65,6 +66,13 @@ class CompiledModel:
     @property
     def void_row(self) -> int:
         return self.n_nodes + 1
+
+    @cached_property
+    def row_of_node(self) -> np.ndarray:
+        """Each node's row in the end buffer (the inverse of `order`)."""
+        row_of = np.empty(self.n_nodes, dtype=np.int64)
+        row_of[self.order] = np.arange(self.n_nodes)
+        return row_of
 
 
 def compile_model(model: DependencyModel) -> CompiledModel:
@@ -232,7 +240,6 @@ def simulate(
     timeline = None
     if starts is not None:
         # Back in the nodes' order.
-        row_of = np.empty(n, dtype=np.int64)
-        row_of[compiled.order] = np.arange(n)
+        row_of = compiled.row_of_node
         timeline = Timeline(start=starts[row_of], end=end[:n][row_of])
     return SimulationResult(step_time=step_time, timeline=timeline)

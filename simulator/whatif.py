@@ -268,29 +268,19 @@ class WhatIfAnalysis:
     # The pass' buffers are in the engine's row order (`simulate`'s `in_engine_order`): the
     # trace's values are read in that order once per analysis, not once per variant.
     @cached_property
-    def _order(self) -> np.ndarray:
-        return self.compiled.order
-
-    @cached_property
-    def _row_of_node(self) -> np.ndarray:
-        row_of = np.empty(self._order.size, dtype=np.int64)
-        row_of[self._order] = np.arange(self._order.size)
-        return row_of
-
-    @cached_property
     def _cost_rows(self) -> np.ndarray:
         """The measured costs, [row, step, dp] in the engine's order."""
-        return np.take(self.prepared.cost, self._order, axis=0)
+        return np.take(self.prepared.cost, self.compiled.order, axis=0)
 
     @cached_property
     def _delay_rows(self) -> np.ndarray:
         """The measured launch delays, [row, step, dp] in the engine's order."""
-        return np.take(self.prepared.launch_delay, self._order, axis=0)
+        return np.take(self.prepared.launch_delay, self.compiled.order, axis=0)
 
     @cached_property
     def _ideal_rows(self) -> np.ndarray:
         """The ideal costs, [row, step] (or [row, 1]) in the engine's order."""
-        return np.take(self.ideal_node_cost, self._order, axis=0)
+        return np.take(self.ideal_node_cost, self.compiled.order, axis=0)
 
     def _ideal_columns(self, n_dp_cols: int) -> np.ndarray:
         """The ideal costs of a pass slice of `n_dp_cols` DP ranks a step ([row, column],
@@ -371,14 +361,14 @@ class WhatIfAnalysis:
         whole_stages = workers.all(axis=1)
         if np.array_equal(workers, np.broadcast_to(whole_stages[:, None], workers.shape)):
             nodes = np.flatnonzero(swap.nodes & whole_stages[self.node_stage])
-            return np.sort(self._row_of_node[nodes]), None, None
+            return np.sort(self.compiled.row_of_node[nodes]), None, None
         whole_dp = workers.all(axis=0)
         if swap.nodes.all() and np.array_equal(
             workers, np.broadcast_to(whole_dp[None, :], workers.shape)
         ):
             return None, np.flatnonzero(whole_dp[col_dp]), None
         mask = swap.nodes[:, None] & workers[:, col_dp][self.node_stage]
-        return None, None, mask[self._order]
+        return None, None, mask[self.compiled.order]
 
     def run(self, variants: list[Variant]) -> list[np.ndarray]:
         """Step time of every variant, [step] each.
