@@ -99,13 +99,27 @@ class ProcessorSettings(BaseModel):
     #: snapshot's.
     analysis_processes: int = Field(default=0, ge=0, le=64)
     #: Calls' worth of closed steps in flight to the children before the host waits for
-    #: the oldest: bounds the memory of steps sent and not yet analysed.
-    analysis_in_flight: int = Field(default=2, ge=1)
+    #: the oldest, and the memory their ops may hold (their batches, and their copy on
+    #: the way to a child, ~60 bytes an op); one call always goes. Deep enough that the
+    #: host goes on decoding through its own roll-ups (a 34-step re-analysis at 12,288
+    #: GPUs) while the child works through what was sent: two in flight left the child
+    #: idle then (12,288 GPUs, 80 steps on two cores: 2 -> 32 calls took 0.87x the time,
+    #: median of five interleaved pairs); the bytes bound a large job's (192 MB: two
+    #: steps of 100,000 GPUs, as two calls were, where the host's decoding is the
+    #: bottleneck and a deeper queue gained nothing).
+    analysis_in_flight: int = Field(default=32, ge=1)
+    analysis_in_flight_bytes: int = Field(default=192 << 20, ge=0)
 
 
 #: Settings of the host that runs the analysis, not of the analysis: a resumed processor
 #: takes them from its host, not from its snapshot.
-HOST_SETTINGS = ("lateness_s", "analysis_processes", "analysis_in_flight")
+HOST_SETTINGS = (
+    "lateness_s", "analysis_processes", "analysis_in_flight", "analysis_in_flight_bytes",
+)  # fmt: skip
+#: Memory an op in flight to a child holds on the host: its batch (~30 bytes an op on
+#: the wire and in the decoded columns' buffer) and its packed copy until the child
+#: reads it (27).
+_IN_FLIGHT_BYTES_PER_OP = 60
 
 
 @dataclass(frozen=True)
@@ -194,6 +208,8 @@ class _Submitted:
     closing: list[_Closed | StepOutput]
     #: Per job: its state, its steps (index in `closing`), the ticket of their compute.
     jobs: list[tuple[_JobState, list[tuple[int, _Closed]], int | None]]
+    #: Ops sent to be computed.
+    ops: int = 0
 
 
 def _fingerprint(batch: RankStepBatch) -> tuple[int, int, bytes]:
@@ -334,9 +350,9 @@ class StepProcessor:
         self._outcomes: dict[int, Outcome] = {}
 
     @property
-    def in_flight(self) -> bool:
-        """Closed steps whose analysis has not come back yet."""
-        return bool(self._submitted)
+    def in_flight(self) -> int:
+        """Calls whose closed steps' analysis has not come back yet (0: none)."""
+        return len(self._submitted)
 
     def drain(self) -> list[StepOutput]:
         """Wait for every closed step's analysis; returns the outputs not returned yet."""
@@ -556,6 +572,7 @@ class StepProcessor:
                 if isinstance(item, _Closed):
                     by_job.setdefault(id(item.job), (item.job, []))[1].append((index, item))
             jobs = []
+            ops = 0
             for job, items in by_job.values():
                 analysable = [closed for _, closed in items if not closed.reason]
                 ticket = (
@@ -564,9 +581,13 @@ class StepProcessor:
                     else None
                 )
                 jobs.append((job, items, ticket))
-            self._submitted.append(_Submitted(closing, jobs))
+                ops += sum(b.n_ops for closed in analysable for b in closed.batches)
+            self._submitted.append(_Submitted(closing, jobs, ops))
         limit = 0 if wait else self.settings.analysis_in_flight
-        while len(self._submitted) > limit:
+        ops_limit = self.settings.analysis_in_flight_bytes // _IN_FLIGHT_BYTES_PER_OP
+        while len(self._submitted) > limit or (
+            len(self._submitted) > 1 and sum(s.ops for s in self._submitted) > ops_limit
+        ):
             self._finished.extend(self._finish(self._submitted.popleft(), wait=True))
         while self._submitted and (done := self._finish(self._submitted[0], wait=False)):
             self._submitted.popleft()

@@ -67,20 +67,24 @@ def job_stream() -> tuple[JobInfo, list]:
     return info, batches
 
 
-def run(info: JobInfo, batches: list, processes: int, chunk: int) -> dict[str, Any]:
-    processor = StepProcessor(ProcessorSettings(analysis_processes=processes))
+def run(
+    info: JobInfo, batches: list, processes: int, chunk: int, **settings: Any
+) -> dict[str, Any]:
+    processor = StepProcessor(ProcessorSettings(analysis_processes=processes, **settings))
     processor.on_job(info)
     outputs: list[StepOutput] = []
-    in_flight = 0
+    in_flight = deepest = 0
     for i in range(0, len(batches), chunk):
         outputs += processor.on_batches(batches[i : i + chunk])
-        in_flight += processor.in_flight
+        in_flight += bool(processor.in_flight)
+        deepest = max(deepest, processor.in_flight)
     outputs += processor.flush()
     return {
         "outputs": outputs,
         "conclusion": processor.conclude(info.job_id),
         "state": processor.state_dict(),
         "calls_in_flight": in_flight,
+        "deepest_in_flight": deepest,
     }
 
 
@@ -128,6 +132,25 @@ def test_a_snapshot_taken_while_a_child_computes_resumes_to_the_same_numbers(job
         assert canonical(a.result) == canonical(b.result), f"step {a.step} differs"
         assert canonical(a.episodes) == canonical(b.episodes), f"step {a.step} differs"
     assert canonical(straight["conclusion"]) == canonical(resumed.conclude(info.job_id))
+
+
+def test_the_host_runs_ahead_of_its_child_as_far_as_the_bounds_let_it(job_stream):
+    """Calls in flight stay within `analysis_in_flight` and, past the first, within the
+    bytes their ops hold; the numbers are the same however deep."""
+    info, batches = job_stream
+    step_ops = sum(b.n_ops for b in batches if b.step == 0)
+    runs = {
+        bounds: run(info, batches, processes=1, chunk=4, analysis_in_flight=bounds[0],
+                    analysis_in_flight_bytes=bounds[1])
+        for bounds in ((1, 1 << 30), (3, 1 << 30), (64, 2 * 60 * step_ops))
+    }  # fmt: skip
+    deepest = [r["deepest_in_flight"] for r in runs.values()]
+    # The host feeds four batches a call, the child computes a step in several ms: the
+    # host gets ahead as far as each bound lets it.
+    assert deepest[0] == 1 and 1 < deepest[1] <= 3 and 1 < deepest[2] <= 2
+    first = [canonical(out) for out in runs[1, 1 << 30]["outputs"]]
+    for found in runs.values():
+        assert [canonical(out) for out in found["outputs"]] == first
 
 
 def test_two_jobs_on_two_children_come_back_in_closing_order(job_stream):
