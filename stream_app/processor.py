@@ -102,11 +102,10 @@ class ProcessorSettings(BaseModel):
     #: the oldest, and the memory their ops may hold (their batches, and their copy on
     #: the way to a child, ~60 bytes an op); one call always goes. Deep enough that the
     #: host goes on decoding through its own roll-ups (a 34-step re-analysis at 12,288
-    #: GPUs) while the child works through what was sent: two in flight left the child
-    #: idle then (12,288 GPUs, 80 steps on two cores: 2 -> 32 calls took 0.87x the time,
-    #: median of five interleaved pairs); the bytes bound a large job's (192 MB: two
-    #: steps of 100,000 GPUs, as two calls were, where the host's decoding is the
-    #: bottleneck and a deeper queue gained nothing).
+    #: GPUs) while the child works through what was sent: two calls left the child idle
+    #: then. The bytes keep a large job's at two steps of 100,000 GPUs, as two calls
+    #: did: there the host's decoding is the bottleneck and a deeper queue gained
+    #: nothing (measurements: deploy/README.md, "Workers").
     analysis_in_flight: int = Field(default=32, ge=1)
     analysis_in_flight_bytes: int = Field(default=192 << 20, ge=0)
 
