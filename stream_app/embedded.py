@@ -44,6 +44,7 @@ from lagscope.stream_app.host_core import (
     JobReport,
     LatenessClock,
 )
+from lagscope.stream_app.job_analysis import JobDiagnosis
 from lagscope.stream_app.processor import ProcessorSettings
 
 
@@ -311,14 +312,17 @@ class EmbeddedRunner:
         for job_id, attempt in fresh:
             job_live = self.processor.live_job(job_id, attempt)
             assert job_live is not None
+            provisional = None
             if job_live.last_diagnosis is None:
                 # A short job has no diagnosis yet: make one now, for the page only.
                 retained = tuple(self.processor.jobs[job_id, attempt].retained)
-                job_live.diagnose(retained, decompose_threshold=self.settings.decompose_threshold)
+                provisional = job_live.rolled_up(
+                    retained, decompose_threshold=self.settings.decompose_threshold
+                )
             self._reported_steps[job_id, attempt] = job_live.totals.steps
-            if self.analyse_job(job_id, attempt) is not None:
+            if provisional is not None or job_live.last_diagnosis is not None:
                 try:
-                    self._write_report(job_id, attempt, final=False)
+                    self._write_report(job_id, attempt, final=False, provisional=provisional)
                 except OSError as exc:  # the next one may succeed; the final one must
                     print(f"lagscope: live report not written: {exc}", file=sys.stderr)
         took = time.monotonic() - began
@@ -339,11 +343,13 @@ class EmbeddedRunner:
             path = self.report_paths[job_id, attempt] = base
         return path
 
-    def _write_report(self, job_id: str, attempt: int, *, final: bool) -> Path:
+    def _write_report(
+        self, job_id: str, attempt: int, *, final: bool, provisional: JobDiagnosis | None = None
+    ) -> Path:
         """Render a job's report and replace its file atomically: a reader sees the old
         page or the new one, never a part."""
         assert self.live_report is not None
-        job = self.core.job_report(job_id, attempt)
+        job = self.core.job_report(job_id, attempt, provisional=provisional)
         assert job is not None
         retained = list(self.processor.jobs[job_id, attempt].retained)
         page = self.live_report.render(job, retained, None if final else self.live_report.every_s)

@@ -518,14 +518,17 @@ class HostCore:
     def job_keys(self) -> list[tuple[str, int]]:
         return list(self.processor.jobs)
 
-    def job_report(self, job_id: str, attempt: int = 0) -> JobReport | None:
-        """What a summary or a report shows of a job, its machines named."""
+    def job_report(
+        self, job_id: str, attempt: int = 0, *, provisional: JobDiagnosis | None = None
+    ) -> JobReport | None:
+        """What a summary or a report shows of a job, its machines named; `provisional`
+        stands in for its diagnosis before the first one is due."""
         live = self.processor.live_job(job_id, attempt)
         if live is None:
             return None
         key = (job_id, attempt)
         machines = self.records.machines.machines(job_id, attempt)
-        latest = live.last_diagnosis
+        latest = live.last_diagnosis or provisional
         if latest is not None and machines:
             latest = JobDiagnosis(
                 latest.step,

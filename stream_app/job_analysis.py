@@ -321,16 +321,25 @@ class LiveJob:
         self.since_diagnosis = 0
         if not final:
             self.diagnosis_interval = self.interval_after(self.diagnosis_interval, capacity)
+        found = self.rolled_up(window, final=final, decompose_threshold=decompose_threshold)
+        if found is not None:
+            self.last_diagnosis = found
+            self.story_changed = False
+        return found
+
+    def rolled_up(
+        self, window: Sequence[PreparedTrace], *, final: bool = False, decompose_threshold: float
+    ) -> JobDiagnosis | None:
+        """`window` rolled up and diagnosed, the job's state untouched: what `diagnose`
+        stores, or what a page shows before the first one is due (a reader must not move
+        the cadence of what the store is given)."""
         if not window:
             return None
         prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
         cfg = self.diagnosis_settings
         run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
-        found = JobDiagnosis(int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final)
-        self.last_diagnosis = found
-        self.story_changed = False
-        return found
+        return JobDiagnosis(int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final)
 
     def recompose(self, step: int) -> JobDiagnosis | None:
         """The run's story at `step` told again with the episodes as they are now, on the

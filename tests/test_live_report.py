@@ -179,3 +179,33 @@ def watch_in_browser(page_file: Path, seconds: float) -> tuple[int, list[str]]:
         page.wait_for_timeout(seconds * 1000)
         browser.close()
     return len(loads), problems
+
+
+def test_the_live_report_does_not_change_what_the_store_is_given(tmp_path: Path, job) -> None:
+    """A page rendered before the job's first diagnosis is due diagnoses the steps so far
+    for itself: the store's diagnoses come at the same steps, with the same causes, as
+    when no page is kept (the page's timing is the wall clock's, the store's is not)."""
+    from lagscope.cli.job_page import render_job_page
+    from lagscope.store.sink import ClickHouseSink
+    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport
+    from lagscope.stream_app.processor import ProcessorSettings
+
+    trace, info = job
+    write_steps(trace, info, tmp_path / "logs", 0, STEPS, time.time_ns() - 600_000_000_000)
+    stored = {}
+    for name, page in (("without", None), ("with", tmp_path / "report.html")):
+        sink = ClickHouseSink(f"chdb://{tmp_path / name}")
+        sink.ensure_schema()
+        live = LiveReport(page, render_job_page, every_s=0.0) if page is not None else None
+        runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0), live_report=live)
+        # Small reads: the steps close over many rounds, and a page is due after each.
+        runner.run_logs(tmp_path / "logs", read_chunk_bytes=2048)
+        _, rows = sink.query(
+            "SELECT step, version, cause, evidence FROM diagnoses WHERE job_id = 'live-job' "
+            "ORDER BY step, version"
+        )
+        stored[name] = [tuple(row) for row in rows]
+        sink.close()
+    assert (tmp_path / "report.html").exists()
+    assert len(stored["without"]) >= 2  # a cadence of diagnoses, and the final one
+    assert stored["with"] == stored["without"]
