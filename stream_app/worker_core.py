@@ -406,6 +406,9 @@ class WorkerCore:
         (idle exit)."""
         for part in self.partitions.values():
             part.core.tick()
+            # Steps still with the analysis process count: a job all of whose steps were
+            # there would look as if it had none, and end without its conclusion.
+            part.core.settle()
             part.core.conclude_idle(0.0)
         return self.checkpoints_of(list(self.partitions))
 

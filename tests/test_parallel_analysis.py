@@ -174,3 +174,39 @@ def test_two_jobs_on_two_children_come_back_in_closing_order(job_stream):
     assert len(alone) == 120
     for a, b in zip(alone, beside, strict=True):
         assert canonical(a) == canonical(b), f"{a.job_id} step {a.step} differs"
+
+
+def test_a_worker_that_ends_with_its_steps_in_the_child_stores_what_it_stores_alone(
+    job_stream, tmp_path
+):
+    """A worker's idle exit right after its last pass, every step still with its analysis
+    process: the job is concluded with all of them (its final diagnosis stored), and the
+    store holds row for row what a worker without the process stores."""
+    from lagscope.store.sink import ClickHouseSink
+    from lagscope.stream_app.worker_config import WorkerConfig
+    from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
+    from tests.bench.stored_rows import stored_digest
+
+    info, batches = job_stream
+    messages = [
+        OpsMessage(0, offset, info.job_id.encode(), batch.encode(), 1_700_000_000.0)
+        for offset, batch in enumerate(batches)
+    ]
+    stored = {}
+    for processes in (0, 1):
+        sink = ClickHouseSink(f"chdb://{tmp_path / str(processes)}")
+        sink.ensure_schema()
+        config = WorkerConfig()
+        config.processor.analysis_processes = processes
+        core = WorkerCore(config, sink, publish=lambda key, value: None)
+        core.on_job_record(info.model_dump_json().encode(), 1_700_000_000.0, "jobs@0")
+        core.on_messages(messages)
+        if processes:
+            assert core.partitions[0].core.processor.in_flight  # the case this is about
+        core.finish()
+        _, final = sink.query("SELECT step FROM diagnoses FINAL WHERE version % 2 = 1")
+        stored[processes] = (stored_digest(sink), [row[0] for row in final])
+        core.drop_partition(0)  # stops its analysis process
+        sink.close()
+    assert stored[0][1] == [59]  # the conclusion's diagnosis, at the last step
+    assert stored[1] == stored[0]
