@@ -1,12 +1,15 @@
 """One generated job through a worker's core, without Kafka: the analysis' own scaling.
 
-`python -m tests.bench.core_scale DP STEPS PROCESSES` generates a job of dp DP x pp 8 x
-tp 8 (16 micro-batches), encodes its batches as a streamer sends them, and feeds them
-to a `WorkerCore` writing to an embedded chDB store, as a worker's passes do (500
-messages a call), then concludes the job and snapshots, as a worker does at its idle
-exit. Prints one JSON line: the seconds from the first message to the end, the
-process' and its analysis processes' peak memory. The Kafka rows of stream_bench time
-a real worker with its broker on the same two cores; these isolate the analysis.
+`python -m tests.bench.core_scale DP STEPS PROCESSES [START_S]` generates a job of dp DP
+x pp 8 x tp 8 (16 micro-batches), its first step at START_S (Unix seconds; an hour ago by
+default), encodes its batches as a streamer sends them, and feeds them to a `WorkerCore`
+writing to an embedded chDB store, as a worker's passes do (500 messages a call), then
+concludes the job and snapshots, as a worker does at its idle exit. Prints one JSON line:
+the seconds from the first message to the end, the process' and its analysis processes'
+peak memory, and the digest of what it stored (`tests/bench/stored_rows.py`: runs of the
+same job and START_S store the same rows however many processes analysed it). The Kafka
+rows of stream_bench time a real worker with its broker on the same two cores; these
+isolate the analysis.
 """
 
 from __future__ import annotations
@@ -23,15 +26,16 @@ from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
+from tests.bench.stored_rows import stored_digest
 
 #: Messages per call, as a worker's pass hands them over.
 PASS = 500
 
 
-def main(dp: int, steps: int, processes: int) -> dict:
+def main(dp: int, steps: int, processes: int, start_s: int | None = None) -> dict:
     job = generate_job(JobSpec(dp=dp, pp=8, tp=8, microbatches=16, steps=steps, seed=11))
     info = JobInfo.from_meta(job.meta, job_id="core-scale")
-    start_ns = time.time_ns() - 3600 * 10**9
+    start_ns = (int(time.time()) - 3600 if start_s is None else start_s) * 10**9
     payloads = [
         batch.encode()
         for _, _, batches in iter_step_batches(
@@ -59,14 +63,16 @@ def main(dp: int, steps: int, processes: int) -> dict:
         core.finish()
         seconds = time.perf_counter() - began
         stored = core.counters["steps_written"]
+        digest = stored_digest(sink)
     if stored != steps:
         raise RuntimeError(f"{stored} of {steps} steps stored")
     return {
         "seconds": seconds,
         "steps": steps,
         "peak_rss_mb": peak_rss_mb("self") + analysis_peak_rss_mb(),
+        "stored_digest": digest,
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*map(int, sys.argv[1:4]))), flush=True)
+    print(json.dumps(main(*map(int, sys.argv[1:5]))), flush=True)

@@ -9,7 +9,8 @@
   workers; the AR reference trace x20 (16 batches of 166 ops per step) on two and on one;
 - one job of 1,024, 12,288 and 100,000 GPUs (pp 8 x tp 8, 16 micro-batches) through one
   worker pinned to one core and to two: seconds of the whole process per step, against
-  a 5 s step, with the worker's peak memory;
+  a 5 s step, with the worker's peak memory; and whether every run of a job, on one core
+  or on two, stored the same rows (`tests/bench/stored_rows.py`);
 - latency from a step's last batch (delivered to Kafka) to its `steps` row (processed_at,
   taken just before the insert), AR replayed at 200x real time into a running worker,
   default worker settings (writes every 0.5 s);
@@ -88,6 +89,7 @@ def _throughput_row(
     workers: int,
     cores: set[int] | None = None,
     env: dict[str, str] | None = None,
+    start_wall_ns: int | None = None,
 ) -> dict:
     """Drain a backlog of `jobs` (trace, meta) with `workers` worker processes.
 
@@ -95,7 +97,8 @@ def _throughput_row(
     each with its own chDB store (chDB is one process's embedded engine; a deployment
     shares a ClickHouse server). Rate = all ops / (last steps write - first message).
     `cores`: the CPUs each worker (and its analysis processes) may run on (all when None);
-    `env`: more of the workers' settings.
+    `env`: more of the workers' settings; `start_wall_ns`: when the jobs' first steps
+    began (now by default). The row's `stored_digests` are each worker's store's.
     """
     from confluent_kafka import Consumer, TopicPartition
 
@@ -108,7 +111,7 @@ def _throughput_row(
     ops = batches = 0
     for job_id, (trace, meta, repeat) in zip(job_ids, jobs, strict=True):
         stats = replay(trace, meta, kafka=kafka_config(bootstrap, topics), job_id=job_id,
-                       repeat=repeat, progress=None)  # fmt: skip
+                       repeat=repeat, progress=None, start_wall_ns=start_wall_ns)  # fmt: skip
         ops, batches = ops + stats.ops, batches + stats.batches
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-watermarks"})
     filled = [
@@ -162,6 +165,35 @@ def _throughput_row(
             s.get("peak_rss_mb", 0.0) + s.get("analysis_processes_peak_rss_mb", 0.0)
             for s in summaries
         ),
+        "stored_digests": [
+            _stored_digest(f"chdb://{work / topics['topic_ops'] / str(i) / 'chdb'}")
+            for i in range(workers)
+        ],
+    }
+
+
+def _stored_digest(dsn: str) -> str:
+    """The digest of what an exited worker stored (in a process of its own: one process
+    opens a chDB directory at a time)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.bench.stored_rows", dsn],
+        capture_output=True, text=True, check=True, timeout=600,
+    )  # fmt: skip
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _same_rows_row(where: str, gpus: int, runs: list[dict]) -> dict:
+    """Whether every run of one job, on one core or on two, stored the same rows."""
+    digests = {d for r in runs for d in r.get("stored_digests", [r.get("stored_digest")])}
+    if None in digests or not digests:
+        raise RuntimeError(f"a run of the {gpus:,}-GPU job through {where} has no digest")
+    return {
+        "benchmark": f"one {gpus:,}-GPU job through {where}: the runs on 1 and 2 cores "
+        "stored the same rows",
+        "value": "yes" if len(digests) == 1 else f"NO ({len(digests)} different)",
+        "unit": "",
+        "target": "yes (the two-process path computes what one process does)",
+        "runs": len(runs),
     }
 
 
@@ -226,12 +258,14 @@ def _scale_rows(bootstrap: str, work: Path) -> list[dict]:
     for gpus, dp, steps in SCALE_JOBS:
         job = generate_job(JobSpec(dp=dp, pp=8, tp=8, microbatches=16, steps=steps, seed=11))
         runs: dict[tuple[int, str], list[dict]] = {}
+        start_wall_ns = (int(time.time()) - 3600) * 10**9  # every run the same job
         for cores, processes in SCALE_SETUPS * SCALE_RUNS:
             jobs = [(job.trace, job.meta, 1)]
             env = {"LAGSCOPE_PROCESSOR__ANALYSIS_PROCESSES": processes}
             row = _throughput_row(
-                bootstrap, work, f"{gpus} GPUs", jobs, workers=1, cores=cores, env=env
-            )
+                bootstrap, work, f"{gpus} GPUs", jobs, workers=1, cores=cores, env=env,
+                start_wall_ns=start_wall_ns,
+            )  # fmt: skip
             runs.setdefault((len(cores), processes), []).append(row)
         for (cores, processes), setup in runs.items():
             per_step = [r["seconds"] / steps for r in setup]
@@ -249,6 +283,7 @@ def _scale_rows(bootstrap: str, work: Path) -> list[dict]:
                     "runs": len(setup),
                 }
             )
+        rows.append(_same_rows_row("one worker", gpus, [r for s in runs.values() for r in s]))
         del job
     return rows
 
@@ -261,9 +296,11 @@ def _core_scale_rows() -> list[dict]:
     rows = []
     for gpus, dp, steps in SCALE_JOBS:
         runs: dict[tuple[int, str], list[dict]] = {}
+        start_s = str(int(time.time()) - 3600)  # every run the same job
         for cores, processes in SCALE_SETUPS * SCALE_RUNS:
             done = subprocess.run(
-                [sys.executable, "-m", "tests.bench.core_scale", str(dp), str(steps), processes],
+                [sys.executable, "-m", "tests.bench.core_scale", str(dp), str(steps), processes,
+                 start_s],
                 capture_output=True, text=True, check=True, timeout=1800,
                 preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores),
             )  # fmt: skip
@@ -285,6 +322,7 @@ def _core_scale_rows() -> list[dict]:
                     "runs": len(setup),
                 }
             )
+        rows.append(_same_rows_row("a worker's core", gpus, [r for s in runs.values() for r in s]))
     return rows
 
 
