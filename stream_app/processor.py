@@ -46,13 +46,17 @@ from lagscope.simulator.prepare import PreparedTrace, concat_steps
 from lagscope.simulator.whatif import WhatIfResult, analyze
 from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app import admission
-from lagscope.stream_app.analysis_process import Outcome, executor
+from lagscope.stream_app.analysis_process import ChildProcesses, InProcess, Outcome, executor
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, LiveJob
 from lagscope.stream_app.step_compute import JobCompute, StepComputed
 
 log = logging.getLogger("lagscope.processor")
 
 _OWNERS = count()
+
+
+#: Ops of a step from which its job's compute half goes to an analysis process.
+ANALYSIS_PROCESS_MIN_OPS = 60_000
 
 
 class ProcessorSettings(BaseModel):
@@ -98,6 +102,12 @@ class ProcessorSettings(BaseModel):
     #: deploy/README.md. A host's setting: a resumed worker takes its own, not its
     #: snapshot's.
     analysis_processes: int = Field(default=0, ge=0, le=64)
+    #: With analysis processes, a job's steps go to one only when a step holds at least
+    #: this many ops (its first analysable step, scaled to all its DP ranks): a smaller
+    #: step costs the host more to hand over (pack, pickle, the results back, its own
+    #: copy of the running ideals) than it takes to compute, so its job is computed in
+    #: the host's process (measurements: deploy/README.md, "Workers"). 0 sends every job.
+    analysis_process_min_ops: int = Field(default=ANALYSIS_PROCESS_MIN_OPS, ge=0)
     #: Calls' worth of closed steps in flight to the children before the host waits for
     #: the oldest, and the memory their ops may hold (their batches, and their copy on
     #: the way to a child, ~60 bytes an op); one call always goes. Deep enough that the
@@ -113,7 +123,8 @@ class ProcessorSettings(BaseModel):
 #: Settings of the host that runs the analysis, not of the analysis: a resumed processor
 #: takes them from its host, not from its snapshot.
 HOST_SETTINGS = (
-    "lateness_s", "analysis_processes", "analysis_in_flight", "analysis_in_flight_bytes",
+    "lateness_s", "analysis_processes", "analysis_process_min_ops", "analysis_in_flight",
+    "analysis_in_flight_bytes",
 )  # fmt: skip
 #: Memory an op in flight to a child holds on the host: its batch (~30 bytes an op on
 #: the wire and in the decoded columns' buffer) and its packed copy until the child
@@ -249,6 +260,8 @@ class _JobState:
         #: The dependency model and running ideals: the compute half's own state (a child
         #: process holds its copy; this one is kept equal to it for snapshots).
         self.compute = JobCompute(info, settings)
+        #: Where its compute half runs: chosen at its first analysable step (by its size).
+        self.executor: InProcess | ChildProcesses | None = None
         self.retained: deque[PreparedTrace] = deque(maxlen=settings.rollup_window_steps)
         self.detector: BocdBank | None = None
         self.series_names: list[str] = []
@@ -339,14 +352,18 @@ class StepProcessor:
             "steps_incomplete": 0,
             "steps_unanalysed": 0,
         }
-        self._executor = executor(self.settings.analysis_processes)
+        self._children = (
+            executor(self.settings.analysis_processes) if self.settings.analysis_processes else None
+        )
+        self._here = InProcess()
         #: This processor among the others its executor serves (they share children).
         self._owner = next(_OWNERS)
         #: Calls whose analysis is under way, oldest first, and outputs finished since
         #: the last call returned them.
         self._submitted: deque[_Submitted] = deque()
         self._finished: list[StepOutput] = []
-        self._outcomes: dict[int, Outcome] = {}
+        #: Outcomes polled before their call's other jobs came back, by (executor, ticket).
+        self._outcomes: dict[tuple[int, int], Outcome] = {}
 
     @property
     def in_flight(self) -> int:
@@ -365,7 +382,8 @@ class StepProcessor:
 
     def close(self) -> None:
         """Let go of what the executor holds for this processor (it is dropped)."""
-        self._executor.forget(self._owner)
+        if self._children is not None:
+            self._children.forget(self._owner)
 
     # -- input ------------------------------------------------------------------------
     def on_job(self, info: JobInfo) -> str:
@@ -575,7 +593,7 @@ class StepProcessor:
             for job, items in by_job.values():
                 analysable = [closed for _, closed in items if not closed.reason]
                 ticket = (
-                    self._executor.submit(self._owner, job.compute, analysable)
+                    self._executor_of(job, analysable).submit(self._owner, job.compute, analysable)
                     if analysable
                     else None
                 )
@@ -594,20 +612,36 @@ class StepProcessor:
         finished, self._finished = self._finished, []
         return finished
 
+    def _executor_of(self, job: _JobState, analysable: list[_Closed]) -> InProcess | ChildProcesses:
+        """Where the job's compute half runs, chosen at its first analysable step: an
+        analysis process when its steps are large enough to pay for the hand-over."""
+        if job.executor is None:
+            first = analysable[0]
+            ops = sum(b.n_ops for b in first.batches) * job.info.dp_size / len(first.dp_ranks)
+            large = ops >= self.settings.analysis_process_min_ops
+            job.executor = self._children if self._children is not None and large else self._here
+        return job.executor
+
     def _finish(self, submitted: _Submitted, *, wait: bool) -> list[StepOutput]:
         """The call's outputs in closing order, once every job's compute came back ([]
         while one has not and `wait` is False)."""
         outcomes: list[Outcome | None] = []
-        for _, _, ticket in submitted.jobs:
-            outcome = None if ticket is None else self._outcomes.get(ticket)
-            if ticket is not None and outcome is None:
-                outcome = self._executor.poll(ticket, wait)
+        for job, _, ticket in submitted.jobs:
+            if ticket is None:
+                outcomes.append(None)
+                continue
+            assert job.executor is not None
+            key = (id(job.executor), ticket)
+            outcome = self._outcomes.get(key)
+            if outcome is None:
+                outcome = job.executor.poll(ticket, wait)
                 if outcome is None:
                     return []
-                self._outcomes[ticket] = outcome
+                self._outcomes[key] = outcome
             outcomes.append(outcome)
-        for _, _, ticket in submitted.jobs:
-            self._outcomes.pop(ticket, None)  # type: ignore[arg-type]
+        for job, _, ticket in submitted.jobs:
+            if ticket is not None:
+                self._outcomes.pop((id(job.executor), ticket), None)
         done = {i: o for i, o in enumerate(submitted.closing) if isinstance(o, StepOutput)}
         for (job, items, _), outcome in zip(submitted.jobs, outcomes, strict=True):
             try:
@@ -628,7 +662,7 @@ class StepProcessor:
         the retained steps as they are at its step."""
         outputs: dict[int, StepOutput] = {}
         computed = iter(outcome if isinstance(outcome, list) else ())
-        mirror = self._executor.mirrors
+        mirror = job.executor is not None and job.executor.mirrors
         for index, closed in items:
             step = StepComputed(failure=closed.reason) if closed.reason else None
             if step is None:

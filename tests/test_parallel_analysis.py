@@ -70,6 +70,7 @@ def job_stream() -> tuple[JobInfo, list]:
 def run(
     info: JobInfo, batches: list, processes: int, chunk: int, **settings: Any
 ) -> dict[str, Any]:
+    settings.setdefault("analysis_process_min_ops", 0)  # this small job's steps too
     processor = StepProcessor(ProcessorSettings(analysis_processes=processes, **settings))
     processor.on_job(info)
     outputs: list[StepOutput] = []
@@ -114,7 +115,7 @@ def test_a_child_process_computes_what_the_host_computes(job_stream):
 def test_a_snapshot_taken_while_a_child_computes_resumes_to_the_same_numbers(job_stream):
     info, batches = job_stream
     straight = run(info, batches, processes=0, chunk=16)
-    host = ProcessorSettings(analysis_processes=1)
+    host = ProcessorSettings(analysis_processes=1, analysis_process_min_ops=0)
     processor = StepProcessor(host)
     processor.on_job(info)
     half = len(batches) // 2
@@ -162,7 +163,9 @@ def test_two_jobs_on_two_children_come_back_in_closing_order(job_stream):
     mixed = [b for pair in zip(batches, twin, strict=True) for b in pair]
     runs = []
     for processes in (0, 2):
-        processor = StepProcessor(ProcessorSettings(analysis_processes=processes))
+        processor = StepProcessor(
+            ProcessorSettings(analysis_processes=processes, analysis_process_min_ops=0)
+        )
         processor.on_job(info)
         processor.on_job(other)
         outputs = []
@@ -198,6 +201,7 @@ def test_a_worker_that_ends_with_its_steps_in_the_child_stores_what_it_stores_al
         sink.ensure_schema()
         config = WorkerConfig()
         config.processor.analysis_processes = processes
+        config.processor.analysis_process_min_ops = 0
         core = WorkerCore(config, sink, publish=lambda key, value: None)
         core.on_job_record(info.model_dump_json().encode(), 1_700_000_000.0, "jobs@0")
         core.on_messages(messages)
@@ -210,3 +214,17 @@ def test_a_worker_that_ends_with_its_steps_in_the_child_stores_what_it_stores_al
         sink.close()
     assert stored[0][1] == [59]  # the conclusion's diagnosis, at the last step
     assert stored[1] == stored[0]
+
+
+def test_a_job_of_small_steps_stays_in_the_hosts_process(job_stream):
+    """Steps below `analysis_process_min_ops` cost more to hand over than to compute: with
+    an analysis process at hand, such a job is computed at once in the host's process
+    (nothing in flight), with the same numbers; a job of large steps goes to the child."""
+    info, batches = job_stream
+    step_ops = sum(b.n_ops for b in batches if b.step == 0)
+    small = run(info, batches, processes=1, chunk=7, analysis_process_min_ops=step_ops + 1)
+    large = run(info, batches, processes=1, chunk=7, analysis_process_min_ops=step_ops)
+    assert small["calls_in_flight"] == 0
+    assert large["calls_in_flight"] > 0
+    for a, b in zip(small["outputs"], large["outputs"], strict=True):
+        assert canonical(a) == canonical(b), f"step {a.step} differs"

@@ -68,7 +68,8 @@ def test_the_same_logs_give_the_same_rows_through_either_host(
     assert streamer.wait(180) == 0, streamer.log()[-3000:]
     worker = start_worker(
         kafka_bootstrap, kafka_topics, tmp_path / "worker", group="two-hosts",
-        env={"LAGSCOPE_STORE__RAW_OPS": "true", "LAGSCOPE_PROCESSOR__ANALYSIS_PROCESSES": "1"},
+        env={"LAGSCOPE_STORE__RAW_OPS": "true", "LAGSCOPE_PROCESSOR__ANALYSIS_PROCESSES": "1",
+             "LAGSCOPE_PROCESSOR__ANALYSIS_PROCESS_MIN_OPS": "0"},
     )  # fmt: skip
     assert worker.wait(300) == 0, worker.log()[-4000:]
     # The worker's steps were computed in a child process, the embedded host's in its own.
