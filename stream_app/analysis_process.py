@@ -269,11 +269,9 @@ def analysis_peak_rss_mb() -> float:
 _shared: dict[int, ChildProcesses] = {}
 
 
-def executor(processes: int) -> InProcess | ChildProcesses:
-    """The executor for `processes` child processes (0: this process). Children are
-    shared by every processor of this process that asks for the same number."""
-    if processes <= 0:
-        return InProcess()
+def shared_children(processes: int) -> ChildProcesses:
+    """`processes` child processes, shared by every processor of this process that asks
+    for the same number."""
     if processes not in _shared:
         _shared[processes] = ChildProcesses(processes)
     return _shared[processes]

@@ -46,7 +46,12 @@ from lagscope.simulator.prepare import PreparedTrace, concat_steps
 from lagscope.simulator.whatif import WhatIfResult, analyze
 from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app import admission
-from lagscope.stream_app.analysis_process import ChildProcesses, InProcess, Outcome, executor
+from lagscope.stream_app.analysis_process import (
+    ChildProcesses,
+    InProcess,
+    Outcome,
+    shared_children,
+)
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, LiveJob
 from lagscope.stream_app.step_compute import JobCompute, StepComputed
 
@@ -352,9 +357,8 @@ class StepProcessor:
             "steps_incomplete": 0,
             "steps_unanalysed": 0,
         }
-        self._children = (
-            executor(self.settings.analysis_processes) if self.settings.analysis_processes else None
-        )
+        #: The analysis processes, started for the first job large enough to go to one.
+        self._children: ChildProcesses | None = None
         self._here = InProcess()
         #: This processor among the others its executor serves (they share children).
         self._owner = next(_OWNERS)
@@ -618,8 +622,11 @@ class StepProcessor:
         if job.executor is None:
             first = analysable[0]
             ops = sum(b.n_ops for b in first.batches) * job.info.dp_size / len(first.dp_ranks)
-            large = ops >= self.settings.analysis_process_min_ops
-            job.executor = self._children if self._children is not None and large else self._here
+            job.executor = self._here
+            if self.settings.analysis_processes and ops >= self.settings.analysis_process_min_ops:
+                if self._children is None:
+                    self._children = shared_children(self.settings.analysis_processes)
+                job.executor = self._children
         return job.executor
 
     def _finish(self, submitted: _Submitted, *, wait: bool) -> list[StepOutput]:
