@@ -11,9 +11,9 @@ it were held back since the last one shown. Lines below WARNING all pass: they a
 clients' news (an assignment after each rebalance, a coordinator found), not retries.
 
 When the broker is back, the clients' complaints just stop: `Complaints` keeps the count
-of an outage's lines (held back or not) so that the worker, once records arrive again
-after the clients fell quiet, says in one line that Kafka answers again and what the
-outage cost in lines.
+of an outage's lines (held back or not) so that the worker, once Kafka answers again
+after the clients fell quiet (records, or a fetch's empty answer), says so in one line
+and what the outage cost in lines.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Complaints:
 
     def take_outage(self, now: float, quiet_s: float, answered_at: float) -> Outage | None:
         """The complaints so far as one outage, forgotten, if none came for `quiet_s` and
-        Kafka answered (`answered_at`: records arrived) after the last one."""
+        Kafka answered (`answered_at`: records, a fetch's answer) after the last one."""
         with self._lock:
             if not self._lines or now - self._last < quiet_s or answered_at <= self._last:
                 return None

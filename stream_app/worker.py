@@ -493,6 +493,7 @@ class FaustWorker:
             # open for good, unanalysed, the job never concluded, the worker never idle.
             await self._core(self.core.set_behind, number, False)
         await self._core(self.core.tick)
+        self._note_fetch_answers()
         self._say_when_kafka_is_back()
         await self._rewind()
         await self._checkpoint_due()
@@ -527,8 +528,24 @@ class FaustWorker:
             self._stop.set()
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def _note_fetch_answers(self) -> None:
+        """Kafka answers a fetch of an assigned partition about twice a second, records or
+        none: the last answer counts, so that the outage's end is told even when the
+        job's last records came before a client's last complaint (a producer retrying
+        for its id while the restarted broker loads its state)."""
+        try:
+            consumer = self.app.consumer._thread._ensure_consumer()  # faust's aiokafka client
+            assigned = consumer.assignment()
+            stamps = [consumer.last_poll_timestamp(tp) for tp in assigned]
+        except Exception:  # not started, or a rebalance under way: the next tick reads
+            return
+        stamps_ms = [stamp for stamp in stamps if stamp is not None]
+        if stamps_ms:
+            answered_at = time.monotonic() - (time.time() - max(stamps_ms) / 1000)
+            self._kafka_answered_at = max(self._kafka_answered_at, answered_at)
+
     def _say_when_kafka_is_back(self) -> None:
-        """One line once Kafka answered (records, or an assignment) after its clients'
+        """One line once Kafka answered (records, a fetch, an assignment) after its clients'
         complaints stopped: the news an operator waits for after an outage (the errors
         are held back to a few lines, `repeated_lines.py`, and would otherwise just
         stop)."""

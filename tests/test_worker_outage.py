@@ -69,3 +69,37 @@ def test_a_broker_restart_mid_job_loses_and_duplicates_no_step(
     rows = query_store(work, "SELECT step, complete FROM steps ORDER BY step")  # no FINAL
     stored = [(row["step"], row["complete"]) for row in rows]
     assert stored == [(step, True) for _, step, _ in steps]
+
+
+def test_a_broker_restart_after_the_jobs_last_records_is_told_over(
+    own_broker: KafkaBroker, kafka_topics: dict[str, str], tmp_path
+):
+    """No record comes after this outage: the worker hears Kafka again from its fetches'
+    answers (before, only records or an assignment counted, and a client complaining
+    after the job's last records kept the line from ever being logged)."""
+    bootstrap = own_broker.bootstrap
+    trace, meta, producer = st_job_announced(bootstrap, kafka_topics)
+    sent = 0
+    for _, _, batches in iter_step_batches(trace, meta, job_id="ST",
+                                           start_wall_ns=time.time_ns()):  # fmt: skip
+        for batch in batches:
+            producer.produce(kafka_topics["topic_ops"], key=b"ST", value=batch.encode())
+            sent += 1
+    producer.flush(30)
+    del producer  # its retries while the broker is away would only clutter the test's output
+    worker = start_worker(bootstrap, kafka_topics, tmp_path / "w", group="outage-idle",
+                          exit_when_idle_s=None,
+                          env={"LAGSCOPE_WORKER__CHECKPOINT_INTERVAL_S": "1.0"})  # fmt: skip
+    try:
+        wait_for_log(worker, f"next offset {sent} ", 1, timeout_s=120)
+        own_broker.stop()
+        time.sleep(OUTAGE_S)
+        own_broker.start()
+        wait_for_log(worker, "Kafka answers again", 1, timeout_s=90)
+        log = worker.log()
+        assert "Kafka answers again" in log, log[-4000:]
+        before = log[: log.index("Kafka answers again")]
+        assert "[ERROR]" in before, "no outage was complained of: the test proves nothing"
+    finally:
+        worker.process.terminate()
+        assert worker.wait(60) == 0, worker.log()[-4000:]
