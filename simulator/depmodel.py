@@ -123,6 +123,20 @@ class DependencyModel:
         return {}
 
     @cached_property
+    def on_one_clock(self) -> np.ndarray:
+        """Nodes with dependencies, all of them on the node's own stage: their launch
+        delays compare one worker's clock with itself (read-only: shared by every
+        caller)."""
+        stages = self._node_stage
+        same = np.fromiter(
+            (bool(deps) and bool((stages[list(deps)] == stages[node]).all())
+             for node, deps in enumerate(self.deps)),
+            dtype=bool, count=self.n_nodes,
+        )  # fmt: skip
+        same.flags.writeable = False
+        return same
+
+    @cached_property
     def own_work_nodes(self) -> np.ndarray:
         """Nodes whose duration is the worker's own work, not waiting for peers
         (read-only: it is shared by every caller)."""
