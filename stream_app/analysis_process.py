@@ -17,6 +17,7 @@ Both executors have one interface: `submit` a job's closed steps, `poll` for the
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import pickle
@@ -168,6 +169,8 @@ class _Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        for pipe in (self.process.stdin, self.process.stdout):
+            _widen(pipe)
         self._outbox: queue.Queue[bytes] = queue.Queue()
         self._results = results
         threading.Thread(target=self._write, name=f"{self.name}-in", daemon=True).start()
@@ -195,6 +198,26 @@ class _Child:
             ("exited", f"analysis process {self.name} exited with code {code}; the host "
              "stops (it resumes from its last snapshot)")
         )  # fmt: skip
+
+
+def _widen(pipe: IO[bytes] | None) -> None:
+    """Give `pipe` the largest buffer the system allows (Linux; 64 KB by default).
+
+    A thread copying a frame through a pipe takes the interpreter lock back after every
+    buffer's worth, behind the host's main thread, up to a switch interval (5 ms) each
+    time. With the main thread busy in Python, frames of 4 MB crossed a 64 KB pipe at
+    13 MB/s and a 1 MB one at 90 MB/s (`make bench`: tests/bench/pipe_bench.py); a
+    12,288-GPU job sends its child 4 MB a step and gets 2.4 MB back, and with the narrow
+    pipe its child waited on its own writes a quarter of the time.
+    """
+    if pipe is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as limit:
+            size = int(limit.read())
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, size)
+    except (OSError, ValueError):
+        pass  # the default buffer works, only slower
 
 
 def _write_frame(pipe: IO[bytes], payload: bytes) -> None:

@@ -6,7 +6,9 @@ and across a snapshot and resume."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from pydantic import BaseModel
 from lagscope.producers.events import JobInfo, decode_batch
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.stream_app.analysis_process import shared_children
 from lagscope.stream_app.processor import (
     HOST_SETTINGS,
     ProcessorSettings,
@@ -228,3 +231,14 @@ def test_a_job_of_small_steps_stays_in_the_hosts_process(job_stream):
     assert large["calls_in_flight"] > 0
     for a, b in zip(small["outputs"], large["outputs"], strict=True):
         assert canonical(a) == canonical(b), f"step {a.step} differs"
+
+
+@pytest.mark.skipif(not hasattr(fcntl, "F_GETPIPE_SZ"), reason="pipe sizes are Linux's")
+def test_a_childs_pipes_are_as_wide_as_the_system_allows():
+    """A large job's frames (MBs a step each way) cross in a few copies: each copy is a
+    thread taking the interpreter lock back from the host's busy main thread, and 64 KB
+    at a time held the child to ~13 MB/s (`_widen`; `make bench` measures both)."""
+    widest = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    child = shared_children(1)._children[0]
+    for pipe in (child.process.stdin, child.process.stdout):
+        assert fcntl.fcntl(pipe.fileno(), fcntl.F_GETPIPE_SZ) == widest
