@@ -79,6 +79,11 @@ def _watch_logs(logs: Path, arrivals: LogArrivals, stop: threading.Event) -> Non
 
 def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
     try:
+        # The alert rule first: what it reads is at most the steps read after it, so a
+        # write landing between two reads never dates an alert before its episode's step
+        # (read last, it dated one alert at step 1, the write before its episode's).
+        names, rows = sink.query(EPISODE_RULE.sql)
+        alerts = [dict(zip(names, row, strict=True)) for row in rows]
         names, rows = sink.query(
             "SELECT episode_id, state, dp_rank, pp_rank, cause, optype, node, onset_step, "
             "recovery_step, first_seen_step FROM episodes FINAL WHERE job_id = {job:String}",
@@ -94,8 +99,6 @@ def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
         )
         last = int(rows[0][0]) if rows and rows[0][0] is not None else -1
         last = max([last, *(int(e["first_seen_step"]) for e in episodes)])
-        names, rows = sink.query(EPISODE_RULE.sql)
-        alerts = [dict(zip(names, row, strict=True)) for row in rows]
     except Exception:  # the tables appear when a host first writes
         return
     seen.polls.append((last, episodes))
