@@ -3,7 +3,8 @@ writes all rows to bench-results/bench.json.
 
 Each row is {"benchmark", "value", "unit", "target"}; a module may add more keys ("spread":
 [min, max] of the runs whose median is the value, shown beside the target).
-Pass module names (e.g. `analysis`) to run only those.
+Pass module names (e.g. `analysis`) to run only those: their rows replace theirs in
+bench.json, the other modules' rows stay.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main(argv: list[str]) -> int:
         print(f"{r['benchmark']:<{width}}  {shown}  {r['unit']:<10}  {target}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "bench.json"
+    ran = {row["module"] for row in rows}
+    kept = [row for row in _earlier_rows(out) if row.get("module") not in ran] if wanted else []
     out.write_text(
         json.dumps(
             {
@@ -52,13 +55,24 @@ def main(argv: list[str]) -> int:
                     "cpus": os.cpu_count(),
                     "platform": platform.platform(),
                 },
-                "rows": rows,
+                "rows": kept + rows,
             },
             indent=2,
         )
     )
-    print(f"written to {out}", file=sys.stderr)
+    merged = f" (the other modules' {len(kept)} rows kept from before)" if kept else ""
+    print(f"written to {out}{merged}", file=sys.stderr)
     return 0
+
+
+def _earlier_rows(path: Path) -> list[dict]:
+    """The rows a previous run wrote to `path` ([] when there are none to read): a run of
+    some modules replaces theirs and keeps the others'."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [row for row in rows if isinstance(row, dict)]
 
 
 if __name__ == "__main__":
