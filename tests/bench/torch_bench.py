@@ -177,9 +177,14 @@ def _pinned_per_op_costs(tmp: Path) -> dict[str, float]:
 
 #: Pairs of runs with and without the monitor, per job and condition (~5 s a run).
 _PAIRS = int(os.environ.get("LAGSCOPE_BENCH_PAIRS", "4"))
-#: Runs recording every other step, per job and condition, and their steps.
+#: Runs recording every other step, per job and condition, and their steps. 80 steps (~37
+#: contrasts a run) gave the quiet jobs' medians 95 % intervals 0.94 (1F1B) and 6.9 (DDP)
+#: points wide; 320 steps, 0.75 and 2.7 (2026-11-28): closer to resolving 0.5 %, and still
+#: short of it on step times (the CPU clocks' rows resolve it).
 _IN_RUN_RUNS = int(os.environ.get("LAGSCOPE_BENCH_IN_RUN_RUNS", "2"))
-_IN_RUN_STEPS = 80
+_IN_RUN_STEPS = 320
+#: Steps of the saturated-node interval's paired runs (below).
+_STRETCH_STEPS = 80
 #: The monitor thread's CPU is read in runs this long: the sealer's pace (40 steps a seal,
 #: 3 s at most) starts from a 0.2 s interval, so a 30-step run's window holds one short
 #: seal and one full one and counts a wake per step several times as often as a training
@@ -436,8 +441,8 @@ def _stretch_rows(tmp: Path, load: float) -> list[dict]:
     """Busy only: the saturated node's longer seal interval, on and off, in paired runs of
     the 1F1B job, on the monitor thread's CPU clock and on the step time. The runs (~12 s)
     hold two seals or more at the stretched interval (6 s at most)."""
-    on = {"monitor": True, "steps": _IN_RUN_STEPS}
-    off = {"monitor": True, "steps": _IN_RUN_STEPS, "env": "BENCH_STRETCH=1"}
+    on = {"monitor": True, "steps": _STRETCH_STEPS}
+    off = {"monitor": True, "steps": _STRETCH_STEPS, "env": "BENCH_STRETCH=1"}
     pairs = _paired(tmp, "1F1B", max(2, _PAIRS // 2), on, off)
     cpu_on = [t for a, _ in pairs for t in a["threads_us_per_step"]]
     cpu_off = [t for _, b in pairs for t in b["threads_us_per_step"]]
