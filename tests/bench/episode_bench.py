@@ -41,7 +41,10 @@ CASES = (
     ("tests.torch_jobs.ddp", 1, (1, 0), "host", "slow_host"),
 )
 HEALTHY = ("tests.torch_jobs.pipeline_1f1b", "tests.torch_jobs.ddp")
-#: The emulated-device sizes of the verdict tests (tests/test_torch_verdicts.py).
+#: The DDP job's sizes in the verdict tests (tests/test_torch_verdicts.py), without their
+#: emulated device (`block_ms`): on real CPU compute, four ranks on two cores, a sleeping
+#: straggler frees a core for its peers and the job's step time moves less than a GPU
+#: job's would, so its ranks' prompt seals (`producers/step_change.py`) may not fire.
 DDP_KNOBS = ["--layers", "6", "--hidden", "256", "--batch", "32", "--bucket-mb", "0.3"]
 
 
