@@ -421,11 +421,15 @@ class ClickHouseSink:
         replaced = 0
         if replace_cut_short and "steps" in prepared:
             replaced = self._drop_cut_short(prepared["steps"])
-        if replaced:
-            # Stored again under the same token they would be dropped as a repeat.
+            # Under the batch's own tokens they would be dropped as repeats of a cut-short
+            # write's inserts, whose rows may be gone (deleted here, or by a replacement
+            # itself cut short after its deletes): fresh ones, whether or not rows were
+            # found. No duplicate can come of it: the steps row, inserted last, is the
+            # marker, and what a write cut short left is deleted above first.
             fresh = uuid.uuid4().hex
             for table in SUPERSEDED_WITH_STEPS:
-                tokens[table] = f"{tokens[table]}/replaced-{fresh}"
+                if table in tokens:
+                    tokens[table] = f"{tokens[table]}/replaced-{fresh}"
         inserted: dict[str, int] = {}
         for table, columns in prepared.items():
             if table == "steps" and superseded:
@@ -439,19 +443,20 @@ class ClickHouseSink:
     def _drop_cut_short(self, steps: dict[str, pa.Array]) -> int:
         """Delete the per-step rows of these steps (none stored) that a write cut short
         left; returns how many steps had some."""
-        found: list[tuple[str, int, int]] = []
-        for part in bound_in_parts(_step_keys(steps)):
-            _, rows = self.query(
-                f"SELECT DISTINCT job_id, attempt, step FROM {SUPERSEDED_WITH_STEPS[0]} "
-                "WHERE (job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
-                {"keys": part},
-            )
-            found.extend((j, int(a), int(s)) for j, a, s in rows)
+        found: set[tuple[str, int, int]] = set()
+        for table in SUPERSEDED_WITH_STEPS:  # a replacement cut short may have emptied one
+            for part in bound_in_parts(_step_keys(steps)):
+                _, rows = self.query(
+                    f"SELECT DISTINCT job_id, attempt, step FROM {table} WHERE "
+                    "(job_id, attempt, step) IN {keys:Array(Tuple(String, UInt32, UInt64))}",
+                    {"keys": part},
+                )
+                found.update((j, int(a), int(s)) for j, a, s in rows)
         if found:
             log.info("%d step(s) were partly stored by a write cut short: their rows are "
                      "replaced", len(found))  # fmt: skip
             for table in SUPERSEDED_WITH_STEPS:
-                for part in bound_in_parts(found):
+                for part in bound_in_parts(sorted(found)):
                     self._command(
                         f"DELETE FROM {table} WHERE (job_id, attempt, step) IN "
                         "{keys:Array(Tuple(String, UInt32, UInt64))}",

@@ -256,3 +256,55 @@ def test_raw_ops_are_stored_once_across_a_failed_write_and_a_restart(chdb_dsn, m
     expected += sum(b.n_ops for b in steps[1][-1:] + steps[2])
     assert stored_ops() == expected, "raw ops stored twice"
     sink.close()
+
+
+@pytest.mark.parametrize("cut_at", ["DELETE FROM attribution", "INSERT"])
+def test_a_replacement_cut_short_is_replaced_again(chdb_dsn, monkeypatch, cut_at):
+    """The write that replaces a cut-short write's rows is itself cut short after it
+    deleted some of them (a kill between its deletes, or before its inserts): the next
+    write must still store every row once, not drop its inserts as repeats of the first
+    write's, whose rows are gone. (Seen in CI: a step's worker_slowdown rows lost.)"""
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=0))
+    info, steps = stream_of(job)
+    sink = ClickHouseSink(chdb_dsn, retry=RetryPolicy(attempts=1))
+    sink.ensure_schema()
+    insert, command = ClickHouseSink._insert, ClickHouseSink._command
+
+    def steps_insert_fails(self, table, columns, token):
+        if table == "steps":
+            raise StoreError("injected: the store went away before the steps insert")
+        insert(self, table, columns, token)
+
+    def cut_after_deleting(self, sql, *args, **kwargs):
+        if sql.startswith(cut_at):
+            raise StoreError("injected: the host was killed mid-replacement")
+        return command(self, sql, *args, **kwargs)
+
+    def insert_after_deleting(self, table, columns, token):
+        if table in ("worker_slowdown", "attribution", "steps"):
+            raise StoreError("injected: the host was killed before its inserts")
+        insert(self, table, columns, token)
+
+    core = _core_with_closed_steps(steps, info)
+    with monkeypatch.context() as patch:
+        patch.setattr(ClickHouseSink, "_insert", steps_insert_fails)
+        with pytest.raises(StoreError):
+            core.write(sink)
+    per_table = {t: query(sink, f"SELECT count() AS n FROM {t}")["n"]
+                 for t in ("worker_slowdown", "attribution")}  # fmt: skip
+    assert all(per_table.values())
+    core = _core_with_closed_steps(steps, info)  # restarted
+    with monkeypatch.context() as patch:
+        if cut_at == "INSERT":
+            patch.setattr(ClickHouseSink, "_insert", insert_after_deleting)
+        else:
+            patch.setattr(ClickHouseSink, "_command", cut_after_deleting)
+        with pytest.raises(StoreError):
+            core.write(sink)
+    assert query(sink, "SELECT count() AS n FROM worker_slowdown")["n"] == 0
+    core = _core_with_closed_steps(steps, info)  # restarted again
+    core.write(sink)
+    for table, n in per_table.items():
+        assert query(sink, f"SELECT count() AS n FROM {table}")["n"] == n, table
+    assert query(sink, "SELECT count() AS n FROM steps")["n"] == len(steps)
+    sink.close()
