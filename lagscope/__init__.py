@@ -14,4 +14,4 @@ Importing `lagscope` itself imports nothing else, so a training process pays for
 uses and no more.
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

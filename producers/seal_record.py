@@ -4,11 +4,11 @@ The timer's sealer runs beside the training thread, on the same cores and under 
 interpreter lock, so what it does per op is the monitor's cost to the job. Measured in a
 real 4-rank 1F1B job, encoding a rank-step's ~20 ops into its batch took 75-92 us there,
 against 13 us warm in a loop of its own: the training evicts the encoder's code and data
-from the caches between seals. So the sealer only copies a seal's ops into four columns
-with C-level calls (`SealPacker.pack`) and writes them as one `KIND_SEAL` record; whoever
-reads the log (the streamer, `lagscope run`, `read_all`) turns it into the rank-step
-batches the timer used to write (`expand_seal`), byte for byte (tests/test_timer.py), warm,
-in its own process.
+from the caches between seals. So the sealer only serialises a seal's ops with one
+C-level call (`SealPacker.pack`) and writes them as one `KIND_SEAL` record; whoever reads
+the log (the streamer, `lagscope run`, `read_all`) turns it into the rank-step batches the
+timer used to write (`expand_seal`), byte for byte (tests/test_timer.py), warm, in its own
+process.
 
 A seal record (little-endian):
 
@@ -18,9 +18,20 @@ A seal record (little-endian):
                encoder per context)
     continued  (step i64, op type code i32, ops before u32) per op type of a step that
                earlier seals of this timer already held ops of: its seq ids continue
-    heads      (code, step, micro-batch, chunk) i64 each, per op, in the order recorded
-    starts     perf_counter ns i64 per op (+ the wall offset: wall-clock ns)
-    durations  ns i64 per op
+    ops        version 2: the ops as the hot path appended them, a list of
+               ((code, step, micro-batch, chunk), start, duration), pickled (protocol 5,
+               no memo); version 1: three columns, heads (code, step, micro-batch, chunk)
+               i64 each per op in the order recorded, starts (perf_counter ns i64 per op),
+               durations (ns i64 per op)
+
+Starts are perf_counter ns; + the wall offset, wall-clock ns. Version 2 (the default since
+0.4.0) costs the sealer one pass over the ops' objects, which are cache-cold by then:
+splitting them into columns took four, and per op twice the CPU (in the real 1F1B job, on
+the sealer's clock: ~20 us per 22-op rank-step to pack version 1, ~9 version 2; warm, in a
+loop of its own, 172 against 90 ns an op). Its reader takes no globals and no persistent
+ids (`_OpsUnpickler`): what it can make of any bytes is builtin containers and numbers,
+which are checked against the header before a batch is made. Version 1 is still read, and
+written for a streamer older than 0.4.0 (`$LAGSCOPE_SEAL_RECORDS=1`).
 
 Everything a batch needs is in its seal's record, so a reader that resumes at any record
 makes the same batches (the same `batch_id`s: a re-read is deduplicated downstream).
@@ -28,8 +39,10 @@ makes the same batches (the same `batch_id`s: a re-read is deduplicated downstre
 
 from __future__ import annotations
 
+import io
 import json
 import operator
+import pickle
 import struct
 import sys
 import zlib
@@ -38,12 +51,16 @@ from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Sequence
 from itertools import chain
+from typing import Any
 
 from lagscope.producers.events import _HEADER as _BATCH_HEADER
 from lagscope.producers.events import _TRAILER as _BATCH_TRAILER
 from lagscope.producers.events import BATCH_MAGIC, BATCH_VERSION, SchemaError, StepEncoder
 
-SEAL_VERSION = 1
+#: The version a timer writes by default; `expand_seal` reads every one of `SEAL_VERSIONS`.
+SEAL_VERSION = 2
+SEAL_VERSIONS = (1, 2)
+_READS = " and ".join(map(str, SEAL_VERSIONS))
 _SEAL_HEADER = struct.Struct("<HIHqI")
 _CONTINUED = struct.Struct("<qiI")
 #: A rank-step with more ops than this is written as several batches.
@@ -56,6 +73,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 Op = tuple[tuple[int, int, int, int], int, int]
 
 _STEP_OF_HEAD = operator.itemgetter(1)
+_CODE_OF_HEAD = operator.itemgetter(0)
 _HEAD = operator.itemgetter(0)
 #: An op's start (`Op`), as a C-level sort key.
 _START = operator.itemgetter(1)
@@ -92,32 +110,42 @@ class SealPacker:
         tp_rank: int,
         cp_rank: int,
         optype_names: Sequence[str],
+        version: int = SEAL_VERSION,
     ) -> None:
+        if version not in SEAL_VERSIONS:
+            raise ValueError(f"seal record version {version}: one of {SEAL_VERSIONS}")
+        self.version = version
         context = {
             "job_id": job_id, "attempt": attempt, "rank": rank, "dp_rank": dp_rank,
             "pp_rank": pp_rank, "tp_rank": tp_rank, "cp_rank": cp_rank,
             "optype_names": list(optype_names),
         }  # fmt: skip
         self._context = json.dumps(context, separators=(",", ":")).encode()
-        #: The heads of the recent seals with their steps, and the steps they hold: the
+        #: The ops of the recent seals with their steps, and the steps they hold: the
         #: steps that may still get ops (an asynchronous op ends after its step's seal).
         #: Counted only when such an op comes (rare): a count per op would cost every
         #: seal its ~350 dictionary updates.
-        self._recent: deque[tuple[set[int], Sequence[tuple[int, int, int, int]]]] = deque()
+        self._recent: deque[tuple[set[int], Sequence[Op]]] = deque()
         self._sealed_steps: set[int] = set()
         #: Steps packed so far, each counted once per seal that held ops of it.
         self.steps_packed = 0
 
     def pack(self, ops: Sequence[Op], wall_offset_ns: int, current_step: int = 0) -> bytes:
-        """One seal's payload (`MAX_OPS_PER_SEAL` ops at most). `current_step`: steps 16
-        and more before it are forgotten (no op of theirs is expected any more)."""
-        heads, starts, durations = zip(*ops, strict=True)
-        continued = self._continued(heads, current_step)
-        return b"".join((
-            _SEAL_HEADER.pack(SEAL_VERSION, len(heads), len(continued), wall_offset_ns,
+        """One seal's payload (`MAX_OPS_PER_SEAL` ops at most) in this packer's version.
+        `current_step`: steps 16 and more before it are forgotten (no op of theirs is
+        expected any more)."""
+        continued = self._continued(ops, current_step)
+        head = b"".join((
+            _SEAL_HEADER.pack(self.version, len(ops), len(continued), wall_offset_ns,
                               len(self._context)),
             self._context,
             b"".join(_CONTINUED.pack(s, c, n) for (s, c), n in continued.items()),
+        ))  # fmt: skip
+        if self.version == 2:
+            return head + _pickled(ops)
+        heads, starts, durations = zip(*ops, strict=True)
+        return b"".join((
+            head,
             _int64_bytes(tuple(chain.from_iterable(heads))),
             _int64_bytes(starts),
             _int64_bytes(durations),
@@ -126,28 +154,27 @@ class SealPacker:
     def batches(self, ops: Sequence[Op], wall_offset_ns: int, current_step: int = 0) -> list[bytes]:
         """The batches `expand_seal` makes of `pack`'s payload, made here (a timer that
         writes batches, not seal records)."""
-        heads = list(map(_HEAD, ops))
         counts: dict[int, list[int]] = {}
         encoder = _encoder_of(self._context)
-        for (step, code), n in self._continued(heads, current_step).items():
+        for (step, code), n in self._continued(ops, current_step).items():
             counts.setdefault(step, [0] * encoder.n_codes)[code] = n
         return encoder.encode_ops(ops, wall_offset_ns, {s: tuple(c) for s, c in counts.items()})
 
-    def _continued(
-        self, heads: Sequence[tuple[int, int, int, int]], current_step: int
-    ) -> dict[tuple[int, int], int]:
-        """Ops that earlier seals held of (step, op type), for the steps of `heads` that
+    def _continued(self, ops: Sequence[Op], current_step: int) -> dict[tuple[int, int], int]:
+        """Ops that earlier seals held of (step, op type), for the steps of `ops` that
         earlier seals held ops of (rare: an op that ended after its step was sealed); and
-        count `heads` for the seals after this one."""
-        steps = set(map(_STEP_OF_HEAD, heads))
+        count `ops` for the seals after this one."""
+        steps = set(map(_STEP_OF_HEAD, map(_HEAD, ops)))
         self.steps_packed += len(steps)
         again = steps & self._sealed_steps
         before: Counter[tuple[int, int]] = Counter()
         if again:
             for held, earlier in self._recent:
                 if held & again:
-                    before.update((step, code) for code, step, _, _ in earlier if step in again)
-        self._recent.append((steps, heads))
+                    before.update(
+                        (step, code) for (code, step, _, _), _, _ in earlier if step in again
+                    )
+        self._recent.append((steps, ops))
         self._sealed_steps |= steps
         if len(self._sealed_steps) > 64:
             horizon = current_step - 16
@@ -164,12 +191,14 @@ def expand_seal(payload: bytes | memoryview) -> list[bytes]:
     if len(view) < _SEAL_HEADER.size:
         raise SchemaError(f"seal record of {len(view)} bytes is shorter than its header")
     version, n, n_continued, offset, context_size = _SEAL_HEADER.unpack_from(view)
-    if version != SEAL_VERSION:
-        raise SchemaError(f"seal record version {version} (this reader reads {SEAL_VERSION})")
+    if version not in SEAL_VERSIONS:
+        raise SchemaError(f"seal record version {version} (this reader reads {_READS})")
     at = _SEAL_HEADER.size
-    expected = at + context_size + n_continued * _CONTINUED.size + 48 * n
-    if len(view) != expected:
-        raise SchemaError(f"seal record of {len(view)} bytes, its header says {expected}")
+    ops_at = at + context_size + n_continued * _CONTINUED.size
+    expected = ops_at + 48 * n if version == 1 else ops_at + 1
+    if len(view) != expected if version == 1 else len(view) < expected:
+        says = f"{expected}" if version == 1 else f"at least {expected}"
+        raise SchemaError(f"seal record of {len(view)} bytes, its header says {says}")
     encoder = _encoder_of(bytes(view[at : at + context_size]))
     at += context_size
     continued: dict[int, list[int]] = {}
@@ -179,17 +208,65 @@ def expand_seal(payload: bytes | memoryview) -> list[bytes]:
         if not 0 <= code < encoder.n_codes:
             raise SchemaError(f"seal record continues op type code {code} of step {step}")
         continued.setdefault(step, [0] * encoder.n_codes)[code] = count
-    flat, starts, durations = _columns(view[at:], n)
-    heads = list(zip(flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True))
-    if any(not 0 <= code < encoder.n_codes for code in flat[0::4]):
-        raise SchemaError(f"seal record holds an op type code outside its {encoder.n_codes}")
-    ops = list(zip(heads, starts, durations, strict=True))
+    ops = _unpickled_ops(view[at:], n) if version == 2 else _column_ops(view[at:], n)
     try:
+        codes = list(map(_CODE_OF_HEAD, map(_HEAD, ops)))
+        if codes and (min(codes) < 0 or max(codes) >= encoder.n_codes):
+            raise SchemaError(f"seal record holds an op type code outside its {encoder.n_codes}")
         return encoder.encode_ops(ops, offset, {s: tuple(c) for s, c in continued.items()})
     except (struct.error, OverflowError) as exc:
         raise SchemaError(
-            f"seal record holds a value out of its batch column's range: {exc}"
+            f"seal record holds a value its batch column cannot hold: {exc}"
         ) from None
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        # Version 2 only (version 1's columns are integers): unpickled bytes can be any
+        # builtin containers and numbers, which fail somewhere on the way to a batch.
+        raise SchemaError(
+            f"seal record holds an op that is not (head of four, start, duration) of "
+            f"integers: {exc!r}"
+        ) from None
+
+
+def _column_ops(view: memoryview, n: int) -> list[Op]:
+    """A version 1 record's ops, from its three columns."""
+    flat, starts, durations = _columns(view, n)
+    heads = list(zip(flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True))
+    return list(zip(heads, starts, durations, strict=True))
+
+
+def _pickled(ops: Sequence[Op]) -> bytes:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=5)
+    # No memo: the ops share no containers, and a memo entry per object is a third of the
+    # time of pickling them.
+    pickler.fast = True
+    pickler.dump(ops if type(ops) is list else list(ops))
+    return buffer.getvalue()
+
+
+class _OpsUnpickler(pickle.Unpickler):
+    """Reads a version 2 record's ops: builtin containers and numbers only, never a global
+    (which could name anything to import and call); a persistent id is refused already."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a seal record names no global, this one {module}.{name}")
+
+
+def _unpickled_ops(view: memoryview, n: int) -> list[Op]:
+    """A version 2 record's list of `n` ops. What they hold is checked on the way to their
+    batches (`expand_seal`): a value that is not an integer fails there, one that equals
+    one (1.0, True) makes the bytes the integer would."""
+    source = io.BytesIO(view)
+    try:
+        ops = _OpsUnpickler(source).load()
+    except Exception as exc:  # damaged bytes raise whatever the opcode they became raises
+        raise SchemaError(f"seal record's ops do not unpickle: {exc!r}") from None
+    if type(ops) is not list or len(ops) != n:
+        got = f"{len(ops)} ops" if type(ops) is list else f"a {type(ops).__name__}"
+        raise SchemaError(f"seal record holds {got}, its header says {n} ops")
+    if source.tell() != len(view):
+        raise SchemaError(f"seal record has {len(view) - source.tell()} bytes after its ops")
+    return ops
 
 
 def _columns(view: memoryview, n: int) -> tuple[list[int], list[int], list[int]]:

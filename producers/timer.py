@@ -123,7 +123,13 @@ from typing import Any, Literal, ParamSpec, TypeVar
 from lagscope.producers.cuda_runtime import EventReader, event_reader
 from lagscope.producers.events import JobInfo, StepEncoder
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, KIND_SEAL, LogWriter
-from lagscope.producers.seal_record import MAX_OPS_PER_SEAL, Op, SealPacker
+from lagscope.producers.seal_record import (
+    MAX_OPS_PER_SEAL,
+    SEAL_VERSION,
+    SEAL_VERSIONS,
+    Op,
+    SealPacker,
+)
 from lagscope.producers.step_change import StepChange
 from lagscope.simulator.optypes import GC_PAUSE, KNOWN_OPTYPES
 
@@ -181,6 +187,19 @@ def _check_identity(
             raise _out_of_range(name, value, 0, size)
     if not 0 <= attempt < _RANK_LIMIT:
         raise _out_of_range("attempt", attempt, 0, _RANK_LIMIT)
+
+
+def _seal_records_from_env() -> int:
+    """`$LAGSCOPE_SEAL_RECORDS`: 0 (batches) or the seal record version to write."""
+    value = os.environ.get("LAGSCOPE_SEAL_RECORDS", "").strip()
+    if not value:
+        return SEAL_VERSION
+    if value not in {"0", *map(str, SEAL_VERSIONS)}:
+        raise ValueError(
+            f"LAGSCOPE_SEAL_RECORDS={value!r}: 0 (batches) or a seal record version, "
+            f"{' or '.join(map(str, SEAL_VERSIONS))}"
+        )
+    return int(value)
 
 
 def _wall_minus_perf_ns() -> int:
@@ -284,6 +303,7 @@ class OpTimer:
         flush_interval_s: float = 0.2,
         calibrate_every_s: float = 10.0,
         seal_records: bool | None = None,
+        seal_version: int | None = None,
     ) -> None:
         _check_identity(rank, dp_rank, pp_rank, tp_rank, cp_rank, attempt, job_info)
         self.job_id = job_id
@@ -297,13 +317,13 @@ class OpTimer:
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
         #: Write each seal's ops as one seal record, which readers encode
         #: (`producers/seal_record.py`), instead of encoding the batches here: the
-        #: default since 0.3.0, as every reader since 0.2.0 expands them.
-        #: `$LAGSCOPE_SEAL_RECORDS=0` writes batches, for a streamer older than 0.2.0.
-        self.seal_records = (
-            os.environ.get("LAGSCOPE_SEAL_RECORDS", "1") != "0"
-            if seal_records is None
-            else seal_records
-        )
+        #: default since 0.3.0, as every reader since 0.2.0 expands them; version 2 of
+        #: the record since 0.4.0, which readers expand since 0.4.0.
+        #: `$LAGSCOPE_SEAL_RECORDS`: 0 writes batches (for a streamer older than 0.2.0),
+        #: 1 seal records of version 1 (older than 0.4.0), 2 (or unset) of version 2.
+        chosen = _seal_records_from_env()
+        self.seal_records = chosen != 0 if seal_records is None else seal_records
+        self.seal_version = seal_version or chosen or SEAL_VERSION
         #: Chunks (virtual-pipeline model chunks) a rank may hold: vpp_size when known.
         self._chunk_limit = job_info.vpp_size if job_info is not None else _CHUNK_LIMIT
         self._open_log(log_dir, job_info)
@@ -319,7 +339,7 @@ class OpTimer:
             optype_names=self.optype_names,
         )  # fmt: skip
         StepEncoder(**identity)  # checks the identity and the names, once, here
-        self._packer = SealPacker(**identity)
+        self._packer = SealPacker(**identity, version=self.seal_version)
         # No writer thread: the sealer thread writes what it encoded (one wake per seal).
         self._writer = LogWriter(log_dir, self.rank, background=False)
         if job_info is not None:

@@ -228,8 +228,9 @@ def test_damage_only_loses_records_it_overlaps(
     assert all(any(g == e for g in it) for e in expected)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 def test_a_seal_record_reads_as_its_batches_and_a_resume_mid_seal_makes_them_all_again(
-    tmp_path: Path,
+    tmp_path: Path, version: int
 ) -> None:
     """A timer's seal record (its ops not yet encoded) reads as the rank-step batches it
     holds. Each batch but the last resumes at the seal: a reader stopped after one of them
@@ -242,7 +243,7 @@ def test_a_seal_record_reads_as_its_batches_and_a_resume_mid_seal_makes_them_all
 
     names = ("forward-compute", "backward-compute")
     packer = SealPacker(job_id="j", attempt=0, rank=0, dp_rank=0, pp_rank=0, tp_rank=0,
-                        cp_rank=0, optype_names=names)  # fmt: skip
+                        cp_rank=0, optype_names=names, version=version)  # fmt: skip
     ops = [((code, step, mb, 0), 1_000 * step + 10 * mb + code, 5)
            for step in range(3) for mb in range(2) for code in range(2)]  # fmt: skip
     seal = packer.pack(ops, wall_offset_ns=10**18, current_step=3)
@@ -258,7 +259,10 @@ def test_a_seal_record_reads_as_its_batches_and_a_resume_mid_seal_makes_them_all
     assert [decode_batch(b.payload).step for b in batches] == [0, 1, 2]
     assert all(decode_batch(b.payload).n_ops == 4 for b in batches)
     (dead,) = _dead(items)
-    assert "seal record of" in dead.reason and "its header says" in dead.reason
+    if version == 1:
+        assert "seal record of" in dead.reason and "its header says" in dead.reason
+    else:
+        assert "seal record's ops do not unpickle" in dead.reason
 
     resumed = RankLogReader(rank_dir(tmp_path, 0), batches[0].position_after, torn_grace_s=0)
     again = [i.payload for i in resumed.read() if isinstance(i, Record)]
@@ -296,17 +300,81 @@ def test_a_seal_of_many_steps_comes_out_over_several_reads_within_their_budget(
     assert len(reads) >= 40 / 3
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_a_damaged_seal_record_is_a_schema_error_or_batches_never_a_crash(data) -> None:
+def test_a_damaged_seal_record_is_a_schema_error_or_batches_never_a_crash(
+    data: st.DataObject, version: int
+) -> None:
     from lagscope.producers.events import SchemaError
     from lagscope.producers.seal_record import SealPacker, expand_seal
 
     packer = SealPacker(job_id="j", attempt=0, rank=1, dp_rank=1, pp_rank=0, tp_rank=0,
-                        cp_rank=0, optype_names=("forward-compute", "optimizer"))  # fmt: skip
+                        cp_rank=0, optype_names=("forward-compute", "optimizer"),
+                        version=version)  # fmt: skip
     ops = [((code, step, 0, 0), step * 100 + code, 7) for step in range(2) for code in range(2)]
     payload = bytearray(packer.pack(ops, wall_offset_ns=0))
     for _ in range(data.draw(st.integers(1, 6))):
         payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
     with contextlib.suppress(SchemaError):
         expand_seal(bytes(payload[: data.draw(st.integers(0, len(payload)))]))
+
+
+def _seal_of(ops_bytes: bytes, n: int) -> bytes:
+    """A version 2 seal record around `ops_bytes`, its header saying `n` ops."""
+    from lagscope.producers.seal_record import _SEAL_HEADER
+
+    context = b'{"job_id":"j","attempt":0,"rank":0,"dp_rank":0,"pp_rank":0,"tp_rank":0,' \
+              b'"cp_rank":0,"optype_names":["forward-compute"]}'  # fmt: skip
+    return _SEAL_HEADER.pack(2, n, 0, 0, len(context)) + context + ops_bytes
+
+
+def test_a_seal_record_that_names_a_global_is_refused_and_nothing_is_called(
+    tmp_path: Path,
+) -> None:
+    """A version 2 record's ops are pickled: bytes that name a function to call (as a
+    hostile or broken writer's could) are a schema error, and the function is never
+    imported nor called."""
+    import pickle
+
+    from lagscope.producers.events import SchemaError
+    from lagscope.producers.seal_record import expand_seal
+
+    marker = tmp_path / "called"
+    for crafted in (
+        b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.",
+        pickle.dumps([((0, 0, 0, 0), 1, 1), marker]),  # a Path: its class is a global
+    ):
+        with pytest.raises(SchemaError, match="a seal record names no global"):
+            expand_seal(_seal_of(crafted, 2))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("ops", "n", "reason"),
+    [
+        ([((0, 0, 0, 0), 1, 1)], 2, "holds 1 ops, its header says 2 ops"),
+        ({"ops": 1}, 1, "holds a dict, its header says 1 ops"),
+        ([((0, 0, 0), 1, 1)], 1, "not \\(head of four, start, duration\\) of integers"),
+        ([((0, 0, 0, 0), 1)], 1, "not \\(head of four, start, duration\\) of integers"),
+        ([((0, 0, 0, 0), 1, 1), 7], 2, "not \\(head of four, start, duration\\) of integers"),
+        ([{0: 1, 1: 2, 2: 3}], 1, "not \\(head of four, start, duration\\) of integers"),
+        ([((0, 0, 0, 0), "1", 1)], 1, "not \\(head of four, start, duration\\) of integers"),
+        ([((0, 0, 0, 0), 1.5, 1)], 1, "a value its batch column cannot hold"),
+        ([((0, 0.5, 0, 0), 1, 1)], 1, "a value its batch column cannot hold"),
+        ([((1, 0, 0, 0), 1, 1)], 1, "op type code outside its 1"),
+        ([((0, 0, 0, 0), 1, -(2**63) - 5)], 1, "a value its batch column cannot hold"),
+    ],
+)
+def test_a_seal_record_of_other_values_is_a_schema_error_naming_them(
+    ops: object, n: int, reason: str
+) -> None:
+    import pickle
+
+    from lagscope.producers.events import SchemaError
+    from lagscope.producers.seal_record import expand_seal
+
+    with pytest.raises(SchemaError, match=reason):
+        expand_seal(_seal_of(pickle.dumps(ops, protocol=5), n))
+    with pytest.raises(SchemaError, match="3 bytes after its ops"):
+        expand_seal(_seal_of(pickle.dumps([((0, 0, 0, 0), 1, 1)]) + b"abc", 1))

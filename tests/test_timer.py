@@ -529,14 +529,15 @@ def _reference(names: tuple[str, ...], seals: list[list]) -> list[bytes]:
 
 
 def _sealed(
-    tmp_path: Path, seals: list[list], seal_records: bool
+    tmp_path: Path, seals: list[list], seal_version: int
 ) -> tuple[tuple[str, ...], list[bytes]]:
     """The batches a reader of the timer's log gets of these seals (encoded by the timer,
-    or by the reader from seal records)."""
+    `seal_version` 0, or by the reader from seal records of that version)."""
     import tempfile
 
     log_dir = Path(tempfile.mkdtemp(dir=tmp_path))  # hypothesis reuses tmp_path
-    timer = _timer(log_dir, **_IDENTITY, seal_records=seal_records)
+    timer = _timer(log_dir, **_IDENTITY, seal_records=seal_version > 0,
+                   seal_version=seal_version or None)  # fmt: skip
     timer._wall_offset_ns = _OFFSET
     for ops in seals:
         timer._write_seal(ops)
@@ -560,19 +561,25 @@ _ops = st.tuples(
 )
 
 
-@pytest.mark.parametrize("seal_records", [False, True], ids=["batches", "seal-records"])
+#: What a timer writes: batches (0), or seal records of version 1 or 2.
+_SEAL_MODES = pytest.mark.parametrize(
+    "seal_version", [0, 1, 2], ids=["batches", "seal-records-1", "seal-records-2"]
+)
+
+
+@_SEAL_MODES
 @settings(max_examples=150, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
 @given(seals=st.lists(st.lists(_ops, max_size=30), min_size=1, max_size=4))
 def test_the_sealer_writes_the_reference_bytes_in_any_order(
-    tmp_path: Path, seals: list, seal_records: bool
+    tmp_path: Path, seals: list, seal_version: int
 ) -> None:
     """Ops in any append order, steps split over several seals (seq ids continue), ties in
     start time (kept in append order): the bytes are the reference encoder's."""
-    names, written = _sealed(tmp_path, seals, seal_records)
+    names, written = _sealed(tmp_path, seals, seal_version)
     assert written == _reference(names, seals)
 
 
-@pytest.mark.parametrize("seal_records", [False, True], ids=["batches", "seal-records"])
+@_SEAL_MODES
 @settings(max_examples=50, deadline=None, suppress_health_check=_TMP_PATH_IS_REUSED)
 @given(
     schedule=st.lists(_ops, min_size=1, max_size=25),
@@ -580,7 +587,7 @@ def test_the_sealer_writes_the_reference_bytes_in_any_order(
     data=st.data(),
 )
 def test_steps_that_repeat_a_schedule_write_the_reference_bytes(
-    tmp_path: Path, schedule: list, steps: int, data: st.DataObject, seal_records: bool
+    tmp_path: Path, schedule: list, steps: int, data: st.DataObject, seal_version: int
 ) -> None:
     """A job's steps repeat one sequence of ops (what the sealer plans once and reuses): each
     step is the schedule again with its own times, some steps sealed in two parts."""
@@ -591,5 +598,46 @@ def test_steps_that_repeat_a_schedule_write_the_reference_bytes(
             seals[-1].append(((code, step, microbatch, chunk), base + i, duration + step))
             if data.draw(st.integers(0, 20)) == 0:
                 seals.append([])  # a hand-over in the middle of a step
-    names, written = _sealed(tmp_path, seals, seal_records)
+    names, written = _sealed(tmp_path, seals, seal_version)
     assert written == _reference(names, seals)
+
+
+@pytest.mark.parametrize(
+    ("value", "kinds"),
+    [(None, {("seal", 2)}), ("2", {("seal", 2)}), ("1", {("seal", 1)}), ("0", {"batch"})],
+)
+def test_the_environment_chooses_what_the_timer_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str | None, kinds: set
+) -> None:
+    """`$LAGSCOPE_SEAL_RECORDS`: seal records of version 2 by default, of version 1 for a
+    streamer older than 0.4.0, batches for one older than 0.2.0; the same ops read back
+    from each. Any other value stops the timer at its start, naming the variable."""
+    from lagscope.producers.log import _HEADER, KIND_SEAL, list_log_files
+
+    if value is None:
+        monkeypatch.delenv("LAGSCOPE_SEAL_RECORDS", raising=False)
+    else:
+        monkeypatch.setenv("LAGSCOPE_SEAL_RECORDS", value)
+    timer = _timer(tmp_path)
+    for step in range(3):
+        timer.step(step)
+        with timer.op("forward-compute", microbatch=0):
+            pass
+    timer.close()
+    written = set()
+    for name in list_log_files(rank_dir(tmp_path, 3)):
+        data, at = (rank_dir(tmp_path, 3) / name).read_bytes(), 0
+        while at < len(data):
+            _, _, kind, _, length, _ = _HEADER.unpack_from(data, at)
+            at += _HEADER.size
+            if kind != KIND_JOB:
+                written.add(("seal", data[at]) if kind == KIND_SEAL else "batch")
+            at += length
+    assert written == kinds
+    steps = [decode_batch(r.payload).step for r in read_all(rank_dir(tmp_path, 3))
+             if isinstance(r, Record) and r.kind == KIND_BATCH]  # fmt: skip
+    assert steps == [0, 1, 2]
+
+    monkeypatch.setenv("LAGSCOPE_SEAL_RECORDS", "yes")
+    with pytest.raises(ValueError, match="LAGSCOPE_SEAL_RECORDS='yes'"):
+        _timer(tmp_path / "other")

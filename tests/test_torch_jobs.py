@@ -34,8 +34,9 @@ def count(ops: list[dict[str, Any]], *keys: str) -> collections.Counter:
 @pytest.fixture(scope="module")
 def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """DP 2 x PP 2 1F1B, 8 steps; rank 0 (dp 0, stage 0) sends 50 ms late in steps 4-5.
-    Its timers write seal records (the rest of the suite's jobs write batches): every test
-    of it reads the batches the log reader makes of them."""
+    Its timers write seal records of version 1, for a streamer older than 0.4.0 (the rest
+    of the suite's jobs write the default, version 2): every test of it reads the batches
+    the log reader makes of them."""
     tmp = tmp_path_factory.mktemp("one_f_one_b")
     env = "SLURMD_NODENAME=node-7,POD_NAME=trainer-0,LAGSCOPE_SEAL_RECORDS=1"
     ops = run(tmp, pipeline_1f1b.worker, steps=8, late_rank=0, late_ms=50, late_start=4,
@@ -93,16 +94,10 @@ def test_1f1b_records_every_op_of_every_micro_batch(one_f_one_b: tuple[Path, lis
     assert computes == ["f0", "b0", "f1", "b1", "f2", "b2", "f3", "b3"]
 
 
-def test_the_1f1b_ranks_wrote_seal_records(one_f_one_b: tuple[Path, list[dict]]) -> None:
-    from lagscope.producers.log import (
-        _HEADER,
-        KIND_BATCH,
-        KIND_SEAL,
-        list_log_files,
-        list_rank_dirs,
-    )
+def _record_kinds(log_dir: Path) -> collections.Counter:
+    """Records in a job's logs by kind, a seal record by (kind, its version)."""
+    from lagscope.producers.log import _HEADER, KIND_SEAL, list_log_files, list_rank_dirs
 
-    log_dir, _ = one_f_one_b
     kinds: collections.Counter = collections.Counter()
     for directory in list_rank_dirs(log_dir):
         for name in list_log_files(directory):
@@ -110,9 +105,26 @@ def test_the_1f1b_ranks_wrote_seal_records(one_f_one_b: tuple[Path, list[dict]])
             at = 0
             while at < len(data):
                 _, _, kind, _, length, _ = _HEADER.unpack_from(data, at)
-                kinds[kind] += 1
-                at += _HEADER.size + length
-    assert kinds[KIND_SEAL] >= 4 and kinds[KIND_BATCH] == 0, kinds
+                payload_at = at + _HEADER.size
+                version = int.from_bytes(data[payload_at : payload_at + 2], "little")
+                kinds[(kind, version) if kind == KIND_SEAL else kind] += 1
+                at = payload_at + length
+    return kinds
+
+
+def test_the_ranks_wrote_seal_records_of_the_version_asked(
+    one_f_one_b: tuple[Path, list[dict]], comm_kinds_job: tuple[Path, list[dict]]
+) -> None:
+    from lagscope.producers.log import KIND_BATCH, KIND_JOB, KIND_SEAL
+
+    log_dir, _ = one_f_one_b
+    kinds = _record_kinds(log_dir)
+    assert kinds[(KIND_SEAL, 1)] >= 4 and kinds[KIND_BATCH] == 0, kinds
+    assert set(kinds) <= {(KIND_SEAL, 1), KIND_JOB}, kinds
+    job_dir, ops = comm_kinds_job
+    kinds = _record_kinds(job_dir / "logs")
+    assert ops and kinds[(KIND_SEAL, 2)] >= 2 and kinds[KIND_BATCH] == 0, kinds
+    assert set(kinds) <= {(KIND_SEAL, 2), KIND_JOB}, kinds
 
 
 def test_job_record_is_derived(one_f_one_b: tuple[Path, list[dict]]) -> None:

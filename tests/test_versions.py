@@ -125,6 +125,31 @@ def test_a_newer_record_that_cannot_be_read_names_its_version() -> None:
         decode_batch(bytes(unflagged) + struct.pack("<I", zlib.crc32(unflagged)))
 
 
+def test_a_seal_record_of_a_newer_version_is_a_dead_letter_naming_it(tmp_path: Path) -> None:
+    """A timer newer than this reader writes seal records of a version it does not know:
+    each is a dead letter naming that version, and the records around it are read (those
+    of every version it knows, 1 and 2, among them)."""
+    from lagscope.producers.log import KIND_SEAL, DeadLetter, Record, rank_dir, read_all
+    from lagscope.producers.seal_record import SEAL_VERSIONS, SealPacker
+
+    names = ("forward-compute",)
+    ops = [((0, step, 0, 0), 1_000 * step, 5) for step in range(3)]
+    with LogWriter(tmp_path, rank=0) as writer:
+        for version in SEAL_VERSIONS:
+            identity = dict(job_id="j", attempt=0, rank=0, dp_rank=0, pp_rank=0, tp_rank=0)
+            packer = SealPacker(**identity, cp_rank=0, optype_names=names, version=version)
+            seal = packer.pack(ops, wall_offset_ns=10**18, current_step=3)
+            writer.append(KIND_SEAL, seal)
+            newer = bytearray(seal)
+            struct.pack_into("<H", newer, 0, max(SEAL_VERSIONS) + 1)
+            writer.append(KIND_SEAL, bytes(newer))
+    items = list(read_all(rank_dir(tmp_path, 0)))
+    steps = [decode_batch(i.payload).step for i in items if isinstance(i, Record)]
+    assert steps == [0, 1, 2, 0, 1, 2]
+    dead = [i.reason for i in items if isinstance(i, DeadLetter)]
+    assert dead == [f"seal record version {max(SEAL_VERSIONS) + 1} (this reader reads 1 and 2)"] * 2
+
+
 def test_run_reads_a_newer_producers_logs(tmp_path: Path) -> None:
     counts = write_newer_logs(tmp_path / "logs")
     store = f"chdb://{tmp_path / 'store'}"

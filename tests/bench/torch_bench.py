@@ -589,15 +589,17 @@ def _sealer_rows(tmp: Path) -> list[dict]:
                 ops.append(((i % 7, step, i // 7, 0), now + step * 10**8 + i, 1000))
             ops[-4], ops[-2] = ops[-2], ops[-4]  # a send that ends after later ops began
         seals.append(ops)
-    per_step: dict[bool, list[float]] = {}
-    keep = Keep()
-    for seal_records in (False, True):
+    per_step: dict[int, list[float]] = {}
+    kept: dict[int, Keep] = {}
+    for seal_version in (0, 1, 2):  # 0: the batches encoded by the sealer
         timer = OpTimer(job_id="bench", rank=0, dp_rank=0, pp_rank=0, mode="host",
-                        log_dir=tmp / f"sealer-{seal_records}", gc_probe=False,
-                        extra_optypes=names, seal_records=seal_records)  # fmt: skip
+                        log_dir=tmp / f"sealer-{seal_version}", gc_probe=False,
+                        extra_optypes=names, seal_records=seal_version > 0,
+                        seal_version=seal_version or None)  # fmt: skip
         codes = [timer.code_of(name) for name in names]
+        keep = kept[seal_version] = Keep()
         writer, timer._writer = timer._writer, keep  # type: ignore[assignment]
-        times = per_step[seal_records] = []
+        times = per_step[seal_version] = []
         for ops in seals:
             ops = [((codes[code], *head), start, duration)
                    for (code, *head), start, duration in ops]  # fmt: skip
@@ -607,11 +609,12 @@ def _sealer_rows(tmp: Path) -> list[dict]:
             times.append((time.thread_time_ns() - began) / 20 / 1e3)
         timer._writer = writer
         timer.close()
-    reader_per_step = []
-    for payload in keep.seals:
-        began = time.thread_time_ns()
-        expand_seal(payload)
-        reader_per_step.append((time.thread_time_ns() - began) / 20 / 1e3)
+    reader_per_step: dict[int, list[float]] = {1: [], 2: []}
+    for version, times in reader_per_step.items():
+        for payload in kept[version].seals:
+            began = time.thread_time_ns()
+            expand_seal(payload)
+            times.append((time.thread_time_ns() - began) / 20 / 1e3)
 
     def row(benchmark: str, values: list[float], note: str) -> dict:
         return {"benchmark": benchmark, "value": statistics.median(values), "unit": "us",
@@ -621,10 +624,17 @@ def _sealer_rows(tmp: Path) -> list[dict]:
     cold = "; in the job add the wakes, the write and the caches the training evicts"
     return [
         row("torch: sealer per rank-step, warm (22 ops, 20 per seal), encoding",
-            per_step[False], "the batches' bytes + log record framing" + cold),
+            per_step[0], "the batches' bytes + log record framing" + cold),
+        row("torch: sealer per rank-step, warm (22 ops, 20 per seal), seal records v1",
+            per_step[1], "the seal's columns + log record framing (0.3.0)" + cold),
         row("torch: sealer per rank-step, warm (22 ops, 20 per seal), seal records",
-            per_step[True], "the seal's columns + log record framing" + cold),
+            per_step[2], "the seal's ops pickled + log record framing (version 2, the "
+            "default since 0.4.0)" + cold),
+        row("log reader: a seal record's batches per rank-step, warm (22 ops), v1",
+            reader_per_step[1], "the encoding seal records move out of the training "
+            "process, into the streamer or lagscope run; version 1 (0.3.0)"),
         row("log reader: a seal record's batches per rank-step, warm (22 ops)",
-            reader_per_step, "the encoding seal records move out of the training process, "
-            "into the streamer or lagscope run"),
+            reader_per_step[2], "the encoding seal records move out of the training "
+            "process, into the streamer or lagscope run; version 2, its ops unpickled "
+            "and checked"),
     ]  # fmt: skip
