@@ -239,9 +239,14 @@ _SATURATED_STRETCH = 2
 #: as an episode may need to open after the change is told (`OnlineEpisodeSettings.
 #: confirm_steps`), so that a spell does not end before the episode's last steps.
 _PROMPT_STEPS = 8
-#: ... but no two hand-overs closer than this: steps of a few ms (a toy job) would
-#: otherwise wake the sealer hundreds of times a second.
-_PROMPT_MIN_GAP_S = 0.05
+#: ... but no two hand-overs closer than this, the interval at which the log's readers look
+#: for new records (the streamer's `poll_interval_s`, `lagscope run --follow`'s idle poll):
+#: a step handed over sooner is not read sooner, and every hand-over wakes the sealer. Steps
+#: of 65 ms (the DDP job of `make bench`, whose noise fires a spell every ~100 steps) were
+#: handed over one by one at 0.05 s, every other one now: its monitor thread's CPU per
+#: rank-step 14.4 -> 12.2 us (median of 4 interleaved pairs of 120-step runs; the ranks
+#: with a spell 20-34 -> 19-27).
+_PROMPT_MIN_GAP_S = 0.1
 #: How often the sealer looks at the node's load (`os.getloadavg`).
 _LOAD_CHECK_S = 5.0
 

@@ -69,12 +69,11 @@ def test_a_quiet_rank_tells_a_change_an_episode_could_open_on(
     assert first == fires_by, fired
 
 
-def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Short steady steps go to the sealer ~40 at a time; once the step time rose, every
-    step is handed over as it ends, for a few steps, then the steps' own pace resumes (not
-    the shortest interval: a spell costs no short seal after it)."""
+def _handed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durations: list[float]
+) -> list[int]:
+    """The steps at which a timer whose steps take `durations` hands its ops over (the
+    timer module's monotonic clock driven by the test)."""
     clock = [1000.0]
 
     class _Clock:
@@ -96,22 +95,46 @@ def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
 
     monkeypatch.setattr(timer, "_hand_over", hand_over)
     try:
-        for step, duration in enumerate([0.05] * 120 + [0.08] * 12 + [0.08] * 100, start=1):
+        for step, duration in enumerate(durations, start=1):
             clock[0] += duration
             timer.step(step)
-        steady = [s for s in handed if s <= 120]
-        assert len(steady) <= 120 / 40 + 3, handed  # ~40 steps per hand-over
-        slow = [s for s in handed if 120 < s <= 132]
-        # The change is told on its third slow step; from there on every step is handed
-        # over while the change lasts (the detector fires again every third step).
-        assert slow[0] <= 123, handed
-        assert slow == list(range(slow[0], 133)), handed
-        assert _PROMPT_STEPS >= 3
-        # Once the new level is the rank's usual (its window's median), the spell ends and
-        # the next hand-over comes at the pace of 0.08 s steps: 3 s, 37 steps on.
-        spell = [s for s in handed if s > 132]
-        ends = next(i for i, (a, b) in enumerate(itertools.pairwise(spell)) if b - a > 1)
-        assert spell[ends + 1] - spell[ends] >= 30, handed
     finally:
         monkeypatch.undo()
         timer.close()
+    return handed
+
+
+def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short steady steps go to the sealer ~40 at a time; once the step time rose, every
+    step is handed over as it ends, for a few steps, then the steps' own pace resumes (not
+    the shortest interval: a spell costs no short seal after it)."""
+    handed = _handed_over(tmp_path, monkeypatch, [0.075] * 120 + [0.12] * 12 + [0.12] * 100)
+    steady = [s for s in handed if s <= 120]
+    assert len(steady) <= 120 / 40 + 3, handed  # ~40 steps per hand-over
+    slow = [s for s in handed if 120 < s <= 132]
+    # The change is told on its third slow step; from there on every step is handed over
+    # while the change lasts (the detector fires again every third step).
+    assert slow[0] <= 123, handed
+    assert slow == list(range(slow[0], 133)), handed
+    assert _PROMPT_STEPS >= 3
+    # Once the new level is the rank's usual (its window's median), the spell ends and the
+    # next hand-over comes at the pace of 0.12 s steps: 3 s, 25 steps on.
+    spell = [s for s in handed if s > 132]
+    ends = next(i for i, (a, b) in enumerate(itertools.pairwise(spell)) if b - a > 1)
+    assert spell[ends + 1] - spell[ends] >= 20, handed
+
+
+def test_steps_shorter_than_the_readers_poll_are_handed_over_no_more_often(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 40 ms that rise to 60 ms: the change is still told at once, but the spell
+    hands steps over no more often than the log's readers look (every 0.1 s), so every
+    other step: more would wake the sealer for nothing."""
+    handed = _handed_over(tmp_path, monkeypatch, [0.04] * 120 + [0.06] * 20)
+    slow = [s for s in handed if s > 120]
+    assert slow and slow[0] <= 124, handed
+    gaps = [b - a for a, b in itertools.pairwise(slow)]
+    assert gaps and all(gap >= 2 for gap in gaps[: _PROMPT_STEPS // 2]), handed
+    assert len(slow) >= 4, handed  # still several hand-overs in the spell, not one
