@@ -26,12 +26,13 @@ A seal record (little-endian):
 
 Starts are perf_counter ns; + the wall offset, wall-clock ns. Version 2 (the default since
 0.4.0) costs the sealer one pass over the ops' objects, which are cache-cold by then:
-splitting them into columns took four, and per op twice the CPU (in the real 1F1B job, on
-the sealer's clock: ~20 us per 22-op rank-step to pack version 1, ~9 version 2; warm, in a
-loop of its own, 172 against 90 ns an op). Its reader takes no globals and no persistent
-ids (`_OpsUnpickler`): what it can make of any bytes is builtin containers and numbers,
-which are checked against the header before a batch is made. Version 1 is still read, and
-written for a streamer older than 0.4.0 (`$LAGSCOPE_SEAL_RECORDS=1`).
+splitting them into columns took four. In the real 1F1B job, 3 interleaved pairs of runs,
+on the sealer's clock: 630-1000 ns an op to pack version 1, 460-610 version 2; warm, in a
+loop of its own (`make bench`), 4.8 against 2.9 us per 22-op rank-step. Its reader takes
+no globals and no persistent ids (`_OpsUnpickler`): what it can make of any bytes is
+builtin containers and numbers, checked on their way to a batch (a count, shape or value
+that is not an op's is a SchemaError naming it). Version 1 is still read, and written for
+a streamer older than 0.4.0 (`$LAGSCOPE_SEAL_RECORDS=1`).
 
 Everything a batch needs is in its seal's record, so a reader that resumes at any record
 makes the same batches (the same `batch_id`s: a re-read is deduplicated downstream).

@@ -33,20 +33,24 @@ toward gen-0 GC thresholds: one cheap young collection per ~700 ops, which the G
 reports like any other).
 
 The sealer's CPU is the monitor's cost beyond the hot path, so it is kept to a wake and a
-write per seal plus copying the steps' ops into a seal record (`producers/seal_record.py`:
-whoever reads the log encodes the batches, in its own process): short steps are handed
-over ~40 at a time (the log lags the job by at most 3 s, twice that while the node's cores
-are all busy), but one at a time for a few steps once the rank's step time changed (a
-straggler appeared or recovered, `producers/step_change.py`: the live analysis needs those
-steps within a step or two). `make bench` on a shared 2-core box, the real 4-rank jobs in
-interleaved 120-step runs, the job's garbage collections that run on the sealer's thread
-left out: 18 us of sealer CPU per rank-step on 1F1B (~22 ops), 12 on DDP, against 28 and
-21 when the sealer encodes the batches itself (`seal_records=False`, or
+write per seal plus one pass over the steps' ops into a seal record
+(`producers/seal_record.py`: the ops pickled; whoever reads the log encodes the batches,
+in its own process): short steps are handed over ~40 at a time (the log lags the job by at
+most 3 s, twice that while the node's cores are all busy), but as they end for a few steps
+once the rank's step time changed (a straggler appeared or recovered,
+`producers/step_change.py`: the live analysis needs those steps within a step or two), no
+two hand-overs closer than the log's readers poll. `make bench` on a shared 2-core box, the
+real 4-rank jobs in interleaved 120-step runs, the job's garbage collections that run on the
+sealer's thread left out (2026-11-28): 15 us of sealer CPU per rank-step on 1F1B (~22 ops),
+21 on DDP (10 ops, 11-14 in runs where its noisy steps set off no prompt hand-overs),
+against 24 and 19 when the sealer encodes the batches itself (`seal_records=False`, or
 `$LAGSCOPE_SEAL_RECORDS=0`: for a streamer older than 0.2.0, which cannot read seal
 records; a step whose ops repeat an earlier step's sequence then reuses everything but its
-times). The sealer keeps the job's own scheduling priority: a lower one (nice 19,
-SCHED_IDLE) slowed the job down on a saturated machine, as the low-priority thread,
-preempted while it held the interpreter lock, kept the training thread waiting for it
+times). `$LAGSCOPE_SEAL_RECORDS=1` writes version 1 of the seal record (int64 columns, for a
+streamer of 0.2.0 to 0.3.x): 1.4-1.6 times the sealer's CPU per op. The sealer keeps the
+job's own scheduling priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a
+saturated machine, as the low-priority thread, preempted while it held the interpreter
+lock, kept the training thread waiting for it
 (`make bench`, torch module).
 
 `mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type

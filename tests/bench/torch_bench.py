@@ -418,9 +418,10 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
         {"benchmark": f"torch: {job} job monitor thread CPU per rank-step ({condition})",
          "value": statistics.median(threads), "unit": "us", "target": "<= 20",
          "spread": [min(threads), max(threads)], "runs": len(threads),
-         "note": f"seal records (the default since 0.3.0: the log's reader encodes the "
-                 f"batches); the sealer's thread CPU clock over the steps it sealed (wakes "
-                 f"included, the job's garbage collections that ran on it left out: with them "
+         "note": f"seal records of version 2 (the default since 0.4.0: the log's reader "
+                 f"encodes the batches); the sealer's thread CPU clock over the steps it "
+                 f"sealed (wakes included, the job's garbage collections that ran on it left "
+                 f"out: with them "
                  f"{statistics.median(with_gc):.1f} us, {min(with_gc):.1f}-{max(with_gc):.1f}), "
                  f"median of ranks x {len(long_runs)} runs of {_THREAD_STEPS} steps; "
                  f"{statistics.median(per_seal):.0f} steps per seal; "
