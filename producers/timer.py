@@ -193,6 +193,20 @@ def _check_identity(
         raise _out_of_range("attempt", attempt, 0, _RANK_LIMIT)
 
 
+def _integer(name: str, value: object, optype: str = "") -> int:
+    """`value` as a plain int (a numpy or torch integer is one, a float is not): a seal
+    record holds the ops as given, and its reader takes builtin values only."""
+    if type(value) is int:
+        return value
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        where = f" (op type {optype!r})" if optype else ""
+        raise TypeError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}{where}"
+        ) from None
+
+
 def _seal_records_from_env() -> int:
     """`$LAGSCOPE_SEAL_RECORDS`: 0 (batches) or the seal record version to write."""
     value = os.environ.get("LAGSCOPE_SEAL_RECORDS", "").strip()
@@ -440,9 +454,12 @@ class OpTimer:
         code = self._codes.get(optype)
         if code is None:
             raise self._unknown(optype)
+        if type(microbatch) is not int or type(chunk) is not int:
+            microbatch = _integer("microbatch", microbatch, optype)
+            chunk = _integer("chunk", chunk, optype)
         if step is None:
             step = self._current_step
-        elif not 0 <= step < _STEP_LIMIT:
+        elif not 0 <= (step := _integer("step", step, optype)) < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT, optype)
         if not -1 <= microbatch < _MICROBATCH_LIMIT:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
@@ -498,11 +515,15 @@ class OpTimer:
         code = self._codes.get(optype)
         if code is None:
             raise self._unknown(optype)
+        start_ns = _integer("start_ns", start_ns, optype)
+        duration_ns = _integer("duration_ns", duration_ns, optype)
+        microbatch = _integer("microbatch", microbatch, optype)
+        chunk = _integer("chunk", chunk, optype)
         if duration_ns < 0:
             raise ValueError(f"duration_ns must be >= 0, got {duration_ns} for {optype!r}")
         if step is None:
             step = self._current_step
-        elif not 0 <= step < _STEP_LIMIT:
+        elif not 0 <= (step := _integer("step", step, optype)) < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT, optype)
         if not -1 <= microbatch < _MICROBATCH_LIMIT:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
@@ -574,6 +595,8 @@ class OpTimer:
         from `flush_interval_s` to 3 s apart: `_pace`; every step for a few steps after
         the step time changed: `step_change.py`), which encodes them into their steps'
         batches and writes those to the log."""
+        if type(step) is not int:
+            step = _integer("step", step)
         if not 0 <= step < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT)
         # Short steps are handed over several at a time: each hand-over wakes the sealer,

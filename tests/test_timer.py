@@ -641,3 +641,30 @@ def test_the_environment_chooses_what_the_timer_writes(
     monkeypatch.setenv("LAGSCOPE_SEAL_RECORDS", "yes")
     with pytest.raises(ValueError, match="LAGSCOPE_SEAL_RECORDS='yes'"):
         _timer(tmp_path / "other")
+
+
+def test_numpy_integers_are_recorded_as_integers_and_a_float_is_refused_at_the_call(
+    tmp_path: Path,
+) -> None:
+    """Steps and micro-batches often come from numpy or torch: the timer takes any integer
+    and writes a plain one, which a reader of seal records takes (it takes builtin values
+    only, so a numpy integer in a record would lose the whole seal). A float is no index:
+    refused at the call, naming it, never a seal lost later."""
+    import numpy as np
+
+    timer = _timer(tmp_path)
+    for step in np.arange(3):
+        timer.step(step)
+        with timer.op("forward-compute", microbatch=np.int32(1), chunk=np.int16(0)):
+            pass
+        timer.record("optimizer", start_ns=np.int64(time.time_ns()),
+                     duration_ns=np.int64(5), step=np.int64(step))  # fmt: skip
+    with pytest.raises(TypeError, match=r"microbatch must be an integer, got float 1\.0"):
+        timer.op("forward-compute", microbatch=1.0)
+    with pytest.raises(TypeError, match="duration_ns must be an integer, got float"):
+        timer.record("optimizer", start_ns=time.time_ns(), duration_ns=5.0)
+    timer.close()
+    batches = [decode_batch(r.payload) for r in read_all(rank_dir(tmp_path, 3))
+               if isinstance(r, Record) and r.kind == KIND_BATCH]  # fmt: skip
+    assert [b.step for b in batches] == [0, 1, 2]
+    assert all(b.n_ops == 2 for b in batches)
