@@ -69,6 +69,7 @@ from lagscope.producers.megatron_seams import (
     SCHEDULES,
     check_seams,
 )
+from lagscope.producers.timer import plain_int
 from lagscope.producers.torch_layout import Layout, attempt_from_environment, derive_layout
 from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
 from lagscope.simulator import optypes as ot
@@ -129,6 +130,7 @@ class MegatronMonitor:
                 "before starting another"
             )
         job_id, log_dir = job_and_log_dir("lagscope.megatron.monitor", job_id, log_dir)
+        first_step = plain_int("first_step", first_step)  # a checkpoint's step may be a tensor
         if first_step < 0:
             raise ValueError(f"first_step must be >= 0, got {first_step}")
         from megatron.core import parallel_state

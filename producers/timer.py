@@ -193,9 +193,14 @@ def _check_identity(
         raise _out_of_range("attempt", attempt, 0, _RANK_LIMIT)
 
 
-def _integer(name: str, value: object, optype: str = "") -> int:
+def plain_int(name: str, value: object, optype: str = "") -> int:
     """`value` as a plain int (a numpy or torch integer is one, a float is not): a seal
-    record holds the ops as given, and its reader takes builtin values only."""
+    record holds the ops as given, and its reader takes builtin values only.
+
+    >>> import numpy as np
+    >>> plain_int("step", np.int64(7)), type(plain_int("step", np.int64(7))).__name__
+    (7, 'int')
+    """
     if type(value) is int:
         return value
     try:
@@ -455,11 +460,11 @@ class OpTimer:
         if code is None:
             raise self._unknown(optype)
         if type(microbatch) is not int or type(chunk) is not int:
-            microbatch = _integer("microbatch", microbatch, optype)
-            chunk = _integer("chunk", chunk, optype)
+            microbatch = plain_int("microbatch", microbatch, optype)
+            chunk = plain_int("chunk", chunk, optype)
         if step is None:
             step = self._current_step
-        elif not 0 <= (step := _integer("step", step, optype)) < _STEP_LIMIT:
+        elif not 0 <= (step := plain_int("step", step, optype)) < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT, optype)
         if not -1 <= microbatch < _MICROBATCH_LIMIT:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
@@ -515,15 +520,15 @@ class OpTimer:
         code = self._codes.get(optype)
         if code is None:
             raise self._unknown(optype)
-        start_ns = _integer("start_ns", start_ns, optype)
-        duration_ns = _integer("duration_ns", duration_ns, optype)
-        microbatch = _integer("microbatch", microbatch, optype)
-        chunk = _integer("chunk", chunk, optype)
+        start_ns = plain_int("start_ns", start_ns, optype)
+        duration_ns = plain_int("duration_ns", duration_ns, optype)
+        microbatch = plain_int("microbatch", microbatch, optype)
+        chunk = plain_int("chunk", chunk, optype)
         if duration_ns < 0:
             raise ValueError(f"duration_ns must be >= 0, got {duration_ns} for {optype!r}")
         if step is None:
             step = self._current_step
-        elif not 0 <= (step := _integer("step", step, optype)) < _STEP_LIMIT:
+        elif not 0 <= (step := plain_int("step", step, optype)) < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT, optype)
         if not -1 <= microbatch < _MICROBATCH_LIMIT:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
@@ -596,7 +601,7 @@ class OpTimer:
         the step time changed: `step_change.py`), which encodes them into their steps'
         batches and writes those to the log."""
         if type(step) is not int:
-            step = _integer("step", step)
+            step = plain_int("step", step)
         if not 0 <= step < _STEP_LIMIT:
             raise _out_of_range("step", step, 0, _STEP_LIMIT)
         # Short steps are handed over several at a time: each hand-over wakes the sealer,

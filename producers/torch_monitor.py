@@ -17,7 +17,7 @@ from typing import Any, Literal
 from lagscope.producers import torch_comm, torch_hooks
 from lagscope.producers.events import JobInfo
 from lagscope.producers.integration_start import rank_timer
-from lagscope.producers.timer import OpTimer
+from lagscope.producers.timer import OpTimer, plain_int
 from lagscope.producers.torch_layout import Layout
 from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
 
@@ -38,6 +38,7 @@ class Monitor:
         gc_probe: bool = True,
         first_step: int = 0,
     ) -> None:
+        first_step = plain_int("first_step", first_step)  # a checkpoint's step may be a tensor
         self.layout = layout
         self.info = info
         self.schedule = schedule
