@@ -196,9 +196,10 @@ def expand_seal(payload: bytes | memoryview) -> list[bytes]:
         raise SchemaError(f"seal record version {version} (this reader reads {_READS})")
     at = _SEAL_HEADER.size
     ops_at = at + context_size + n_continued * _CONTINUED.size
-    expected = ops_at + 48 * n if version == 1 else ops_at + 1
-    if len(view) != expected if version == 1 else len(view) < expected:
-        says = f"{expected}" if version == 1 else f"at least {expected}"
+    if version == 1 and len(view) != ops_at + 48 * n:
+        raise SchemaError(f"seal record of {len(view)} bytes, its header says {ops_at + 48 * n}")
+    if version == 2 and len(view) <= ops_at:
+        says = f"at least {ops_at + 1}"
         raise SchemaError(f"seal record of {len(view)} bytes, its header says {says}")
     encoder = _encoder_of(bytes(view[at : at + context_size]))
     at += context_size
