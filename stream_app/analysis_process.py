@@ -282,6 +282,27 @@ def peak_rss_mb(pid: int | str) -> float:
     return 0.0
 
 
+def cpu_seconds(pid: int | str) -> float:
+    """CPU seconds (user and system) a process used so far: Linux's /proc (0 when it
+    cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # After the command's name, in parentheses, utime and stime are fields 12-13.
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def analysis_cpu_seconds() -> float:
+    """The CPU seconds of this process' analysis children, summed (0 without children)."""
+    return sum(
+        cpu_seconds(child.process.pid)
+        for children in _shared.values()
+        for child in children._children
+    )
+
+
 def analysis_peak_rss_mb() -> float:
     """The peaks of this process' analysis children, summed (0 without children)."""
     return sum(

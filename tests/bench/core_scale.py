@@ -6,8 +6,9 @@ default), encodes its batches as a streamer sends them, and feeds them to a `Wor
 writing to an embedded chDB store, as a worker's passes do (500 messages a call), then
 concludes the job and snapshots, as a worker does at its idle exit. Prints one JSON line:
 the seconds from the first message to the end, the process' and its analysis processes'
-peak memory, and the digest of what it stored (`tests/bench/stored_rows.py`: runs of the
-same job and START_S store the same rows however many processes analysed it). The Kafka
+peak memory and CPU seconds, and the digest of what it stored
+(`tests/bench/stored_rows.py`: runs of the same job and START_S store the same rows
+however many processes analysed it). The Kafka
 rows of stream_bench time a real worker with its broker on the same two cores; these
 isolate the analysis.
 """
@@ -23,7 +24,11 @@ from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, generate_job
 from lagscope.store.sink import ClickHouseSink
-from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
+from lagscope.stream_app.analysis_process import (
+    analysis_cpu_seconds,
+    analysis_peak_rss_mb,
+    peak_rss_mb,
+)
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 from tests.bench.stored_rows import stored_digest
@@ -52,6 +57,7 @@ def main(dp: int, steps: int, processes: int, start_s: int | None = None) -> dic
         core = WorkerCore(config, sink, publish=lambda key, value: None)
         core.on_job_record(info.model_dump_json().encode(), time.time(), "jobs@0")
         began = time.perf_counter()
+        cpu_began = time.process_time()
         sent_at = time.time() - 3600
         for first in range(0, len(payloads), PASS):
             core.on_messages(
@@ -62,6 +68,7 @@ def main(dp: int, steps: int, processes: int, start_s: int | None = None) -> dic
             )
         core.finish()
         seconds = time.perf_counter() - began
+        worker_cpu_s = time.process_time() - cpu_began
         stored = core.counters["steps_written"]
         digest = stored_digest(sink)
     if stored != steps:
@@ -70,6 +77,10 @@ def main(dp: int, steps: int, processes: int, start_s: int | None = None) -> dic
         "seconds": seconds,
         "steps": steps,
         "peak_rss_mb": peak_rss_mb("self") + analysis_peak_rss_mb(),
+        # The worker's process (its main thread and the embedded store's threads), and
+        # its analysis process: where the work ran, beside how long it took.
+        "worker_cpu_s": worker_cpu_s,
+        "analysis_cpu_s": analysis_cpu_seconds(),
         "stored_digest": digest,
     }
 

@@ -318,6 +318,12 @@ def _core_scale_rows() -> list[dict]:
                     "unit": "s/step",
                     "target": "< 5 s; 2 cores faster than 1",
                     "peak_rss_mb": max(r["peak_rss_mb"] for r in setup),
+                    "worker_cpu_s_per_step": statistics.median(
+                        r["worker_cpu_s"] / steps for r in setup
+                    ),
+                    "analysis_cpu_s_per_step": statistics.median(
+                        r["analysis_cpu_s"] / steps for r in setup
+                    ),
                     "steps": steps,
                     "runs": len(setup),
                 }
