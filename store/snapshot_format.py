@@ -9,8 +9,7 @@ the worker by crafting one (pickle would let them). The format holds data only:
 - it is read with `numpy.load(allow_pickle=False)`, so no object array is ever unpickled;
 - the JSON tags the few non-JSON values: tuples, dicts with non-string keys, sets, numpy
   arrays and scalars (exact dtype and bits), bytes, encoded op batches (`RankStepBatch`,
-  their own checksummed wire format, read back as far as their headers: `EncodedBatch`),
-  and the dataclasses of a dependency model, built
+  their own checksummed wire format), and the dataclasses of a dependency model, built
   only from the fixed list in `_DATACLASSES` with their declared fields.
 
 Anything else is refused when writing (TypeError) and reading (`SnapshotError`).
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from lagscope.producers.events import EncodedBatch, RankStepBatch, SchemaError, read_batch
+from lagscope.producers.events import RankStepBatch, SchemaError, decode_batch
 from lagscope.simulator.depmodel import CommGroup, DependencyModel, OpName
 
 #: Written into every payload; a reader refuses other versions.
@@ -91,7 +90,7 @@ def _encode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
         return {"$array": _store(arrays, array), "scalar": isinstance(value, np.generic)}
     if isinstance(value, bytes | bytearray | memoryview):
         return {"$bytes": _store(arrays, np.frombuffer(bytes(value), dtype=np.uint8))}
-    if isinstance(value, RankStepBatch | EncodedBatch):
+    if isinstance(value, RankStepBatch):
         return {"$batch": _store(arrays, np.frombuffer(value.encode(), dtype=np.uint8))}
     name = type(value).__name__
     if dataclasses.is_dataclass(value) and _DATACLASSES.get(name) is type(value):
@@ -129,8 +128,7 @@ def _decode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
     if "$bytes" in value:
         return arrays[value["$bytes"]].tobytes()
     if "$batch" in value:
-        # As it was windowed: its ops are checked where its step is analysed.
-        return read_batch(arrays[value["$batch"]].tobytes(), where="snapshot")
+        return decode_batch(arrays[value["$batch"]].tobytes(), where="snapshot")
     if "$dataclass" in value:
         cls = _DATACLASSES[value["$dataclass"]]  # only the listed classes, nothing else
         declared = {f.name for f in dataclasses.fields(cls)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lagscope.producers.events import EncodedBatch, JobInfo, RankStepBatch
+from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.simulator.optypes import KNOWN_OPTYPES
 
 #: No training op lasts a day: a longer duration is a broken clock or a corrupt record.
@@ -56,7 +56,7 @@ def job_conflict(first: JobInfo, other: JobInfo) -> str:
 
 def unknown_optypes(batch: RankStepBatch) -> list[str]:
     """The batch's op types (used by its ops) that the analysis does not know."""
-    if knows_all(batch.optype_names):  # one C call: this runs for every batch
+    if _KNOWN.issuperset(batch.optype_names):  # one C call: this runs for every batch
         return []
     used = np.unique(batch.optype).tolist()
     return sorted(batch.optype_names[c] for c in used if batch.optype_names[c] not in _KNOWN)
@@ -85,45 +85,26 @@ def without_optypes(batch: RankStepBatch, names: list[str]) -> RankStepBatch:
     )
 
 
-def knows_all(names: tuple[str, ...]) -> bool:
-    """Whether every op type of a batch's dictionary is in the analysis' vocabulary."""
-    return _KNOWN.issuperset(names)
-
-
-def batch_problem(batch: RankStepBatch | EncodedBatch) -> str:
-    """Why a batch cannot be analysed whatever its job, or "". An `EncodedBatch`'s ops are
-    checked where its columns are decoded (`ops_problem`)."""
-    if isinstance(batch, EncodedBatch):
-        return header_problem(batch)
-    return header_problem(batch) or ops_problem(batch)
-
-
-def header_problem(batch: RankStepBatch | EncodedBatch) -> str:
-    """`batch_problem`'s part its header answers: a batch read only that far
-    (`EncodedBatch`) gets the rest (`ops_problem`) where its columns are decoded."""
+def batch_problem(batch: RankStepBatch) -> str:
+    """Why a batch cannot be analysed whatever its job, or ""."""
     if not batch.n_ops:
-        return f"{who(batch)}: the batch holds no ops"
-    return ""
-
-
-def ops_problem(batch: RankStepBatch) -> str:
-    """`batch_problem`'s part its ops' values answer."""
+        return f"{_who(batch)}: the batch holds no ops"
     if int(batch.start_ns.min()) < 0:
         row = int(np.argmin(batch.start_ns))
         return (
-            f"{who(batch)}: op {row} starts at {int(batch.start_ns[row])} ns, before 1970 "
+            f"{_who(batch)}: op {row} starts at {int(batch.start_ns[row])} ns, before 1970 "
             "(start_ns must be wall-clock nanoseconds since the epoch)"
         )
     if int(batch.duration_ns.max()) > MAX_OP_DURATION_NS:
         row = int(np.argmax(batch.duration_ns))
         return (
-            f"{who(batch)}: op {row} lasts {int(batch.duration_ns[row]) / 1e9:,.0f} s, "
+            f"{_who(batch)}: op {row} lasts {int(batch.duration_ns[row]) / 1e9:,.0f} s, "
             "more than a day"
         )
     return ""
 
 
-def grid_problem(batch: RankStepBatch | EncodedBatch, info: JobInfo) -> str:
+def grid_problem(batch: RankStepBatch, info: JobInfo) -> str:
     """Why a batch does not fit its job's parallel grid, or ""."""
     limits = (
         ("dp_rank", batch.dp_rank, "dp_size", info.dp_size),
@@ -135,14 +116,13 @@ def grid_problem(batch: RankStepBatch | EncodedBatch, info: JobInfo) -> str:
     for name, value, size_name, size in limits:
         if value >= size:
             return (
-                f"{who(batch)}: {name} {value} is out of range for job {info.key}, whose "
+                f"{_who(batch)}: {name} {value} is out of range for job {info.key}, whose "
                 f"{size_name} is {size}"
             )
     return ""
 
 
-def who(batch: RankStepBatch | EncodedBatch) -> str:
-    """The batch as a message names it."""
+def _who(batch: RankStepBatch) -> str:
     return (
         f"job {batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank} "
         f"(dp {batch.dp_rank}, pp {batch.pp_rank})"

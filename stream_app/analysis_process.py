@@ -2,16 +2,14 @@
 processes beside it (`processor.analysis_processes`).
 
 A step's analysis is two halves. The compute half (stream_app/step_compute.py: prepare,
-running ideals, engine pass) is most of a large job's analysis, and needs only what it
-carries itself; the live half (detectors, episodes, diagnoses) reads and writes the job's
-live state. With child processes the host reads a job's batches only as far as their
-headers (`EncodedBatch`: what windowing needs), sends each closed step's batches as they
-came to the child that computes that job, and goes on reading the next step while the
-child decodes the columns, checks their values and computes: two cores on one job. The
-child returns the prepared step, its result and the batches it set aside; the host runs
-the live half on them in closing order, and adds the step to its own copy of the running
-ideals, so its snapshots hold what the child holds. A job's steps always go to one child,
-which keeps its running ideals.
+running ideals, engine pass) is most of a large job's analysis after decoding, and needs
+only what it carries itself; the live half (detectors, episodes, diagnoses) reads and
+writes the job's live state. With child processes the host sends each closed step's
+batches, packed in a few columns, to the child that computes that job, and goes on
+decoding the next step while the child works: two cores on one job. The child returns the
+prepared step and its result; the host runs the live half on them in closing order, and
+adds the step to its own copy of the running ideals, so its snapshots hold what the
+child holds. A job's steps always go to one child, which keeps its running ideals.
 
 Both executors have one interface: `submit` a job's closed steps, `poll` for the outcome.
 `InProcess` computes at `submit`; `ChildProcesses` computes in the child.
@@ -33,11 +31,12 @@ from collections.abc import Sequence
 from itertools import count
 from typing import IO, Any
 
+from lagscope.producers.events import pack_batches, unpack_batches
 from lagscope.stream_app.step_compute import (
     ClosedStep,
     JobCompute,
     StepComputed,
-    compute_sent_steps,
+    StepToCompute,
     compute_steps,
     with_model,
     without_model,
@@ -58,8 +57,6 @@ class InProcess:
 
     #: The job's `JobCompute` is the host's own: nothing to mirror.
     mirrors = False
-    #: Steps come decoded: the host checked their ops.
-    takes_encoded = False
 
     def __init__(self) -> None:
         self._tickets = count()
@@ -101,9 +98,6 @@ class ChildProcesses:
 
     #: The host keeps its own copy of each job's running ideals (for its snapshots).
     mirrors = True
-    #: Steps may come encoded (`EncodedBatch`): the child decodes and checks their ops
-    #: (`compute_sent_steps`), so the host reads only their headers.
-    takes_encoded = True
 
     def __init__(self, count_: int) -> None:
         self._results: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -131,7 +125,7 @@ class ChildProcesses:
             self._next_child = (self._next_child + 1) % len(self._children)
             sync = job
         steps_sent = [
-            (c.step, c.complete, list(c.dp_ranks), [b.encode() for b in c.batches]) for c in steps
+            (c.step, c.complete, list(c.dp_ranks), pack_batches(c.batches)) for c in steps
         ]
         self._children[self._child_of[key]].send(("compute", ticket, key, sync, steps_sent))
         self._waiting[ticket] = job
@@ -261,7 +255,11 @@ def serve() -> None:
         job = jobs[key]
         had_model = job.model is not None
         try:
-            outcome: Outcome = without_model(compute_sent_steps(job, steps_sent))
+            steps = [
+                StepToCompute(step, complete, dp_ranks, unpack_batches(packed))
+                for step, complete, dp_ranks, packed in steps_sent
+            ]
+            outcome: Outcome = without_model(compute_steps(job, steps))
         except Exception as exc:
             # Its traceback goes to this child's stderr (the host's); the host logs a line.
             traceback.print_exc()

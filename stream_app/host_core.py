@@ -25,14 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lagscope.producers.dead_letters import DeadLetter
-from lagscope.producers.events import (
-    EncodedBatch,
-    JobInfo,
-    RankStepBatch,
-    SchemaError,
-    batch_id_of,
-    read_batch,
-)
+from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, batch_id_of, decode_batch
 from lagscope.simulator.episodes import Episode
 from lagscope.simulator.whatif import WhatIfResult
 from lagscope.store.rows import (
@@ -253,17 +246,12 @@ class HostCore:
         clock: LatenessClock | None = None,
         store_raw_ops: bool = False,
         processor: StepProcessor | None = None,
-        headers_only: bool = False,
     ) -> None:
         self.settings = settings
         self.records = records
         self.clock = clock or LatenessClock()
         self.processor = processor or StepProcessor(settings, self.clock)
         self.store_raw_ops = store_raw_ops
-        #: Whether a job analysed in another process has its batches read only as far as
-        #: their headers (`EncodedBatch`; its child decodes them): what a caller of
-        #: `on_batches` gets back is then no decoded batch for it.
-        self.headers_only = headers_only and not store_raw_ops
         self.pending: list[StepOutput] = []
         self.conclusions: list[JobConclusion] = []
         self.dead: list[DeadLetter] = []
@@ -307,14 +295,12 @@ class HostCore:
             log.warning("job %s: %s", info.key, problem)
         self._take_rejected()
 
-    def on_batches(
-        self, records: Iterable[tuple[bytes, str, float]]
-    ) -> list[RankStepBatch | EncodedBatch | None]:
+    def on_batches(self, records: Iterable[tuple[bytes, str, float]]) -> list[RankStepBatch | None]:
         """Decode, admit and window rank-step batches (payload, origin, time of each);
         analyse the steps they close. Returns each record's windowed batch (None: set
-        aside, or of a TP/CP rank other than 0; encoded with `headers_only`)."""
-        kept: list[RankStepBatch | EncodedBatch | None] = []
-        windowed: list[RankStepBatch | EncodedBatch] = []
+        aside, or of a TP/CP rank other than 0)."""
+        kept: list[RankStepBatch | None] = []
+        windowed: list[RankStepBatch] = []
         for payload, source, at_s in records:
             batch = self._admit(payload, source, at_s)
             kept.append(batch)
@@ -343,15 +329,9 @@ class HostCore:
                 self.last_input_at[batch.job_id, batch.attempt] = now
         return kept
 
-    def _admit(
-        self, payload: bytes, source: str, at_s: float
-    ) -> RankStepBatch | EncodedBatch | None:
+    def _admit(self, payload: bytes, source: str, at_s: float) -> RankStepBatch | None:
         try:
-            batch: RankStepBatch | EncodedBatch = read_batch(payload or b"", where=source)
-            if not (
-                self.headers_only and self.processor.takes_encoded(batch.job_id, batch.attempt)
-            ):
-                batch = batch.decode(source)
+            batch = decode_batch(payload or b"", where=source)
         except SchemaError as exc:
             self.dead_letter(DeadLetter(source, str(exc), payload, "", at_s), "undecodable")
             return None
@@ -379,7 +359,7 @@ class HostCore:
             where = f"{batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}"
             kind = "windowing" if reason.startswith(_WINDOWING_FAILED) else "rejected"
             # The batch's own time, so a replay writes the same row.
-            at = batch.earliest_start_ns() / 1e9
+            at = float(batch.start_ns.min()) / 1e9 if batch.n_ops else 0.0
             self.dead_letter(DeadLetter(where, reason, batch.encode(), batch.job_id, at), kind)
 
     # -- time ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lagscope.producers.events import EncodedBatch, JobInfo, RankStepBatch, SchemaError
+from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.simulator.bocd import BocdBank, BocdConfig
 from lagscope.simulator.diagnose import DiagnosisSettings
 from lagscope.simulator.noise import series_names, step_series
@@ -53,13 +53,7 @@ from lagscope.stream_app.analysis_process import (
     shared_children,
 )
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, LiveJob
-from lagscope.stream_app.step_compute import (
-    NO_COMPLETE_REPLICA,
-    JobCompute,
-    StepComputed,
-    checked_step,
-    replicas_left,
-)
+from lagscope.stream_app.step_compute import JobCompute, StepComputed
 
 log = logging.getLogger("lagscope.processor")
 
@@ -137,8 +131,9 @@ HOST_SETTINGS = (
     "lateness_s", "analysis_processes", "analysis_process_min_ops", "analysis_in_flight",
     "analysis_in_flight_bytes",
 )  # fmt: skip
-#: Memory an op in flight to a child holds on the host: its batch's bytes (~28 an op, as
-#: read) and the frame's copy of them until the child reads it.
+#: Memory an op in flight to a child holds on the host: its batch (~30 bytes an op on
+#: the wire and in the decoded columns' buffer) and its packed copy until the child
+#: reads it (27).
 _IN_FLIGHT_BYTES_PER_OP = 60
 
 
@@ -195,10 +190,10 @@ class _Window:
     first_seen: float
     #: Batches per (dp, pp) coordinate: a rank-step may arrive in several parts (a huge
     #: step, or ops recorded after the step was sealed).
-    batches: dict[tuple[int, int], list[RankStepBatch | EncodedBatch]] = field(default_factory=dict)
+    batches: dict[tuple[int, int], list[RankStepBatch]] = field(default_factory=dict)
     fingerprints: set[tuple[int, int, bytes]] = field(default_factory=set)
 
-    def all_batches(self) -> list[RankStepBatch | EncodedBatch]:
+    def all_batches(self) -> list[RankStepBatch]:
         return [b for parts in self.batches.values() for b in parts]
 
 
@@ -212,12 +207,9 @@ class _Closed:
     missing: tuple[tuple[int, int], ...]
     #: DP ranks whose every stage reported (the ones analysed).
     dp_ranks: list[int]
-    #: Their batches, encoded (`EncodedBatch`) when the job is analysed in another process.
-    batches: list[RankStepBatch | EncodedBatch]
+    batches: list[RankStepBatch]
     #: Why the step cannot be analysed ("": it can).
     reason: str = ""
-    #: The step's other batches (of incomplete replicas), decoded.
-    others: list[RankStepBatch | EncodedBatch] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -235,9 +227,9 @@ class _Submitted:
     ops: int = 0
 
 
-def _fingerprint(batch: RankStepBatch | EncodedBatch) -> tuple[int, int, bytes]:
+def _fingerprint(batch: RankStepBatch) -> tuple[int, int, bytes]:
     """Identity of a batch's content: a re-sent batch has the same ops at the same times."""
-    return (batch.dp_rank, batch.pp_rank, batch.content_key())
+    return (batch.dp_rank, batch.pp_rank, batch.start_ns.tobytes() + batch.seq.tobytes())
 
 
 #: Fields of a retained step that are its own (the model and meta are the job's).
@@ -264,19 +256,6 @@ def decode_step_inputs(payload: bytes, where: str = "retained step") -> dict[str
     if not isinstance(inputs, dict) or set(inputs) != set(_STEP_INPUTS):
         raise SnapshotError(f"{where}: not the inputs of a retained step")
     return inputs
-
-
-def _complete_dp_ranks(window: _Window, info: JobInfo) -> list[int]:
-    """The DP ranks whose every stage has a batch in `window`."""
-    return [
-        dp
-        for dp in range(info.dp_size)
-        if all((dp, pp) in window.batches for pp in range(info.pp_size))
-    ]
-
-
-def _earliest_start_ns(batches: Iterable[RankStepBatch | EncodedBatch]) -> int:
-    return min((b.earliest_start_ns() for b in batches if b.n_ops), default=0)
 
 
 class _JobState:
@@ -363,7 +342,7 @@ class StepProcessor:
         self.rejected_jobs: dict[tuple[str, int], str] = {}
         #: Batches set aside after they were windowed (their job's record came later and
         #: they do not fit it), with the reason; hosts take them as dead letters.
-        self.rejected: list[tuple[RankStepBatch | EncodedBatch, str]] = []
+        self.rejected: list[tuple[RankStepBatch, str]] = []
         #: (job, attempt, op type) already reported as outside the analysis' vocabulary.
         self._unknown_optypes_reported: set[tuple[str, int, str]] = set()
         self.counters: dict[str, int] = {
@@ -434,25 +413,10 @@ class StepProcessor:
                 self._evict_off_grid(window, info)
         return ""
 
-    def takes_encoded(self, job_id: str, attempt: int) -> bool:
-        """Whether the job's batches may be windowed as read (`EncodedBatch`): its steps
-        are analysed in another process, which decodes and checks their columns."""
-        job = self.jobs.get((job_id, attempt))
-        return job is not None and job.executor is not None and job.executor.takes_encoded
-
-    def admit(
-        self, batch: RankStepBatch | EncodedBatch
-    ) -> tuple[RankStepBatch | EncodedBatch | None, str]:
-        """The part of a batch that may be windowed (None: no part), and why the rest, if
-        any, was set aside ("" when nothing was). Hosts call this at the edge and
-        dead-letter the batch with its origin when a reason comes back. An `EncodedBatch`
-        is checked as far as its header; its ops where they are decoded."""
-        if isinstance(batch, EncodedBatch) and not admission.knows_all(batch.optype_names):
-            try:  # its ops of unknown types are left out here, which needs its columns
-                batch = batch.decode(admission.who(batch))
-            except SchemaError as exc:
-                self.counters["batches_rejected"] += 1
-                return None, str(exc)
+    def admit(self, batch: RankStepBatch) -> tuple[RankStepBatch | None, str]:
+        """The part of a decoded batch that may be windowed (None: no part), and why the
+        rest, if any, was set aside ("" when nothing was). Hosts call this at the edge and
+        dead-letter the batch with its origin when a reason comes back."""
         problem = admission.batch_problem(batch)
         job_key = (batch.job_id, batch.attempt)
         if not problem and job_key in self.rejected_jobs:
@@ -479,7 +443,7 @@ class StepProcessor:
             )
         return (kept if kept.n_ops else None), reason
 
-    def take_rejected(self) -> list[tuple[RankStepBatch | EncodedBatch, str]]:
+    def take_rejected(self) -> list[tuple[RankStepBatch, str]]:
         """Batches set aside since the last call, with their reasons."""
         rejected, self.rejected = self.rejected, []
         return rejected
@@ -499,12 +463,12 @@ class StepProcessor:
             else:
                 del window.batches[coordinate]
 
-    def on_batch(self, batch: RankStepBatch | EncodedBatch) -> list[StepOutput]:
+    def on_batch(self, batch: RankStepBatch) -> list[StepOutput]:
         """Add one batch; returns the steps it completed (usually none or one)."""
         return self.on_batches((batch,))
 
     def on_batches(
-        self, batches: Iterable[RankStepBatch | EncodedBatch], *, admitted: bool = False
+        self, batches: Iterable[RankStepBatch], *, admitted: bool = False
     ) -> list[StepOutput]:
         """Add batches; returns the steps they completed, in the order they completed.
         `admitted`: every batch came back from `admit` (a host's): not checked again.
@@ -520,9 +484,7 @@ class StepProcessor:
                 closing.append(self._close(key))
         return self._analyse_closed(closing)
 
-    def _add(
-        self, batch: RankStepBatch | EncodedBatch, admitted: bool = False
-    ) -> tuple[str, int, int] | None:
+    def _add(self, batch: RankStepBatch, admitted: bool = False) -> tuple[str, int, int] | None:
         """Window one batch; returns its window's key when that completed the step."""
         self.counters["batches"] += 1
         if batch.tp_rank != 0 or batch.cp_rank != 0:
@@ -594,13 +556,8 @@ class StepProcessor:
         remembered.append(step)
         closed_set.add(step)
         self.counters["steps_closed"] += 1
+        start_ns = min((int(b.start_ns.min()) for b in window.all_batches() if b.n_ops), default=0)
         job = self.jobs.get(job_key)
-        if job is not None and self.takes_encoded(job_id, attempt):
-            # The replicas it analyses are decoded and checked there; the others here.
-            self._check_encoded(window, set(_complete_dp_ranks(window, job.info)))
-        else:
-            self._check_encoded(window, set())
-        start_ns = _earliest_start_ns(window.all_batches())
         if job is None:
             info = JobInfo(job_id=job_id, attempt=attempt, dp_size=1, pp_size=1, world_size=1)
             return self._unanalysed(
@@ -609,55 +566,21 @@ class StepProcessor:
         info = job.info
         expected = {(dp, pp) for dp in range(info.dp_size) for pp in range(info.pp_size)}
         missing = tuple(sorted(expected - set(window.batches)))
-        complete_dp = _complete_dp_ranks(window, info)
+        complete_dp = [
+            dp
+            for dp in range(info.dp_size)
+            if all((dp, pp) in window.batches for pp in range(info.pp_size))
+        ]
         if missing:
             self.counters["steps_incomplete"] += 1
         if not complete_dp:
             # Its output comes in closing order with the others (its job's live state).
-            return _Closed(job, step, start_ns, missing, [], [], reason=NO_COMPLETE_REPLICA,
-                           others=window.all_batches())  # fmt: skip
+            return _Closed(job, step, start_ns, missing, [], [],
+                           reason="no pipeline replica reported all its stages")  # fmt: skip
         batches = [
             b for dp in complete_dp for pp in range(info.pp_size) for b in window.batches[dp, pp]
         ]
-        analysed = set(complete_dp)
-        others = [
-            b for (dp, _), parts in window.batches.items() if dp not in analysed for b in parts
-        ]
-        return _Closed(job, step, start_ns, missing, complete_dp, batches, others=others)
-
-    def _check_encoded(self, window: _Window, left_encoded: set[int]) -> None:
-        """Decode and check the window's encoded batches but those of the DP ranks in
-        `left_encoded`; set aside the ones that fail."""
-        for coordinate, parts in list(window.batches.items()):
-            if coordinate[0] in left_encoded or not any(isinstance(b, EncodedBatch) for b in parts):
-                continue
-            kept, rejected = checked_step(parts, f"step {parts[0].step}")
-            for index, reason in rejected:
-                self.counters["batches_rejected"] += 1
-                self.rejected.append((parts[index], reason))
-            if kept:
-                window.batches[coordinate] = kept
-            else:
-                del window.batches[coordinate]
-
-    def _set_aside(self, closed: _Closed, rejected: list[tuple[int, str]]) -> None:
-        """Take out of `closed` the batches its analysis set aside (`checked_step`: by
-        index, with why), as the analysis did: the replicas they leave incomplete are not
-        analysed, and a coordinate left without a batch is missing."""
-        gone = {index for index, _ in rejected}
-        for index, reason in rejected:
-            self.counters["batches_rejected"] += 1
-            self.rejected.append((closed.batches[index], reason))
-        kept = [b for i, b in enumerate(closed.batches) if i not in gone]
-        dp_ranks, lost = replicas_left(kept, closed.dp_ranks, closed.job.info.pp_size)
-        if lost and not closed.missing:
-            self.counters["steps_incomplete"] += 1
-        closed.missing = tuple(sorted({*closed.missing, *lost}))
-        closed.dp_ranks = dp_ranks
-        analysed = set(dp_ranks)
-        closed.batches = [b for b in kept if b.dp_rank in analysed]
-        closed.others += [b for b in kept if b.dp_rank not in analysed]
-        closed.start_ns = _earliest_start_ns([*closed.batches, *closed.others])
+        return _Closed(job, step, start_ns, missing, complete_dp, batches)
 
     def _analyse_closed(self, closing: list[_Closed | StepOutput], *, wait: bool = False
                         ) -> list[StepOutput]:  # fmt: skip
@@ -751,8 +674,6 @@ class StepProcessor:
             step = StepComputed(failure=closed.reason) if closed.reason else None
             if step is None:
                 step = StepComputed(failure=outcome) if isinstance(outcome, str) else next(computed)
-            if step.rejected:
-                self._set_aside(closed, step.rejected)
             if step.failure or step.alone is None:
                 outputs[index] = self._failed(closed, step.failure)
                 continue

@@ -17,13 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from lagscope.producers.events import (
-    EncodedBatch,
-    JobInfo,
-    RankStepBatch,
-    SchemaError,
-    read_batch,
-)
+from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.depmodel import DependencyModel
 from lagscope.simulator.engine import CompiledModel
@@ -31,7 +25,6 @@ from lagscope.simulator.prepare import PreparedTrace, prepare
 from lagscope.simulator.trace import Trace, TraceError
 from lagscope.simulator.whatif import WhatIfResult, analyze_each_step
 from lagscope.simulator.window_median import WindowMedian
-from lagscope.stream_app.admission import ops_problem, who
 
 if TYPE_CHECKING:
     from lagscope.stream_app.processor import ProcessorSettings
@@ -70,76 +63,6 @@ class StepComputed:
     alone: PreparedTrace | None = None
     result: WhatIfResult | None = None
     failure: str = ""
-    #: Batches of the step set aside where their columns were decoded (`checked_step`):
-    #: (index in the step's batches, why); the step was computed without them.
-    rejected: list[tuple[int, str]] = dataclasses.field(default_factory=list)
-
-
-#: Why a closed step that lost all its complete pipeline replicas is not analysed.
-NO_COMPLETE_REPLICA = "no pipeline replica reported all its stages"
-
-
-def checked_step(
-    batches: Sequence[RankStepBatch | EncodedBatch | bytes], where: str
-) -> tuple[list[RankStepBatch], list[tuple[int, str]]]:
-    """A closed step's batches with their columns decoded and their values checked
-    (`admission.ops_problem`): the ones kept, and (index, why) of each one set aside. A
-    host reads the batches of a job analysed in another process only as far as their
-    headers (`EncodedBatch`); their values are checked here, where they are decoded."""
-    kept: list[RankStepBatch] = []
-    rejected: list[tuple[int, str]] = []
-    for index, batch in enumerate(batches):
-        try:
-            if isinstance(batch, bytes):
-                batch = read_batch(batch, f"{where}, batch {index}")
-            if isinstance(batch, EncodedBatch):
-                batch = batch.decode(who(batch))
-        except SchemaError as exc:
-            rejected.append((index, str(exc)))
-            continue
-        problem = ops_problem(batch)
-        if problem:
-            rejected.append((index, problem))
-        else:
-            kept.append(batch)
-    return kept, rejected
-
-
-def replicas_left(
-    batches: Sequence[RankStepBatch | EncodedBatch], dp_ranks: Sequence[int], pp_size: int
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """Of `dp_ranks` (pipeline replicas that reported every stage), the ones `batches`
-    still cover, and the (dp, pp) coordinates that have no batch left."""
-    present = {(b.dp_rank, b.pp_rank) for b in batches}
-    lost = [(dp, pp) for dp in dp_ranks for pp in range(pp_size) if (dp, pp) not in present]
-    broken = {dp for dp, _ in lost}
-    return [dp for dp in dp_ranks if dp not in broken], lost
-
-
-def compute_sent_steps(
-    job: JobCompute, sent: Sequence[tuple[int, bool, list[int], list[bytes]]]
-) -> list[StepComputed]:
-    """Steps as another process receives them, (step, complete, DP ranks, the encoded
-    batches of those replicas): decoded and checked (`checked_step`), then computed
-    (`compute_steps`) without what was set aside; a step left without a complete replica
-    is not computed."""
-    out: list[StepComputed] = []
-    steps: list[StepToCompute] = []
-    for step, complete, dp_ranks, payloads in sent:
-        where = f"job {job.info.key} step {step}"
-        kept, rejected = checked_step(payloads, where)
-        if rejected:
-            dp_ranks, lost = replicas_left(kept, dp_ranks, job.info.pp_size)
-            complete = complete and not lost
-            kept = [b for b in kept if b.dp_rank in dp_ranks]
-        out.append(StepComputed(failure="" if dp_ranks else NO_COMPLETE_REPLICA, rejected=rejected))
-        if dp_ranks:
-            steps.append(StepToCompute(step, complete, dp_ranks, kept))
-    computed = iter(compute_steps(job, steps))
-    return [
-        dataclasses.replace(next(computed), rejected=o.rejected) if not o.failure else o
-        for o in out
-    ]
 
 
 class RunningIdeal:

@@ -577,9 +577,6 @@ class WorkerCore:
             clock=clock,
             processor=processor,
             store_raw_ops=self.config.store.raw_ops,
-            # Nothing here reads a batch's columns: a job analysed in a child is decoded
-            # there.
-            headers_only=True,
         )
 
     def _from_snapshot(self, number: int, blob: bytes, where: str) -> _Partition:

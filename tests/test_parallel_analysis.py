@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import math
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 
-from lagscope.producers.events import JobInfo, RankStepBatch, decode_batch, read_batch
+from lagscope.producers.events import JobInfo, decode_batch
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
 from lagscope.stream_app.analysis_process import shared_children
@@ -243,108 +242,3 @@ def test_a_childs_pipes_are_as_wide_as_the_system_allows():
     child = shared_children(1)._children[0]
     for pipe in (child.process.stdin, child.process.stdout):
         assert fcntl.fcntl(pipe.fileno(), fcntl.F_GETPIPE_SZ) == widest
-
-
-def with_duration(batch: RankStepBatch, op: int, duration_ns: int) -> bytes:
-    """`batch` encoded with one op's duration changed, its checksum right: a batch whose
-    header reads fine and whose values are wrong (a broken clock on one rank)."""
-    durations = batch.duration_ns.copy()
-    durations[op] = duration_ns
-    body = bytearray(dataclasses.replace(batch, duration_ns=np.zeros_like(durations)).encode())
-    at = body.find(np.zeros_like(durations).tobytes(), read_batch(bytes(body)).columns_at)
-    body[at : at + durations.nbytes] = durations.astype("<i8").tobytes()
-    body[-4:] = zlib.crc32(bytes(body[:-4])).to_bytes(4, "little")
-    return bytes(body)
-
-
-def test_a_job_read_only_as_far_as_its_headers_gives_the_same_numbers(job_stream):
-    """Batches windowed as read (`EncodedBatch`, what a worker does for a job analysed in
-    a child): decoded in the child, or here when the job stays in the host's process,
-    they give the numbers the decoded batches give."""
-    info, batches = job_stream
-    encoded = [read_batch(b.encode()) for b in batches]
-    decoded = run(info, batches, processes=0, chunk=16)
-    for processes in (0, 1):
-        found = run(info, encoded, processes=processes, chunk=7)
-        for a, b in zip(decoded["outputs"], found["outputs"], strict=True):
-            assert canonical(a) == canonical(b), f"step {a.step} differs ({processes})"
-        assert canonical(decoded["conclusion"]) == canonical(found["conclusion"])
-
-
-def test_a_batch_whose_ops_fail_their_checks_where_they_are_decoded_is_set_aside(job_stream):
-    """A batch of step 5 whose header reads fine and one of whose ops lasts -1 ns, read
-    only as far as its header: where its columns are decoded (in the child, or here) it is
-    set aside with its reason, and step 5 is what a step without that rank is: incomplete,
-    its coordinate missing, analysed on the other replicas, in its place in the job's
-    order. Both places give the same numbers."""
-    info, batches = job_stream
-    bad_index = next(
-        i for i, b in enumerate(batches) if (b.step, b.dp_rank, b.pp_rank) == (5, 2, 1)
-    )
-    encoded = [read_batch(b.encode()) for b in batches]
-    encoded[bad_index] = read_batch(with_duration(batches[bad_index], 3, -1))
-    runs = []
-    for processes in (0, 1):
-        processor = StepProcessor(
-            ProcessorSettings(analysis_processes=processes, analysis_process_min_ops=0)
-        )
-        processor.on_job(info)
-        outputs = []
-        for i in range(0, len(encoded), 7):
-            outputs += processor.on_batches(encoded[i : i + 7])
-        outputs += processor.flush()
-        assert [out.step for out in outputs] == list(range(60))
-        fifth = outputs[5]
-        assert (fifth.complete, fifth.missing) == (False, ((2, 1),))
-        assert fifth.result is not None and fifth.analysed_dp_ranks == (0, 1, 3)
-        ((batch, reason),) = processor.take_rejected()
-        assert (batch.step, batch.dp_rank, batch.pp_rank) == (5, 2, 1)
-        assert "op 3 has negative duration_ns -1" in reason and "step 5 rank" in reason
-        assert processor.counters["batches_rejected"] == 1
-        assert processor.counters["steps_incomplete"] == 1
-        runs.append(outputs)
-    here, child = runs
-    for a, b in zip(here, child, strict=True):
-        assert canonical(a) == canonical(b), f"step {a.step} differs"
-    decoded = run(info, batches, processes=0, chunk=16)["outputs"]
-    for a, b in zip(decoded[:5], child[:5], strict=True):
-        assert canonical(a) == canonical(b), f"step {a.step} differs"
-
-
-def test_a_worker_stores_a_batch_its_child_set_aside_as_a_dead_letter(job_stream, tmp_path):
-    """Through a worker (which reads a child's job only as far as its batches' headers):
-    the batch whose op lasts -1 ns is a dead letter naming it, its step is stored
-    incomplete, and every other step is stored complete."""
-    from lagscope.store.sink import ClickHouseSink
-    from lagscope.stream_app.worker_config import WorkerConfig
-    from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
-
-    info, batches = job_stream
-    payloads = [b.encode() for b in batches]
-    bad_index = next(
-        i for i, b in enumerate(batches) if (b.step, b.dp_rank, b.pp_rank) == (5, 2, 1)
-    )
-    payloads[bad_index] = with_duration(batches[bad_index], 3, -1)
-    sink = ClickHouseSink(f"chdb://{tmp_path}")
-    sink.ensure_schema()
-    config = WorkerConfig()
-    config.processor.analysis_processes = 1
-    config.processor.analysis_process_min_ops = 0
-    core = WorkerCore(config, sink, publish=lambda key, value: None)
-    core.on_job_record(info.model_dump_json().encode(), 1_700_000_000.0, "jobs@0")
-    messages = [
-        OpsMessage(0, offset, info.job_id.encode(), payload, 1_700_000_000.0)
-        for offset, payload in enumerate(payloads)
-    ]
-    for first in range(0, len(messages), 16):  # a step a pass: step 5 comes after the
-        core.on_messages(messages[first : first + 16])  # job went to its child
-    core.finish()
-    _, letters = sink.query("SELECT source, reason FROM dead_letters FINAL")
-    _, steps = sink.query("SELECT step FROM steps FINAL WHERE NOT complete ORDER BY step")
-    _, stored = sink.query("SELECT count() FROM steps FINAL")
-    core.drop_partition(0)
-    sink.close()
-    ((source, reason),) = letters
-    assert source == f"par/0 step 5 rank {batches[bad_index].rank}"
-    assert "op 3 has negative duration_ns -1" in reason
-    assert steps == [(5,)] and stored == [(60,)]
