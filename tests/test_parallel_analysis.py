@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from lagscope.producers.events import JobInfo, decode_batch
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.store.snapshot_format import decode_state, encode_state
 from lagscope.stream_app.analysis_process import shared_children
 from lagscope.stream_app.processor import (
     HOST_SETTINGS,
@@ -116,19 +117,21 @@ def test_a_child_process_computes_what_the_host_computes(job_stream):
 
 
 def test_a_snapshot_taken_while_a_child_computes_resumes_to_the_same_numbers(job_stream):
+    """Through the snapshot format itself, with a step's window open at the snapshot."""
     info, batches = job_stream
     straight = run(info, batches, processes=0, chunk=16)
     host = ProcessorSettings(analysis_processes=1, analysis_process_min_ops=0)
     processor = StepProcessor(host)
     processor.on_job(info)
-    half = len(batches) // 2
+    half = len(batches) // 2 + 5  # a step's window open at the snapshot
     outputs = processor.on_batches(batches[:half])
     assert processor.in_flight
     state = processor.state_dict()  # waits for the child: the state is whole
     assert not processor.in_flight
+    assert processor.windows
     outputs += processor.drain()
     processor.close()
-    resumed = StepProcessor.from_state(state, host=host)
+    resumed = StepProcessor.from_state(decode_state(encode_state(state)), host=host)
     assert resumed.settings.analysis_processes == 1
     outputs += resumed.on_batches(batches[half:]) + resumed.flush()
     assert [out.step for out in outputs] == list(range(60))
