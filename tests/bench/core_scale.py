@@ -8,9 +8,8 @@ concludes the job and snapshots, as a worker does at its idle exit. Prints one J
 the seconds from the first message to the end, the process' and its analysis processes'
 peak memory and CPU seconds, and the digest of what it stored
 (`tests/bench/stored_rows.py`: runs of the same job and START_S store the same rows
-however many processes analysed it). The Kafka
-rows of stream_bench time a real worker with its broker on the same two cores; these
-isolate the analysis.
+however many processes analysed it). The Kafka rows of stream_bench time a real worker
+with its broker on the same two cores; these isolate the analysis.
 """
 
 from __future__ import annotations
