@@ -65,6 +65,12 @@ class DependencyModel:
     has_dp_comm: bool
     #: Topological level of every node (comm groups contracted); computed when absent.
     level: np.ndarray | None = None
+    #: For every node, the own-work op of its stage that the worker ran last before it
+    #: (began before it and ended last by its start, in the reference slice), -1 for none:
+    #: the worker's order of work, which dependencies alone do not say (a 1F1B stage posts
+    #: a backward's receive after the next forward, on which the receive does not depend).
+    #: None in a model built without a slice.
+    host_predecessor: np.ndarray | None = None
 
     @property
     def n_nodes(self) -> int:
@@ -143,6 +149,17 @@ class DependencyModel:
         own = np.fromiter(map(ot.is_compute, self._node_optypes), dtype=bool, count=self.n_nodes)
         own.flags.writeable = False
         return own
+
+    @cached_property
+    def host_predecessor_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes that have a host predecessor, and those predecessors (read-only:
+        shared by every caller; empty where the model has none)."""
+        before = self.host_predecessor
+        rows = np.flatnonzero(before >= 0) if before is not None else np.empty(0, np.int64)
+        found = (rows, before[rows] if before is not None else rows.copy())
+        for array in found:
+            array.flags.writeable = False
+        return found
 
     @cached_property
     def compiled(self) -> CompiledModel:
@@ -416,6 +433,31 @@ def _latest_ended_before(ops: list[_SliceOp], time: float) -> _SliceOp | None:
     return max(ended, key=lambda o: o.end) if ended else None
 
 
+def _host_predecessors(stage_ops: dict[int, list[_SliceOp]], n_nodes: int) -> np.ndarray:
+    """`DependencyModel.host_predecessor` from the slice's ops of each stage: for each op,
+    `_latest_ended_before` among the stage's own-work ops (the op itself left out)."""
+    found = np.full(n_nodes, -1, dtype=np.int64)
+    for ops in stage_ops.values():
+        own = [o for o in ops if ot.is_compute(o.optype)]
+        if not own:
+            continue
+        own_node = np.array([o.node for o in own])
+        own_start = np.array([o.start for o in own])
+        own_end = np.array([o.end for o in own])
+        node = np.array([o.node for o in ops])
+        start = np.array([o.start for o in ops])[:, None]
+        ended = (
+            (own_start < start)
+            & (own_end <= start + LAUNCH_TOLERANCE_S)
+            & (own_node[None, :] != node[:, None])
+        )
+        latest = np.where(ended, own_end, -np.inf).argmax(axis=1)
+        has = ended.any(axis=1)
+        found[node[has]] = own_node[latest[has]]
+    found.flags.writeable = False
+    return found
+
+
 def infer_dependency_model(
     stage: np.ndarray,
     optype: list[str],
@@ -462,6 +504,7 @@ def infer_dependency_model(
         noop_nodes=frozenset(builder.noops),
         overlapped_dp=overlapped_dp,
         has_dp_comm=has_dp_comm,
+        host_predecessor=_host_predecessors(stage_ops, len(builder.nodes)),
     )
     # Raises on a cycle, naming the ops in it.
     return dataclasses.replace(model, level=topological_levels(model))

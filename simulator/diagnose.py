@@ -313,13 +313,13 @@ def _structure(ctx: _Context) -> _Structure:
 
 def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     """A worker whose host stalls between its ops through the steps analysed: its ops take
-    their usual time, the gaps before them (their launch delays) do not. A stalling host
-    leaves S (ops replayed without their launch delays) alone, so it is asked first.
-    Named when the launch delays cost the job a margin of its ideal step, the worker's own
-    launch delays are persistently above its peers' (in the median step, as a straggler's
-    own work must be), they are not the wait for its input (a rank starved of input also
-    starts its next forward late), and replaying the job with only its launch delays
-    explains most of what the launch delays add."""
+    their usual time, the gaps before them do not. A stalling host leaves S (ops replayed
+    without their launch delays) alone, so it is asked first. Named when the launch delays
+    cost the job a margin of its ideal step, the worker's host gaps (`prepare.host_gaps`:
+    not the work it did before an op) are persistently above its peers' (in the median
+    step, as a straggler's own work must be), they are not the wait for its input (a rank
+    starved of input also starts its next forward late), and replaying the job with only
+    its launch delays explains most of what the launch delays add."""
     result, prepared, cfg = ctx.result, ctx.prepared, ctx.cfg
     t_ideal = float(result.t_ideal.mean())
     launch_excess = float(np.mean(result.t_actual - result.t_nodelay))

@@ -2,10 +2,10 @@
 
 The cost of one step is the step time as measured less the step time had the worker
 spent only its own usual time (its level before the episode) on the kind that rose: the
-durations of its ops of that op type, or for `host` the launch delays of its ops, scaled
-down to that level and replayed through the dependency model. A straggler whose extra time
-the pipeline absorbs (it waited anyway) costs nothing; one every rank waits for costs all
-of it. The job loses that many seconds on every GPU, so GPU-seconds = seconds x GPUs.
+durations of its ops of that op type, or for `host` its host gaps (`prepare.host_gaps`),
+scaled down to that level and replayed through the dependency model. A straggler whose
+extra time the pipeline absorbs (it waited anyway) costs nothing; one every rank waits for
+costs all of it. The job loses that many seconds on every GPU, so GPU-seconds = seconds x GPUs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from lagscope.simulator.engine import CompiledModel, simulate
 from lagscope.simulator.online_episodes import HOST, worker_signals
-from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.prepare import PreparedTrace, host_gaps
 
 #: Per-step costs an `EpisodeCost` keeps for a picture (the latest ones).
 _STEPS_KEPT = 64
@@ -51,10 +51,13 @@ def lost_seconds(
     n_nodes, n_steps, n_dp = prepared.cost.shape
     cost = prepared.cost.astype(np.float64)
     if kind == HOST:
+        # Its host gaps scaled down to the level before; the rest of each launch delay
+        # (the worker's own work before the op) stays.
         rows = node_stage == stage
         delay = prepared.launch_delay.astype(np.float64)
+        gaps = host_gaps(prepared)[rows, :, dp].astype(np.float64)
         usual = delay.copy()
-        usual[rows, :, dp] = np.clip(usual[rows, :, dp], 0.0, None) * scale[None, :]
+        usual[rows, :, dp] -= gaps * (1.0 - scale[None, :])
         costs = np.concatenate([cost.reshape(n_nodes, -1)] * 2, axis=1)
         delays: np.ndarray | None = np.concatenate(
             [delay.reshape(n_nodes, -1), usual.reshape(n_nodes, -1)], axis=1

@@ -96,7 +96,7 @@ class GcFacts:
 
 @dataclass(frozen=True)
 class HostFacts:
-    """A worker whose host stalls between its ops: its launch delays over its peers'."""
+    """A worker whose host stalls between its ops: its host gaps over its peers'."""
 
     worker: Worker
     launch_ratio: float

@@ -4,10 +4,10 @@ An on-call engineer needs to see a straggler while it is still slow, within a fe
 its onset, and a healthy job must stay quiet on its own noise. The detector reads, for
 every worker (dp, pp) and every step, the seconds of each kind of the worker's *own* time:
 each op type that is its own work (forward, backward, input wait, optimizer: nobody else
-makes it wait there) and `host`, the time its host spent between its ops (the launch
-delays of its ops: slow Python, a slow or busy CPU, data prepared outside the loader; on
-a GPU a late kernel launch leaves every CUDA-event duration unchanged, so this is how a
-slow host looks in production).
+makes it wait there) and `host`, the time its host spent between its ops (the host gaps
+of its ops, `prepare.host_gaps`: slow Python, a slow or busy CPU, data prepared outside
+the loader; on a GPU a late kernel launch leaves every CUDA-event duration unchanged, so
+this is how a slow host looks in production).
 
 A worker's episode opens when, over its last `onset_steps` steps, one kind of its own
 time
@@ -58,6 +58,9 @@ halved it; the straggler's own first slow steps had raised it, which in a live r
 an input straggler's host time, risen with it, open first and name it a slow host), and what the
 hosts name on top of this detector: an episode only once it has cost the job enough
 (`episode_diagnosis.costs_the_job`), which leaves one of the recorded stragglers unnamed.
+Host time became the host gaps on 2026-11-28 (it had been the launch delays, which on a
+1F1B stage hold the forward before each backward receive: a forward straggler opened as a
+slow host in a live CI run); the 16 recordings read as before.
 
 State (`state_dict` / `from_state`) is plain arrays and numbers: a host snapshots it with
 the rest of its step processor.
@@ -76,7 +79,7 @@ from lagscope.simulator.episodes import StretchFit
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
 from lagscope.simulator.medians import median_along, median_of_others
 from lagscope.simulator.noise import own_work_mask
-from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.prepare import PreparedTrace, host_gaps
 
 #: The kind of a worker's time spent between its ops (the launch delays of its ops).
 HOST = "host"
@@ -114,9 +117,10 @@ class OnlineEpisodeSettings:
     #: episode at step 9 that way, and it hid an input straggler's episode at step 15).
     peer_noise_steps: int = 4
     #: A worker in an episode opens another, in another kind, only when that kind costs
-    #: it this many times more: a 2x forward straggler of a real 1F1B job also raised its
-    #: host time, by 1.07x the forward's extra, later; an input straggler hidden behind a
-    #: host episode of noise cost 9x that episode.
+    #: it this many times more: time a straggler drags along in another kind must not name
+    #: it twice (a 2x forward straggler of a real 1F1B job raised its launch delays by
+    #: 1.07x the forward's extra, when they were its host time); an input straggler hidden
+    #: behind a host episode of noise cost 9x that episode.
     second_episode_ratio: float = 2.0
     #: Fewest baseline steps before an onset: a job's first steps are its warm-up.
     min_baseline_steps: int = 4
@@ -192,12 +196,13 @@ def signal_kinds(prepared: PreparedTrace) -> tuple[str, ...]:
 
 def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
     """[step, kind, stage, dp] seconds of each worker's own time of each kind: the summed
-    durations of its own-work ops of that op type, and for `host` the summed launch
-    delays of all its ops (time its host took to start an op once the op could start)."""
+    durations of its own-work ops of that op type, and for `host` the summed host gaps of
+    all its ops (time its host took to start an op once the op could start and the worker
+    had done the work before it, `prepare.host_gaps`)."""
     out = np.zeros((prepared.n_steps, len(kinds), prepared.n_stages, prepared.n_dp))
     for index, kind in enumerate(kinds):
         if kind == HOST:
-            out[:, index] = prepared.stage_sums(np.clip(prepared.launch_delay, 0.0, None))
+            out[:, index] = prepared.stage_sums(host_gaps(prepared))
         else:
             out[:, index] = prepared.stage_sums(prepared.duration, kind)
     return out

@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lagscope.simulator import optypes as ot
-from lagscope.simulator.depmodel import DependencyModel, infer_dependency_model
+from lagscope.simulator.depmodel import (
+    LAUNCH_TOLERANCE_S,
+    DependencyModel,
+    infer_dependency_model,
+)
 from lagscope.simulator.trace import (
     JobMeta,
     Trace,
@@ -524,6 +528,36 @@ def _launch_delays(model: DependencyModel, start: np.ndarray, end: np.ndarray) -
     one_clock = model.on_one_clock.reshape(-1, *([1] * (delay.ndim - 1)))
     noise = (delay <= NEGATIVE_CLIP_S) & ~one_clock
     return np.where(noise, 0.0, delay).astype(np.float32)
+
+
+def host_gaps(prepared: PreparedTrace) -> np.ndarray:
+    """[node, step, dp] seconds the worker's host took to start each op: its launch delay
+    (clipped at 0) less any part of it in which the worker still ran the own work that
+    precedes the op in its order of work (`DependencyModel.host_predecessor`). A 1F1B stage
+    posts a backward's receive after its next forward: the receive's launch delay holds
+    that forward, and a forward straggler would read as a slow host too. Where a step ran
+    the two in another order, the launch delay stands.
+
+    >>> from lagscope.simulator.generate import JobSpec, generate_job
+    >>> job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=2, seed=1))
+    >>> prepared = prepare(job.trace, job.meta)
+    >>> gaps = host_gaps(prepared)
+    >>> bool((gaps >= 0).all() and (gaps <= np.clip(prepared.launch_delay, 0, None)).all())
+    True
+    """
+    gaps = np.maximum(prepared.launch_delay, 0.0)
+    rows, before = prepared.model.host_predecessor_rows
+    if not rows.size:
+        return gaps
+    # np.take: a streamed job asks for these every step, and it gathers rows faster.
+    since = np.take(prepared.start, rows, axis=0)
+    since -= np.take(prepared.start, before, axis=0)
+    since -= np.take(prepared.duration, before, axis=0)
+    # The predecessor still ran past the op's start: this step ran them in another order.
+    np.putmask(since, since < -LAUNCH_TOLERANCE_S, np.inf)
+    np.maximum(since, 0.0, out=since)
+    gaps[rows] = np.minimum(np.take(gaps, rows, axis=0), since, out=since)
+    return gaps
 
 
 def apply_clock_offsets(prepared: PreparedTrace, offset_s: np.ndarray) -> PreparedTrace:

@@ -132,8 +132,14 @@ def _decode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
     if "$dataclass" in value:
         cls = _DATACLASSES[value["$dataclass"]]  # only the listed classes, nothing else
         declared = {f.name for f in dataclasses.fields(cls)}
+        # A field added since the payload was written takes its default.
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         fields = value["fields"]
-        if set(fields) != declared:
+        if not required <= set(fields) <= declared:
             raise ValueError(f"{cls.__name__} fields {sorted(fields)} != {sorted(declared)}")
         return cls(**{name: _decode(v, arrays) for name, v in fields.items()})
     raise ValueError(f"unknown tag in {sorted(value)[:3]}")

@@ -3,6 +3,7 @@ the worker, a damaged one is passed over, and a good one restores the exact stat
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
@@ -44,6 +45,41 @@ def test_state_round_trips_exactly():
     assert back["arrays"][1].tobytes() == tree["arrays"][1].tobytes()  # bit for bit
     assert back["scalar"].dtype == np.float32 and back["scalar"] == tree["scalar"]
     assert np.isnan(back["nan"]) and back["bytes"] == b"\x00\xff" and back["none"] is None
+
+
+def test_a_model_written_before_a_field_was_added_reads_with_its_default():
+    """A snapshot of an older version lacks `DependencyModel.host_predecessor`: the job
+    resumes with its default (launch delays as its host time); an unknown field is
+    refused."""
+    import json
+    import zipfile
+
+    from lagscope.simulator.generate import JobSpec, generate_job
+    from lagscope.simulator.prepare import prepare
+
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=1))
+    model = prepare(job.trace, job.meta).model
+    assert model.host_predecessor is not None
+
+    def rewritten(change) -> bytes:
+        with zipfile.ZipFile(io.BytesIO(encode_state({"model": model}))) as old:
+            members = {name: old.read(name) for name in old.namelist()}
+        tree = np.load(io.BytesIO(members["__tree__.npy"]))
+        document = json.loads(tree.tobytes())
+        change(document["tree"]["$dict"][0][1]["fields"])
+        buffer = io.BytesIO()
+        np.save(buffer, np.frombuffer(json.dumps(document).encode(), dtype=np.uint8))
+        members["__tree__.npy"] = buffer.getvalue()
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as new:
+            for name, data in members.items():
+                new.writestr(name, data)
+        return out.getvalue()
+
+    older = decode_state(rewritten(lambda fields: fields.pop("host_predecessor")))
+    assert older["model"].host_predecessor is None and older["model"].deps == model.deps
+    with pytest.raises(SnapshotError, match="fields"):
+        decode_state(rewritten(lambda fields: fields.update(unknown=1)))
 
 
 def test_what_the_format_cannot_hold_is_refused_when_writing(tmp_path):

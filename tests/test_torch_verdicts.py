@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tests.torch_jobs import ddp, pipeline_1f1b
-from tests.torch_jobs.harness import Knobs, analyse, launch
+from tests.torch_jobs.harness import Knobs, analyse, launch, prepared_logs
 
 #: Real multi-process torch jobs (CPU, gloo), one per scenario: slow.
 pytestmark = pytest.mark.slow
@@ -169,18 +169,11 @@ def test_d_several_buckets_replay_within_5_percent(tmp_path: Path) -> None:
     """(d) DDP with several gradient buckets: every bucket is linked into the step (after
     a compute, before the optimizer), and each step's own measured durations and launch
     delays replayed through the what-if engine give its measured step time within 5 %."""
-    from lagscope.producers.events import decode_batch
-    from lagscope.producers.log import KIND_BATCH, Record, list_rank_dirs, read_all
     from lagscope.simulator import optypes as ot
     from lagscope.simulator.engine import compile_model, simulate
-    from lagscope.simulator.prepare import prepare
-    from lagscope.stream_app.step_compute import batches_to_trace
 
-    log_dir, job = _job(tmp_path, ddp.worker, **DDP, steps=24)
-    records = [item for d in list_rank_dirs(log_dir) for item in read_all(d)]
-    batches = [decode_batch(r.payload) for r in records
-               if isinstance(r, Record) and r.kind == KIND_BATCH]  # fmt: skip
-    prepared = prepare(batches_to_trace(batches, job.info.pp_size), job.info.to_meta())
+    log_dir, _ = _job(tmp_path, ddp.worker, **DDP, steps=24)
+    prepared = prepared_logs(log_dir)
     model = prepared.model
     buckets = [i for i, n in enumerate(model.nodes) if n.optype == ot.SEPARATE_GRADS_ALL_REDUCE]
     assert len(buckets) >= 3, [str(n) for n in model.nodes]

@@ -375,6 +375,24 @@ def recorded_ops(log_dir: str | Path) -> list[dict[str, Any]]:
     return ops
 
 
+def prepared_logs(log_dir: str | Path) -> Any:
+    """Every step every rank wrote, prepared for the what-if analysis as one trace (the
+    job's record gives its layout)."""
+    from lagscope.producers.events import decode_batch
+    from lagscope.producers.log import KIND_BATCH, Record, list_rank_dirs, read_all
+    from lagscope.simulator.prepare import prepare
+    from lagscope.stream_app.step_compute import batches_to_trace
+
+    info = job_records(log_dir)[0]
+    batches = [
+        decode_batch(item.payload)
+        for directory in list_rank_dirs(log_dir)
+        for item in read_all(directory)
+        if isinstance(item, Record) and item.kind == KIND_BATCH
+    ]
+    return prepare(batches_to_trace(batches, info.pp_size), info.to_meta())
+
+
 def job_records(log_dir: str | Path) -> list[Any]:
     """The job record (JobInfo) each rank wrote, in rank order."""
     from lagscope.producers.events import JobInfo
