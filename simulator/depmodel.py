@@ -65,11 +65,11 @@ class DependencyModel:
     has_dp_comm: bool
     #: Topological level of every node (comm groups contracted); computed when absent.
     level: np.ndarray | None = None
-    #: For every node, the own-work op of its stage that the worker ran last before it
-    #: (began before it and ended last by its start, in the reference slice), -1 for none:
-    #: the worker's order of work, which dependencies alone do not say (a 1F1B stage posts
-    #: a backward's receive after the next forward, on which the receive does not depend).
-    #: None in a model built without a slice.
+    #: For every node, the op of its stage that the worker ran or waited on last before it
+    #: (own work or a p2p transfer that began before it and ended last by its start, in the
+    #: reference slice), -1 for none: the worker's order of work, which dependencies alone
+    #: do not say (a 1F1B stage posts a backward's receive after the next forward, on
+    #: which the receive does not depend). None in a model built without a slice.
     host_predecessor: np.ndarray | None = None
 
     @property
@@ -435,10 +435,13 @@ def _latest_ended_before(ops: list[_SliceOp], time: float) -> _SliceOp | None:
 
 def _host_predecessors(stage_ops: dict[int, list[_SliceOp]], n_nodes: int) -> np.ndarray:
     """`DependencyModel.host_predecessor` from the slice's ops of each stage: for each op,
-    `_latest_ended_before` among the stage's own-work ops (the op itself left out)."""
+    `_latest_ended_before` among the stage's own-work and p2p ops (the op itself left
+    out). A p2p op ends where the worker's wait for it returned (gloo) or on its stream
+    (CUDA events); a collective's end can be stamped by another thread's callback at any
+    time, a host stall included, so it is no predecessor."""
     found = np.full(n_nodes, -1, dtype=np.int64)
     for ops in stage_ops.values():
-        own = [o for o in ops if ot.is_compute(o.optype)]
+        own = [o for o in ops if ot.is_compute(o.optype) or o.optype in ot.P2P_OPTYPES]
         if not own:
             continue
         own_node = np.array([o.node for o in own])

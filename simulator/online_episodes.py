@@ -60,7 +60,7 @@ hosts name on top of this detector: an episode only once it has cost the job eno
 (`episode_diagnosis.costs_the_job`), which leaves one of the recorded stragglers unnamed.
 Host time became the host gaps on 2026-11-28 (it had been the launch delays, which on a
 1F1B stage hold the forward before each backward receive: a forward straggler opened as a
-slow host in a live CI run); the 16 recordings read as before.
+slow host in a live CI run); the 19 recordings of 2026-11-27 read as before.
 
 State (`state_dict` / `from_state`) is plain arrays and numbers: a host snapshots it with
 the rest of its step processor.

@@ -532,11 +532,13 @@ def _launch_delays(model: DependencyModel, start: np.ndarray, end: np.ndarray) -
 
 def host_gaps(prepared: PreparedTrace) -> np.ndarray:
     """[node, step, dp] seconds the worker's host took to start each op: its launch delay
-    (clipped at 0) less any part of it in which the worker still ran the own work that
-    precedes the op in its order of work (`DependencyModel.host_predecessor`). A 1F1B stage
-    posts a backward's receive after its next forward: the receive's launch delay holds
-    that forward, and a forward straggler would read as a slow host too. Where a step ran
-    the two in another order, the launch delay stands.
+    (clipped at 0) less any part of it in which the worker still ran, or waited on, the op
+    that precedes it in its order of work (`DependencyModel.host_predecessor`). A 1F1B
+    stage posts a backward's receive after its next forward: the receive's launch delay
+    holds that forward, and a forward straggler would read as a slow host too; a stage
+    that waits on its sends at the end of a step launches its gradient all-reduce after
+    that wait, which a slow peer lengthens. Where a step ran the two in another order, the
+    launch delay stands.
 
     >>> from lagscope.simulator.generate import JobSpec, generate_job
     >>> job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=2, seed=1))

@@ -57,8 +57,17 @@ def test_a_recorded_healthy_job_stays_quiet(name: str, tmp_path: Path) -> None:
     assert job.diagnosis.cause == "none", job.diagnosis.summary
 
 
+def test_a_host_stalling_from_the_start_is_the_runs_slow_host(tmp_path: Path) -> None:
+    """1f1b-hoststart-0: the worker at dp 1, pp 0 stalls after each op from the first step.
+    Its pipeline partner waits on the sends to it at the end of each step, and one of its
+    launch delays then holds that wait: its host gaps (`prepare.host_gaps`) must not."""
+    job = _analysed("1f1b-hoststart-0", tmp_path)
+    assert job.diagnosis.cause == "slow_host", job.diagnosis.summary
+    assert "(dp 1, pp 0)" in job.diagnosis.summary, job.diagnosis.summary
+
+
 @pytest.mark.slow  # every recorded real job analysed (~12 s)
 def test_recorded_stragglers_are_named_right_or_not_at_all(tmp_path: Path) -> None:
-    stragglers = [n for n in NAMES if "-clean-" not in n]
+    stragglers = [n for n in NAMES if "-clean-" not in n and n != "1f1b-hoststart-0"]
     found = [name for name in stragglers if _found(_analysed(name, tmp_path / name), name)]
     assert len(found) >= FOUND_AT_LEAST * len(stragglers), (found, stragglers)
