@@ -441,22 +441,22 @@ def _host_predecessors(stage_ops: dict[int, list[_SliceOp]], n_nodes: int) -> np
     time, a host stall included, so it is no predecessor."""
     found = np.full(n_nodes, -1, dtype=np.int64)
     for ops in stage_ops.values():
-        own = [o for o in ops if ot.is_compute(o.optype) or o.optype in ot.P2P_OPTYPES]
-        if not own:
+        candidates = [o for o in ops if ot.is_compute(o.optype) or o.optype in ot.P2P_OPTYPES]
+        if not candidates:
             continue
-        own_node = np.array([o.node for o in own])
-        own_start = np.array([o.start for o in own])
-        own_end = np.array([o.end for o in own])
+        before_node = np.array([o.node for o in candidates])
+        before_start = np.array([o.start for o in candidates])
+        before_end = np.array([o.end for o in candidates])
         node = np.array([o.node for o in ops])
         start = np.array([o.start for o in ops])[:, None]
         ended = (
-            (own_start < start)
-            & (own_end <= start + LAUNCH_TOLERANCE_S)
-            & (own_node[None, :] != node[:, None])
+            (before_start < start)
+            & (before_end <= start + LAUNCH_TOLERANCE_S)
+            & (before_node[None, :] != node[:, None])
         )
-        latest = np.where(ended, own_end, -np.inf).argmax(axis=1)
+        latest = np.where(ended, before_end, -np.inf).argmax(axis=1)
         has = ended.any(axis=1)
-        found[node[has]] = own_node[latest[has]]
+        found[node[has]] = before_node[latest[has]]
     found.flags.writeable = False
     return found
 

@@ -52,7 +52,7 @@ def lost_seconds(
     cost = prepared.cost.astype(np.float64)
     if kind == HOST:
         # Its host gaps scaled down to the level before; the rest of each launch delay
-        # (the worker's own work before the op) stays.
+        # (what the worker ran or waited on before the op) stays.
         rows = node_stage == stage
         delay = prepared.launch_delay.astype(np.float64)
         gaps = host_gaps(prepared)[rows, :, dp].astype(np.float64)

@@ -81,7 +81,7 @@ from lagscope.simulator.medians import median_along, median_of_others
 from lagscope.simulator.noise import own_work_mask
 from lagscope.simulator.prepare import PreparedTrace, host_gaps
 
-#: The kind of a worker's time spent between its ops (the launch delays of its ops).
+#: The kind of a worker's time spent between its ops (the host gaps of its ops).
 HOST = "host"
 
 #: MAD of a normal sample times this factor estimates its standard deviation.
