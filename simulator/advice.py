@@ -54,6 +54,18 @@ def advise_relieve_host(who: str, speedup: float) -> Advice:
     )
 
 
+def advise_synchronised_gc(who: str, speedup: float, interval: int) -> Advice:
+    """A worker whose own collections stall it (its peers do not pause then): collect on
+    every rank at once, at planned steps, so that nobody waits for one rank's pauses."""
+    return Advice(
+        "planned garbage collection",
+        f"{who} pauses for Python garbage collection while its peers do not: gc.freeze() "
+        f"after setup, then gc.disable() and gc.collect() on every rank together every "
+        f"{interval} steps (Megatron: --manual-gc --manual-gc-interval {interval})",
+        speedup,
+    )
+
+
 def advise_faster_input(who: str, speedup: float) -> Advice:
     """An input-starved worker is fed faster where it runs."""
     return Advice(

@@ -6,6 +6,13 @@ durations of its ops of that op type, or for `host` its host gaps (`prepare.host
 scaled down to that level and replayed through the dependency model. A straggler whose
 extra time the pipeline absorbs (it waited anyway) costs nothing; one every rank waits for
 costs all of it. The job loses that many seconds on every GPU, so GPU-seconds = seconds x GPUs.
+
+What the GC probe recorded inside the worker's ops of that kind is kept beside it: the
+pauses it had beyond its peers' in the same step, against how far its own time rose over
+its level before. A rank whose collections run when its peers' do not (its heap grew, its
+collector fires at other steps) is slow in the ops those pauses stall, and the episode
+names garbage collection, not its compute, when the pauses explain the rise
+(`episode_diagnosis.py`).
 """
 
 from __future__ import annotations
@@ -73,6 +80,33 @@ def lost_seconds(
     return np.maximum(times[:n_steps] - times[n_steps:], 0.0)
 
 
+def gc_beyond_peers(prepared: PreparedTrace, worker: tuple[int, int], kind: str) -> np.ndarray:
+    """[step]: seconds of recorded GC pause inside `worker`'s (dp, stage) ops of `kind`
+    beyond the median of its peers' (the other DP ranks of its stage; with one DP rank the
+    other stages); zeros without the GC probe, or for `host` (a pause is recorded inside
+    the op it stalls, not between ops).
+
+    >>> from lagscope.simulator.generate import GcPauses, JobSpec, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> job = generate_job(JobSpec(dp=2, pp=1, microbatches=2, steps=3, seed=1,
+    ...     stragglers=(GcPauses(probability=1.0, pause_s=0.01, dp=1, stage=0),)))
+    >>> [round(float(s), 3) for s in gc_beyond_peers(prepare(job.trace, job.meta), (1, 0),
+    ...                                              "forward-compute")]
+    [0.02, 0.02, 0.02]
+    """
+    if prepared.gc_pause is None or kind == HOST:
+        return np.zeros(prepared.n_steps)
+    dp, stage = worker
+    pauses = prepared.stage_sums(prepared.gc_pause, kind)  # [step, stage, dp]
+    if prepared.n_dp > 1:
+        peers = np.delete(pauses[:, stage, :], dp, axis=1)
+    elif prepared.n_stages > 1:
+        peers = np.delete(pauses[:, :, dp], stage, axis=1)
+    else:
+        return pauses[:, stage, dp]
+    return np.maximum(pauses[:, stage, dp] - np.median(peers, axis=1), 0.0)
+
+
 @dataclass(frozen=True)
 class EpisodeCost:
     """What an episode cost the job so far, summed over its steps."""
@@ -87,6 +121,10 @@ class EpisodeCost:
     steps: int = 0
     #: The latest steps' lost seconds, oldest first.
     recent: tuple[float, ...] = field(default=())
+    #: The worker's own seconds of the episode's kind above its level before, and its
+    #: recorded GC pauses in those ops beyond its peers' (`gc_beyond_peers`), summed.
+    rise_s: float = 0.0
+    gc_s: float = 0.0
 
     @property
     def share(self) -> float:
@@ -122,7 +160,22 @@ class EpisodeCost:
             return 1.0
         return self.measured_s / (self.measured_s - self.lost_s)
 
-    def plus(self, lost_s: float, excess_s: float, measured_s: float) -> EpisodeCost:
+    @property
+    def gc_share(self) -> float:
+        """Share of the worker's rise that its own GC pauses (beyond its peers') explain
+        (0-1).
+
+        >>> EpisodeCost(rise_s=0.4, gc_s=0.1).gc_share
+        0.25
+        """
+        if self.rise_s <= 0:
+            return 0.0
+        return float(min(max(self.gc_s / self.rise_s, 0.0), 1.0))
+
+    def plus(
+        self, lost_s: float, excess_s: float, measured_s: float, rise_s: float = 0.0,
+        gc_s: float = 0.0,
+    ) -> EpisodeCost:  # fmt: skip
         """This cost with one more step's."""
         return EpisodeCost(
             self.lost_s + max(lost_s, 0.0),
@@ -130,4 +183,6 @@ class EpisodeCost:
             self.measured_s + measured_s,
             self.steps + 1,
             (*self.recent, float(lost_s))[-_STEPS_KEPT:],
+            self.rise_s + max(rise_s, 0.0),
+            self.gc_s + max(gc_s, 0.0),
         )

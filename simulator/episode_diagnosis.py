@@ -15,7 +15,12 @@ Causes, by the kind that rose:
 - `slow_host`: `host`: the worker's host takes longer between its ops (launch delays)
   while its ops take their usual time: a busy or throttled CPU, Python work between ops,
   data prepared outside the loader. GC pauses are not this: they are recorded inside the
-  ops they stall, and named from the GC probe's evidence.
+  ops they stall, and named from the GC probe's evidence;
+- `gc_pauses`: any kind but `host`, when the GC probe recorded pauses inside the worker's
+  ops of that kind, beyond its peers' in the same steps, that explain `explains_share` of
+  its rise (`EpisodeCost.gc_share`): its collections stall it while its peers run (its
+  heap grew, its collector fires at other steps than theirs), and planned collections on
+  every rank at once are the fix, not its accelerator.
 
 Bounds: the detector opens an episode after seeing its first steps and closes it a few
 steps after the worker recovered; with the steps on both sides in hand, `refined_bounds`
@@ -28,7 +33,13 @@ from __future__ import annotations
 import numpy as np
 
 from lagscope.simulator import optypes as ot
-from lagscope.simulator.advice import FIX_IN_PLACE, Advice, advise_removal, escalation
+from lagscope.simulator.advice import (
+    FIX_IN_PLACE,
+    Advice,
+    advise_removal,
+    advise_synchronised_gc,
+    escalation,
+)
 from lagscope.simulator.causes import Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
 from lagscope.simulator.episode_cost import EpisodeCost
@@ -53,6 +64,21 @@ def cause_of(kind: str) -> Cause:
     ['slow_workers', 'slow_input', 'slow_host']
     """
     return CAUSE_OF_KIND.get(kind, Cause.SLOW_WORKERS)
+
+
+def episode_cause(kind: str, cost: EpisodeCost, settings: DiagnosisSettings | None = None) -> Cause:
+    """The cause an episode of `kind` names with `cost` so far: garbage collection where
+    the worker's own recorded pauses explain its rise, else by its kind (`cause_of`).
+
+    >>> str(episode_cause("forward-compute", EpisodeCost(rise_s=0.4, gc_s=0.3)))
+    'gc_pauses'
+    >>> str(episode_cause("forward-compute", EpisodeCost(rise_s=0.4, gc_s=0.1)))
+    'slow_workers'
+    """
+    cfg = settings or DiagnosisSettings()
+    if kind != HOST and cost.gc_share >= cfg.explains_share:
+        return Cause.GC_PAUSES
+    return cause_of(kind)
 
 
 def costs_the_job(cost: EpisodeCost, settings: DiagnosisSettings | None = None) -> bool:
@@ -96,7 +122,7 @@ def episode_diagnosis(
     cfg = settings or DiagnosisSettings()
     worker = Worker(episode.dp, episode.stage)
     who = worker.label()
-    cause = cause_of(episode.kind)
+    cause = episode_cause(episode.kind, cost, cfg)
     summary = _summary(episode, cause, cost, n_gpus)
     facts = EpisodeFacts(
         id=episode.episode_id,
@@ -119,7 +145,7 @@ def episode_diagnosis(
         episode=facts,
         refuted_actions=refuted,
     )
-    advice = _advice(cause, episode, who, cost, resplit)
+    advice = _advice(cause, who, cost, resplit, cfg)
     ladder = escalation(cost.lost_s * n_gpus, n_gpus, cfg, cause, refuted)
     return Diagnosis(cause, summary, Evidence(finding=finding), advice, ladder)
 
@@ -142,6 +168,12 @@ def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: in
             f"the host of worker {who} stalls between its ops since step {episode.onset} "
             f"{until}: {how}; its ops take their usual time; {costs}"
         )
+    if cause == Cause.GC_PAUSES:
+        return (
+            f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: "
+            f"{how}; its recorded GC pauses (beyond its peers') explain {cost.gc_share:.0%} "
+            f"of the rise: Python garbage collection; {costs}"
+        )
     return (
         f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: {how}; {costs}"
     )
@@ -155,9 +187,11 @@ def _times(value: float, level: float) -> str:
 
 
 def _advice(
-    cause: Cause, episode: WorkerEpisode, who: str, cost: EpisodeCost, resplit: Advice | None
+    cause: Cause, who: str, cost: EpisodeCost, resplit: Advice | None, cfg: DiagnosisSettings
 ) -> tuple[Advice, ...]:
     speedup = cost.speedup
+    if cause == Cause.GC_PAUSES:
+        return (advise_synchronised_gc(who, speedup, cfg.planned_gc_interval_steps),)
     fix_in_place = FIX_IN_PLACE.get(cause)
     if fix_in_place is not None:
         return (fix_in_place(who, speedup), advise_removal(who, speedup))

@@ -68,12 +68,15 @@ class SequenceImbalance(_Injection):
 
 
 class GcPauses(_Injection):
-    """Python GC pauses on random ranks, during forward compute only."""
+    """Python GC pauses on random ranks, during forward compute only; with `dp` and
+    `stage`, only that worker's (a rank whose heap grew: its collections, not its peers')."""
 
     kind: Literal["gc_pauses"] = "gc_pauses"
     #: Probability that a given forward compute is hit by a pause.
     probability: float = Field(default=0.05, ge=0, le=1)
     pause_s: PositiveFloat = 0.2
+    dp: int | None = Field(default=None, ge=0)
+    stage: int | None = Field(default=None, ge=0)
 
 
 class SlowLink(_Injection):
@@ -157,7 +160,7 @@ class JobSpec(BaseModel):
         for inj in self.stragglers:
             if getattr(inj, "dp", None) is not None and inj.dp >= self.dp:
                 raise ValueError(f"{inj.kind}: dp {inj.dp} outside 0..{self.dp - 1}")
-            if hasattr(inj, "stage") and inj.stage >= self.pp:
+            if getattr(inj, "stage", None) is not None and inj.stage >= self.pp:
                 raise ValueError(f"{inj.kind}: stage {inj.stage} outside 0..{self.pp - 1}")
         return self
 
@@ -415,6 +418,10 @@ def _apply_injections(
         elif isinstance(inj, GcPauses):
             hit = rng.random(cost.shape) < inj.probability
             hit &= is_forward[:, None, None] & steps[None, :, None]
+            if inj.stage is not None:
+                hit &= (stage == inj.stage)[:, None, None]
+            if inj.dp is not None:
+                hit &= (np.arange(n_dp) == inj.dp)[None, None, :]
             cost += np.where(hit, inj.pause_s, 0.0)
             gc_pause += np.where(hit, inj.pause_s, 0.0)
         elif isinstance(inj, SlowLink):

@@ -165,7 +165,10 @@ def verdict_of(diagnosis: Diagnosis, recovered_at: int | None = None) -> Verdict
     episode ended at, when it has."""
     evidence = diagnosis.evidence
     workers: tuple[tuple[int, int], ...] = ()
-    if diagnosis.cause in WORKER_CAUSES:
+    # A run's GC pauses are the whole job's; an episode's are one worker's, named.
+    if diagnosis.cause in WORKER_CAUSES or (
+        diagnosis.cause == Cause.GC_PAUSES and evidence.named_workers
+    ):
         named = evidence.named_workers or (
             evidence.figures.mw_workers if evidence.figures is not None else ()
         )

@@ -41,7 +41,7 @@ import numpy as np
 
 from lagscope.simulator.advice import Advice, advise_resplit
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
-from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
+from lagscope.simulator.episode_cost import EpisodeCost, gc_beyond_peers, lost_seconds
 from lagscope.simulator.episode_diagnosis import (
     costs_the_job,
     episode_diagnosis,
@@ -263,13 +263,13 @@ class LiveJob:
         cost: EpisodeCost,
     ) -> EpisodeCost:
         """`cost` with one more step's (`times`: its measured, no-delay, ideal time)."""
-        lost = float(
-            lost_seconds(prepared, (episode.dp, episode.stage), episode.kind,
-                         episode.level_before)[0]
-        )  # fmt: skip
+        worker = (episode.dp, episode.stage)
+        lost = float(lost_seconds(prepared, worker, episode.kind, episode.level_before)[0])
         actual, nodelay, ideal = times
         excess = (actual if episode.kind == HOST else nodelay) - ideal
-        return cost.plus(lost, excess, actual)
+        own = float(worker_signals(prepared, [episode.kind])[0, 0, episode.stage, episode.dp])
+        gc = float(gc_beyond_peers(prepared, worker, episode.kind)[0])
+        return cost.plus(lost, excess, actual, own - episode.level_before, gc)
 
     def _state(self, episode: WorkerEpisode, step: int, *, final: bool = False) -> EpisodeState:
         first_seen, shown_id = self.named.get(

@@ -12,6 +12,7 @@ from lagscope.producers.log import KIND_BATCH, Record, rank_dir, read_all
 from lagscope.producers.timer import OpTimer
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.diagnose import diagnose
+from lagscope.simulator.episode_cost import gc_beyond_peers
 from lagscope.simulator.generate import (
     CostModel,
     GcPauses,
@@ -21,7 +22,9 @@ from lagscope.simulator.generate import (
 )
 from lagscope.simulator.prepare import prepare
 from lagscope.simulator.trace import Trace
-from lagscope.simulator.whatif import analyze
+from lagscope.simulator.verdict import verdict_of
+from lagscope.simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, analyze
+from lagscope.stream_app.job_analysis import trace_story
 from lagscope.stream_app.processor import StepProcessor
 from tests.test_processor import stream_of
 
@@ -141,3 +144,54 @@ def test_pauses_that_do_not_coincide_with_the_slowdown_are_not_the_cause():
     diagnosis = diagnose(analyze(prepared), prepared)
     assert diagnosis.cause == "last_stage_imbalance", diagnosis.summary
     assert diagnosis.evidence.figures.gc.explained < 0.2
+
+
+def _story(trace: Trace, job) -> tuple:
+    """The run's verdict and its episodes, as `lagscope analyze` and the hosts tell them."""
+    prepared = prepare(trace, job.meta)
+    rollup = analyze(prepared)
+    story, episodes = trace_story(prepared, rollup, diagnose(rollup, prepared), job.meta,
+                                  decompose_threshold=DEFAULT_DECOMPOSE_THRESHOLD)  # fmt: skip
+    return verdict_of(story), episodes
+
+
+def test_a_worker_whose_own_collections_stall_it_is_named_for_them():
+    """One rank pauses in every forward of steps 12-29 (its heap grew; its peers do not
+    collect then): its episode, and the run's verdict, name garbage collection on that
+    worker, with planned collections as the fix; without the probe's records the same
+    rise is only a slow forward."""
+    job = generate_job(
+        JobSpec(dp=4, pp=2, microbatches=4, steps=40, cost=BALANCED, seed=5, stragglers=(
+            GcPauses(probability=1.0, pause_s=0.06, dp=1, stage=0, start_step=12, end_step=30),
+        ))
+    )  # fmt: skip
+    verdict, [episode] = _story(job.trace, job)
+    assert (episode.episode.dp, episode.episode.stage) == (1, 0)
+    assert episode.episode.kind == ot.FORWARD_COMPUTE
+    assert abs(episode.episode.onset - 12) <= 1 and abs(episode.episode.recovery - 30) <= 1
+    assert episode.diagnosis.cause == "gc_pauses", episode.diagnosis.summary
+    assert episode.cost.gc_share > 0.9
+    assert "garbage collection" in episode.diagnosis.summary
+    assert "--manual-gc" in episode.diagnosis.advice[0].detail
+    assert verdict.cause == "gc_pauses" and verdict.workers == ((1, 0),)
+    assert verdict.action == "planned garbage collection"
+
+    verdict, [episode] = _story(_without_pauses(job.trace), job)
+    assert episode.diagnosis.cause == "slow_workers" and episode.cost.gc_s == 0
+    assert verdict.cause == "slow_workers" and verdict.workers == ((1, 0),)
+
+
+def test_pauses_its_peers_have_too_are_not_a_worker_s_own():
+    """Every rank pausing in every forward is the job's collector, no one's straggler:
+    only the pauses beyond a worker's peers' count as its own."""
+    everyone = GcPauses(probability=1.0, pause_s=0.03)
+    alone = GcPauses(probability=1.0, pause_s=0.03, dp=1, stage=0)
+    for stragglers, own in (((everyone,), 0.0), ((alone,), 0.12), ((everyone, alone), 0.12)):
+        job = generate_job(
+            JobSpec(dp=4, pp=2, microbatches=4, steps=3, cost=BALANCED, stragglers=stragglers)
+        )
+        prepared = prepare(job.trace, job.meta)
+        for worker in ((1, 0), (2, 0), (1, 1)):
+            expected = own if worker == (1, 0) else 0.0
+            beyond = gc_beyond_peers(prepared, worker, ot.FORWARD_COMPUTE)
+            assert np.allclose(beyond, expected), (stragglers, worker, beyond)
