@@ -6,10 +6,11 @@ ClickHouse HTTP interface over chDB, `tests.chdb_http_server`): `lagscope run --
 and `lagscope stream` -> the real broker -> two `lagscope worker`s of one group. The
 test polls the store as Grafana would, every quarter second:
 
-- a straggler (its forward 2x slower, or its host stalling between its ops, for steps
-  15-44): the `episodes` table names the worker, its machine and what it is slow in while
-  it is still slow, within a few steps of its onset; the alert rule on open episodes
-  fires for it then; the job's final verdict says the same;
+- a straggler (its forward 2x slower, its host stalling between its ops, or its own
+  garbage collections pausing its forward as long again, for steps 15-44): the `episodes`
+  table names the worker, its machine, what it is slow in and why while it is still slow,
+  within a few steps of its onset; the alert rule on open episodes fires for it then; the
+  job's final verdict says the same;
 - a healthy job: no episode, no alert, no cause, at any time.
 """
 
@@ -34,7 +35,11 @@ SEEN_WITHIN = 10
 
 @pytest.mark.parametrize(
     ("phase", "cause", "op"),
-    [("forward", "slow_workers", "forward-compute"), ("host", "slow_host", "host")],
+    [
+        ("forward", "slow_workers", "forward-compute"),
+        ("host", "slow_host", "host"),
+        ("gc", "gc_pauses", "forward-compute"),
+    ],
 )
 def test_a_straggler_is_named_while_it_is_still_slow(
     kafka_bootstrap: str, kafka_topics: dict[str, str], tmp_path: Path, phase: str, cause: str,

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-PHASES = ("forward", "backward", "input", "host")
+PHASES = ("forward", "backward", "input", "host", "gc")
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -318,9 +318,32 @@ def straggler_model(knobs: Knobs, rank: int, seed: int, layers: int | None = Non
                 x = straggle.apply(x, self._backward_starts)
             if slow_forward:
                 time.sleep((knobs.slow_factor - 1.0) * (time.perf_counter() - began))
+            if knobs.slow(rank, self.step, "gc"):
+                collect_garbage((knobs.slow_factor - 1.0) * (time.perf_counter() - began))
             return x
 
     return StragglerMLP()
+
+
+#: Long-lived container objects of a rank whose collections are slow (phase `gc`).
+_HEAP: list[list[Any]] = []
+
+
+def collect_garbage(at_least_s: float) -> None:
+    """One full garbage collection of at least `at_least_s`: a job whose Python heap grew,
+    each of its collections a pause its peers wait for. The first call freezes the
+    process' heap so far (torch's own objects: a full collection of them alone takes
+    ~150 ms here) and grows a heap of tracked objects until a collection takes that long."""
+    import gc
+
+    if not _HEAP:
+        gc.freeze()
+    while True:
+        began = time.perf_counter()
+        gc.collect()
+        if (_HEAP and time.perf_counter() - began >= at_least_s) or len(_HEAP) >= 300:
+            return
+        _HEAP.append([[] for _ in range(10_000)])
 
 
 def slow_input_collate(knobs: Knobs, rank: int, batches_per_step: int) -> Callable[[Any], Any]:
