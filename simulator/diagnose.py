@@ -62,6 +62,7 @@ from lagscope.simulator.measures import (
     forward_backward_correlation,
     forward_outlier_shares,
     gc_pause_coincidence,
+    pausing_workers,
     peers_median,
     slow_comm_groups,
     verified_slow_workers,
@@ -400,9 +401,17 @@ def detect_gc_pauses(ctx: _Context) -> Diagnosis | None:
         f"recorded GC pauses explain {of_the_slowdown(explained)} and "
         f"{clamped_share(coincidence)} of the slow computes' excess: Python garbage collection"
     )
+    # A job that collects everywhere is the job's; pauses that one rank or a few hold are
+    # theirs (a heap that grew there), and the on-call needs to know which.
+    pausing, held = pausing_workers(prepared, cfg.explains_share)
+    finding = None
+    if pausing:
+        workers = tuple(Worker(dp, stage) for dp, stage in pausing)
+        summary += f", {held:.0%} of the pauses on {', '.join(w.label() for w in workers)}"
+        finding = Finding(named=workers)
     planned = advise_planned_gc(prepared, ctx.base_time, ctx.compiled,
                                 cfg.planned_gc_interval_steps)  # fmt: skip
-    return ctx.made(Cause.GC_PAUSES, summary, advice=(planned,) if planned else ())
+    return ctx.made(Cause.GC_PAUSES, summary, finding, advice=(planned,) if planned else ())
 
 
 def detect_within_noise(ctx: _Context) -> Diagnosis | None:

@@ -13,6 +13,7 @@ import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel
+from lagscope.simulator.medians import median_of_others
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
@@ -77,6 +78,65 @@ def without_gc_pauses(prepared: PreparedTrace) -> np.ndarray | None:
     cost = prepared.cost.astype(np.float64).copy()
     cost[compute] = np.maximum(cost[compute] - prepared.gc_pause[compute], 0.0)
     return cost
+
+
+#: Chance the named workers may have paused that often by luck, over all workers.
+_PAUSING_BY_CHANCE = 0.01
+
+
+def pausing_workers(prepared: PreparedTrace, share: float) -> tuple[list[tuple[int, int]], float]:
+    """Workers (dp, stage) that paused for GC longer than their peers (the other DP ranks
+    of their stage; with one DP rank the other stages) in at least `share` of the steps,
+    most paused first, and the share of all recorded pauses they hold; at most a quarter
+    of the workers (at least one), each far more often than the other workers do (their
+    rate could give it by chance with odds under 1 % over all workers: a Chernoff bound):
+    one rank whose heap grew, not a job that collects everywhere, where over a few steps
+    one rank pauses more than the rest by luck. ([], 0.0) when there are none.
+
+    >>> from lagscope.simulator.generate import GcPauses, JobSpec, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> def job(*pauses):
+    ...     spec = JobSpec(dp=4, pp=2, microbatches=4, steps=6, seed=1, stragglers=pauses)
+    ...     made = generate_job(spec)
+    ...     return prepare(made.trace, made.meta)
+    >>> pausing_workers(job(GcPauses(probability=1.0, pause_s=0.05, dp=1, stage=0)), 0.5)
+    ([(1, 0)], 1.0)
+    >>> pausing_workers(job(GcPauses(probability=0.2, pause_s=0.05)), 0.5)
+    ([], 0.0)
+    """
+    if prepared.gc_pause is None:
+        return [], 0.0
+    pauses = prepared.stage_sums(prepared.gc_pause)  # [step, stage, dp]
+    total = float(pauses.sum())
+    axis = 2 if prepared.n_dp > 1 else 1
+    if total <= 0 or pauses.shape[axis] < 2:
+        return [], 0.0
+    beyond = (pauses > median_of_others(pauses, axis)).mean(axis=0).ravel()  # [worker]
+    held = pauses.sum(axis=0).ravel()
+    frequent = np.flatnonzero(beyond >= share)
+    if not frequent.size or frequent.size > max(1, held.size // 4):
+        return [], 0.0
+    others = np.delete(beyond, frequent)
+    chance = _chance_at_least(beyond[frequent], float(others.mean()), prepared.n_steps)
+    frequent = frequent[chance * held.size < _PAUSING_BY_CHANCE]
+    if not frequent.size:
+        return [], 0.0
+    frequent = frequent[np.argsort(-held[frequent], kind="stable")]
+    stages, dps = np.unravel_index(frequent, pauses.shape[1:])
+    named = [(int(d), int(s)) for d, s in zip(dps, stages, strict=True)]
+    return named, float(held[frequent].sum() / total)
+
+
+def _chance_at_least(rates: np.ndarray, base: float, n: int) -> np.ndarray:
+    """Chernoff bound on the chance of a rate of at least `rates` in `n` trials of rate
+    `base`: exp(-n KL(rate || base)); 1 where the rate is not above it."""
+    rates = np.clip(rates, 1e-12, 1.0)
+    base = min(max(base, 1e-12), 1.0 - 1e-12)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl = rates * np.log(rates / base) + np.where(
+            rates < 1.0, (1.0 - rates) * np.log((1.0 - rates) / (1.0 - base)), 0.0
+        )
+    return np.where(rates > base, np.exp(-n * kl), 1.0)
 
 
 def gc_pause_coincidence(prepared: PreparedTrace, factor: float) -> float:

@@ -195,3 +195,19 @@ def test_pauses_its_peers_have_too_are_not_a_worker_s_own():
             expected = own if worker == (1, 0) else 0.0
             beyond = gc_beyond_peers(prepared, worker, ot.FORWARD_COMPUTE)
             assert np.allclose(beyond, expected), (stragglers, worker, beyond)
+
+
+def test_a_rank_pausing_from_the_start_is_named_by_the_run():
+    """One rank pauses in every forward from the first step: no episode (no level before
+    to rise from), and the run's GC diagnosis names where the pauses are; a job whose
+    ranks all pause now and then names nobody."""
+    job = generate_job(
+        JobSpec(dp=4, pp=2, microbatches=4, steps=20, cost=BALANCED, seed=5,
+                stragglers=(GcPauses(probability=1.0, pause_s=0.03, dp=2, stage=1),))
+    )  # fmt: skip
+    verdict, episodes = _story(job.trace, job)
+    assert episodes == []
+    assert verdict.cause == "gc_pauses" and verdict.workers == ((2, 1),), verdict.headline
+    assert "100% of the pauses on (dp 2, pp 1)" in verdict.headline, verdict.headline
+    everywhere, _ = _story(_gc_job(seed=2, steps=8).trace, _gc_job(seed=2, steps=8))
+    assert everywhere.cause == "gc_pauses" and everywhere.workers == (), everywhere.headline
