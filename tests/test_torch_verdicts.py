@@ -238,3 +238,20 @@ def test_a_healthy_job_on_real_compute_has_no_episode(tmp_path: Path) -> None:
     _, job = _job(tmp_path, pipeline_1f1b.worker, **REAL_COMPUTE, steps=64)
     assert job.episodes == [], [(e.onset, e.recovery, e.diagnosis.summary) for e in job.episodes]
     assert job.diagnosis.cause == "none", job.diagnosis.summary
+
+
+@pytest.mark.parametrize(
+    ("target", "knobs", "rank"), [(pipeline_1f1b.worker, PIPELINE, 2), (ddp.worker, DDP, 1)],
+    ids=["1f1b", "ddp"],
+)  # fmt: skip
+def test_a_rank_pausing_for_its_own_gc_from_the_start_is_named(
+    tmp_path: Path, target: object, knobs: dict, rank: int
+) -> None:
+    """A rank whose grown heap makes each of its forwards collect as long again, from the
+    first step: no episode (no level before), and the run's diagnosis names garbage
+    collection on that worker, with planned collections as the fix. Before, it named GC
+    and no worker."""
+    _, job = _job(tmp_path, target, **knobs, steps=40, slow_rank=rank, slow_phase="gc")
+    assert job.diagnosis.cause == "gc_pauses", job.diagnosis.summary
+    assert "of the pauses on (dp 1, pp 0)" in job.diagnosis.summary, job.diagnosis.summary
+    assert job.diagnosis.advice[0].action == "planned garbage collection"
