@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lagscope.simulator.engine import CompiledModel, simulate
+from lagscope.simulator.measures import peers_of
 from lagscope.simulator.online_episodes import HOST, worker_signals
 from lagscope.simulator.prepare import PreparedTrace, host_gaps
 
@@ -98,11 +99,8 @@ def gc_beyond_peers(prepared: PreparedTrace, worker: tuple[int, int], kind: str)
         return np.zeros(prepared.n_steps)
     dp, stage = worker
     pauses = prepared.stage_sums(prepared.gc_pause, kind)  # [step, stage, dp]
-    if prepared.n_dp > 1:
-        peers = np.delete(pauses[:, stage, :], dp, axis=1)
-    elif prepared.n_stages > 1:
-        peers = np.delete(pauses[:, :, dp], stage, axis=1)
-    else:
+    peers = peers_of(pauses, worker)
+    if peers is None:
         return pauses[:, stage, dp]
     return np.maximum(pauses[:, stage, dp] - np.median(peers, axis=1), 0.0)
 

@@ -13,7 +13,6 @@ import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel
-from lagscope.simulator.medians import median_of_others
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
@@ -108,10 +107,9 @@ def pausing_workers(prepared: PreparedTrace, share: float) -> tuple[list[tuple[i
         return [], 0.0
     pauses = prepared.stage_sums(prepared.gc_pause)  # [step, stage, dp]
     total = float(pauses.sum())
-    axis = 2 if prepared.n_dp > 1 else 1
-    if total <= 0 or pauses.shape[axis] < 2:
+    if total <= 0 or pauses.shape[1] * pauses.shape[2] < 2:
         return [], 0.0
-    beyond = (pauses > median_of_others(pauses, axis)).mean(axis=0).ravel()  # [worker]
+    beyond = (pauses > peers_median(pauses)).mean(axis=0).ravel()  # [worker]
     held = pauses.sum(axis=0).ravel()
     frequent = np.flatnonzero(beyond >= share)
     if not frequent.size or frequent.size > max(1, held.size // 4):
@@ -250,18 +248,25 @@ def verified_slow_workers(
     return sorted((ws for ws in shares if ws[1] >= min_share), key=lambda ws: -ws[1])
 
 
+def peers_of(values: np.ndarray, worker: tuple[int, int]) -> np.ndarray | None:
+    """[step, peer]: `values` ([step, stage, dp]) of `worker`'s (dp, stage) peers: the
+    other DP ranks of its stage, else the other stages; None for a job of one worker."""
+    dp, stage = worker
+    n_stages, n_dp = values.shape[1], values.shape[2]
+    if n_dp > 1:
+        return np.delete(values[:, stage, :], dp, axis=1)
+    if n_stages > 1:
+        return np.delete(values[:, :, dp], stage, axis=1)
+    return None
+
+
 def peers_median(values: np.ndarray) -> np.ndarray:
-    """[step, stage, dp]: the median of each worker's peers in each step: the other DP
-    ranks of its stage, else the other stages."""
+    """[step, stage, dp]: the median of each worker's peers in each step (`peers_of`)."""
     n_stages, n_dp = values.shape[1], values.shape[2]
     out = np.full_like(values, np.nan)
     for stage in range(n_stages):
         for dp in range(n_dp):
-            if n_dp > 1:
-                others = np.delete(values[:, stage, :], dp, axis=1)
-            elif n_stages > 1:
-                others = np.delete(values[:, :, 0], stage, axis=1)
-            else:
-                continue
-            out[:, stage, dp] = np.median(others, axis=1)
+            others = peers_of(values, (dp, stage))
+            if others is not None:
+                out[:, stage, dp] = np.median(others, axis=1)
     return out
