@@ -40,6 +40,7 @@ from lagscope.simulator.advice import (
     advise_relieve_host,
     advise_removal,
     advise_resplit,
+    advise_synchronised_gc,
     escalation,
     resimulated_step_time,
 )
@@ -61,6 +62,7 @@ from lagscope.simulator.measures import (
     COMPUTE_LABELS,
     forward_backward_correlation,
     forward_outlier_shares,
+    gc_beyond_peers,
     gc_pause_coincidence,
     pausing_workers,
     peers_median,
@@ -320,7 +322,9 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     not the work it did before an op) are persistently above its peers' (in the median
     step, as a straggler's own work must be), they are not the wait for its input (a rank
     starved of input also starts its next forward late), and replaying the job with only
-    its launch delays explains most of what the launch delays add."""
+    its launch delays explains most of what the launch delays add. Where the GC pauses
+    recorded in those gaps (beyond its peers') explain most of them, its host stalls for
+    its own garbage collections (a GPU's kernels keep their time): that is named."""
     result, prepared, cfg = ctx.result, ctx.prepared, ctx.cfg
     t_ideal = float(result.t_ideal.mean())
     launch_excess = float(np.mean(result.t_actual - result.t_nodelay))
@@ -339,6 +343,9 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     starved = waited >= cfg.host_input_wait_share * extra
     if ratio[stage, dp] < cfg.host_launch_ratio or extra <= 0 or starved:
         return None
+    beyond = np.clip(own[:, stage, dp] - peers[:, stage, dp], 0.0, None)
+    paused = gc_beyond_peers(prepared, (int(dp), int(stage)), HOST)
+    gc_share = float(paused.sum() / beyond.sum()) if beyond.sum() > 0 else 0.0
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=ctx.compiled)
     worker = Worker(int(dp), int(stage))
     (alone,) = analysis.run(
@@ -361,6 +368,15 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
         f"launch delays add to the job's steps (launch slowdown {result.launch_slowdown:.2f}); "
         f"its ops take their usual time"
     )
+    if gc_share >= cfg.explains_share:
+        # Its own collections hold back its launches (a GPU's kernels keep their time):
+        # the stalls are garbage collection, which planned collections fix, not its CPU.
+        summary += (
+            f"; its recorded GC pauses (beyond its peers') explain {clamped_share(gc_share)} "
+            "of the stalls: Python garbage collection"
+        )
+        planned = advise_synchronised_gc(who, speedup, cfg.planned_gc_interval_steps)
+        return ctx.made(Cause.GC_PAUSES, summary, finding, (planned,))
     advice = (advise_relieve_host(who, speedup), advise_removal(who, speedup))
     return ctx.made(Cause.SLOW_HOST, summary, finding, advice)
 

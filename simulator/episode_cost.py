@@ -7,11 +7,12 @@ scaled down to that level and replayed through the dependency model. A straggler
 extra time the pipeline absorbs (it waited anyway) costs nothing; one every rank waits for
 costs all of it. The job loses that many seconds on every GPU, so GPU-seconds = seconds x GPUs.
 
-What the GC probe recorded inside the worker's ops of that kind is kept beside it: the
-pauses it had beyond its peers' in the same step, against how far its own time rose over
-its level before. A rank whose collections run when its peers' do not (its heap grew, its
-collector fires at other steps) is slow in the ops those pauses stall, and the episode
-names garbage collection, not its compute, when the pauses explain the rise
+What the GC probe recorded inside the worker's ops of that kind (for `host`, inside its
+host gaps) is kept beside it: the pauses it had beyond its peers' in the same step, against
+how far its own time rose over its level before. A rank whose collections run when its
+peers' do not (its heap grew, its collector fires at other steps) is slow in the ops those
+pauses stall (on a GPU, in the launches they hold back), and the episode names garbage
+collection, not its compute or its host, when the pauses explain the rise
 (`episode_diagnosis.py`).
 """
 
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lagscope.simulator.engine import CompiledModel, simulate
-from lagscope.simulator.measures import peers_of
 from lagscope.simulator.online_episodes import HOST, worker_signals
 from lagscope.simulator.prepare import PreparedTrace, host_gaps
 
@@ -81,30 +81,6 @@ def lost_seconds(
     return np.maximum(times[:n_steps] - times[n_steps:], 0.0)
 
 
-def gc_beyond_peers(prepared: PreparedTrace, worker: tuple[int, int], kind: str) -> np.ndarray:
-    """[step]: seconds of recorded GC pause inside `worker`'s (dp, stage) ops of `kind`
-    beyond the median of its peers' (the other DP ranks of its stage; with one DP rank the
-    other stages); zeros without the GC probe, or for `host` (a pause is recorded inside
-    the op it stalls, not between ops).
-
-    >>> from lagscope.simulator.generate import GcPauses, JobSpec, generate_job
-    >>> from lagscope.simulator.prepare import prepare
-    >>> job = generate_job(JobSpec(dp=2, pp=1, microbatches=2, steps=3, seed=1,
-    ...     stragglers=(GcPauses(probability=1.0, pause_s=0.01, dp=1, stage=0),)))
-    >>> [round(float(s), 3) for s in gc_beyond_peers(prepare(job.trace, job.meta), (1, 0),
-    ...                                              "forward-compute")]
-    [0.02, 0.02, 0.02]
-    """
-    if prepared.gc_pause is None or kind == HOST:
-        return np.zeros(prepared.n_steps)
-    dp, stage = worker
-    pauses = prepared.stage_sums(prepared.gc_pause, kind)  # [step, stage, dp]
-    peers = peers_of(pauses, worker)
-    if peers is None:
-        return pauses[:, stage, dp]
-    return np.maximum(pauses[:, stage, dp] - np.median(peers, axis=1), 0.0)
-
-
 @dataclass(frozen=True)
 class EpisodeCost:
     """What an episode cost the job so far, summed over its steps."""
@@ -120,7 +96,7 @@ class EpisodeCost:
     #: The latest steps' lost seconds, oldest first.
     recent: tuple[float, ...] = field(default=())
     #: The worker's own seconds of the episode's kind above its level before, and its
-    #: recorded GC pauses in those ops beyond its peers' (`gc_beyond_peers`), summed.
+    #: recorded GC pauses in those ops beyond its peers' (`measures.gc_beyond_peers`), summed.
     rise_s: float = 0.0
     gc_s: float = 0.0
 

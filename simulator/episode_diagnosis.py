@@ -14,13 +14,13 @@ Causes, by the kind that rose:
   storage), a problem re-splitting micro-batches does not fix;
 - `slow_host`: `host`: the worker's host takes longer between its ops (launch delays)
   while its ops take their usual time: a busy or throttled CPU, Python work between ops,
-  data prepared outside the loader. GC pauses are not this: they are recorded inside the
-  ops they stall, and named from the GC probe's evidence;
-- `gc_pauses`: any kind but `host`, when the GC probe recorded pauses inside the worker's
-  ops of that kind, beyond its peers' in the same steps, that explain `explains_share` of
-  its rise (`EpisodeCost.gc_share`): its collections stall it while its peers run (its
-  heap grew, its collector fires at other steps than theirs), and planned collections on
-  every rank at once are the fix, not its accelerator.
+  data prepared outside the loader;
+- `gc_pauses`: any kind, when the GC probe recorded pauses inside the worker's ops of that
+  kind (for `host`, inside its host gaps: a GPU's kernels keep their time while the host's
+  collection holds back their launches), beyond its peers' in the same steps, that explain
+  `explains_share` of its rise (`EpisodeCost.gc_share`): its collections stall it while
+  its peers run (its heap grew, its collector fires at other steps than theirs), and
+  planned collections on every rank at once are the fix, not its accelerator or its host.
 
 Bounds: the detector opens an episode after seeing its first steps and closes it a few
 steps after the worker recovered; with the steps on both sides in hand, `refined_bounds`
@@ -74,9 +74,11 @@ def episode_cause(kind: str, cost: EpisodeCost, settings: DiagnosisSettings | No
     'gc_pauses'
     >>> str(episode_cause("forward-compute", EpisodeCost(rise_s=0.4, gc_s=0.1)))
     'slow_workers'
+    >>> str(episode_cause("host", EpisodeCost(rise_s=0.4, gc_s=0.3)))
+    'gc_pauses'
     """
     cfg = settings or DiagnosisSettings()
-    if kind != HOST and cost.gc_share >= cfg.explains_share:
+    if cost.gc_share >= cfg.explains_share:
         return Cause.GC_PAUSES
     return cause_of(kind)
 
@@ -168,11 +170,19 @@ def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: in
             f"the host of worker {who} stalls between its ops since step {episode.onset} "
             f"{until}: {how}; its ops take their usual time; {costs}"
         )
+    gc = (
+        f"its recorded GC pauses (beyond its peers') explain {cost.gc_share:.0%} of the "
+        "rise: Python garbage collection"
+    )
+    if cause == Cause.GC_PAUSES and episode.kind == HOST:
+        return (
+            f"the host of worker {who} stalls between its ops since step {episode.onset} "
+            f"{until}: {how}; {gc}; {costs}"
+        )
     if cause == Cause.GC_PAUSES:
         return (
             f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: "
-            f"{how}; its recorded GC pauses (beyond its peers') explain {cost.gc_share:.0%} "
-            f"of the rise: Python garbage collection; {costs}"
+            f"{how}; {gc}; {costs}"
         )
     return (
         f"worker(s) {who} slow in {episode.kind} since step {episode.onset} {until}: {how}; {costs}"

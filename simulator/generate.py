@@ -69,7 +69,9 @@ class SequenceImbalance(_Injection):
 
 class GcPauses(_Injection):
     """Python GC pauses on random ranks, during forward compute only; with `dp` and
-    `stage`, only that worker's (a rank whose heap grew: its collections, not its peers')."""
+    `stage`, only that worker's (a rank whose heap grew: its collections, not its peers').
+    With `between_ops`, a pause holds back the forward's launch instead of stretching it:
+    ops timed on a GPU, whose kernels keep their time while the host collects."""
 
     kind: Literal["gc_pauses"] = "gc_pauses"
     #: Probability that a given forward compute is hit by a pause.
@@ -77,6 +79,7 @@ class GcPauses(_Injection):
     pause_s: PositiveFloat = 0.2
     dp: int | None = Field(default=None, ge=0)
     stage: int | None = Field(default=None, ge=0)
+    between_ops: bool = False
 
 
 class SlowLink(_Injection):
@@ -393,13 +396,14 @@ def _apply_injections(
     rng: np.random.Generator,
 ) -> np.ndarray:
     """Scale `cost` / `delay` ([node, step, dp]) in place for every injected straggler;
-    returns the GC pause added to each op ([node, step, dp], what the GC probe records)."""
+    returns the GC pause added to each op ([node, step, dp], what the GC probe records):
+    inside the op, and before it (`GcPauses.between_ops`)."""
     n_steps, n_dp = spec.steps, spec.dp
     optype = np.array(model.node_optypes())
     stage = model.node_stage()
     is_compute = np.isin(optype, [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
     is_forward = optype == ot.FORWARD_COMPUTE
-    gc_pause = np.zeros_like(cost)
+    gc_pause, gc_before = np.zeros_like(cost), np.zeros_like(cost)
     for inj in spec.stragglers:
         steps = inj.active(n_steps)
         if isinstance(inj, SlowWorker):
@@ -422,8 +426,13 @@ def _apply_injections(
                 hit &= (stage == inj.stage)[:, None, None]
             if inj.dp is not None:
                 hit &= (np.arange(n_dp) == inj.dp)[None, None, :]
-            cost += np.where(hit, inj.pause_s, 0.0)
-            gc_pause += np.where(hit, inj.pause_s, 0.0)
+            paused = np.where(hit, inj.pause_s, 0.0)
+            if inj.between_ops:
+                delay += paused
+                gc_before += paused
+            else:
+                cost += paused
+                gc_pause += paused
         elif isinstance(inj, SlowLink):
             if inj.flap_period:
                 steps = steps & ((np.arange(n_steps) // inj.flap_period) % 2 == 0)
@@ -443,7 +452,7 @@ def _apply_injections(
             nodes = stage == inj.stage
             extra = rng.exponential(inj.delay_s, size=(int(nodes.sum()), int(steps.sum()), 1))
             delay[np.ix_(nodes, steps, [inj.dp])] += extra
-    return gc_pause
+    return gc_pause, gc_before
 
 
 def _sequence_cost_factors(
@@ -485,7 +494,7 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
         gaps = rng.exponential(spec.cost.launch_gap_s, size=(n, n_steps, n_dp))
         clean_delay = np.where(has_deps[:, None, None], gaps, 0.0)
     cost, delay = clean_cost.copy(), clean_delay.copy()
-    gc_pause = _apply_injections(spec, model, attrs, cost, delay, rng)
+    gc_pause, gc_before = _apply_injections(spec, model, attrs, cost, delay, rng)
 
     segments = np.arange(0, n_steps * n_dp, n_dp, dtype=np.int64)
     injected = simulate(
@@ -500,7 +509,7 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
     end = end - injected.timeline.start.reshape(n, n_steps, n_dp).min(axis=(0, 2), keepdims=True)
 
     step_ids = spec.first_step_id + np.arange(n_steps)
-    trace = _trace_from_timeline(spec, model, attrs, step_ids, start, end, gc_pause)
+    trace = _trace_from_timeline(spec, model, attrs, step_ids, start, end, gc_pause, gc_before)
     truth = GroundTruth(step_ids, injected.step_time, clean.step_time, spec.stragglers)
     return GeneratedJob(spec=spec, trace=trace, model=model, truth=truth)
 
@@ -513,12 +522,14 @@ def _trace_from_timeline(
     start: np.ndarray,
     end: np.ndarray,
     gc_pause: np.ndarray,
+    gc_before: np.ndarray,
 ) -> Trace:
     """The trace of a simulated timeline; each GC pause is recorded as the probe records
-    it: a `gc-pause` op at the start of the op it stalled."""
+    it: a `gc-pause` op at the start of the op it stalled, or ending where the op it held
+    back starts (`gc_before`)."""
     n, n_steps, n_dp = start.shape
     optypes = {node.optype for node in model.nodes}
-    paused = gc_pause > 0
+    paused = (gc_pause > 0) | (gc_before > 0)
     if paused.any():
         optypes.add(ot.GC_PAUSE)
     names = tuple(sorted(optypes))
@@ -549,7 +560,9 @@ def _trace_from_timeline(
         "mb_id": mb[grid_node],
     }
     if paused.any():
-        extra = _pause_rows(spec, stage, step_ids, start, gc_pause, names.index(ot.GC_PAUSE))
+        extra = _pause_rows(
+            spec, stage, step_ids, start, gc_pause, gc_before, names.index(ot.GC_PAUSE)
+        )
         for name, values in extra.items():
             columns[name] = np.concatenate([columns[name], values])
     order = np.lexsort((columns["seq_id"], columns["optype"], columns["rank"], columns["step"]))
@@ -563,15 +576,20 @@ def _pause_rows(
     step_ids: np.ndarray,
     start: np.ndarray,
     gc_pause: np.ndarray,
+    gc_before: np.ndarray,
     pause_code: int,
 ) -> dict[str, np.ndarray]:
-    """The `gc-pause` rows of the pauses in `gc_pause` ([node, step, dp] seconds): each at
-    the start of the op it stalled, numbered in its worker's step."""
-    paused = gc_pause > 0
-    p_node, p_step, p_dp = np.nonzero(paused)
+    """The `gc-pause` rows of the pauses in `gc_pause` and `gc_before` ([node, step, dp]
+    seconds): each at the start of the op it stalled, or ending where the op it held back
+    starts, numbered in its worker's step."""
+    cells = [(np.nonzero(gc_pause > 0), start, gc_pause),
+             (np.nonzero(gc_before > 0), start - gc_before, gc_before)]  # fmt: skip
+    p_node, p_step, p_dp = (np.concatenate([where[i] for where, _, _ in cells]) for i in range(3))
+    p_start = np.concatenate([at[where] for where, at, _ in cells])
+    p_duration = np.concatenate([seconds[where] for where, _, seconds in cells])
     p_stage = stage[p_node]
     # seq: order of the pause among its worker's pauses in the step.
-    order = np.lexsort((start[paused], p_dp, p_stage, p_step))
+    order = np.lexsort((p_start, p_dp, p_stage, p_step))
     key = np.stack([p_step, p_stage, p_dp])[:, order]
     new_group = np.concatenate(([True], (key[:, 1:] != key[:, :-1]).any(axis=0)))
     group_first = np.maximum.accumulate(np.where(new_group, np.arange(order.size), 0))
@@ -583,8 +601,8 @@ def _pause_rows(
         "rank": (p_stage * spec.dp + p_dp) * spec.tp,
         "step": step_ids[p_step],
         "optype": np.full(p_node.size, pause_code),
-        "start_ts": start[paused].astype(np.float32),
-        "duration": gc_pause[paused].astype(np.float32),
+        "start_ts": p_start.astype(np.float32),
+        "duration": p_duration.astype(np.float32),
         "seq_id": p_seq,
         "mc": np.full(p_node.size, -1),
         "gmc": np.full(p_node.size, -1),

@@ -13,6 +13,7 @@ import numpy as np
 
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel
+from lagscope.simulator.online_episodes import HOST
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
@@ -135,6 +136,32 @@ def _chance_at_least(rates: np.ndarray, base: float, n: int) -> np.ndarray:
             rates < 1.0, (1.0 - rates) * np.log((1.0 - rates) / (1.0 - base)), 0.0
         )
     return np.where(rates > base, np.exp(-n * kl), 1.0)
+
+
+def gc_beyond_peers(prepared: PreparedTrace, worker: tuple[int, int], kind: str) -> np.ndarray:
+    """[step]: seconds of recorded GC pause inside `worker`'s (dp, stage) ops of `kind`,
+    or for `host` inside the host gaps before its ops (`PreparedTrace.gc_gap_pause`: a
+    pause its host took between ops, as where ops are timed on the GPU), beyond the median
+    of its peers' (the other DP ranks of its stage; with one DP rank the other stages);
+    zeros without the GC probe.
+
+    >>> from lagscope.simulator.generate import GcPauses, JobSpec, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> job = generate_job(JobSpec(dp=2, pp=1, microbatches=2, steps=3, seed=1,
+    ...     stragglers=(GcPauses(probability=1.0, pause_s=0.01, dp=1, stage=0),)))
+    >>> [round(float(s), 3) for s in gc_beyond_peers(prepare(job.trace, job.meta), (1, 0),
+    ...                                              "forward-compute")]
+    [0.02, 0.02, 0.02]
+    """
+    recorded, optype = (prepared.gc_gap_pause, None) if kind == HOST else (prepared.gc_pause, kind)
+    if recorded is None:
+        return np.zeros(prepared.n_steps)
+    dp, stage = worker
+    pauses = prepared.stage_sums(recorded, optype)  # [step, stage, dp]
+    peers = peers_of(pauses, worker)
+    if peers is None:
+        return pauses[:, stage, dp]
+    return np.maximum(pauses[:, stage, dp] - np.median(peers, axis=1), 0.0)
 
 
 def gc_pause_coincidence(prepared: PreparedTrace, factor: float) -> float:

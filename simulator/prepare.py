@@ -69,6 +69,11 @@ class PreparedTrace:
     #: Seconds of recorded GC pause (the timer's GC probe) inside each op, [node, step,
     #: dp]; None when no pause was recorded (the probe off, or no collection ran).
     gc_pause: np.ndarray | None = None
+    #: Seconds of recorded GC pause inside each op's host gap (`host_gaps`: before the op,
+    #: while its host had yet to start it), [node, step, dp]; None where no pause fell in
+    #: a gap. Where ops are timed on the device (CUDA events) a host's collection stalls
+    #: its launches, not its kernels, and falls here.
+    gc_gap_pause: np.ndarray | None = None
 
     @property
     def n_steps(self) -> int:
@@ -113,6 +118,7 @@ class PreparedTrace:
             dropped_steps=self.dropped_steps,
             source=self.source,
             gc_pause=None if self.gc_pause is None else self.gc_pause[:, idx],
+            gc_gap_pause=None if self.gc_gap_pause is None else self.gc_gap_pause[:, idx],
         )
 
     def select_dp(self, dp_ranks: np.ndarray) -> PreparedTrace:
@@ -132,6 +138,7 @@ class PreparedTrace:
             dropped_steps=self.dropped_steps,
             source=self.source,
             gc_pause=None if self.gc_pause is None else self.gc_pause[:, :, dp_ranks],
+            gc_gap_pause=None if self.gc_gap_pause is None else self.gc_gap_pause[:, :, dp_ranks],
         )
 
 
@@ -147,10 +154,15 @@ def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
     def joined(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts], axis=1)
 
-    gc_pause = None
-    if any(p.gc_pause is not None for p in parts):
-        gc_pause = np.concatenate(
-            [np.zeros_like(p.duration) if p.gc_pause is None else p.gc_pause for p in parts],
+    def joined_pauses(name: str) -> np.ndarray | None:
+        # A part without pauses had none recorded: zeros beside the parts that had some.
+        if all(getattr(p, name) is None for p in parts):
+            return None
+        return np.concatenate(
+            [
+                np.zeros_like(p.duration) if getattr(p, name) is None else getattr(p, name)
+                for p in parts
+            ],
             axis=1,
         )
 
@@ -167,7 +179,8 @@ def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
         worker_rank=first.worker_rank,
         dropped_steps=tuple(d for p in parts for d in p.dropped_steps),
         source=first.source,
-        gc_pause=gc_pause,
+        gc_pause=joined_pauses("gc_pause"),
+        gc_gap_pause=joined_pauses("gc_gap_pause"),
     )
 
 
@@ -238,6 +251,13 @@ def prepare(
         if pauses is None
         else _pause_overlap(model, pauses, step_ids, origin, d_start, d_end),
     )
+    if pauses is not None:
+        gap_start = d_start - host_gaps(prepared).astype(np.float32)
+        in_gaps = _pause_overlap(model, pauses, step_ids, origin, gap_start, d_start)
+        # Kept only where a pause fell in a gap: a large job's steps hold one more array
+        # of their size otherwise.
+        if in_gaps.any():
+            prepared = dataclasses.replace(prepared, gc_gap_pause=in_gaps)
     if dropped:
         # Inputs of kept steps do not depend on other steps, so drop after deriving them.
         keep = ~np.isin(step_ids, [d.step for d in dropped])
@@ -381,10 +401,11 @@ def _pause_overlap(
     start: np.ndarray,
     end: np.ndarray,
 ) -> np.ndarray:
-    """Seconds of GC pause inside every op instance, [node, step, dp].
+    """Seconds of GC pause inside every op instance's interval `start`-`end` ([node, step,
+    dp]: the op itself, or the host gap before it), [node, step, dp].
 
-    A pause counts toward every op of its worker whose interval it overlaps (a pause in a
-    gap between ops counts toward none); pauses of steps or workers without ops are dropped.
+    A pause counts toward every op of its worker whose interval it overlaps (a pause
+    outside them counts toward none); pauses of steps or workers without ops are dropped.
     """
     _, n_steps, n_dp = start.shape
     out = np.zeros_like(start)

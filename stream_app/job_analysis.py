@@ -41,12 +41,13 @@ import numpy as np
 
 from lagscope.simulator.advice import Advice, advise_resplit
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
-from lagscope.simulator.episode_cost import EpisodeCost, gc_beyond_peers, lost_seconds
+from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
 from lagscope.simulator.episode_diagnosis import (
     costs_the_job,
     episode_diagnosis,
     refined_bounds,
 )
+from lagscope.simulator.measures import gc_beyond_peers
 from lagscope.simulator.online_episodes import (
     HOST,
     OnlineEpisodes,

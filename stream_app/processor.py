@@ -235,8 +235,10 @@ def _fingerprint(batch: RankStepBatch) -> tuple[int, int, bytes]:
 #: Fields of a retained step that are its own (the model and meta are the job's).
 _STEP_INPUTS = (
     "steps", "n_dp", "start", "duration", "cost", "launch_delay", "actual_step_time",
-    "worker_rank", "source", "gc_pause",
+    "worker_rank", "source", "gc_pause", "gc_gap_pause",
 )  # fmt: skip
+#: ... less those a snapshot of an earlier version lacks (none recorded, as then).
+_STEP_INPUTS_ADDED = ("gc_gap_pause",)
 
 
 def encode_step_inputs(prepared: PreparedTrace) -> bytes:
@@ -253,9 +255,11 @@ def decode_step_inputs(payload: bytes, where: str = "retained step") -> dict[str
     """The fields `encode_step_inputs` wrote; a payload of another shape is a
     SnapshotError."""
     inputs = decode_state(payload, where)
-    if not isinstance(inputs, dict) or set(inputs) != set(_STEP_INPUTS):
+    if not isinstance(inputs, dict) or not (
+        set(_STEP_INPUTS) - set(_STEP_INPUTS_ADDED) <= set(inputs) <= set(_STEP_INPUTS)
+    ):
         raise SnapshotError(f"{where}: not the inputs of a retained step")
-    return inputs
+    return {name: None for name in _STEP_INPUTS_ADDED} | inputs
 
 
 class _JobState:

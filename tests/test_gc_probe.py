@@ -12,7 +12,6 @@ from lagscope.producers.log import KIND_BATCH, Record, rank_dir, read_all
 from lagscope.producers.timer import OpTimer
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.diagnose import diagnose
-from lagscope.simulator.episode_cost import gc_beyond_peers
 from lagscope.simulator.generate import (
     CostModel,
     GcPauses,
@@ -20,6 +19,7 @@ from lagscope.simulator.generate import (
     LastStageImbalance,
     generate_job,
 )
+from lagscope.simulator.measures import gc_beyond_peers
 from lagscope.simulator.prepare import prepare
 from lagscope.simulator.trace import Trace
 from lagscope.simulator.verdict import verdict_of
@@ -211,3 +211,68 @@ def test_a_rank_pausing_from_the_start_is_named_by_the_run():
     assert "100% of the pauses on (dp 2, pp 1)" in verdict.headline, verdict.headline
     everywhere, _ = _story(_gc_job(seed=2, steps=8).trace, _gc_job(seed=2, steps=8))
     assert everywhere.cause == "gc_pauses" and everywhere.workers == (), everywhere.headline
+
+
+def test_a_host_stalled_by_its_own_collections_between_ops_is_named_for_them():
+    """On a GPU the kernels keep their time while the host collects: one rank's pauses
+    fall between its ops and hold back its launches. The pauses count toward the host gaps
+    they fall in, not toward an op; the episode (a host stall) and the run's verdict name
+    garbage collection on that worker; without the probe's records it is a slow host."""
+    job = generate_job(
+        JobSpec(dp=4, pp=2, microbatches=4, steps=40, cost=BALANCED, seed=5, stragglers=(
+            GcPauses(probability=1.0, pause_s=0.06, dp=1, stage=0, start_step=12, end_step=30,
+                     between_ops=True),
+        ))
+    )  # fmt: skip
+    prepared = prepare(job.trace, job.meta)
+    assert prepared.gc_pause is not None and prepared.gc_gap_pause is not None
+    # The computes do not hold them (the transfers in flight meanwhile do).
+    assert prepared.stage_sums(prepared.gc_pause, ot.FORWARD_COMPUTE).max() < 1e-6
+    in_gaps = prepared.stage_sums(prepared.gc_gap_pause)[:, 0, 1]  # [step] of (dp 1, pp 0)
+    # 4 forwards a step, each held back 0.06 s, in the slow steps only.
+    assert np.allclose(in_gaps[12:30], 0.24, atol=1e-3) and not in_gaps[:12].any(), in_gaps
+
+    verdict, [episode] = _story(job.trace, job)
+    assert (episode.episode.dp, episode.episode.stage, episode.episode.kind) == (1, 0, "host")
+    assert abs(episode.episode.onset - 12) <= 1 and abs(episode.episode.recovery - 30) <= 1
+    assert episode.diagnosis.cause == "gc_pauses", episode.diagnosis.summary
+    assert episode.cost.gc_share > 0.9
+    assert episode.diagnosis.summary.startswith("the host of worker (dp 1, pp 0) stalls")
+    assert "garbage collection" in episode.diagnosis.summary
+    assert verdict.cause == "gc_pauses" and verdict.workers == ((1, 0),), verdict.headline
+    assert verdict.action == "planned garbage collection"
+
+    verdict, [episode] = _story(_without_pauses(job.trace), job)
+    assert episode.diagnosis.cause == "slow_host" and episode.cost.gc_s == 0
+    assert verdict.cause == "slow_host" and verdict.workers == ((1, 0),)
+
+
+def test_a_host_collecting_between_ops_from_the_start_is_named_by_the_run():
+    """The same rank, pausing between its ops from the first step (no episode): the run's
+    host-stall diagnosis names its collections; pauses its peers have too do not count."""
+    alone = GcPauses(probability=1.0, pause_s=0.03, dp=2, stage=1, between_ops=True)
+    job = generate_job(
+        JobSpec(dp=4, pp=2, microbatches=4, steps=20, cost=BALANCED, seed=5, stragglers=(alone,))
+    )
+    verdict, episodes = _story(job.trace, job)
+    assert episodes == []
+    assert verdict.cause == "gc_pauses" and verdict.workers == ((2, 1),), verdict.headline
+    assert "stalls between its ops" in verdict.headline, verdict.headline
+    assert verdict.action == "planned garbage collection"
+    without, _ = _story(_without_pauses(job.trace), job)
+    assert without.cause == "slow_host" and without.workers == ((2, 1),), without.headline
+
+    everyone = GcPauses(probability=1.0, pause_s=0.03, between_ops=True)
+    for stragglers, own in (((everyone,), 0.0), ((everyone, alone), 0.12)):
+        prepared = prepare(*_job_of(stragglers))
+        for worker in ((2, 1), (1, 1), (2, 0)):
+            beyond = gc_beyond_peers(prepared, worker, "host")
+            expected = own if worker == (2, 1) else 0.0
+            assert np.allclose(beyond, expected, atol=0.005), (stragglers, worker, beyond)
+
+
+def _job_of(stragglers: tuple) -> tuple:
+    job = generate_job(
+        JobSpec(dp=4, pp=2, microbatches=4, steps=3, cost=BALANCED, stragglers=stragglers)
+    )
+    return job.trace, job.meta

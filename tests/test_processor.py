@@ -159,6 +159,29 @@ def test_restart_from_state_gives_identical_results(reference_dir, inputs_outsid
     assert p1.rollup(info.job_id).slowdown == p2.rollup(info.job_id).slowdown
 
 
+def test_retained_inputs_of_an_earlier_version_restore():
+    """A snapshot's retained step written before the GC pauses in host gaps were kept
+    restores with none (as then); one with a field no version wrote is refused."""
+    from lagscope.store.snapshot_format import SnapshotError
+    from lagscope.stream_app.processor import decode_step_inputs, encode_step_inputs
+
+    info, steps = stream_of("ST")
+    processor = StepProcessor()
+    processor.on_job(info)
+    for _, _, batches in steps[:3]:
+        for batch in batches:
+            processor.on_batch(batch)
+    (job,) = processor.jobs.values()
+    first = job.retained[0]
+    inputs = decode_state(encode_step_inputs(first))
+    del inputs["gc_gap_pause"]
+    restored = decode_step_inputs(encode_state(inputs))
+    assert restored["gc_gap_pause"] is None
+    assert restored["steps"].tolist() == first.steps.tolist()
+    with pytest.raises(SnapshotError, match="not the inputs of a retained step"):
+        decode_step_inputs(encode_state({**inputs, "unknown": 1}))
+
+
 def test_change_points_of_a_slow_worker_episode():
     spec = JobSpec(
         dp=2,
