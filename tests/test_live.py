@@ -7,7 +7,8 @@ and `lagscope stream` -> the real broker -> two `lagscope worker`s of one group.
 test polls the store as Grafana would, every quarter second:
 
 - a straggler (its forward 2x slower, its host stalling between its ops, or its own
-  garbage collections pausing its forward as long again, for steps 15-44): the `episodes`
+  garbage collections pausing its forward as long again, or its host between its ops as
+  on a GPU, for steps 15-44): the `episodes`
   table names the worker, its machine, what it is slow in and why while it is still slow,
   within a few steps of its onset; the alert rule on open episodes fires for it then; the
   job's final verdict says the same;
@@ -39,6 +40,7 @@ SEEN_WITHIN = 10
         ("forward", "slow_workers", "forward-compute"),
         ("host", "slow_host", "host"),
         ("gc", "gc_pauses", "forward-compute"),
+        ("host_gc", "gc_pauses", "host"),
     ],
 )
 def test_a_straggler_is_named_while_it_is_still_slow(

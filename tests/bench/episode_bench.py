@@ -2,9 +2,10 @@
 hosts (`lagscope run --follow`, and `lagscope stream` -> Kafka -> two `lagscope worker`s),
 the shared store polled every quarter second (tests/live_run.py).
 
-Per host, over the straggler runs (1F1B: forward, backward, input, host, GC; DDP: forward,
-host, GC; each worker 2x slower for steps 15-44 of 60; GC: its own collections pause its
-forward as long again):
+Per host, over the straggler runs (1F1B: forward, backward, input, host, GC, host GC; DDP:
+forward, host, GC, host GC; each worker 2x slower for steps 15-44 of 60; GC: its own
+collections pause its forward as long again; host GC: they run between its ops, as on a
+GPU):
 
 - detection latency in steps: the job's last closed step when the store first showed the
   episode, minus the true onset (what the on-call sees, the pipeline's lag included), and
@@ -39,9 +40,11 @@ CASES = (
     ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "input", "slow_input"),
     ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "host", "slow_host"),
     ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "gc", "gc_pauses"),
+    ("tests.torch_jobs.pipeline_1f1b", 2, (1, 0), "host_gc", "gc_pauses"),
     ("tests.torch_jobs.ddp", 1, (1, 0), "forward", "slow_workers"),
     ("tests.torch_jobs.ddp", 1, (1, 0), "host", "slow_host"),
     ("tests.torch_jobs.ddp", 1, (1, 0), "gc", "gc_pauses"),
+    ("tests.torch_jobs.ddp", 1, (1, 0), "host_gc", "gc_pauses"),
 )
 HEALTHY = ("tests.torch_jobs.pipeline_1f1b", "tests.torch_jobs.ddp")
 #: The DDP job's sizes in the verdict tests (tests/test_torch_verdicts.py), without their

@@ -8,6 +8,9 @@ data loader), so "2x slower" holds however loaded the machine is. A slow *host* 
 `host`) sleeps as long after its forward and its backward have returned, in the job's own
 code between two ops (slow Python, a slow CPU, data prepared outside the loader): its
 recorded ops keep their durations, as a GPU's kernels do when its host launches them late.
+A rank whose collections are slow (phase `gc`) runs one inside its forward, as a CPU job
+whose ops the host clock times; phase `host_gc` runs it where `host` sleeps, between two
+ops, as on a GPU, whose kernels keep their time while the host collects.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-PHASES = ("forward", "backward", "input", "host", "gc")
+PHASES = ("forward", "backward", "input", "host", "gc", "host_gc")
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -103,9 +106,12 @@ class Knobs:
 
     def host_stall(self, rank: int, step: int, op_seconds: float) -> None:
         """A slow host's stall after an op of `op_seconds` returned (phase `host`): the
-        job's own code between two ops takes `(factor - 1)` times the op."""
+        job's own code between two ops takes `(factor - 1)` times the op; or (`host_gc`)
+        a garbage collection as long runs there."""
         if self.slow(rank, step, "host"):
             time.sleep((self.slow_factor - 1.0) * op_seconds)
+        if self.slow(rank, step, "host_gc"):
+            collect_garbage((self.slow_factor - 1.0) * op_seconds)
 
     def late(self, rank: int, step: int) -> bool:
         return rank == self.late_rank and self.late_start <= step < self.late_end
