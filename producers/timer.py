@@ -41,9 +41,10 @@ once the rank's step time changed (a straggler appeared or recovered,
 `producers/step_change.py`: the live analysis needs those steps within a step or two), no
 two hand-overs closer than the log's readers poll. `make bench` on a shared 2-core box, the
 real 4-rank jobs in interleaved 120-step runs, the job's garbage collections that run on the
-sealer's thread left out (2026-11-28): 15 us of sealer CPU per rank-step on 1F1B (~22 ops),
-21 on DDP (10 ops, 11-14 in runs where its noisy steps set off no prompt hand-overs),
-against 24 and 19 when the sealer encodes the batches itself (`seal_records=False`, or
+sealer's thread left out (2026-11-28, 8 runs each): 17 us of sealer CPU per rank-step on
+1F1B (~22 ops), 17 on DDP (10 ops; 9-13 in runs where its noisy steps set off no prompt
+hand-overs, each of which costs ~220 us, mostly the wake), against 25 and 26 when the
+sealer encodes the batches itself (`seal_records=False`, or
 `$LAGSCOPE_SEAL_RECORDS=0`: for a streamer older than 0.2.0, which cannot read seal
 records; a step whose ops repeat an earlier step's sequence then reuses everything but its
 times). `$LAGSCOPE_SEAL_RECORDS=1` writes version 1 of the seal record (int64 columns, for a

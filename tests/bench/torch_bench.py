@@ -51,7 +51,8 @@ and at nice 19, beside a training-like loop: a preempted low-priority holder of 
 keeps the training thread waiting).
 
 `LAGSCOPE_BENCH_PAIRS` (default 4) and `LAGSCOPE_BENCH_IN_RUN_RUNS` (default 2) scale the
-step-time designs; `LAGSCOPE_BENCH_TORCH_CONDITIONS` ("quiet,busy") picks the conditions.
+step-time designs, `LAGSCOPE_BENCH_THREAD_RUNS` (default 4) the monitor thread's CPU rows;
+`LAGSCOPE_BENCH_TORCH_CONDITIONS` ("quiet,busy") picks the conditions.
 """
 
 from __future__ import annotations
@@ -190,7 +191,11 @@ _STRETCH_STEPS = 80
 #: seal and one full one and counts a wake per step several times as often as a training
 #: job pays it.
 _THREAD_STEPS = 120
-_THREAD_RUNS = 2
+#: ... in this many pairs of runs per job and condition. A rank's noisy steps may set off
+#: a few prompt hand-overs (`producers/step_change.py`), which cost the DDP job's sealer
+#: ~220 us each: with 2 pairs (8 rank-runs) the median moved from 11 to 21 us between
+#: runs of the bench as half or fewer of the rank-runs had such a spell (2026-11-28).
+_THREAD_RUNS = int(os.environ.get("LAGSCOPE_BENCH_THREAD_RUNS", "4"))
 _PAIR_STEPS = 30
 _CONDITIONS = tuple(os.environ.get("LAGSCOPE_BENCH_TORCH_CONDITIONS", "quiet,busy").split(","))
 #: The emulated device: each block's forward waits 2 ms, its backward 4 ms, as a host waits
