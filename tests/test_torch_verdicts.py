@@ -255,3 +255,20 @@ def test_a_rank_pausing_for_its_own_gc_from_the_start_is_named(
     assert job.diagnosis.cause == "gc_pauses", job.diagnosis.summary
     assert "of the pauses on (dp 1, pp 0)" in job.diagnosis.summary, job.diagnosis.summary
     assert job.diagnosis.advice[0].action == "planned garbage collection"
+
+
+@pytest.mark.parametrize(
+    ("target", "knobs", "rank"), [(pipeline_1f1b.worker, PIPELINE, 2), (ddp.worker, DDP, 1)],
+    ids=["1f1b", "ddp"],
+)  # fmt: skip
+def test_a_host_collecting_between_its_ops_from_the_start_is_named(
+    tmp_path: Path, target: object, knobs: dict, rank: int
+) -> None:
+    """The same rank collecting between its ops instead (as on a GPU, whose kernels keep
+    their time while the host collects), from the first step: the run's host-stall
+    diagnosis names its garbage collection on that worker. Before, a slow host."""
+    _, job = _job(tmp_path, target, **knobs, steps=40, slow_rank=rank, slow_phase="host_gc")
+    summary = job.diagnosis.summary
+    assert job.diagnosis.cause == "gc_pauses", summary
+    assert "the host of worker (dp 1, pp 0)" in summary and "garbage collection" in summary
+    assert job.diagnosis.advice[0].action == "planned garbage collection"
