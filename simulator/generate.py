@@ -394,7 +394,7 @@ def _apply_injections(
     cost: np.ndarray,
     delay: np.ndarray,
     rng: np.random.Generator,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Scale `cost` / `delay` ([node, step, dp]) in place for every injected straggler;
     returns the GC pause added to each op ([node, step, dp], what the GC probe records):
     inside the op, and before it (`GcPauses.between_ops`)."""

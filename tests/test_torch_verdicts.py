@@ -241,34 +241,24 @@ def test_a_healthy_job_on_real_compute_has_no_episode(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("target", "knobs", "rank"), [(pipeline_1f1b.worker, PIPELINE, 2), (ddp.worker, DDP, 1)],
-    ids=["1f1b", "ddp"],
+    ("phase", "said"),
+    [("gc", ("of the pauses on (dp 1, pp 0)",)),
+     ("host_gc", ("the host of worker (dp 1, pp 0)", "garbage collection"))],
 )  # fmt: skip
-def test_a_rank_pausing_for_its_own_gc_from_the_start_is_named(
-    tmp_path: Path, target: object, knobs: dict, rank: int
-) -> None:
-    """A rank whose grown heap makes each of its forwards collect as long again, from the
-    first step: no episode (no level before), and the run's diagnosis names garbage
-    collection on that worker, with planned collections as the fix. Before, it named GC
-    and no worker."""
-    _, job = _job(tmp_path, target, **knobs, steps=40, slow_rank=rank, slow_phase="gc")
-    assert job.diagnosis.cause == "gc_pauses", job.diagnosis.summary
-    assert "of the pauses on (dp 1, pp 0)" in job.diagnosis.summary, job.diagnosis.summary
-    assert job.diagnosis.advice[0].action == "planned garbage collection"
-
-
 @pytest.mark.parametrize(
     ("target", "knobs", "rank"), [(pipeline_1f1b.worker, PIPELINE, 2), (ddp.worker, DDP, 1)],
     ids=["1f1b", "ddp"],
 )  # fmt: skip
-def test_a_host_collecting_between_its_ops_from_the_start_is_named(
-    tmp_path: Path, target: object, knobs: dict, rank: int
+def test_a_rank_pausing_for_its_own_gc_from_the_start_is_named(
+    tmp_path: Path, target: object, knobs: dict, rank: int, phase: str, said: tuple[str, ...]
 ) -> None:
-    """The same rank collecting between its ops instead (as on a GPU, whose kernels keep
-    their time while the host collects), from the first step: the run's host-stall
-    diagnosis names its garbage collection on that worker. Before, a slow host."""
-    _, job = _job(tmp_path, target, **knobs, steps=40, slow_rank=rank, slow_phase="host_gc")
+    """A rank whose grown heap makes it collect as long as its forward, from the first
+    step, inside its forwards (`gc`) or between its ops (`host_gc`, as on a GPU, whose
+    kernels keep their time while the host collects): no episode (no level before), and
+    the run's diagnosis names garbage collection on that worker, with planned collections
+    as the fix. Before, it named GC and no worker (`gc`), or a slow host (`host_gc`)."""
+    _, job = _job(tmp_path, target, **knobs, steps=40, slow_rank=rank, slow_phase=phase)
     summary = job.diagnosis.summary
     assert job.diagnosis.cause == "gc_pauses", summary
-    assert "the host of worker (dp 1, pp 0)" in summary and "garbage collection" in summary
+    assert all(phrase in summary for phrase in said), summary
     assert job.diagnosis.advice[0].action == "planned garbage collection"
