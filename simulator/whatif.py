@@ -537,7 +537,6 @@ def analyze_each_step(
         + [Variant("ideal", swap=sel) for _, _, sel in attributions]
     )
     t_nodelay, t_ideal, attr_times = times[0], times[1], times[2:]
-    t_simulated = np.full_like(t_nodelay, np.nan)
     # The launch attribution is gated per step, as a one-step analysis would gate it.
     gated = prepared.actual_step_time / t_nodelay >= decompose_threshold
     launch_groups: list[tuple[str, str, Selection]] = []
@@ -547,21 +546,82 @@ def analyze_each_step(
         launch_times = wa.run(
             [Variant("measured", swap=sel, delay="swap") for _, _, sel in launch_groups]
         )
+    # One division per group for all steps, not one mean and one division per group and
+    # step (a one-step slice's mean is its value, so the numbers are the same).
+    attr_ratio = np.array(attr_times) / t_ideal
+    launch_ratio = np.array(launch_times) / t_nodelay if launch_groups else None
     return [
-        _assemble(
+        _assemble_step(
             prepared,
-            slice(i, i + 1),
+            i,
             step_ideals[i],
-            t_simulated,
             t_nodelay,
             t_ideal,
-            (attributions, attr_times),
-            (launch_groups, launch_times) if gated[i] else ([], []),
+            (attributions, attr_ratio[:, i].copy()),
+            (launch_groups, launch_ratio[:, i].copy())
+            if gated[i] and launch_ratio is not None
+            else None,
             decompose_threshold,
-            dropped_steps=(),
         )
         for i in range(prepared.n_steps)
     ]
+
+
+def _assemble_step(
+    prepared: PreparedTrace,
+    step: int,
+    ideal: dict[str, float],
+    t_nodelay: np.ndarray,
+    t_ideal: np.ndarray,
+    attribution: tuple[list[tuple[str, str, Selection]], np.ndarray],
+    launch: tuple[list[tuple[str, str, Selection]], np.ndarray] | None,
+    decompose_threshold: float,
+) -> WhatIfResult:
+    """`_assemble` of one step (`dropped_steps` none), from each group's step time over the
+    step's baseline (`attribution`: over its ideal time; `launch`: over its no-delay time,
+    None where the step is not decomposed)."""
+    one = slice(step, step + 1)
+    t_actual = prepared.actual_step_time[one]
+    t_orig, mean_ideal = float(t_nodelay[step]), float(t_ideal[step])
+    groups, ratios = attribution
+    grouped = _step_attributions(groups, ratios)
+    s_dp = np.array([grouped["dp"].overall[str(dp)] for dp in range(prepared.n_dp)])
+    s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(prepared.n_stages)])
+    by_launch = _step_attributions(*launch) if launch is not None else None
+    return WhatIfResult(
+        steps=prepared.steps[one],
+        t_actual=t_actual,
+        t_simulated=np.full(1, np.nan),
+        t_nodelay=t_nodelay[one],
+        t_ideal=t_ideal[one],
+        slowdown=t_orig / mean_ideal,
+        launch_slowdown=float(t_actual[0] / t_nodelay[step]),
+        by_optype=grouped["optype"],
+        by_dp_rank=grouped["dp"],
+        by_stage=grouped["stage"],
+        launch_by_optype=by_launch["optype"] if by_launch else None,
+        launch_by_dp_rank=by_launch["dp"] if by_launch else None,
+        launch_by_stage=by_launch["stage"] if by_launch else None,
+        worker_slowdown=np.minimum(s_dp[None, :], s_stage[:, None]),
+        mw=None,
+        ms=None,
+        decompose_threshold=decompose_threshold,
+        ideal_cost=ideal,
+        dropped_steps=(),
+    )
+
+
+def _step_attributions(
+    groups: list[tuple[str, str, Selection]], ratios: np.ndarray
+) -> dict[str, Attribution]:
+    """`_group_attributions` of one step, from each group's ratio to its baseline."""
+    out = {kind: Attribution({}, {}) for kind in ("optype", "dp", "stage")}
+    for (kind, name, _), value, position in zip(
+        groups, ratios.tolist(), range(len(groups)), strict=True
+    ):
+        out[kind].overall[name] = value
+        out[kind].per_step[name] = ratios[position : position + 1]
+    return out
 
 
 def _attribution_groups(wa: WhatIfAnalysis) -> list[tuple[str, str, Selection]]:
