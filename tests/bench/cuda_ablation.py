@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.bench.cuda_bench import SIZES, _recorded_steps, _setup, neighbour_contrast, train
-from tests.bench.torch_bench import _median_ci
+from tests.bench.cuda_bench import SIZES, SKIP, _recorded_steps, _setup, train
+from tests.bench.torch_bench import _median_ci, neighbour_contrast
 from tests.torch_jobs.harness import dump_stacks_if_hung, free_port
 
 STEPS = int(os.environ.get("ABLATION_STEPS", "160"))
@@ -109,7 +109,9 @@ def main(path: Path) -> None:
                     "step_ms": statistics.median(run["step_s"]) * 1e3,
                 }
                 for key, relative in (("step_s", True), ("cpu_s", False), ("wait_s", False)):
-                    median, low, high = _median_ci(neighbour_contrast(run[key], recorded, relative))
+                    median, low, high = _median_ci(
+                        neighbour_contrast(run[key], recorded, skip=SKIP, relative=relative)
+                    )
                     row[key] = [round(median, 3), round(low, 3), round(high, 3)]
                 results.append(row)
                 print(json.dumps(row), flush=True)

@@ -12,9 +12,10 @@ Step-time overhead, in one process (no start-up between runs, the same device st
   monitor (a fresh DDP wrapper per block, alternating which runs first), each block's
   median step time; the mean of the pairs' ratios and its 95 % t-interval;
 - recorded against unrecorded steps in one monitored block that records every other step
-  (each recorded step over the mean of its two neighbours; median, distribution-free
-  interval), beside the same contrast read on a block without the monitor (a job whose
-  step times alternate on their own reads non-zero there: the device-bound GPT -0.3 %).
+  (each recorded step less the mean of its two neighbours, in % of the median step;
+  median, distribution-free interval), beside the same contrast read on a block without
+  the monitor (a job whose step times alternate on their own reads non-zero there: the
+  device-bound GPT -0.3 %).
 
 Also: the monitor threads' CPU per recorded step (the sealer and the CUDA resolver, on
 their own thread clocks), read as the CPU bench reads it on the CPU jobs: in a long block,
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.timed_jobs import lagscope_threads_cpu
-from tests.bench.torch_bench import _ci_text, _mean_ci, _median_ci
+from tests.bench.torch_bench import _ci_text, _mean_ci, _median_ci, neighbour_contrast
 from tests.torch_jobs.harness import Knobs, dump_stacks_if_hung, free_port
 
 #: The two sizes (Knobs of tests/torch_jobs/cuda_ddp.py).
@@ -154,21 +155,6 @@ def train(job: dict[str, Any], ddp: Any, steps: int, after_step: Any = None) -> 
     return {"step_s": times, "cpu_s": cpu, "wait_s": waits}
 
 
-def neighbour_contrast(
-    values: list[float], recorded: set[int], relative: bool = True
-) -> list[float]:
-    """Each recorded step's value against the mean of its two neighbours, where both were
-    unrecorded (and after the first `SKIP`): in % when `relative`, else in millionths of
-    the values' unit."""
-    out = []
-    for s in sorted(recorded):
-        if SKIP <= s < len(values) - 1 and not {s - 1, s + 1} & recorded:
-            neighbours = (values[s - 1] + values[s + 1]) / 2
-            out.append((values[s] / neighbours - 1) * 100 if relative
-                       else (values[s] - neighbours) * 1e6)  # fmt: skip
-    return out
-
-
 def _recorded_steps(log_dir: Path) -> list[int]:
     from tests.torch_jobs.harness import recorded_ops
 
@@ -196,12 +182,12 @@ def _size_rows(name: str, size: dict[str, int], tmp: Path, pairs: int) -> list[d
     recorded = set(_recorded_steps(out))
     times = every_other["step_s"]
     # times[i] is step i's time (from the previous step's end); the monitor skips step 0.
-    contrasts = neighbour_contrast(times, recorded)
+    contrasts = neighbour_contrast(times, recorded, skip=SKIP)
     median, m_low, m_high = _median_ci(contrasts)
     # The same contrast with no monitor, on the same steps' parity: what the job's own
     # alternation of step times reads (-0.3 % on the device-bound GPT, H100).
     plain = _block(job, 4 * BLOCK_STEPS, None)["step_s"]
-    control, c_low, c_high = _median_ci(neighbour_contrast(plain, recorded))
+    control, c_low, c_high = _median_ci(neighbour_contrast(plain, recorded, skip=SKIP))
     step_ms = statistics.median(plain_medians) * 1e3
     steady = _block(job, STEADY_STEPS, Path(tempfile.mkdtemp(dir=tmp)))
     per_thread_us = {name: round(cpu / steady["steady_steps"] * 1e6, 1)

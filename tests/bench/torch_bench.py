@@ -19,10 +19,14 @@ Step-time overhead, two designs, each with its 95 % confidence interval:
   so it resolves a few % with a few pairs, 0.5 % only with tens of them
   (`LAGSCOPE_BENCH_PAIRS`);
 - recorded against unrecorded steps in one run (the monitor records every other step):
-  each recorded step's time over the mean of its two unrecorded neighbours; the run's own
-  conditions cancel. The row gives their median with its distribution-free interval (a
-  shared machine's step times have heavy tails), and their mean with an interval that
-  allows for the correlation of contrasts sharing a neighbour (lag-1 autocovariance). It
+  each recorded step's time less the mean of its two unrecorded neighbours, in % of the
+  run's median step (a difference: a ratio over the neighbours reads high on noisy steps,
+  `neighbour_contrast`); the run's own conditions cancel. Each such run has a control
+  beside it: a run without the monitor, read the same way on the same steps' parity,
+  which gives what the design reads from the job's own noise. The row gives their median
+  with its distribution-free interval (a shared machine's step times have heavy tails),
+  and their mean with an interval that allows for the correlation of contrasts sharing a
+  neighbour (lag-1 autocovariance). It
   holds what recording costs the job; the monitor's thread works for recorded steps and
   its CPU may land in either kind of step, which is why its own CPU is read directly
   besides.
@@ -178,10 +182,10 @@ def _pinned_per_op_costs(tmp: Path) -> dict[str, float]:
 
 #: Pairs of runs with and without the monitor, per job and condition (~5 s a run).
 _PAIRS = int(os.environ.get("LAGSCOPE_BENCH_PAIRS", "4"))
-#: Runs recording every other step, per job and condition, and their steps. 80 steps (~37
-#: contrasts a run) gave the quiet jobs' medians 95 % intervals 0.94 (1F1B) and 6.9 (DDP)
-#: points wide; 320 steps, 0.75 and 2.7 (2026-11-28): closer to resolving 0.5 %, and still
-#: short of it on step times (the CPU clocks' rows resolve it).
+#: Runs recording every other step (each with its control), per job and condition, and
+#: their steps. 80 steps (~37 contrasts a run) gave the quiet jobs' medians 95 % intervals
+#: 0.94 (1F1B) and 6.9 (DDP) points wide; 320 steps, 0.75 and 2.7 (2026-11-28): closer to
+#: resolving 0.5 %, and still short of it on step times (the CPU clocks' rows resolve it).
 _IN_RUN_RUNS = int(os.environ.get("LAGSCOPE_BENCH_IN_RUN_RUNS", "2"))
 _IN_RUN_STEPS = 320
 #: Steps of the saturated-node interval's paired runs (below).
@@ -303,27 +307,50 @@ def _paired(tmp: Path, job: str, pairs: int, a: dict, b: dict) -> list[tuple[dic
     return out
 
 
-def _recorded_between_unrecorded(run: dict[str, Any], n_steps: int) -> list[int]:
-    """The recorded steps past the warm-up whose two neighbours were not recorded, of a
-    series of `n_steps` per-step values (value i is step i + 1)."""
-    recorded = set(run["recorded"])
-    return [s for s in run["recorded"]
-            if 4 <= s < n_steps and not {s - 1, s + 1} & recorded]  # fmt: skip
+def neighbour_contrast(
+    values: list[float], recorded: set[int], *, skip: int, relative: bool = True
+) -> list[float]:
+    """Each recorded step's value (`values[s]` is step s's) less the mean of its two
+    neighbours, where both were unrecorded (from step `skip` on): in % of the values'
+    median when `relative`, else in millionths of their unit.
+
+    A difference, not a ratio: a step over the mean of its neighbours averages above 1 when
+    the neighbours vary (the mean of 1/Y exceeds 1/mean(Y)), by about half their squared
+    coefficient of variation. The DDP job's steps here vary by 10 %, and that ratio read
+    +1.3 % (95 % CI +0.1 to +2.4) on runs without any monitor, the difference +0.7 (CI
+    -0.4 to +1.8; 630 steps of 4 runs, 2026-11-28)."""
+    scale = statistics.median(values[skip:]) / 100 if relative else 1e-6
+    return [(values[s] - (values[s - 1] + values[s + 1]) / 2) / scale
+            for s in sorted(recorded)
+            if skip <= s < len(values) - 1 and not {s - 1, s + 1} & recorded]  # fmt: skip
+
+
+#: Steps of a run left out of its contrasts: the job's warm-up (and DDP's re-bucketing).
+_WARM_UP_STEPS = 4
 
 
 def _in_run_contrasts(run: dict[str, Any]) -> list[float]:
-    """Each recorded step's time over the mean of its unrecorded neighbours, minus 1 (%)."""
-    per_step = run["per_step"]  # per_step[i] is step i + 1
-    return [(per_step[s - 1] / ((per_step[s - 2] + per_step[s]) / 2) - 1) * 100
-            for s in _recorded_between_unrecorded(run, len(per_step))]  # fmt: skip
+    """Each recorded step's time less the mean of its unrecorded neighbours (% of the run's
+    median step)."""
+    # per_step[i] is step i + 1's time.
+    steps = [math.nan, *run["per_step"]]
+    return neighbour_contrast(steps, set(run["recorded"]), skip=_WARM_UP_STEPS)
 
 
 def _in_run_cpu_contrasts(run: dict[str, Any]) -> list[float]:
     """Each recorded step's training-thread CPU less the mean of its unrecorded neighbours'
     (us), rank by rank: what recording a step costs the thread that runs the job."""
-    return [(cpu[s - 1] - (cpu[s - 2] + cpu[s]) / 2) * 1e6
-            for cpu in run["per_step_cpu"]
-            for s in _recorded_between_unrecorded(run, len(cpu))]  # fmt: skip
+    recorded = set(run["recorded"])
+    return [c for cpu in run["per_step_cpu"]
+            for c in neighbour_contrast([math.nan, *cpu], recorded, skip=_WARM_UP_STEPS,
+                                        relative=False)]  # fmt: skip
+
+
+def _alternate_steps(run: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """`run` (without the monitor) as if it recorded the steps of the parity `like`
+    recorded most: the control of the in-run contrast."""
+    parity = statistics.mode(s % 2 for s in like["recorded"])
+    return {**run, "recorded": list(range(parity or 2, len(run["per_step"]) + 1, 2))}
 
 
 def _contrast_ci(series: list[list[float]]) -> tuple[float, float, float]:
@@ -361,12 +388,18 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
     pairs = _paired(tmp, job, _PAIRS, monitored, plain)
     ratios = [(m["median_step_s"] / p["median_step_s"] - 1) * 100 for m, p in pairs]
     mean, low, high = _mean_ci(ratios)
-    in_run = [_run_job(tmp, job, monitor=True, steps=_IN_RUN_STEPS, every_other=True)
-              for _ in range(_IN_RUN_RUNS)]  # fmt: skip
+    in_run, controls = [], []
+    for _ in range(_IN_RUN_RUNS):  # each beside a run without the monitor: the control
+        in_run.append(_run_job(tmp, job, monitor=True, steps=_IN_RUN_STEPS, every_other=True))
+        plain_run = _run_job(tmp, job, monitor=False, steps=_IN_RUN_STEPS)
+        controls.append(_in_run_contrasts(_alternate_steps(plain_run, in_run[-1])))
     contrasts = [_in_run_contrasts(run) for run in in_run]
     c_mean, c_low, c_high = _contrast_ci(contrasts)
     pooled = [c for run in contrasts for c in run]
     c_median, m_low, m_high = _median_ci(pooled)
+    control_pooled = [c for run in controls for c in run]
+    k_median, k_low, k_high = _median_ci(control_pooled)
+    k_mean, k_mean_low, k_mean_high = _contrast_ci(controls)
     cpu_pooled = [c for run in in_run for c in _in_run_cpu_contrasts(run)]
     cpu_median, cpu_low, cpu_high = _median_ci(cpu_pooled)
     step_cpu = statistics.median(
@@ -408,8 +441,18 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
          "value": c_median, "unit": "%", "target": f"< 0.5; {_ci_text(m_low, m_high)}",
          "ci95": [m_low, m_high],
          "note": f"median of {len(pooled)} recorded steps in {len(in_run)} runs recording "
-                 f"every other step, 95 % CI {m_low:+.2f} to {m_high:+.2f} %; mean "
-                 f"{c_mean:+.2f} % (CI {c_low:+.2f} to {c_high:+.2f})"},
+                 f"every other step, each less the mean of its neighbours, in % of the run's "
+                 f"median step; 95 % CI {m_low:+.2f} to {m_high:+.2f} %; mean "
+                 f"{c_mean:+.2f} % (CI {c_low:+.2f} to {c_high:+.2f}); without the monitor "
+                 f"the same contrast reads {k_median:+.2f} % (next row)"},
+        {"benchmark": f"torch: {job} job same contrast, no monitor ({condition})",
+         "value": k_median, "unit": "%", "target": f"~0; {_ci_text(k_low, k_high)}",
+         "ci95": [k_low, k_high],
+         "note": f"the control of the row above: runs without the monitor, each beside one "
+                 f"of its runs, their steps of the parity it recorded against their "
+                 f"neighbours; median of {len(control_pooled)} steps, mean {k_mean:+.2f} % "
+                 f"(CI {k_mean_low:+.2f} to {k_mean_high:+.2f}): what the design reads "
+                 f"from the job's own noise and alternation"},
         {"benchmark": f"torch: {job} job training thread CPU, recorded step less unrecorded "
                       f"neighbours ({condition})",
          "value": cpu_median, "unit": "us",
