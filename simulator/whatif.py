@@ -537,6 +537,7 @@ def analyze_each_step(
         + [Variant("ideal", swap=sel) for _, _, sel in attributions]
     )
     t_nodelay, t_ideal, attr_times = times[0], times[1], times[2:]
+    t_simulated = np.full_like(t_nodelay, np.nan)
     # The launch attribution is gated per step, as a one-step analysis would gate it.
     gated = prepared.actual_step_time / t_nodelay >= decompose_threshold
     launch_groups: list[tuple[str, str, Selection]] = []
@@ -551,64 +552,20 @@ def analyze_each_step(
     attr_ratio = np.array(attr_times) / t_ideal
     launch_ratio = np.array(launch_times) / t_nodelay if launch_groups else None
     return [
-        _assemble_step(
+        _result(
             prepared,
-            i,
+            slice(i, i + 1),
             step_ideals[i],
-            t_nodelay,
-            t_ideal,
-            (attributions, attr_ratio[:, i].copy()),
-            (launch_groups, launch_ratio[:, i].copy())
+            (t_simulated, t_nodelay, t_ideal),
+            _step_attributions(attributions, attr_ratio[:, i].copy()),
+            _step_attributions(launch_groups, launch_ratio[:, i].copy())
             if gated[i] and launch_ratio is not None
             else None,
             decompose_threshold,
+            dropped_steps=(),
         )
         for i in range(prepared.n_steps)
     ]
-
-
-def _assemble_step(
-    prepared: PreparedTrace,
-    step: int,
-    ideal: dict[str, float],
-    t_nodelay: np.ndarray,
-    t_ideal: np.ndarray,
-    attribution: tuple[list[tuple[str, str, Selection]], np.ndarray],
-    launch: tuple[list[tuple[str, str, Selection]], np.ndarray] | None,
-    decompose_threshold: float,
-) -> WhatIfResult:
-    """`_assemble` of one step (`dropped_steps` none), from each group's step time over the
-    step's baseline (`attribution`: over its ideal time; `launch`: over its no-delay time,
-    None where the step is not decomposed)."""
-    one = slice(step, step + 1)
-    t_actual = prepared.actual_step_time[one]
-    t_orig, mean_ideal = float(t_nodelay[step]), float(t_ideal[step])
-    groups, ratios = attribution
-    grouped = _step_attributions(groups, ratios)
-    s_dp = np.array([grouped["dp"].overall[str(dp)] for dp in range(prepared.n_dp)])
-    s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(prepared.n_stages)])
-    by_launch = _step_attributions(*launch) if launch is not None else None
-    return WhatIfResult(
-        steps=prepared.steps[one],
-        t_actual=t_actual,
-        t_simulated=np.full(1, np.nan),
-        t_nodelay=t_nodelay[one],
-        t_ideal=t_ideal[one],
-        slowdown=t_orig / mean_ideal,
-        launch_slowdown=float(t_actual[0] / t_nodelay[step]),
-        by_optype=grouped["optype"],
-        by_dp_rank=grouped["dp"],
-        by_stage=grouped["stage"],
-        launch_by_optype=by_launch["optype"] if by_launch else None,
-        launch_by_dp_rank=by_launch["dp"] if by_launch else None,
-        launch_by_stage=by_launch["stage"] if by_launch else None,
-        worker_slowdown=np.minimum(s_dp[None, :], s_stage[:, None]),
-        mw=None,
-        ms=None,
-        decompose_threshold=decompose_threshold,
-        ideal_cost=ideal,
-        dropped_steps=(),
-    )
 
 
 def _step_attributions(
@@ -659,26 +616,52 @@ def _assemble(
     dropped_steps: tuple[DroppedStep, ...] | None = None,
 ) -> WhatIfResult:
     """The result over `steps` from simulated step times (mw/ms left to the caller)."""
-    t_actual = prepared.actual_step_time[steps]
-    t_nodelay, t_ideal = t_nodelay[steps], t_ideal[steps]
-    t_orig, mean_ideal = float(t_nodelay.mean()), float(t_ideal.mean())
+    t_orig, mean_ideal = float(t_nodelay[steps].mean()), float(t_ideal[steps].mean())
     groups, times = attribution
-    grouped = _group_attributions(groups, [t[steps] for t in times], mean_ideal, t_ideal)
-    s_dp = np.array([grouped["dp"].overall[str(dp)] for dp in range(prepared.n_dp)])
-    s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(prepared.n_stages)])
+    grouped = _group_attributions(groups, [t[steps] for t in times], mean_ideal, t_ideal[steps])
     launch_groups, launch_times = launch
     by_launch = (
-        _group_attributions(launch_groups, [t[steps] for t in launch_times], t_orig, t_nodelay)
+        _group_attributions(
+            launch_groups, [t[steps] for t in launch_times], t_orig, t_nodelay[steps]
+        )
         if launch_groups
         else None
     )
+    return _result(
+        prepared,
+        steps,
+        ideal,
+        (t_simulated, t_nodelay, t_ideal),
+        grouped,
+        by_launch,
+        decompose_threshold,
+        dropped_steps,
+    )
+
+
+def _result(
+    prepared: PreparedTrace,
+    steps: slice,
+    ideal: dict[str, float],
+    times: tuple[np.ndarray, np.ndarray, np.ndarray],
+    grouped: dict[str, Attribution],
+    by_launch: dict[str, Attribution] | None,
+    decompose_threshold: float,
+    dropped_steps: tuple[DroppedStep, ...] | None,
+) -> WhatIfResult:
+    """The result over `steps` (`times`: the simulated, no-delay and ideal step times of
+    every step) with its attributions."""
+    t_simulated, t_nodelay, t_ideal = (t[steps] for t in times)
+    t_actual = prepared.actual_step_time[steps]
+    s_dp = np.array([grouped["dp"].overall[str(dp)] for dp in range(prepared.n_dp)])
+    s_stage = np.array([grouped["stage"].overall[str(s)] for s in range(prepared.n_stages)])
     return WhatIfResult(
         steps=prepared.steps[steps],
         t_actual=t_actual,
-        t_simulated=t_simulated[steps],
+        t_simulated=t_simulated,
         t_nodelay=t_nodelay,
         t_ideal=t_ideal,
-        slowdown=t_orig / mean_ideal,
+        slowdown=float(t_nodelay.mean()) / float(t_ideal.mean()),
         launch_slowdown=float(t_actual.mean() / t_nodelay.mean()),
         by_optype=grouped["optype"],
         by_dp_rank=grouped["dp"],
