@@ -26,10 +26,9 @@ Step-time overhead, two designs, each with its 95 % confidence interval:
   which gives what the design reads from the job's own noise. The row gives their median
   with its distribution-free interval (a shared machine's step times have heavy tails),
   and their mean with an interval that allows for the correlation of contrasts sharing a
-  neighbour (lag-1 autocovariance). It
-  holds what recording costs the job; the monitor's thread works for recorded steps and
-  its CPU may land in either kind of step, which is why its own CPU is read directly
-  besides.
+  neighbour (lag-1 autocovariance). It holds what recording costs the job; the monitor's
+  thread works for recorded steps and its CPU may land in either kind of step, which is
+  why its own CPU is read directly besides.
 
 The same in-run runs give the cost on the training thread's CPU clock: each recorded
 step's CPU less its unrecorded neighbours', rank by rank (the wrappers, the hooks, the
@@ -365,6 +364,15 @@ def _contrast_ci(series: list[list[float]]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def _contrast_summary(
+    series: list[list[float]],
+) -> tuple[list[float], tuple[float, float, float], tuple[float, float, float]]:
+    """Runs' contrasts pooled, their median with its interval (`_median_ci`) and their mean
+    with its interval (`_contrast_ci`)."""
+    pooled = [c for run in series for c in run]
+    return pooled, _median_ci(pooled), _contrast_ci(series)
+
+
 def _median_ci(values: list[float]) -> tuple[float, float, float]:
     """Median and its distribution-free 95 % interval (order statistics: the ranks between
     which the median lies with probability >= 0.95, from the binomial distribution). A
@@ -393,13 +401,12 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
         in_run.append(_run_job(tmp, job, monitor=True, steps=_IN_RUN_STEPS, every_other=True))
         plain_run = _run_job(tmp, job, monitor=False, steps=_IN_RUN_STEPS)
         controls.append(_in_run_contrasts(_alternate_steps(plain_run, in_run[-1])))
-    contrasts = [_in_run_contrasts(run) for run in in_run]
-    c_mean, c_low, c_high = _contrast_ci(contrasts)
-    pooled = [c for run in contrasts for c in run]
-    c_median, m_low, m_high = _median_ci(pooled)
-    control_pooled = [c for run in controls for c in run]
-    k_median, k_low, k_high = _median_ci(control_pooled)
-    k_mean, k_mean_low, k_mean_high = _contrast_ci(controls)
+    pooled, (c_median, m_low, m_high), (c_mean, c_low, c_high) = _contrast_summary(
+        [_in_run_contrasts(run) for run in in_run]
+    )
+    control_pooled, (k_median, k_low, k_high), (k_mean, k_mean_low, k_mean_high) = (
+        _contrast_summary(controls)
+    )
     cpu_pooled = [c for run in in_run for c in _in_run_cpu_contrasts(run)]
     cpu_median, cpu_low, cpu_high = _median_ci(cpu_pooled)
     step_cpu = statistics.median(
