@@ -1,5 +1,6 @@
 """The job overview dashboard (uid `lagscope-job`): the on-call view of one job attempt,
-with `job` and `attempt` variables filled from the `jobs` table. Top to bottom:
+with `job` and `attempt` variables filled from the `jobs` table, and `dp_range` ("DP
+ranks") to zoom the worker panels into (`worker_panels.py`). Top to bottom:
 
 - annotations: straggler episodes and the step time's raw change points;
 - Now: the latest slowdown, the data's age, MFU and GPU-hours wasted in range, the current
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import heatmap, stat, table, timeseries
+from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
-from grafana_foundation_sdk.models import heatmap as heatmap_model
 
 from lagscope.dashboards.clickhouse_query import ClickHouseAnnotationTarget, datasource_ref
 from lagscope.dashboards.panels import (
+    IN_RANGE,
+    JOB_OVERVIEW_UID,
     ONE_ATTEMPT,
     BuiltDashboard,
     BuiltTarget,
@@ -33,14 +35,16 @@ from lagscope.dashboards.panels import (
     one_selected,
     slowdown_thresholds,
     traffic_light,
+)
+from lagscope.dashboards.worker_panels import (
+    dp_range_variable,
+    top_stragglers,
     worker_matrix,
+    worker_slowdown_per_step,
 )
 
-JOB_OVERVIEW_UID = "lagscope-job"
 #: Steps averaged by the "latest window" worker heatmap (the `window` variable's default).
 DEFAULT_WINDOW_STEPS = 20
-#: The selected job attempt's rows in the dashboard's time range.
-IN_RANGE = f"{ONE_ATTEMPT} AND $__timeFilter(ts)"
 
 
 def job_overview() -> BuiltDashboard:
@@ -71,6 +75,7 @@ def _dashboard() -> dash.Dashboard:
             .values("10,20,50,100,500")
             .current(model.VariableOption(text="20", value=str(DEFAULT_WINDOW_STEPS)))
         )
+        .with_variable(dp_range_variable())
         .link(
             dash.DashboardLink("Pipeline health")
             .type(model.DashboardLinkType.DASHBOARDS)
@@ -193,8 +198,8 @@ def _who_and_what(builder: dash.Dashboard, q: Collector) -> dash.Dashboard:
                 q,
             )
         )
-        .with_panel(_worker_slowdown_per_step(q))
-        .with_panel(_top_stragglers(q))
+        .with_panel(worker_slowdown_per_step(q))
+        .with_panel(top_stragglers(q))
         .with_panel(_change_points(q))
     )
 
@@ -537,119 +542,6 @@ def _waste_rate(q: Collector) -> timeseries.Panel:
             )
         )
         .span(8)
-        .height(8)
-    )
-
-
-def _worker_slowdown_per_step(q: Collector) -> heatmap.Panel:
-    title = "Worker slowdown per step"
-    return (
-        heatmap.Panel()
-        .title(title)
-        .description(
-            "S_w of every worker (rows, pp/dp) over time, the workers an episode verified "
-            "first; the others' rows are scores (a hot band of rows is one stage or one "
-            "DP replica, and a slow replica's crossing with a slow stage scores high "
-            "without being slow itself)."
-        )
-        .with_target(
-            q.query(
-                title,
-                f"""
-                SELECT $__timeInterval(ts) AS time,
-                       concat(if((dp_rank, pp_rank) IN (
-                                     SELECT toUInt32(dp_rank), toUInt32(pp_rank)
-                                     FROM episodes FINAL WHERE {ONE_ATTEMPT}),
-                                 'verified straggler: ', 'score: '),
-                              'pp ', toString(pp_rank), ' dp ', toString(dp_rank)) AS worker,
-                       avg(slowdown) AS S_w
-                FROM worker_slowdown FINAL
-                WHERE {IN_RANGE}
-                GROUP BY time, pp_rank, dp_rank
-                ORDER BY time, startsWith(worker, 'verified') DESC, pp_rank, dp_rank
-                """,
-                Expect({"time": "time", "worker": "string", "S_w": "number"}),
-                time_series=True,
-            )
-        )
-        .calculate(False)
-        .color(
-            heatmap.HeatmapColorOptions()
-            .mode(heatmap_model.HeatmapColorMode.SCHEME)
-            .scheme("YlOrRd")
-            .min(1.0)
-            .max(1.5)
-        )
-        .display_name("${__field.labels.worker}")
-        .span(24)
-        .height(12)
-    )
-
-
-#: Workers an episode verified first, then the highest worker scores, in range.
-TOP_STRAGGLERS_SQL = f"""
-    SELECT w.dp AS dp, w.stage AS stage,
-           if(e.episodes > 0,
-              concat('verified: episode ', e.ids, ' (', e.causes, ')'),
-              'score only') AS evidence,
-           e.gpu_hours_lost AS gpu_hours_lost,
-           w.mean_S_w AS mean_S_w, w.max_S_w AS max_S_w,
-           w.slow_steps AS slow_steps
-    FROM (
-        SELECT dp_rank AS dp, pp_rank AS stage, avg(slowdown) AS mean_S_w,
-               max(slowdown) AS max_S_w,
-               countIf(slowdown > 1.05) AS slow_steps
-        FROM worker_slowdown FINAL
-        WHERE {IN_RANGE}
-        GROUP BY dp, stage
-    ) AS w
-    LEFT JOIN (
-        SELECT toUInt32(dp_rank) AS dp, toUInt32(pp_rank) AS stage,
-               count() AS episodes,
-               arrayStringConcat(groupArray(toString(episode_id)), ', ') AS ids,
-               arrayStringConcat(groupUniqArray(concat(cause, ' in ', optype)),
-                                 ', ') AS causes,
-               sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
-        FROM episodes FINAL
-        WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
-          AND ifNull(recovery_ts, last_ts) >= $__fromTime
-        GROUP BY dp, stage
-    ) AS e ON e.dp = w.dp AND e.stage = w.stage
-    ORDER BY e.episodes > 0 DESC, e.gpu_hours_lost DESC, w.mean_S_w DESC
-    LIMIT 10
-"""
-
-
-def _top_stragglers(q: Collector) -> table.Panel:
-    title = "Top stragglers in range"
-    return (
-        table.Panel()
-        .title(title)
-        .description(
-            "Workers verified by an episode in the range first (with what they cost), "
-            "then the highest worker scores S_w, labelled as scores: S_w = min(S_dp, "
-            "S_stage) also lights up the crossings of a slow DP replica and a slow stage "
-            "(a score, not a verdict). slow steps = steps with S_w above 1.05."
-        )
-        .with_target(
-            q.query(
-                title,
-                TOP_STRAGGLERS_SQL,
-                Expect(
-                    {
-                        "dp": "number",
-                        "stage": "number",
-                        "evidence": "string",
-                        "mean_S_w": "number",
-                        "max_S_w": "number",
-                        "slow_steps": "number",
-                    }
-                ),
-                time_series=False,
-            )
-        )
-        .decimals(3)
-        .span(12)
         .height(8)
     )
 

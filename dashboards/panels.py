@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import table
 from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
-from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 
 from lagscope.dashboards.clickhouse_query import (
@@ -144,6 +142,11 @@ def one_selected(variable: str) -> str:
 ONE_ATTEMPT = (
     f"job_id = {one_selected('job')} AND attempt = toUInt32OrNull({one_selected('attempt')})"
 )
+#: The selected job attempt's rows in the dashboard's time range.
+IN_RANGE = f"{ONE_ATTEMPT} AND $__timeFilter(ts)"
+#: The job overview's uid: the fleet dashboards and the alerts link to it, and its worker
+#: matrices link to itself.
+JOB_OVERVIEW_UID = "lagscope-job"
 SELECTED_ATTEMPTS = (
     f"{any_selected('job', 'job_id')} AND {any_selected('attempt', 'toString(attempt)')}"
 )
@@ -191,45 +194,6 @@ def traffic_light(orange: float, red: float) -> dash.ThresholdsConfig:
 
 def slowdown_thresholds() -> dash.ThresholdsConfig:
     return traffic_light(1.05, 1.2)
-
-
-def worker_matrix(title: str, description: str, where: str, q: Collector) -> table.Panel:
-    """A DP x PP grid (rows: stages, columns: DP ranks, cell: mean worker slowdown S_w),
-    pivoted by Grafana's `groupingToMatrix` from long rows."""
-    sql = f"""
-        SELECT concat('pp ', toString(pp_rank)) AS stage, concat('dp ', toString(dp_rank)) AS dp,
-               avg(slowdown) AS S_w
-        FROM worker_slowdown FINAL
-        WHERE {ONE_ATTEMPT} AND {where}
-        GROUP BY pp_rank, dp_rank
-        ORDER BY pp_rank, dp_rank
-    """
-    return (
-        table.Panel()
-        .title(title)
-        .description(description)
-        .with_target(
-            q.query(
-                title,
-                sql,
-                Expect({"stage": "string", "dp": "string", "S_w": "number"}),
-                time_series=False,
-            )
-        )
-        .with_transformation(
-            model.DataTransformerConfig(
-                id_val="groupingToMatrix",
-                options={"columnField": "dp", "rowField": "stage", "valueField": "S_w"},
-            )
-        )
-        .cell_options(common.TableColoredBackgroundCellOptions())
-        .color_scheme(dash.FieldColor().mode(model.FieldColorModeId.CONTINUOUS_YL_RD))
-        .min(1.0)
-        .max(1.5)
-        .decimals(3)
-        .span(12)
-        .height(9)
-    )
 
 
 class BuiltTarget(cogbuilder.Builder[model.AnnotationTarget]):

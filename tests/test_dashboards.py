@@ -171,7 +171,7 @@ def _context(sink, multi: bool) -> QueryContext:
         start - dt.timedelta(minutes=1),
         max(end, now) + dt.timedelta(minutes=1),
         interval_s=10.0,
-        variables={"job": value(JOB), "attempt": value("0"), "window": "20"},
+        variables={"job": value(JOB), "attempt": value("0"), "window": "20", "dp_range": ""},
     )
 
 
