@@ -2,13 +2,13 @@
 the worker slowdown per step and the top stragglers.
 
 A 100,000-GPU job has 12,480 (DP, PP) workers. Drawn one cell or one series each, the
-matrices were tables 1,560 columns wide and the per-step heatmap 12,480 rows tall (6.4
-million points for a day, which Grafana fetches before it draws anything). So:
+matrices were tables 1,560 columns wide and the per-step heatmap 12,480 rows tall (13
+million points for two hours, which Grafana fetches before it draws anything). So:
 
-- a matrix shows at most `MATRIX_MAX_DP_COLUMNS` DP columns: a larger job's are blocks of
-  consecutive DP ranks (neighbouring machines in Megatron's rank order), each cell its
-  worst worker's score, as the report bins them (`worker_grid.py`): one straggler among
-  12,500 workers still shows;
+- a matrix shows one column per DP rank up to `MATRIX_MAX_DP_COLUMNS` of them; a larger
+  job's columns are `MATRIX_BLOCKS` blocks of consecutive DP ranks (neighbouring machines
+  in Megatron's rank order), each cell its worst worker's score, as the report bins them
+  (`worker_grid.py`): one straggler among 12,500 workers still shows;
 - a column's link opens the same dashboard zoomed into its block (the `dp_range`
   variable, "DP ranks"), which every worker panel honours, down to single ranks;
 - the per-step heatmap shows at most `MAX_WORKER_SERIES` workers: the ones an episode
@@ -32,10 +32,13 @@ from lagscope.dashboards.panels import (
     one_selected,
 )
 
-#: DP columns of a worker matrix at most (a full-width panel's worth of readable cells).
+#: DP ranks a worker matrix shows one column each, at most: a full-width panel holds 32
+#: columns labelled `dp 1234` on a 1,920-pixel screen.
 MATRIX_MAX_DP_COLUMNS = 32
-#: Workers in the per-worker time series at most.
-MAX_WORKER_SERIES = 32
+#: Columns of a binned matrix: fewer, as a block's label (`dp 1536-1559`) is twice as long.
+MATRIX_BLOCKS = 20
+#: Workers in the per-worker time series at most: rows of 18 pixels in its panel.
+MAX_WORKER_SERIES = 24
 #: Rows of the DP ranks `dp_range` selects (in a query that starts with `dp_range_with()`).
 IN_DP_RANGE = "dp_rank BETWEEN dp_lo AND dp_hi"
 #: The workers an episode verified, in the selected job attempt.
@@ -57,14 +60,15 @@ def dp_range_with() -> str:
     per matrix column). Its aliases reach the query's subqueries (ClickHouse's global WITH).
     """
     first, last = "toInt64OrZero(dp_picked[1])", "toInt64OrZero(dp_picked[-1])"
-    columns = MATRIX_MAX_DP_COLUMNS
+    columns, blocks = MATRIX_MAX_DP_COLUMNS, MATRIX_BLOCKS
     return f"""
         WITH extractAll({one_selected("dp_range")}, '[0-9]+') AS dp_picked,
              (SELECT toInt64(max(dp_size)) FROM jobs FINAL WHERE {ONE_ATTEMPT}) AS dp_size,
              if(empty(dp_picked), 0, least({first}, {last})) AS dp_lo,
              least(if(empty(dp_picked), dp_size - 1, greatest({first}, {last})),
                    dp_size - 1) AS dp_hi,
-             greatest(1, intDiv(dp_hi - dp_lo + {columns}, {columns})) AS dp_width
+             if(dp_hi - dp_lo < {columns}, 1, intDiv(dp_hi - dp_lo + {blocks}, {blocks}))
+                 AS dp_width
     """
 
 
@@ -102,9 +106,9 @@ def worker_matrix(title: str, description: str, where: str, q: Collector) -> tab
         table.Panel()
         .title(title)
         .description(
-            f"{description} At most {MATRIX_MAX_DP_COLUMNS} DP columns: a larger job's are "
-            "blocks of consecutive DP ranks, each cell its worst worker; a column's link "
-            "(or the 'DP ranks' box) zooms into its ranks."
+            f"{description} One column per DP rank up to {MATRIX_MAX_DP_COLUMNS}; a larger "
+            f"job's are {MATRIX_BLOCKS} blocks of consecutive DP ranks, each cell its worst "
+            "worker; a column's link (or the 'DP ranks' box) zooms into its ranks."
         )
         .with_target(
             q.query(
@@ -180,7 +184,7 @@ def worker_slowdown_per_step(q: Collector) -> heatmap.Panel:
         )
         .display_name("${__field.labels.worker}")
         .span(24)
-        .height(12)
+        .height(16)
     )
 
 
