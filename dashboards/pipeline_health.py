@@ -21,6 +21,8 @@ from lagscope.dashboards.panels import (
 )
 
 PIPELINE_HEALTH_UID = "lagscope-pipeline"
+#: Missing ranks an incomplete step lists by number; the rest are counted.
+MISSING_RANKS_SHOWN = 32
 
 
 def pipeline_health() -> BuiltDashboard:
@@ -178,7 +180,10 @@ def _incomplete_steps(q: Collector) -> table.Panel:
     return (
         table.Panel()
         .title(title)
-        .description("Global ranks that never delivered their batch for the step.")
+        .description(
+            "Global ranks that never delivered their batch for the step (the first "
+            f"{MISSING_RANKS_SHOWN}, and how many more: a rack of a large job can be hundreds)."
+        )
         .with_target(
             q.query(
                 title,
@@ -187,7 +192,11 @@ def _incomplete_steps(q: Collector) -> table.Panel:
                        length(missing_ranks) AS missing,
                        -- not aliased `missing_ranks`: ClickHouse would read the alias,
                        -- not the column, in length(missing_ranks) above
-                       arrayStringConcat(arrayMap(r -> toString(r), missing_ranks), ', ')
+                       concat(arrayStringConcat(arrayMap(r -> toString(r),
+                                  arraySlice(missing_ranks, 1, {MISSING_RANKS_SHOWN})), ', '),
+                              if(missing > {MISSING_RANKS_SHOWN},
+                                 concat(' and ', toString(missing - {MISSING_RANKS_SHOWN}),
+                                        ' more'), ''))
                            AS missing_global_ranks
                 FROM steps FINAL
                 WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(ts) AND NOT complete

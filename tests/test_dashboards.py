@@ -345,3 +345,37 @@ def test_hostile_job_ids_change_no_table_and_see_no_other_job(
         assert _tables(demo_store) == tables, hostile
     # the same queries do find the job when it is selected, quote-free or not
     assert _run_all(demo_store, data, context(JOB)) != nothing
+
+
+def test_a_step_missing_many_ranks_lists_the_first_and_counts_the_rest(
+    chdb_dsn: str, built: dict[str, BuiltDashboard]
+) -> None:
+    """A rack of a large job can leave hundreds of ranks missing from a step: the cell
+    names the first MISSING_RANKS_SHOWN and counts the others, instead of a page of text."""
+    from lagscope.dashboards.pipeline_health import MISSING_RANKS_SHOWN
+    from lagscope.store.sink import ClickHouseSink
+
+    missing = list(range(0, 8 * 100, 8))  # TP rank 0 of 100 machines
+    with ClickHouseSink(chdb_dsn) as sink:
+        sink.ensure_schema()
+        sink.client.command(
+            "INSERT INTO steps (job_id, attempt, step, ts, complete, missing_ranks, "
+            "processed_at, version) VALUES ('big', 0, 7, now64(3), false, "
+            "{missing:Array(UInt32)}, now64(3), 1)",
+            parameters={"missing": missing},
+        )
+        now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
+        context = QueryContext(
+            now - dt.timedelta(hours=1),
+            now + dt.timedelta(minutes=1),
+            variables={"job": ["big"], "attempt": ["0"]},
+        )
+        (panel,) = [
+            target
+            for where, _, target in _targets(built["pipeline-health"].to_dict())
+            if where == "Incomplete steps and their missing ranks"
+        ]
+        (row,) = sink.client.query(render_sql(panel["rawSql"], context)).named_results()
+    shown = ", ".join(str(rank) for rank in missing[:MISSING_RANKS_SHOWN])
+    assert row["missing"] == 100
+    assert row["missing_global_ranks"] == f"{shown} and {100 - MISSING_RANKS_SHOWN} more"
