@@ -589,18 +589,14 @@ def _verified_removal(
     and the mean step time without them. Verified: slow alone in a re-simulation, and
     slower than its peers in the median step (not in a few noisy ones)."""
     result, prepared, cfg = ctx.result, ctx.prepared, ctx.cfg
-    persistent = persistent_excess(prepared)
-    suspects = [
-        (w, share)
-        for w, share in verified_slow_workers(
-            result,
-            prepared,
-            ctx.compiled,
-            candidates=cfg.verify_candidates,
-            min_share=cfg.verify_min_share,
-        )
-        if persistent[w[1], w[0]] >= 1 + cfg.persistent_margin
-    ][:max_workers]
+    suspects = verified_slow_workers(
+        result,
+        prepared,
+        ctx.compiled,
+        candidates=cfg.verify_candidates,
+        min_share=cfg.verify_min_share,
+        eligible=persistent_excess(prepared) >= 1 + cfg.persistent_margin,
+    )[:max_workers]
     if not suspects:
         return [], result.mw.removed_share, result.mw.t_removed
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=ctx.compiled)

@@ -252,22 +252,28 @@ def verified_slow_workers(
     *,
     candidates: int,
     min_share: float,
+    eligible: np.ndarray | None = None,
 ) -> list[tuple[tuple[int, int], float]]:
     """Workers that are slow on their own, best first, with the share of the slowdown each
     explains alone (ideal job + only that worker as measured).
 
     The worker score S_w = min(S_dp, S_stage) also lights up "ghosts": with stragglers at
     (dp a, stage x) and (dp b, stage y), the crossings (a, y) and (b, x) score as high.
-    Re-simulating each top-scoring candidate alone tells them apart.
+    Re-simulating each top-scoring candidate alone tells them apart. `eligible` ([stage,
+    dp], bool): of the top-scoring candidates, only these are re-simulated and returned
+    (a caller that needs more evidence than the re-simulation, such as a worker slower
+    than its peers in the median step, spares the simulation of those without it).
     """
     order = np.argsort(-result.worker_slowdown, axis=None, kind="stable")[:candidates]
     n_dp = result.worker_slowdown.shape[1]
     workers = [(int(i % n_dp), int(i // n_dp)) for i in order]
+    if eligible is not None:
+        workers = [(dp, stage) for dp, stage in workers if eligible[stage, dp]]
+    excess = float(result.t_nodelay.mean() - result.t_ideal.mean())
+    if excess <= 0 or not workers:
+        return []
     analysis = WhatIfAnalysis(prepared, result.ideal_cost, compiled=compiled)
     times = analysis.run([Variant("ideal", swap=analysis.worker_rows([w])) for w in workers])
-    excess = float(result.t_nodelay.mean() - result.t_ideal.mean())
-    if excess <= 0:
-        return []
     shares = [
         (w, float(t.mean() - result.t_ideal.mean()) / excess)
         for w, t in zip(workers, times, strict=True)
