@@ -184,7 +184,7 @@ def _who_and_what(builder: dash.Dashboard, q: Collector) -> dash.Dashboard:
                 "whatever the time range: a score, not a verdict (the crossing of a slow DP "
                 "replica and a slow stage scores high too); verified stragglers are in "
                 "'Straggler episodes' and first in 'Top stragglers in range'.",
-                f"step > (SELECT max(step) FROM worker_slowdown WHERE {ONE_ATTEMPT}) - "
+                f"step > (SELECT max(step) FROM steps FINAL WHERE {ONE_ATTEMPT} AND analysed) - "
                 f"toInt64OrZero({one_selected('window')})",
                 q,
             )
