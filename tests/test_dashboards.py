@@ -55,8 +55,11 @@ def test_build_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["dashboards", "build", "--out", str(tmp_path)]) == 0
     assert main(["dashboards", "build", "--out", str(tmp_path), "--check"]) == 0
     (tmp_path / "job-overview.json").write_text("{}")
+    (tmp_path / "pipeline-health.json").unlink()
     assert main(["dashboards", "build", "--out", str(tmp_path), "--check"]) == 1
-    assert "job-overview.json" in capsys.readouterr().err
+    (message,) = capsys.readouterr().err.splitlines()
+    assert f"{tmp_path / 'pipeline-health.json'} missing" in message
+    assert f"{tmp_path / 'job-overview.json'} differ from the code" in message
 
 
 def test_json_is_a_fixed_point_of_the_sdk_model() -> None:

@@ -142,14 +142,15 @@ def build_command(args: argparse.Namespace) -> int:
     out: Path = args.out
     built = built_files(out, args.alerts_out)
     if args.check:
+        missing = [str(path) for path in built if not path.exists()]
         stale = [
-            str(path)
-            for path, text in built.items()
-            if not path.exists() or path.read_text() != text
+            str(path) for path, text in built.items() if path.exists() and path.read_text() != text
         ]
-        if stale:
+        found = [f"{', '.join(missing)} missing"] if missing else []
+        found += [f"{', '.join(stale)} differ from the code"] if stale else []
+        if found:
             print(
-                f"lagscope dashboards build: {', '.join(stale)} in {out} differ from the code; "
+                f"lagscope dashboards build --check: {'; '.join(found)}; "
                 "run `lagscope dashboards build`",
                 file=sys.stderr,
             )
