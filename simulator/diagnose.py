@@ -215,6 +215,9 @@ class _Context:
     layers_per_stage: int | None
     figures: RunFigures
     structure: _Structure | None = None
+    #: A slow host costing the job less than its ops' own excess: the diagnosis only if
+    #: nothing in the ops is named (`detect_slow_host`).
+    deferred: tuple[Cause, str, Finding, tuple[Advice, ...]] | None = None
 
     @property
     def compiled(self) -> CompiledModel:
@@ -237,7 +240,8 @@ class _Context:
         return Diagnosis(cause, summary, Evidence(self.figures, finding), advice, ladder)
 
     def none(self, summary: str) -> Diagnosis:
-        return self.made(Cause.NONE, summary)
+        """No cause named in the ops: a deferred slow host, else `none`."""
+        return self.made(*self.deferred) if self.deferred else self.made(Cause.NONE, summary)
 
 
 def _measure(
@@ -324,7 +328,10 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     starved of input also starts its next forward late), and replaying the job with only
     its launch delays explains most of what the launch delays add. Where the GC pauses
     recorded in those gaps (beyond its peers') explain most of them, its host stalls for
-    its own garbage collections (a GPU's kernels keep their time): that is named."""
+    its own garbage collections (a GPU's kernels keep their time): that is named. Where
+    the ops' own excess over the ideal costs the job more than the stalls add, the other
+    detectors are asked first and the stalls are named only if none of them names a
+    cause."""
     result, prepared, cfg = ctx.result, ctx.prepared, ctx.cfg
     t_ideal = float(result.t_ideal.mean())
     launch_excess = float(np.mean(result.t_actual - result.t_nodelay))
@@ -378,6 +385,11 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
         planned = advise_synchronised_gc(who, speedup, cfg.planned_gc_interval_steps)
         return ctx.made(Cause.GC_PAUSES, summary, finding, (planned,))
     advice = (advise_relieve_host(who, speedup), advise_removal(who, speedup))
+    if added < float(np.mean(result.t_nodelay - result.t_ideal)):
+        # The ops themselves cost the job more (a rank collecting inside its forwards also
+        # launches a little late): what is wrong in them is asked first.
+        ctx.deferred = (Cause.SLOW_HOST, summary, finding, advice)
+        return None
     return ctx.made(Cause.SLOW_HOST, summary, finding, advice)
 
 
@@ -537,7 +549,7 @@ def detect_unattributed(ctx: _Context) -> Diagnosis:
         if top
         else "slowdown spread over many workers"
     )
-    return ctx.made(Cause.UNATTRIBUTED, summary)
+    return ctx.made(*ctx.deferred) if ctx.deferred else ctx.made(Cause.UNATTRIBUTED, summary)
 
 
 #: The detectors in the order they are asked: the first to name its cause diagnoses.

@@ -18,6 +18,7 @@ from lagscope.simulator.generate import (
     GcPauses,
     JobSpec,
     LastStageImbalance,
+    LaunchDelay,
     SequenceImbalance,
     SlowLink,
     SlowWorker,
@@ -284,3 +285,33 @@ def test_true_causes_stand_out_of_the_same_noise(seed):
     assert slow.cause == "slow_workers", slow.summary
     assert [(w.dp, w.stage) for w in slow.evidence.verified_workers][:1] == [(1, 0)]
     assert "slow in backward-compute" in slow.summary
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slow_worker_costing_more_than_a_stalling_host_is_named_first(seed):
+    """A worker 1.6x slower in its ops and another whose host stalls 30 ms before each op:
+    the stalls add ~90 ms to a step, the slow worker ~220 ms. Before, the stalling host was
+    named first (its detector is asked first, as its stalls leave S alone); the worker that
+    costs the job most is named, and the same stalls alone are still a slow host."""
+    stall = LaunchDelay(dp=0, stage=1, delay_s=0.03)
+    result, both = _noisy((SlowWorker(dp=1, stage=0, factor=1.6), stall), seed)
+    assert float(np.mean(result.t_actual - result.t_nodelay)) < float(
+        np.mean(result.t_nodelay - result.t_ideal)
+    )  # the premise: the stalls cost less than the slow ops
+    assert both.cause == "slow_workers", both.summary
+    assert [(w.dp, w.stage) for w in both.evidence.verified_workers][:1] == [(1, 0)]
+    _, alone = _noisy((stall,), seed)
+    assert alone.cause == "slow_host", alone.summary
+    assert "(dp 0, pp 1)" in alone.summary
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_stalling_host_beneath_the_job_s_noise_is_still_named(seed):
+    """Stalls adding less than the job's own 15 % jitter does: asked after the ops, which
+    name nothing beyond noise, so the host is named, not `none`."""
+    result, diagnosis = _noisy((LaunchDelay(dp=0, stage=1, delay_s=0.005),), seed)
+    assert float(np.mean(result.t_actual - result.t_nodelay)) < float(
+        np.mean(result.t_nodelay - result.t_ideal)
+    )  # the premise: the stalls were deferred
+    assert diagnosis.cause == "slow_host", diagnosis.summary
+    assert "(dp 0, pp 1)" in diagnosis.summary
