@@ -129,6 +129,32 @@ ATTRIBUTION_KINDS: tuple[tuple[str, str], ...] = (
 )
 
 
+def json_text(value: Any) -> str:
+    """`value` as strict JSON (RFC 8259), non-finite numbers as null: Python writes them as
+    `NaN` and `Infinity`, which ClickHouse's JSON functions, Grafana and most parsers
+    refuse, so a whole document with one (a DDP job's undefined forward-backward
+    correlation) read as empty in the dashboards and the alert rules.
+
+    >>> json_text({"summary": "ok", "correlation": float("nan"), "floor": np.float32(1.5)})
+    '{"summary": "ok", "correlation": null, "floor": 1.5}'
+    """
+    try:
+        return json.dumps(value, default=float, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), default=float, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite number (also numpy's) made None."""
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    return value
+
+
 def rows_from_result(
     job_id: str,
     attempt: int,
@@ -234,7 +260,7 @@ def job_rows(
         "model_flops_per_step": [meta.model_flops_per_step],
         "gpu_peak_flops": [meta.gpu_peak_flops],
         "started": [started],
-        "meta": [record if record is not None else json.dumps(meta.as_dict())],
+        "meta": [record if record is not None else json_text(meta.as_dict())],
         "version": [version],
     }
 
@@ -432,18 +458,13 @@ def diagnosis_rows(
         "step": [step],
         "ts": [start_ns / 1e9],
         "cause": [diagnosis.cause],
-        "evidence": [
-            json.dumps(
-                {"summary": diagnosis.summary, **diagnosis.evidence.as_dict()}, default=float
-            )
-        ],
+        "evidence": [json_text({"summary": diagnosis.summary, **diagnosis.evidence.as_dict()})],
         "advice": [
-            json.dumps(
+            json_text(
                 {
                     "advice": [a.as_dict() for a in diagnosis.advice],
                     "escalation": _escalation(diagnosis),
-                },
-                default=float,
+                }
             )
         ],
         "predicted_speedup": [best],
@@ -503,11 +524,10 @@ def episode_rows(
             "first_seen_step": episode.first_seen,
             "final": state.final,
             "summary": diagnosis.summary,
-            "evidence": json.dumps(diagnosis.evidence.as_dict(), default=float),
-            "advice": json.dumps(
+            "evidence": json_text(diagnosis.evidence.as_dict()),
+            "advice": json_text(
                 {"advice": [a.as_dict() for a in diagnosis.advice],
-                 "escalation": _escalation(diagnosis)},
-                default=float,
+                 "escalation": _escalation(diagnosis)}
             ),
             "updated_at": now,
             "version": episode_version(state.at_step, state.final),

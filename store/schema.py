@@ -16,6 +16,8 @@ Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a st
   range.
 - `changepoints` (job_id, attempt, series, step, kind), `diagnoses` (job_id, attempt,
   step, cause), `jobs` (job_id, attempt), `dead_letters` (job_id, source, ts, ...).
+  Their JSON documents (`evidence`, `advice`, `meta`) are strict JSON, null where a
+  figure has no value (`rows.json_text`), so ClickHouse's JSON functions read them.
 - `episodes` (job_id, attempt, episode_id): straggler episodes found while the job runs,
   one row per state (open, kept current, closed, refined at the job's end); `FINAL`
   gives each episode's latest state.

@@ -49,7 +49,6 @@ stands. Retained inputs are kept 30 days (table TTL).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -62,7 +61,7 @@ from lagscope.producers.dead_letters import DeadLetter
 from lagscope.producers.metrics import SecondsHistogram
 from lagscope.store.checkpoints import CheckpointStore
 from lagscope.store.errors import StoreError
-from lagscope.store.rows import episode_version
+from lagscope.store.rows import episode_version, json_text
 from lagscope.store.sink import ClickHouseSink
 from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app.host_core import (
@@ -615,7 +614,7 @@ class WorkerCore:
 
 # -- messages of lagscope.results ---------------------------------------------------------
 def _json(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, default=float).encode()
+    return json_text(message).encode()
 
 
 def step_result(out: StepOutput, top: int = 3) -> dict[str, Any]:

@@ -13,12 +13,19 @@ PASS = 500
 
 
 def store_generated_job(
-    sink, spec: JobSpec, job_id: str, start_s: float, *, gpus_per_node: int | None = None
+    sink,
+    spec: JobSpec,
+    job_id: str,
+    start_s: float,
+    *,
+    gpus_per_node: int | None = None,
+    publish=None,
 ) -> None:
     """Generate `spec`'s job, its first step at `start_s` (Unix seconds), and store it in
     `sink` (its schema ensured) through a worker's core. With `gpus_per_node`, each
     reporting rank's job record also says which machine it runs on (`rank_identity`), the
-    ranks placed on machines in order."""
+    ranks placed on machines in order. `publish(key, value)` gets what the worker would
+    publish to lagscope.results."""
     from lagscope.producers.events import JobInfo, RankIdentity
     from lagscope.producers.replay import iter_step_batches
     from lagscope.simulator.generate import generate_job
@@ -36,7 +43,7 @@ def store_generated_job(
             reporting[batch.rank] = (batch.dp_rank, batch.pp_rank)
     del job, steps
     sink.ensure_schema()
-    core = WorkerCore(WorkerConfig(), sink, publish=lambda key, value: None)
+    core = WorkerCore(WorkerConfig(), sink, publish=publish or (lambda key, value: None))
     records = [info]
     if gpus_per_node:
         records = [
