@@ -5,9 +5,11 @@ NaN, which made every JSON function read the whole document as empty."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
-from pathlib import Path
 
+from lagscope.dashboards.definitions import build_all
+from lagscope.dashboards.macros import QueryContext, render_sql
 from lagscope.simulator.generate import CostModel, JobSpec, SlowWorker
 from lagscope.store.sink import ClickHouseSink
 from tests.generated_store import store_generated_job
@@ -28,8 +30,8 @@ def _strict(text: str | bytes) -> object:
     return json.loads(text, parse_constant=refuse)
 
 
-def test_a_ddp_job_s_documents_read_in_clickhouse_and_in_strict_parsers(tmp_path: Path) -> None:
-    sink = ClickHouseSink(f"chdb://{tmp_path / 'store'}")
+def test_a_ddp_job_s_documents_read_in_clickhouse_and_in_strict_parsers(chdb_dsn: str) -> None:
+    sink = ClickHouseSink(chdb_dsn)
     published: list[bytes] = []
     store_generated_job(sink, DDP, "ddp", T0, publish=lambda _key, value: published.append(value))
 
@@ -61,3 +63,32 @@ def test_a_ddp_job_s_documents_read_in_clickhouse_and_in_strict_parsers(tmp_path
     assert published
     for message in published:
         _strict(message)
+
+
+def test_the_job_overview_states_a_ddp_job_s_diagnosis(chdb_dsn: str) -> None:
+    """The on-call's panel "Current diagnosis and advice" on a healthy DDP job: the
+    sentence of its latest diagnosis, which states the undefined correlation (before, an
+    empty cell)."""
+    sink = ClickHouseSink(chdb_dsn)
+    store_generated_job(sink, DDP.model_copy(update={"stragglers": ()}), "ddp", T0)
+    overview = build_all()["job-overview"]
+    (target,) = [
+        t
+        for panel in overview.to_dict()["panels"]
+        if panel.get("title") == "Current diagnosis and advice"
+        for t in panel["targets"]
+    ]
+    start = dt.datetime.fromtimestamp(T0, dt.UTC).replace(tzinfo=None)
+    context = QueryContext(
+        start - dt.timedelta(minutes=1), start + dt.timedelta(hours=1), interval_s=10.0,
+        variables={"job": "ddp", "attempt": "0", "window": "20", "dp_range": ""},
+    )  # fmt: skip
+    names, rows = sink.query(render_sql(target["rawSql"], context))
+    summaries = {row[names.index("summary")] for row in rows}
+    _, latest = sink.query(
+        "SELECT evidence FROM diagnoses FINAL ORDER BY step DESC, version DESC LIMIT 1"
+    )
+    document = _strict(latest[0][0])
+    assert document["fwd_bwd_correlation"] is None  # the premise
+    assert summaries == {document["summary"]}
+    assert "straggling" in summaries.pop()
