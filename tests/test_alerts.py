@@ -5,6 +5,7 @@ output, and on stores made to make each rule fire or stay quiet."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,19 @@ from lagscope.dashboards.alerts import (
     ALERTS_FILE,
     DASHBOARD_TITLES,
     RULES,
+    SLOWDOWN_THRESHOLD,
     AlertRule,
     provisioning_file,
     rule_group_dict,
 )
 from lagscope.dashboards.clickhouse_query import ClickHouseQuery, register_clickhouse_query
 from lagscope.dashboards.definitions import build_all
+from lagscope.simulator.diagnose import diagnose
+from lagscope.simulator.generate import CostModel, JobSpec, generate_job
+from lagscope.simulator.prepare import prepare
+from lagscope.simulator.whatif import analyze
+from lagscope.store.rows import diagnosis_rows
+from lagscope.store.sink import SinkBatch
 from tests.demo_store import DEMO_JOB, fill_demo_store
 
 BY_UID = {rule.uid: rule for rule in RULES}
@@ -129,8 +137,8 @@ def crafted(chdb_dir: Path):
     """Five jobs built to make the rules decide: `sick` (slow for 12 minutes, MFU fallen,
     rank 5 gone, an open episode, rising dead letters), `healthy` (all fine, an episode
     that recovered, a steady trickle of dead letters), `stalled` (stopped 8 minutes ago,
-    its episode left open), `finished-long-ago` (stopped 3 hours ago) and `noisy` (S 1.3,
-    all of it its own noise floor)."""
+    its episode left open), `finished-long-ago` (stopped 3 hours ago) and `noisy` and
+    `noisy-ddp` (S about 1.3, all of it their own noise floor)."""
     from lagscope.store.sink import ClickHouseSink
 
     sink = ClickHouseSink(f"chdb://{chdb_dir}?database=alerts_crafted")
@@ -206,7 +214,32 @@ def crafted(chdb_dir: Path):
                 '{"summary": "no straggling beyond noise", "slowdown": 1.3, "noise_floor": 1.28}',
                 '{}', NULL, 144)"""
     )
+    # The same on a DDP job, its diagnosis as lagscope writes it: one micro-batch a step,
+    # so its evidence has a figure without a value (the forward-backward correlation).
+    noisy_ddp = _noisy_ddp_diagnosis()
+    figures = noisy_ddp.evidence.as_dict()
+    assert figures["fwd_bwd_correlation"] != figures["fwd_bwd_correlation"]  # NaN
+    # Its steps at the S it was diagnosed with, above the rule's threshold.
+    assert figures["slowdown"] > SLOWDOWN_THRESHOLD
+    steps("noisy-ddp", 720, 0, repr(figures["slowdown"]), "0.45", no_rank)
+    batch = SinkBatch("noisy-ddp/diagnosis")
+    batch.add("diagnoses", diagnosis_rows("noisy-ddp", 0, 72, time.time_ns(), noisy_ddp))
+    sink.write(batch)
     return sink
+
+
+def _noisy_ddp_diagnosis():
+    """The diagnosis of a healthy DDP job (8 ranks) whose every op jitters by 25 %: its
+    noise floor about S 1.3, the job's own."""
+    spec = JobSpec(
+        dp=8, pp=1, microbatches=1, steps=40, seed=3,
+        cost=CostModel(first_stage_extra=0.0, last_stage_extra=0.0, noise_cv=0.25),
+    )  # fmt: skip
+    job = generate_job(spec)
+    prepared = prepare(job.trace, job.meta)
+    found = diagnose(analyze(prepared), prepared)
+    assert found.cause == "none" and found.evidence.noise_floor >= 1.1, found.summary
+    return found
 
 
 EXPECTED_FIRING = {
