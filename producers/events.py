@@ -92,8 +92,9 @@ BATCH_VERSION = 1
 #: Header flag: the batch carries sections after its columns, which readers that do not
 #: know them skip (how a newer writer adds to version 1 without breaking its readers).
 FLAG_SECTIONS = 1
-#: The version of the job record this build writes (`JobInfo.schema_version`).
-JOB_SCHEMA_VERSION = 1
+#: The version of the job record this build writes (`JobInfo.schema_version`); 2 added
+#: `ended_ns` (a reader of version 1 keeps it as an unknown field and ignores it).
+JOB_SCHEMA_VERSION = 2
 _HEADER = struct.Struct("<4sHHIIiiiiiqHH")
 _TRAILER = struct.Struct("<I")
 _MAX_OPTYPE_NAMES = 255
@@ -206,12 +207,19 @@ class _JobRecord(_WireRecord):
     `dsp_size` is the context-parallel size (`cp_size`). A record a rank writes into its
     own log also carries that rank's `rank_identity`. `schema_version` is the version of
     the writer's record; a newer one's extra fields are kept (`unknown_fields`).
+
+    A rank whose monitor is closed writes its record once more, `ended_ns` set: that rank
+    is done (its training loop ended, or raised through the monitor). A job attempt all of
+    whose ranks did so has ended, and is not silent; a rank that hangs or is killed never
+    writes it.
     """
 
     schema_version: int = Field(default=JOB_SCHEMA_VERSION, ge=1)
     job_id: str = Field(min_length=1)
     attempt: int = Field(default=0, ge=0)
     rank_identity: RankIdentity | None = None
+    #: When the rank's monitor closed (ns since the epoch); None while it records.
+    ended_ns: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="wrap")
     @classmethod

@@ -605,8 +605,9 @@ class Streamer:
         self.stats.ops += head["n_ops"]
 
     def _ship_job(self, rank_name: str, state: _RankState, item: Record) -> None:
-        """A job record to the compacted jobs topic, once per record key; one that cannot
-        be read is a dead letter."""
+        """A job record to the compacted jobs topic, once per record key and once more for
+        the rank's end (its record again, `ended_ns` set, which compaction keeps); one
+        that cannot be read is a dead letter."""
         source = str(self.log_dir / rank_name / item.file)
         try:
             info = JobInfo.model_validate_json(item.payload)
@@ -621,7 +622,8 @@ class Streamer:
                 item.payload[:64],
             )
             return
-        if info.record_key in self._jobs_sent:
+        sent_key = info.record_key if info.ended_ns is None else f"{info.record_key}/ended"
+        if sent_key in self._jobs_sent:
             self._track(state, _Pending(item.position_after, 0, delivered=True))
             return
         if info.unknown_fields and info.key not in self._told_unknown:
@@ -636,7 +638,7 @@ class Streamer:
         self._produce(state, item.position_after, self.config.kafka.topic_jobs,
                       key=info.record_key.encode(), value=item.payload,
                       headers=[(SCHEMA_HEADER, f"job-{info.schema_version}".encode())],
-                      job_key=info.record_key)  # fmt: skip
+                      job_key=sent_key)  # fmt: skip
         self.stats.jobs += 1
 
     def _send_dead_letter(

@@ -371,6 +371,7 @@ class OpTimer:
         self._packer = SealPacker(**identity, version=self.seal_version)
         # No writer thread: the sealer thread writes what it encoded (one wake per seal).
         self._writer = LogWriter(log_dir, self.rank, background=False)
+        self._job_info = job_info
         if job_info is not None:
             self._writer.append(KIND_JOB, job_info.model_dump_json().encode())
             self._writer.flush()  # at start-up, on the caller's thread: not the hot path
@@ -663,6 +664,10 @@ class OpTimer:
             self._wake_sealer()
             self._sealer.join()
         self.flush()  # what other threads (a comm callback) recorded meanwhile
+        if self._job_info is not None:
+            # After the rank's last batch: the rank is done, so the job is not silent.
+            ended = self._job_info.model_copy(update={"ended_ns": time.time_ns()})
+            self._writer.append(KIND_JOB, ended.model_dump_json().encode())
         self._writer.close()
 
     def _drop_gc_only_step(self) -> None:

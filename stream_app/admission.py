@@ -39,14 +39,18 @@ def job_problem(info: JobInfo, max_world_size: int) -> str:
     return ""
 
 
+#: Job record fields each rank writes for itself.
+_PER_RANK_FIELDS = {"rank_identity", "ended_ns"}
+
+
 def job_conflict(first: JobInfo, other: JobInfo) -> str:
     """Why `other` does not replace `first` (same job and attempt, other values), or "".
 
-    Each rank's record names its own rank and machine (`rank_identity`): that part differs
-    by design and is no conflict.
+    Each rank's record names its own rank and machine (`rank_identity`), and a rank that
+    ended says when (`ended_ns`): those parts differ by design and are no conflict.
     """
-    kept = first.model_dump(exclude={"rank_identity"})
-    offered = other.model_dump(exclude={"rank_identity"})
+    kept = first.model_dump(exclude=_PER_RANK_FIELDS)
+    offered = other.model_dump(exclude=_PER_RANK_FIELDS)
     differing = [name for name in kept if kept[name] != offered[name]]
     if not differing:
         return ""

@@ -9,8 +9,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from lagscope.producers.events import JobInfo, RankStepBatch, batch_id_of, decode_batch
-from lagscope.producers.log import KIND_BATCH, LogWriter, frame_record, rank_dir
+from lagscope.producers.events import (
+    JobInfo,
+    RankIdentity,
+    RankStepBatch,
+    batch_id_of,
+    decode_batch,
+)
+from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter, frame_record, rank_dir
 from lagscope.producers.reference_format import load_meta, load_trace
 from lagscope.producers.replay import default_job_id, iter_step_batches, replay
 from lagscope.producers.streamer import BATCH_ID_HEADER, SCHEMA_HEADER, Streamer
@@ -180,6 +186,31 @@ def test_streamer_tails_live_logs_through_rotation_and_deletion(
     assert sorted(b.batch_id for b in delivered) == sorted(b.batch_id for b in sent)
     checkpoint = json.loads((log_dir / ".streamer-checkpoint.json").read_text())
     assert set(checkpoint["positions"]) == {"rank-000007", "rank-000008"}
+
+
+def test_a_ranks_end_is_shipped_once_after_its_start_record(
+    tmp_path: Path, streamer_config, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    """A rank's job record and its end (the same record again, `ended_ns` set, as a closed
+    monitor writes it) both reach the jobs topic under the rank's key, the end last, and a
+    restarted streamer sends neither again."""
+    meta = load_meta(REFERENCE_TRACES / "meta-ST.yaml")
+    started = JobInfo.from_meta(meta, job_id="ends").model_copy(
+        update={"rank_identity": RankIdentity(rank=0)}
+    )
+    ended = started.model_copy(update={"ended_ns": START_NS})
+    writer = LogWriter(tmp_path / "logs", 0, background=False)
+    for info in (started, ended):
+        writer.append(KIND_JOB, info.model_dump_json().encode())
+    writer.close()
+    for _ in range(2):
+        streamer = Streamer(streamer_config(tmp_path / "logs"))
+        streamer.ensure_topics()
+        streamer.run()
+    jobs = consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])
+    assert [m.key for m in jobs] == [b"ends/0/0", b"ends/0/0"]
+    read = [JobInfo.model_validate_json(m.value) for m in jobs]
+    assert [info.ended_ns for info in read] == [None, START_NS]
 
 
 def test_replay_straight_into_kafka(

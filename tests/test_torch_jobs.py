@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.torch_jobs import comm_kinds, ddp, pipeline_1f1b, pipelining
-from tests.torch_jobs.harness import Knobs, job_records, launch, recorded_ops
+from tests.torch_jobs.harness import Knobs, job_records, launch, rank_ends, recorded_ops
 
 #: Real multi-process torch jobs (CPU, gloo): slow.
 pytestmark = pytest.mark.slow
@@ -140,6 +140,18 @@ def test_job_record_is_derived(one_f_one_b: tuple[Path, list[dict]]) -> None:
         assert identity.local_rank == rank
         assert identity.host and identity.gpu is None
         assert (identity.node, identity.pod) == ("node-7", "trainer-0")
+        assert info.ended_ns is None
+
+
+def test_each_rank_says_it_ended_after_its_last_batch(one_f_one_b: tuple[Path, list[dict]]) -> None:
+    """The monitor, closed, writes the rank's job record once more with its end, after its
+    last batch: the job is done, not silent."""
+    log_dir, ops = one_f_one_b
+    ends = rank_ends(log_dir)
+    assert len(ends) == 4 and all(last for _, last in ends), ends
+    for rank, (ended, _) in enumerate(ends):
+        last_op_end = max(op["start_ns"] + op["duration_ns"] for op in ops if op["rank"] == rank)
+        assert ended is not None and ended >= last_op_end, (rank, ended, last_op_end)
 
 
 @pytest.fixture(scope="module")
