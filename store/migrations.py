@@ -259,6 +259,23 @@ def _episodes(ops_ttl_days: int) -> Migration:
     )
 
 
+# -- 7: jobs that ended -------------------------------------------------------------------
+def _jobs_ended(ops_ttl_days: int) -> Migration:
+    return Migration(
+        7,
+        "jobs: how many ranks ended, and when the job did",
+        (
+            # A rank's monitor, closed, writes its job record again with its end; the
+            # job attempt's row is written again (version = ranks ended) as each does.
+            # `ended_at` is set once every rank of the world ended: the job finished, or
+            # raised through its monitors, and is not silent. A rank that hangs or is
+            # killed never ends.
+            "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS ranks_ended UInt32 DEFAULT 0",
+            "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS ended_at Nullable(DateTime64(3))",
+        ),
+    )
+
+
 #: Every migration, in order; each takes the retention `ops` is created with.
 _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _tables,
@@ -267,6 +284,7 @@ _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _rank_identity,
     _rank_identity_local_rank,
     _episodes,
+    _jobs_ended,
 )
 
 

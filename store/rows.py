@@ -244,10 +244,13 @@ def job_rows(
     *,
     version: int = 0,
     record: str | None = None,
+    ranks_ended: int = 0,
+    ended_at: float | None = None,
 ) -> dict[str, list]:
     """The `jobs` row of a job attempt (add it to a batch with `batch.add("jobs", ...)`);
     `record`: the job record as it came (JSON), kept whole in `meta` so that the fields of
-    a newer writer and its schema version reach the store too."""
+    a newer writer and its schema version reach the store too. `ranks_ended`: how many of
+    its ranks said they ended; `ended_at` (epoch seconds): when the last of all did."""
     return {
         "job_id": [job_id],
         "attempt": [attempt],
@@ -261,6 +264,8 @@ def job_rows(
         "gpu_peak_flops": [meta.gpu_peak_flops],
         "started": [started],
         "meta": [record if record is not None else json_text(meta.as_dict())],
+        "ranks_ended": [ranks_ended],
+        "ended_at": [ended_at],
         "version": [version],
     }
 

@@ -18,6 +18,10 @@ Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a st
   step, cause), `jobs` (job_id, attempt), `dead_letters` (job_id, source, ts, ...).
   Their JSON documents (`evidence`, `advice`, `meta`) are strict JSON, null where a
   figure has no value (`rows.json_text`), so ClickHouse's JSON functions read them.
+- `jobs` holds each job attempt's layout and its record, and how many of its ranks said
+  they ended (`ranks_ended`; a rank's closed monitor writes its record once more, with its
+  end); `ended_at` is set once every rank did: the job finished, and the alert rules
+  leave it (written again, version = ranks ended, as each one does).
 - `episodes` (job_id, attempt, episode_id): straggler episodes found while the job runs,
   one row per state (open, kept current, closed, refined at the job's end); `FINAL`
   gives each episode's latest state.

@@ -118,6 +118,8 @@ class JobRecords:
         self.max_world_size = max_world_size
         #: (job, attempt) -> (the record that stands, its time).
         self.infos: dict[tuple[str, int], tuple[JobInfo, float]] = {}
+        #: (job, attempt) -> rank -> when its monitor closed (ns), as its record said.
+        self.ended: dict[tuple[str, int], dict[int, int]] = {}
         self.machines = MachineBook()
         self.pending: list[SinkBatch] = []
         self.dead: list[DeadLetter] = []
@@ -143,16 +145,42 @@ class JobRecords:
             self.infos[key] = (info, at_s)
             if not problem:
                 batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}")
-                rows = job_rows(info.job_id, info.attempt, info.to_meta(), at_s,
-                                record=info.model_dump_json(exclude={"rank_identity"}))  # fmt: skip
-                batch.add("jobs", rows)
+                batch.add("jobs", self._job_row(info))
                 self.pending.append(batch)
         if problem:
             self._dead(DeadLetter(source, problem, payload, info.job_id, at_s))
             return None
         if self.machines.add(info):
             self.pending.append(rank_identity_batch(info))
+        self._take_end(info)
         return info
+
+    def _job_row(self, info: JobInfo) -> dict[str, list]:
+        """The job attempt's `jobs` row as its records stand: version = its ranks ended."""
+        key = (info.job_id, info.attempt)
+        standing, started = self.infos[key]
+        ended = self.ended.get(key, {})
+        done = len(ended) >= standing.world_size
+        record = standing.model_dump_json(exclude={"rank_identity", "ended_ns"})
+        return job_rows(info.job_id, info.attempt, standing.to_meta(), started,
+                        version=len(ended), record=record, ranks_ended=len(ended),
+                        ended_at=max(ended.values()) / 1e9 if done else None)  # fmt: skip
+
+    def _take_end(self, info: JobInfo) -> None:
+        """A rank's record that says it ended: the job's row again, one more rank ended (a
+        record read again changes nothing)."""
+        key = (info.job_id, info.attempt)
+        if info.ended_ns is None or info.rank_identity is None:
+            return
+        if job_problem(self.infos[key][0], self.max_world_size):
+            return  # a job set aside has no row
+        ended = self.ended.setdefault(key, {})
+        if info.rank_identity.rank in ended:
+            return
+        ended[info.rank_identity.rank] = info.ended_ns
+        batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}/ended/{len(ended)}")
+        batch.add("jobs", self._job_row(info))
+        self.pending.append(batch)
 
     def _dead(self, letter: DeadLetter) -> None:
         log.warning("dead letter %s: %s", letter.source, letter.reason)

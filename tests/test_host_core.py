@@ -308,3 +308,46 @@ def test_a_replacement_cut_short_is_replaced_again(chdb_dsn, monkeypatch, cut_at
         assert query(sink, f"SELECT count() AS n FROM {table}")["n"] == n, table
     assert query(sink, "SELECT count() AS n FROM steps")["n"] == len(steps)
     sink.close()
+
+
+def test_a_job_ends_once_every_rank_said_so_and_each_end_counts_once(chdb_dsn) -> None:
+    """Each rank's end writes the job's row again, one more rank ended; a record read again
+    (Kafka re-delivers, a worker re-reads the jobs topic) changes nothing; `ended_at` is
+    the last rank's end, set only once all of the world ended. A job set aside gets no row
+    from its ends either."""
+    from lagscope.producers.events import JobInfo, RankIdentity
+
+    def record(job: str, rank: int, world: int, ended_ns: int | None = None) -> bytes:
+        info = JobInfo(job_id=job, dp_size=world, pp_size=1, tp_size=1, world_size=world,
+                       rank_identity=RankIdentity(rank=rank, dp_rank=rank),
+                       ended_ns=ended_ns)  # fmt: skip
+        return info.model_dump_json().encode()
+
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+    records = JobRecords(max_world_size=8)
+    ends = [1_790_000_000_000_000_000 + rank * 10**9 for rank in range(4)]
+
+    def stored() -> tuple:
+        records.write(sink)
+        _, rows = sink.query(
+            "SELECT ranks_ended, toUnixTimestamp64Milli(ended_at) FROM jobs FINAL "
+            "WHERE job_id = 'done'"
+        )
+        return rows[0]
+
+    for rank in range(4):
+        records.take(record("done", rank, 4), "test", 0.0)
+    assert stored() == (0, None)
+    for rank in (2, 0, 2, 1):
+        records.take(record("done", rank, 4, ends[rank]), "test", 1.0)
+    assert stored() == (3, None)
+    records.take(record("done", 3, 4, ends[3]), "test", 1.0)
+    records.take(record("done", 0, 4, ends[0]), "test", 1.0)
+    assert stored() == (4, ends[3] // 10**6)
+    # Too large for this host: set aside, its ends too.
+    records.take(record("huge", 0, 16), "test", 1.0)
+    records.take(record("huge", 0, 16, ends[0]), "test", 1.0)
+    records.write(sink)
+    _, rows = sink.query("SELECT count() FROM jobs WHERE job_id = 'huge'")
+    assert rows == [(0,)] and records.dead_by_kind["job_metadata"] == 1
