@@ -154,6 +154,13 @@ class _ThresholdCondition:
         return self._built
 
 
+#: Job attempts all of whose ranks said they ended (their monitors closed): done, so
+#: neither silent nor still losing time (to an episode left open at their last step, a
+#: slowdown, a low MFU, a rank missing from their last steps). Every rule about a job
+#: leaves them.
+ENDED_JOBS = "(SELECT job_id, attempt FROM jobs FINAL WHERE ended_at IS NOT NULL)"
+
+
 def _dedent(sql: str) -> str:
     return "\n".join(line.strip() for line in sql.strip().splitlines())
 
@@ -172,6 +179,7 @@ RULES: tuple[AlertRule, ...] = (
                        avgIf(slowdown, isFinite(slowdown)) AS minute_slowdown
                 FROM steps FINAL
                 WHERE ts >= now() - INTERVAL {SUSTAINED_MINUTES} MINUTE
+                  AND (job_id, attempt) NOT IN {ENDED_JOBS}
                 GROUP BY job_id, attempt, minute
             ) AS s
             LEFT JOIN (
@@ -199,7 +207,8 @@ RULES: tuple[AlertRule, ...] = (
         # One alert per open episode, its labels fixed for the episode's life (a label
         # that changed every minute would make a new alert each time): who, where, in
         # what, since when; its cost so far is the value. Every open episode fires; one
-        # whose job stopped reporting for 15 minutes is left to "Job silent".
+        # whose job stopped reporting for 15 minutes is left to "Job silent", one whose
+        # job ended (still slow at its last step) costs nothing more.
         sql=f"""
             SELECT job_id, toString(attempt) AS attempt, toString(episode_id) AS episode,
                    arrayStringConcat(workers, ', ') AS worker, node,
@@ -209,6 +218,7 @@ RULES: tuple[AlertRule, ...] = (
                    gpu_seconds_lost / 3600 AS value
             FROM {EPISODES_TABLE} FINAL
             WHERE state = 'open' AND last_ts >= now() - INTERVAL 15 MINUTE
+              AND (job_id, attempt) NOT IN {ENDED_JOBS}
         """,
         threshold=-1.0,
         kind="gt",
@@ -224,18 +234,21 @@ RULES: tuple[AlertRule, ...] = (
     AlertRule(
         uid="lagscope-job-silent",
         title="Job silent",
-        sql="""
+        # A job whose every rank said it ended (its monitors closed) finished, or raised
+        # through them: not silent. One that hangs, is killed or never closes its
+        # monitors says nothing, and pages.
+        sql=f"""
             SELECT job_id, toString(attempt) AS attempt,
                    toFloat64(dateDiff('second', max(ts), now())) AS value
             FROM steps FINAL
-            WHERE ts >= now() - INTERVAL 1 HOUR
+            WHERE ts >= now() - INTERVAL 1 HOUR AND (job_id, attempt) NOT IN {ENDED_JOBS}
             GROUP BY job_id, attempt
         """,
         threshold=float(SILENT_AFTER_S),
         kind="gt",
         summary="No step of job {{ $labels.job_id }} (attempt {{ $labels.attempt }}) for "
-        "{{ $values.A }} s: the job stalled, crashed, finished, or its data stopped "
-        "arriving.",
+        "{{ $values.A }} s, and its ranks did not say they ended: the job stalled, "
+        "crashed, or its data stopped arriving.",
         dashboard_uid=PIPELINE_HEALTH_UID,
         # Panels with data only: ops still arriving (the job runs, the analysis is stuck),
         # steps still closing, and how far behind the stored steps are. Kafka consumer lag
@@ -250,12 +263,12 @@ RULES: tuple[AlertRule, ...] = (
     AlertRule(
         uid="lagscope-rank-silent",
         title="Rank silent",
-        sql="""
+        sql=f"""
             SELECT job_id, toString(attempt) AS attempt, toString(missing_rank) AS rank,
                    toFloat64(count()) AS value
             FROM steps FINAL
             ARRAY JOIN missing_ranks AS missing_rank
-            WHERE ts >= now() - INTERVAL 10 MINUTE
+            WHERE ts >= now() - INTERVAL 10 MINUTE AND (job_id, attempt) NOT IN {ENDED_JOBS}
             GROUP BY job_id, attempt, missing_rank
         """,
         threshold=RANK_MISSING_STEPS - 0.5,
@@ -268,12 +281,13 @@ RULES: tuple[AlertRule, ...] = (
     AlertRule(
         uid="lagscope-mfu-below-baseline",
         title="MFU below the job's baseline",
-        sql="""
+        sql=f"""
             SELECT job_id, toString(attempt) AS attempt,
                    avgIf(assumeNotNull(mfu_actual), ts >= now() - INTERVAL 10 MINUTE)
                    / quantile(0.9)(assumeNotNull(mfu_actual)) AS value
             FROM steps FINAL
             WHERE isFinite(mfu_actual) AND ts >= now() - INTERVAL 1 DAY
+              AND (job_id, attempt) NOT IN {ENDED_JOBS}
             GROUP BY job_id, attempt
             HAVING countIf(ts >= now() - INTERVAL 10 MINUTE) > 0
         """,

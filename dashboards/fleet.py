@@ -22,6 +22,7 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.models import dashboard as model
 
+from lagscope.dashboards.alerts import ENDED_JOBS, SILENT_AFTER_S
 from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
 from lagscope.dashboards.panels import BuiltDashboard, Collector, Expect, slowdown_thresholds
 from lagscope.store.schema import RANK_IDENTITY_TABLE
@@ -72,7 +73,9 @@ JOBS_SQL = f"""
               concat(w.top_worker, ' (score only)')) AS top_worker,
            w.top_worker_S_w AS top_worker_S_w,
            if(v.verified_worker != '', v.verified_node, w.top_node) AS top_node,
-           s.last_step_age_s AS last_step_age_s
+           s.last_step_age_s AS last_step_age_s,
+           multiIf((s.job_id, s.attempt) IN {ENDED_JOBS}, 'ended',
+                   s.last_step_age_s > {SILENT_AFTER_S}, 'silent', 'running') AS status
     FROM (
         SELECT job_id, attempt, argMax(slowdown, step) AS latest_S,
                sumIf(gpu_seconds_wasted,
@@ -190,7 +193,9 @@ def _all_jobs(q: Collector) -> table.Panel:
             "op, since when); top_worker: the costliest worker an episode verified in the "
             "range, else the highest worker score S_w, labelled as a score; top_node: "
             "where it runs (empty until the job's rank identity is stored); "
-            "last_step_age_s: seconds since its last step."
+            "last_step_age_s: seconds since its last step; status: running, silent (no "
+            "step for 5 minutes: 'Job silent' pages) or ended (every rank's monitor "
+            "closed: it finished)."
         )
         .with_target(
             q.query(
@@ -207,6 +212,7 @@ def _all_jobs(q: Collector) -> table.Panel:
                         "top_worker_S_w": "number",
                         "top_node": "string",
                         "last_step_age_s": "number",
+                        "status": "string",
                     }
                 ),
                 time_series=False,

@@ -48,6 +48,9 @@ class Seen:
     verdict: tuple[str, str] = ("", "")
     #: At the end, the uids of the alert rules that fire for the job.
     rules_firing: list[str] = field(default_factory=list)
+    #: At the end, the job's row: how many of its ranks said they ended, and whether the
+    #: job did (all of them).
+    ended: tuple[int, bool] = (0, False)
 
 
 @dataclass
@@ -185,6 +188,12 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
             )
             seen[name].step_starts = {int(step): float(at) for step, at in rows}
             seen[name].rules_firing = _rules_firing(sink, job)
+            _, rows = sink.query(
+                "SELECT ranks_ended, ended_at IS NOT NULL FROM jobs FINAL "
+                "WHERE job_id = {job:String}",
+                {"job": job},
+            )
+            seen[name].ended = (int(rows[0][0]), bool(rows[0][1])) if rows else (0, False)
         return seen
     finally:
         stop.set()

@@ -24,12 +24,14 @@ from lagscope.dashboards.alerts import (
 )
 from lagscope.dashboards.clickhouse_query import ClickHouseQuery, register_clickhouse_query
 from lagscope.dashboards.definitions import build_all
+from lagscope.producers.events import JobInfo, RankIdentity
 from lagscope.simulator.diagnose import diagnose
 from lagscope.simulator.generate import CostModel, JobSpec, generate_job
 from lagscope.simulator.prepare import prepare
 from lagscope.simulator.whatif import analyze
 from lagscope.store.rows import diagnosis_rows
 from lagscope.store.sink import SinkBatch
+from lagscope.stream_app.host_core import JobRecords
 from tests.demo_store import DEMO_JOB, fill_demo_store
 
 BY_UID = {rule.uid: rule for rule in RULES}
@@ -134,11 +136,12 @@ def test_the_demo_straggler_is_an_episode_that_recovered_so_its_alert_is_quiet(d
 
 @pytest.fixture(scope="module")
 def crafted(chdb_dir: Path):
-    """Five jobs built to make the rules decide: `sick` (slow for 12 minutes, MFU fallen,
+    """Jobs built to make the rules decide: `sick` (slow for 12 minutes, MFU fallen,
     rank 5 gone, an open episode, rising dead letters), `healthy` (all fine, an episode
     that recovered, a steady trickle of dead letters), `stalled` (stopped 8 minutes ago,
-    its episode left open), `finished-long-ago` (stopped 3 hours ago) and `noisy` and
-    `noisy-ddp` (S about 1.3, all of it their own noise floor)."""
+    its episode left open), `finished` and `half-ended` (stopped as `stalled`, every rank
+    or half of them said they ended), `finished-long-ago` (stopped 3 hours ago) and
+    `noisy` and `noisy-ddp` (S about 1.3, all of it their own noise floor)."""
     from lagscope.store.sink import ClickHouseSink
 
     sink = ClickHouseSink(f"chdb://{chdb_dir}?database=alerts_crafted")
@@ -205,6 +208,27 @@ def crafted(chdb_dir: Path):
     episode("healthy", 1, 900, 300, open_=False)
     # Open when its job stopped reporting 20 minutes ago: "Job silent" speaks for it.
     episode("stalled", 1, 1500, 1200, open_=True)
+    # Jobs that stopped 8 minutes ago as `stalled` did, their records as lagscope takes
+    # them: `finished`, every rank of which said it ended (its monitor closed), a
+    # straggler still open at its last step; `half-ended`, half of whose ranks did. An
+    # ended job is done: no rule about a job fires for it (`ended-sick`).
+    steps("finished", 1500, 480, "1.01", "0.45", no_rank)
+    episode("finished", 1, 1500, 480, open_=True)
+    steps("half-ended", 1500, 480, "1.01", "0.45", no_rank)
+    # As sick as `sick` to its last step, just now, when every rank of it ended.
+    steps("ended-sick", 720, 0, "1.3", "if(age < 600, 0.30, 0.45)",
+          f"if(age < 60, [5], {no_rank})")  # fmt: skip
+    episode("ended-sick", 1, 600, 0, open_=True)
+    records = JobRecords(max_world_size=1 << 20)
+    ends = {"finished": (8, 480), "half-ended": (4, 480), "ended-sick": (8, 0)}
+    for job, (ranks_ended, ended_age_s) in ends.items():
+        ended_ns = time.time_ns() - ended_age_s * 10**9
+        for rank in range(8):
+            records.take(_rank_record(job, rank).encode(), "crafted", time.time() - 1500)
+        for rank in range(ranks_ended):
+            records.take(_rank_record(job, rank, ended_ns).encode(), "crafted", time.time())
+    assert not records.dead
+    records.write(sink)
     # A healthy job on a busy machine: S 1.3 for 12 minutes, all of it its own jitter.
     steps("noisy", 720, 0, "1.3", "0.45", no_rank)
     sink.command(
@@ -228,6 +252,15 @@ def crafted(chdb_dir: Path):
     return sink
 
 
+def _rank_record(job: str, rank: int, ended_ns: int | None = None) -> str:
+    """A rank's job record of an 8-rank DDP job, as its monitor writes it (at its start;
+    with `ended_ns`, at its close)."""
+    info = JobInfo(job_id=job, dp_size=8, pp_size=1, tp_size=1, world_size=8,
+                   rank_identity=RankIdentity(rank=rank, dp_rank=rank, host=f"node-{rank // 4}"),
+                   ended_ns=ended_ns)  # fmt: skip
+    return info.model_dump_json()
+
+
 def _noisy_ddp_diagnosis():
     """The diagnosis of a healthy DDP job (8 ranks) whose every op jitters by 25 %: its
     noise floor about S 1.3, the job's own."""
@@ -245,7 +278,7 @@ def _noisy_ddp_diagnosis():
 EXPECTED_FIRING = {
     "lagscope-slowdown-sustained": {"sick"},
     "lagscope-episode-open": {"sick"},
-    "lagscope-job-silent": {"stalled"},
+    "lagscope-job-silent": {"stalled", "half-ended"},
     "lagscope-rank-silent": {"sick"},
     "lagscope-mfu-below-baseline": {"sick"},
     "lagscope-dead-letters-rising": {"sick"},

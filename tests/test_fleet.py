@@ -128,6 +128,8 @@ def test_fleet_names_the_verified_worker_first_and_its_node(demo_sink, built) ->
     assert row["latest_S"] > 1.0 and row["wasted_gpu_h_today"] > 0
     assert row["current_episode"] == "" or "since step" in row["current_episode"]
     assert 0 <= row["last_step_age_s"] < 600
+    # The demo's job has no rank that says it ended: running while its steps are fresh.
+    assert row["status"] == ("silent" if row["last_step_age_s"] > 300 else "running")
     (node_row, *_) = _run(demo_sink, built["nodes"], "Nodes by straggling, across jobs")
     assert node_row["node"] == demo_node_of(dp, pp)
 
@@ -180,3 +182,41 @@ def test_a_node_slow_in_two_jobs_ranks_first(shared_bad_node, built) -> None:
     assert second["node"] == "c-node-3" and second["excess_per_step"] < first["excess_per_step"]
     series = _run(shared_bad_node, built["nodes"], "Straggling nodes over time")
     assert "gpu-07" in {r["node"] for r in series}
+
+
+def test_a_finished_job_reads_ended_not_silent(chdb_dir: Path, built) -> None:
+    """Three jobs in the table: `live` (a step 10 s ago), `hung` and `done` (their last
+    step 8 minutes ago); every rank of `done` said it ended (its records as the host takes
+    them), half of `hung`'s did."""
+    import time
+
+    from lagscope.producers.events import JobInfo, RankIdentity
+    from lagscope.store.sink import ClickHouseSink
+    from lagscope.stream_app.host_core import JobRecords
+
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=fleet_ended")
+    sink.ensure_schema()
+    for job, last_age_s in (("live", 10), ("hung", 480), ("done", 480)):
+        sink.command(
+            f"""INSERT INTO steps (job_id, attempt, step, ts, complete, actual_s, slowdown,
+                gpu_seconds_wasted, version)
+            SELECT '{job}', 0, number, now64(3) - ({last_age_s} + (29 - number) * 10), 1,
+                   10, 1.02, 1.6, 1
+            FROM numbers(30)"""
+        )
+    records = JobRecords(max_world_size=64)
+    for job, ended in (("hung", 2), ("done", 4)):
+        for rank in range(4):
+            info = JobInfo(job_id=job, dp_size=4, pp_size=1, tp_size=1, world_size=4,
+                           rank_identity=RankIdentity(rank=rank, dp_rank=rank))  # fmt: skip
+            records.take(info.model_dump_json().encode(), "test", time.time() - 780)
+            if rank < ended:
+                end = info.model_copy(update={"ended_ns": time.time_ns() - 480 * 10**9})
+                records.take(end.model_dump_json().encode(), "test", time.time())
+    records.write(sink)
+    rows = _run(sink, built["fleet"], "All jobs now")
+    assert {r["job_id"]: r["status"] for r in rows} == {
+        "live": "running",
+        "hung": "silent",
+        "done": "ended",
+    }

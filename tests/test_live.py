@@ -12,7 +12,9 @@ test polls the store as Grafana would, every quarter second:
   table names the worker, its machine, what it is slow in and why while it is still slow,
   within a few steps of its onset; the alert rule on open episodes fires for it then; the
   job's final verdict says the same;
-- a healthy job: no episode, no alert, no cause, at any time.
+- a healthy job: no episode, no alert, no cause, at any time;
+- a straggler still slow when the job ends: its episode stays open, its alert stops with
+  the job (every rank said it ended).
 """
 
 from __future__ import annotations
@@ -95,3 +97,30 @@ def test_a_healthy_job_stays_quiet_while_it_runs(
         assert found.fired == [], (host, found.fired[:3])
         assert found.verdict[0] == "none", (host, found.verdict)
         assert found.rules_firing == [], (host, found.rules_firing)
+        # Its 4 ranks said they ended: finished, so not "silent" once its steps stop.
+        assert found.ended == (4, True), (host, found.ended)
+
+
+def test_a_straggler_still_slow_when_the_job_ends_stops_alerting_with_it(
+    kafka_bootstrap: str, kafka_topics: dict[str, str], tmp_path: Path
+) -> None:
+    """The worker is slow from step 20 to the job's last: its episode is open (and its
+    alert fires) while the job runs, still open when the job ends; the job's ranks said
+    they ended, so the alert stops with the job, not 15 minutes later."""
+    job = "live-slow-to-the-end"
+    seen = follow_live(
+        tmp_path, kafka_bootstrap, kafka_topics, job,
+        ["--slow-rank", "2", "--slow-phase", "forward", "--slow-steps", f"20-{STEPS - 1}"],
+    )  # fmt: skip
+    for host, found in seen.items():
+        assert any(
+            e["state"] == "open" and (e["dp_rank"], e["pp_rank"]) == WORKER
+            for _, episodes in found.polls
+            for e in episodes
+        ), (host, found.polls[-2:])
+        assert found.fired, host
+        final = found.polls[-1][1]
+        assert [(e["state"], e["recovery_step"]) for e in final] == [("open", None)], final
+        assert found.ended == (4, True), (host, found.ended)
+        assert found.rules_firing == [], (host, found.rules_firing)
+        assert found.verdict[0] == "slow_workers" and "(ongoing)" in found.verdict[1], host
