@@ -141,7 +141,8 @@ class EmbeddedRunner:
     ) -> RunReport:
         """Read every rank's log under `log_dir` until it is exhausted (or, with `follow`,
         until nothing new arrived for `idle_exit_s` since the first record: a job that
-        has not written yet, still loading its data, is waited for), then close all open
+        has not written yet, still loading its data, is waited for; or until every rank
+        of every job in it said it ended, and was read to its end), then close all open
         steps and conclude every job.
 
         Windows follow the logs' own progress, so a backlog of any size closes complete
@@ -188,6 +189,8 @@ class EmbeddedRunner:
                 last_data is not None and time.monotonic() - last_data >= idle_exit_s
             ):
                 break
+            if not behind and self.core.records.all_ended():
+                break  # every rank of every job said it ended: nothing more will come
             time.sleep(_IDLE_POLL_S)
         self.close_open_steps()
         self.report.seconds = time.monotonic() - started

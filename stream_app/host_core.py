@@ -182,6 +182,12 @@ class JobRecords:
         batch.add("jobs", self._job_row(info))
         self.pending.append(batch)
 
+    def all_ended(self) -> bool:
+        """Whether there are jobs and every rank of each said it ended."""
+        return bool(self.infos) and all(
+            len(self.ended.get(key, ())) >= info.world_size for key, (info, _) in self.infos.items()
+        )
+
     def _dead(self, letter: DeadLetter) -> None:
         log.warning("dead letter %s: %s", letter.source, letter.reason)
         self.dead.append(letter)

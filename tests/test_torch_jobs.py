@@ -154,6 +154,27 @@ def test_each_rank_says_it_ended_after_its_last_batch(one_f_one_b: tuple[Path, l
         assert ended is not None and ended >= last_op_end, (rank, ended, last_op_end)
 
 
+def test_following_an_ended_job_stops_at_its_end(
+    one_f_one_b: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
+    """`lagscope run --follow` on the logs of a job whose every rank ended concludes it and
+    exits once it read them, not `--idle-exit-s` later."""
+    import subprocess
+    import sys
+    import time
+
+    log_dir, _ = one_f_one_b
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "lagscope", "run", "--log-dir", str(log_dir), "--follow",
+         "--idle-exit-s", "600", "--dsn", f"chdb://{tmp_path / 'store'}"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - began < 120
+    assert "torch-job" in done.stdout
+
+
 @pytest.fixture(scope="module")
 def comm_kinds_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """One run of every collective and p2p kind: its directory and the ops recorded."""

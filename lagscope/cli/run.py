@@ -68,7 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "is given",
     )
     run.add_argument(
-        "--follow", action="store_true", help="keep tailing the logs until they are idle"
+        "--follow",
+        action="store_true",
+        help="keep tailing the logs until they are idle, or until every rank of every job "
+        "in them closed its monitor (the job ended)",
     )
     run.add_argument(
         "--idle-exit-s",
