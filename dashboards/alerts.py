@@ -36,6 +36,7 @@ from grafana_foundation_sdk.models import expr as expr_model
 
 from lagscope.dashboards.clickhouse_query import ClickHouseQueryBuilder, datasource_ref
 from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
+from lagscope.dashboards.panels import ENDED_JOBS
 from lagscope.dashboards.pipeline_health import PIPELINE_HEALTH_UID
 from lagscope.store.schema import EPISODES_TABLE
 
@@ -152,13 +153,6 @@ class _ThresholdCondition:
 
     def build(self) -> expr_model.ExprTypeThresholdConditions:
         return self._built
-
-
-#: Job attempts all of whose ranks said they ended (their monitors closed): done, so
-#: neither silent nor still losing time (to an episode left open at their last step, a
-#: slowdown, a low MFU, a rank missing from their last steps). Every rule about a job
-#: leaves them.
-ENDED_JOBS = "(SELECT job_id, attempt FROM jobs FINAL WHERE ended_at IS NOT NULL)"
 
 
 def _dedent(sql: str) -> str:

@@ -22,9 +22,15 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.models import dashboard as model
 
-from lagscope.dashboards.alerts import ENDED_JOBS, SILENT_AFTER_S
+from lagscope.dashboards.alerts import SILENT_AFTER_S
 from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
-from lagscope.dashboards.panels import BuiltDashboard, Collector, Expect, slowdown_thresholds
+from lagscope.dashboards.panels import (
+    ENDED_JOBS,
+    BuiltDashboard,
+    Collector,
+    Expect,
+    slowdown_thresholds,
+)
 from lagscope.store.schema import RANK_IDENTITY_TABLE
 
 FLEET_UID = "lagscope-fleet"

@@ -22,6 +22,7 @@ from grafana_foundation_sdk.models import dashboard as model
 
 from lagscope.dashboards.clickhouse_query import ClickHouseAnnotationTarget, datasource_ref
 from lagscope.dashboards.panels import (
+    ENDED_JOBS,
     IN_RANGE,
     JOB_OVERVIEW_UID,
     ONE_ATTEMPT,
@@ -271,15 +272,18 @@ def _data_age(q: Collector) -> stat.Panel:
         .description(
             "Seconds since the start of the job attempt's latest stored step: a job that "
             "stopped, or a pipeline (sidecar, Kafka, worker) that stopped delivering, "
-            "shows stale here. Green under a minute, red over five."
+            'shows stale here. Green under a minute, red over five. "ended" once every '
+            "rank of the job closed its monitor: it finished, nothing more will come."
         )
         .with_target(
             q.query(
                 title,
                 f"""
-                SELECT dateDiff('second', maxOrNull(ts), now()) AS age_s
+                SELECT if((job_id, attempt) IN {ENDED_JOBS}, NULL,
+                          dateDiff('second', max(ts), now())) AS age_s
                 FROM steps
                 WHERE {ONE_ATTEMPT}
+                GROUP BY job_id, attempt
                 """,
                 Expect({"age_s": "number"}),
                 time_series=False,
@@ -288,8 +292,19 @@ def _data_age(q: Collector) -> stat.Panel:
         .unit("s")
         .decimals(0)
         .thresholds(traffic_light(60, 300))
+        .mappings([_ended_when_null()])
         .span(3)
         .height(5)
+    )
+
+
+def _ended_when_null() -> model.SpecialValueMap:
+    """A job whose ranks all ended has no age to watch: it reads "ended", in blue."""
+    return model.SpecialValueMap(
+        options=model.DashboardSpecialValueMapOptions(
+            match=model.SpecialValueMatch.NULL,
+            result=model.ValueMappingResult(text="ended", color="blue"),
+        )
     )
 
 

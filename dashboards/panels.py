@@ -144,6 +144,11 @@ ONE_ATTEMPT = (
 )
 #: The selected job attempt's rows in the dashboard's time range.
 IN_RANGE = f"{ONE_ATTEMPT} AND $__timeFilter(ts)"
+#: Job attempts all of whose ranks said they ended (their monitors closed): done, so
+#: neither silent nor still losing time (to an episode left open at their last step, a
+#: slowdown, a low MFU, a rank missing from their last steps). Every alert rule about a
+#: job leaves them; the fleet and the job overview say "ended".
+ENDED_JOBS = "(SELECT job_id, attempt FROM jobs FINAL WHERE ended_at IS NOT NULL)"
 #: The job overview's uid: the fleet dashboards and the alerts link to it, and its worker
 #: matrices link to itself.
 JOB_OVERVIEW_UID = "lagscope-job"

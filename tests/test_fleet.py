@@ -4,6 +4,7 @@ needs) and on two jobs that share a bad machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from lagscope.dashboards.build import GENERATED_DIR
 from lagscope.dashboards.fleet import build_fleet
+from lagscope.dashboards.job_overview import job_overview
 from lagscope.dashboards.macros import QueryContext, render_sql
 from lagscope.dashboards.panels import BuiltDashboard, sdk_round_trip
 from tests.demo_store import DEMO_JOB, fill_demo_store
@@ -220,3 +222,14 @@ def test_a_finished_job_reads_ended_not_silent(chdb_dir: Path, built) -> None:
         "hung": "silent",
         "done": "ended",
     }
+    # The job overview tells the same: its data age, or "ended" (null, mapped to the word).
+    overview = job_overview().to_dict()
+    (panel,) = [p for p in overview["panels"] if p.get("title") == "Data age"]
+    (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+    assert mapping["options"] == {"match": "null", "result": {"color": "blue", "text": "ended"}}
+    ages = {}
+    for job in ("live", "hung", "done"):
+        context = dataclasses.replace(_context(), variables={"job": job, "attempt": "0"})
+        (row,) = sink.client.query(render_sql(panel["targets"][0]["rawSql"], context)).result_rows
+        ages[job] = row[0]
+    assert ages["done"] is None and 10 <= ages["live"] < 60 and ages["hung"] >= 480, ages
