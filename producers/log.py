@@ -11,7 +11,8 @@ Every record is self-delimiting and checksummed::
     header  struct "<4sBBHII"  magic b"LGRC", version (1), kind, reserved (0),
                                payload length, crc32 of (version..length bytes + payload)
     payload length bytes       kind 1: an encoded rank-step batch (producers.events)
-                               kind 2: JobInfo as JSON
+                               kind 2: JobInfo as JSON (a timer writes it first,
+                               and once more, `ended_ns` set, when it closes)
                                kind 3: a timer's seal, its ops not yet encoded
                                (producers.seal_record): read as its kind 1 batches
 
