@@ -40,7 +40,7 @@ def job_problem(info: JobInfo, max_world_size: int) -> str:
 
 
 #: Job record fields each rank writes for itself.
-_PER_RANK_FIELDS = {"rank_identity", "ended_ns"}
+PER_RANK_FIELDS = frozenset({"rank_identity", "ended_ns"})
 
 
 def job_conflict(first: JobInfo, other: JobInfo) -> str:
@@ -49,8 +49,8 @@ def job_conflict(first: JobInfo, other: JobInfo) -> str:
     Each rank's record names its own rank and machine (`rank_identity`), and a rank that
     ended says when (`ended_ns`): those parts differ by design and are no conflict.
     """
-    kept = first.model_dump(exclude=_PER_RANK_FIELDS)
-    offered = other.model_dump(exclude=_PER_RANK_FIELDS)
+    kept = first.model_dump(exclude=PER_RANK_FIELDS)
+    offered = other.model_dump(exclude=PER_RANK_FIELDS)
     differing = [name for name in kept if kept[name] != offered[name]]
     if not differing:
         return ""

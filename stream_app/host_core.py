@@ -43,7 +43,7 @@ from lagscope.store.rows import (
     rows_from_outputs,
 )
 from lagscope.store.sink import ClickHouseSink, SinkBatch
-from lagscope.stream_app.admission import job_conflict, job_problem
+from lagscope.stream_app.admission import PER_RANK_FIELDS, job_conflict, job_problem
 from lagscope.stream_app.analysis_process import AnalysisProcessError
 from lagscope.stream_app.identity import MachineBook, name_machines
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, JobTotals
@@ -161,7 +161,7 @@ class JobRecords:
         standing, started = self.infos[key]
         ended = self.ended.get(key, {})
         done = len(ended) >= standing.world_size
-        record = standing.model_dump_json(exclude={"rank_identity", "ended_ns"})
+        record = standing.model_dump_json(exclude=PER_RANK_FIELDS)
         return job_rows(info.job_id, info.attempt, standing.to_meta(), started,
                         version=len(ended), record=record, ranks_ended=len(ended),
                         ended_at=max(ended.values()) / 1e9 if done else None)  # fmt: skip
