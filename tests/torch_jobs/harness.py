@@ -424,34 +424,34 @@ def prepared_logs(log_dir: str | Path) -> Any:
 
 def job_records(log_dir: str | Path) -> list[Any]:
     """The job record (JobInfo) each rank wrote at its start, in rank order."""
-    return [records[0] for records in _job_records_by_rank(log_dir)]
+    return [_job_records(records)[0] for records in _records_by_rank(log_dir)]
 
 
 def rank_ends(log_dir: str | Path) -> list[tuple[int | None, bool]]:
     """Per rank, in rank order: when its last job record says it ended (None: it did not
     say), and whether that record came after every batch of its log."""
-    from lagscope.producers.log import KIND_JOB, Record, list_rank_dirs, read_all
+    from lagscope.producers.log import KIND_JOB
 
-    ends = []
-    for directory, records in zip(
-        list_rank_dirs(log_dir), _job_records_by_rank(log_dir), strict=True
-    ):
-        kinds = [item.kind for item in read_all(directory) if isinstance(item, Record)]
-        ends.append((records[-1].ended_ns, kinds[-1] == KIND_JOB))
-    return ends
+    return [
+        (_job_records(records)[-1].ended_ns, records[-1].kind == KIND_JOB)
+        for records in _records_by_rank(log_dir)
+    ]
 
 
-def _job_records_by_rank(log_dir: str | Path) -> list[list[Any]]:
+def _records_by_rank(log_dir: str | Path) -> list[list[Any]]:
+    from lagscope.producers.log import Record, list_rank_dirs, read_all
+
+    return [
+        [item for item in read_all(directory) if isinstance(item, Record)]
+        for directory in list_rank_dirs(log_dir)
+    ]
+
+
+def _job_records(records: list[Any]) -> list[Any]:
     from lagscope.producers.events import JobInfo
-    from lagscope.producers.log import KIND_JOB, Record, list_rank_dirs, read_all
+    from lagscope.producers.log import KIND_JOB
 
-    by_rank = []
-    for directory in list_rank_dirs(log_dir):
-        records = [item for item in read_all(directory) if isinstance(item, Record)]
-        by_rank.append(
-            [JobInfo.model_validate_json(r.payload) for r in records if r.kind == KIND_JOB]
-        )
-    return by_rank
+    return [JobInfo.model_validate_json(r.payload) for r in records if r.kind == KIND_JOB]
 
 
 def analyse_archive(archive: Path, tmp_path: Path) -> Any:
