@@ -9,8 +9,10 @@ import pytest
 
 from lagscope.cli import main
 from lagscope.producers.reference_format import write_meta, write_trace
+from lagscope.simulator import clocks
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.clocks import (
+    ClockEdge,
     correct_trace,
     estimate_clock_offsets,
     shift_worker_clocks,
@@ -138,28 +140,65 @@ def test_timeline_draws_sends_and_receives_on_one_clock():
     assert "dp 0 (actual, clocks corrected)" in names
 
 
-def test_analyze_reports_the_estimate(tmp_path, capsys):
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_the_graph_solver_finds_what_the_dense_one_does(name):
+    """Past `DENSE_LIMIT` workers the offsets come from conjugate gradients on the graph:
+    the same offsets, and standard errors that bound the exact ones from above."""
+    spec = SPECS[name]
+    job = generate_job(spec)
+    skewed = prepare(shift_worker_clocks(job.trace, injected_offsets(spec, seed=7)), job.meta)
+    edges, n_workers = clocks._edges(skewed), spec.dp * spec.pp
+
+    dense_offset, dense_error, _, dense_exact = clocks._solve(edges, n_workers)
+    graph_offset, graph_error, _, graph_exact = clocks._solve(edges, n_workers, dense_limit=0)
+
+    assert (dense_exact, graph_exact) == (True, False)
+    assert np.abs(graph_offset - dense_offset).max() < 1e-9
+    free = dense_error > 0
+    assert np.all(graph_error[free] >= dense_error[free] * (1 - 1e-9))
+    assert np.all(graph_error[free] <= 3 * dense_error[free])
+
+
+def test_the_graph_solver_enforces_a_violated_bound_as_the_dense_one_does():
+    # Around the triangle the estimates disagree by 1 s; least squares would spread that
+    # over the three edges, but edge (0, 1) may not fall below 0.9 s: it is pinned there.
+    edges = [
+        ClockEdge(u=0, v=1, estimate_s=1.0, standard_error_s=0.01, lower_s=0.9,
+                  upper_s=1.1, n_transfers=10),
+        ClockEdge(u=1, v=2, estimate_s=1.0, standard_error_s=0.01, lower_s=-np.inf,
+                  upper_s=np.inf, n_transfers=10),
+        ClockEdge(u=0, v=2, estimate_s=1.0, standard_error_s=0.01, lower_s=-np.inf,
+                  upper_s=np.inf, n_transfers=10),
+    ]  # fmt: skip
+    dense, _, _, _ = clocks._solve(edges, 3)
+    graph, _, _, _ = clocks._solve(edges, 3, dense_limit=0)
+    assert dense[1] - dense[0] == pytest.approx(0.9, abs=1e-5)
+    assert np.abs(graph - dense).max() < 1e-9
+
+
+@pytest.mark.parametrize(
+    ("dense_limit", "errors"), [(None, "exact"), (8, "upper bound (best path)")]
+)
+def test_analyze_reports_the_estimate(dense_limit, errors, monkeypatch, tmp_path, capsys):
+    """`lagscope analyze --json` on skewed clocks; with `dense_limit` 8 the job's 16
+    workers are past it, and the graph solver answers (as for a 100,000-GPU job)."""
     spec = SPECS["stragglers"]
+    if dense_limit is not None:
+        monkeypatch.setattr(clocks, "DENSE_LIMIT", dense_limit)
     job = generate_job(spec)
     truth = injected_offsets(spec, seed=4)
     write_trace(shift_worker_clocks(job.trace, truth), tmp_path / "trace.parquet")
     write_meta(job.meta, tmp_path / "meta.yaml")
     out = tmp_path / "analysis.json"
-    code = main(
-        [
-            "analyze",
-            "--trace",
-            str(tmp_path / "trace.parquet"),
-            "--meta",
-            str(tmp_path / "meta.yaml"),
-            "--json",
-            str(out),
-        ]
-    )
-    assert code == 0
+    trace, meta = str(tmp_path / "trace.parquet"), str(tmp_path / "meta.yaml")
+
+    assert main(["analyze", "--trace", trace, "--meta", meta, "--json", str(out)]) == 0
+
     assert "clock offsets       largest" in capsys.readouterr().out
-    workers = json.loads(out.read_text())["clock_offsets"]["workers"]
-    assert len(workers) == spec.dp * spec.pp
-    for worker in workers:
+    document = json.loads(out.read_text())["clock_offsets"]
+    assert document["standard_error"] == errors
+    assert len(document["workers"]) == spec.dp * spec.pp
+    for worker in document["workers"]:
         expected = truth[worker["stage"], worker["dp"]]
         assert worker["offset_s"] == pytest.approx(expected, abs=0.1 * spec.cost.p2p_s)
+        assert worker["standard_error_s"] is not None
