@@ -458,6 +458,11 @@ class Streamer:
             self._producer.purge()
             self._producer.poll(0)
 
+    @property
+    def kafka_answered(self) -> bool:
+        """Whether Kafka answered at least once this run (a delivery or a topic call)."""
+        return self._kafka_answered
+
     def unshipped_bytes(self) -> int:
         """Bytes of the rank logs past what Kafka confirmed: read and unconfirmed, and not
         read yet. What `lagscope stream` reports when it exits with data left behind (the

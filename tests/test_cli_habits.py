@@ -317,6 +317,54 @@ def test_stream_without_kafka_says_so_once_and_honours_idle_exit(
     )
 
 
+def _stream_topics(kafka_topics: dict[str, str]) -> list[str]:
+    return [f"--{name.replace('_', '-')}={topic}" for name, topic in kafka_topics.items()]
+
+
+def test_stream_whose_log_dir_never_appears_fails_saying_so(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    """A wrong --log-dir is waited for (the job may create it later), and at the idle exit
+    it is a failure, not a sidecar that shipped everything; the path is not created."""
+    done = lagscope(
+        "stream", "--log-dir", "typo/logs", "--bootstrap-servers", kafka_bootstrap,
+        *_stream_topics(kafka_topics), "--idle-exit-s", "1", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "lagscope stream: error: --log-dir typo/logs never appeared; nothing was shipped"
+    )
+    assert not (tmp_path / "typo").exists()
+
+
+def test_stream_of_an_empty_log_dir_with_kafka_up_is_done(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    """The control: a job that has not written yet, a Kafka that answered, nothing owed."""
+    (tmp_path / "logs").mkdir()
+    done = lagscope(
+        "stream", "--log-dir", "logs", "--bootstrap-servers", kafka_bootstrap,
+        *_stream_topics(kafka_topics), "--idle-exit-s", "1", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "error" not in done.stderr
+
+
+@pytest.mark.slow  # ensure_topics waits 10 s for a broker
+def test_stream_whose_kafka_never_answers_fails_even_with_nothing_to_ship(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "logs").mkdir()
+    done = lagscope(
+        "stream", "--log-dir", "logs", "--bootstrap-servers", "127.0.0.1:9",
+        "--idle-exit-s", "1", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "lagscope stream: error: Kafka at 127.0.0.1:9 never answered; nothing was shipped"
+    )
+
+
 def test_stream_on_a_file_for_its_log_dir_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "logs").write_text("not a directory")
     done = lagscope("stream", "--log-dir", "logs", "--idle-exit-s", "1", cwd=tmp_path)

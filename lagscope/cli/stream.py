@@ -122,7 +122,19 @@ def run_stream(args: argparse.Namespace) -> int:
     if interrupted:
         print("lagscope stream: interrupted", file=sys.stderr)
         return 130
-    return 1 if unshipped else 0
+    # Exiting on nothing shipped is a success only when there was nothing to ship and
+    # Kafka was there to take it: a log directory that never appeared is most often a
+    # wrong path, and a Kafka that never answered a wrong address.
+    failed = bool(unshipped)
+    if not streamer.log_dir.is_dir():
+        print(f"lagscope stream: error: --log-dir {streamer.log_dir} never appeared; "
+              "nothing was shipped", file=sys.stderr)  # fmt: skip
+        failed = True
+    if not unshipped and not streamer.kafka_answered:
+        print(f"lagscope stream: error: Kafka at {redact_url(config.kafka.bootstrap_servers)} "
+              "never answered; nothing was shipped", file=sys.stderr)  # fmt: skip
+        failed = True
+    return 1 if failed else 0
 
 
 def _streamer_flags(args: argparse.Namespace) -> dict[str, Any]:
