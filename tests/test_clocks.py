@@ -176,6 +176,29 @@ def test_the_graph_solver_enforces_a_violated_bound_as_the_dense_one_does():
     assert np.abs(graph - dense).max() < 1e-9
 
 
+def test_the_graph_solver_pins_the_bounds_the_dense_one_does():
+    """Pipeline chains and DP stars of 480 workers, each edge's estimate off by a noise
+    four times its bounds' half width: many bounds pinned, over several rounds."""
+    rng = np.random.default_rng(0)
+    dp, pp = 60, 8
+    truth = rng.uniform(-0.005, 0.005, dp * pp)
+    truth[0] = 0.0
+    pairs = [(s * dp + d, (s + 1) * dp + d) for d in range(dp) for s in range(pp - 1)]
+    pairs += [(s * dp, s * dp + d) for s in range(pp) for d in range(1, dp)]
+    edges = []
+    for u, v in pairs:
+        true = truth[v] - truth[u]
+        edges.append(ClockEdge(u=u, v=v, estimate_s=true + rng.normal(0, 2e-4),
+                               standard_error_s=rng.uniform(1e-6, 1e-4), lower_s=true - 5e-5,
+                               upper_s=true + 5e-5, n_transfers=10))  # fmt: skip
+
+    dense, _, _, _ = clocks._solve(edges, dp * pp, dense_limit=dp * pp)
+    graph, _, _, _ = clocks._solve(edges, dp * pp, dense_limit=0)
+
+    assert np.abs(graph - dense).max() < clocks.BOUND_SLACK_S
+    assert np.abs(graph - truth).max() < 2e-4
+
+
 @pytest.mark.parametrize(
     ("dense_limit", "errors"), [(None, "exact"), (8, "upper bound (best path)")]
 )
