@@ -94,6 +94,22 @@ def test_demo_takes_over_a_demo_folder_of_an_older_version(tmp_path: Path) -> No
     assert "old" not in (out / "report.html").read_text()
 
 
+@pytest.mark.slow  # the demo run (~5 s)
+def test_the_demo_job_reads_ended_once_the_demo_is_done(tmp_path: Path) -> None:
+    """Every rank of the demo's 128-GPU job says it ended, the 96 TP ranks the analysis
+    does not read too (as a real job's do): a demo left behind in a store is a finished
+    job, not a silent one that pages."""
+    assert lagscope("demo", "--out", "demo", "--steps", "20", cwd=tmp_path).returncode == 0
+    assert len(list((tmp_path / "demo" / "logs").iterdir())) == 128
+    done = lagscope(
+        "query", "--dsn", f"chdb://{tmp_path / 'demo' / 'chdb'}", "--format", "json",
+        "SELECT world_size, ranks_ended, ended_at IS NOT NULL AS ended FROM jobs FINAL",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [{"world_size": 128, "ranks_ended": 128, "ended": 1}]
+
+
 @pytest.mark.parametrize("output", ["--json", "--report", "--timeline"])
 def test_analyze_never_writes_over_its_own_input(tmp_path: Path, output: str) -> None:
     (tmp_path / "meta.yaml").write_bytes(ST_META.read_bytes())

@@ -57,6 +57,7 @@ def write_logs_with_timers(
     start_wall_ns: int,
     *,
     gpus_per_node: int | None = None,
+    every_rank: bool = False,
 ) -> int:
     """Record every op of `trace` through one host-mode `OpTimer` per rank, as a training
     job instrumented with lagscope would, laying steps back to back from `start_wall_ns` as
@@ -64,7 +65,11 @@ def write_logs_with_timers(
 
     `gpus_per_node`: place the ranks on a cluster of such nodes (rank r on GPU r % n of
     node `<job>-node-<r // n>`) in each rank's job record, as the integrations record the
-    machine a rank runs on, so a generated job's advice names machines too."""
+    machine a rank runs on, so a generated job's advice names machines too.
+    `every_rank`: the TP/CP ranks the trace leaves out start and close a timer too (off,
+    as the integrations run it there), so their logs say that they ran and ended and the
+    job reads ended once written; else only the trace's ranks write logs (one per worker:
+    what the analysis reads)."""
     import numpy as np
 
     from lagscope.producers.replay import step_origins_ns
@@ -76,7 +81,27 @@ def write_logs_with_timers(
     cuts = np.flatnonzero(np.any(np.diff(worker, axis=0) != 0, axis=1)) + 1
     for rows in np.split(order, cuts):
         written += _record_worker(trace, rows, info, log_dir, origin, gpus_per_node)
+        if every_rank:
+            first = rows[0]
+            _close_silent_ranks(int(trace.rank[first]), int(trace.dp_rank[first]),
+                                int(trace.stage[first]), info, log_dir, gpus_per_node)  # fmt: skip
     return written
+
+
+def _close_silent_ranks(
+    rank: int, dp: int, pp: int, info: JobInfo, log_dir: Path, gpus_per_node: int | None
+) -> None:
+    """Start and close the timers of the TP/CP ranks after `rank` in its worker (Megatron's
+    order: TP fastest, then CP), off: each writes its job record, then its end."""
+    from lagscope.producers.timer import OpTimer
+
+    for offset in range(1, info.tp_size * info.cp_size):
+        other = rank + offset
+        OpTimer(
+            job_id=info.job_id, attempt=info.attempt, rank=other, dp_rank=dp, pp_rank=pp,
+            tp_rank=offset % info.tp_size, cp_rank=offset // info.tp_size, log_dir=log_dir,
+            mode="off", gc_probe=False, job_info=_placed(info, other, dp, pp, gpus_per_node),
+        ).close()  # fmt: skip
 
 
 def _record_worker(
@@ -195,8 +220,9 @@ def demo_command(args: argparse.Namespace) -> int:
     total_time = float(job.truth.t_injected.sum())
     # 16 nodes of 8 GPUs: the summary and the report name the straggler's machine.
     n_ops = write_logs_with_timers(
-        job.trace, info, out / "logs", time.time_ns() - int(total_time * 1e9), gpus_per_node=8
-    )
+        job.trace, info, out / "logs", time.time_ns() - int(total_time * 1e9), gpus_per_node=8,
+        every_rank=True,
+    )  # fmt: skip
     print(
         f"  1. generated the job and recorded {n_ops:,} ops through OpTimer (host mode) into "
         f"{out / 'logs'}"
