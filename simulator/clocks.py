@@ -18,12 +18,12 @@ together) link the replicas. Every worker pair that shares transfers becomes one
 median of its end differences, weighted by how consistent they are, clipped to the
 intersection of its bounds. The offsets are the weighted least-squares solution over the
 whole graph with every edge's bounds enforced (an active set: a violated bound is pinned
-and the system solved again): densely up to 512 workers, beyond that by conjugate
-gradients over the edges (a 100,000-GPU job's 12,480 workers and 36,000 edges in 0.15 s,
-where the dense solution would need hours), its standard errors then bounded from above.
-Offsets are relative to one reference worker per connected component (the lowest (stage,
-dp) in it); workers that share no transfer cannot be compared and keep offset 0 with an
-infinite uncertainty.
+and the system solved again): densely up to 512 workers, beyond that by conjugate gradients
+over the edges (a 100,000-GPU job's 12,480 workers and 36,000 edges in 0.15 s; the dense
+solution held 11 GB and had not finished after 3 minutes), its standard errors then bounded
+from above. Offsets are relative to one reference worker per connected component (the
+lowest (stage, dp) in it); workers that share no transfer cannot be compared and keep
+offset 0 with an infinite uncertainty.
 
 The estimate assumes one constant offset per worker over the analysed steps (drift within
 a trace shows up as inconsistent bounds, which are then dropped for that edge) and that a
@@ -53,7 +53,7 @@ PINNED_WEIGHT_FACTOR = 1e6
 #: Free workers up to which the offsets are solved densely, with exact standard errors (512
 #: workers in 0.14 s). The dense solution grows with the cube: a 12,288-GPU job's 1,536
 #: (dp x pp) workers took 2.0-2.2 s, 60 % of its `lagscope analyze`, against 13 ms on the
-#: graph; a 99,840-GPU job's 12,480 took 11 GB and did not finish.
+#: graph; a 99,840-GPU job's 12,480 held 11 GB and had not finished after 3 minutes.
 DENSE_LIMIT = 512
 #: The graph solver's stopping point: its residual relative to the right-hand side, in the
 #: preconditioned norm. At 1e-12 a round of the active set could pin another bound than

@@ -6,7 +6,7 @@ sizes, and Chromium loading and screenshotting the report.
 Each timing is the median of RUNS runs, with their spread (min, max): the machine is
 shared. Until the clock estimate solved its graph iteratively (`simulator/clocks.py`),
 `lagscope analyze` could not take the 99,840-GPU job (a dense least squares over 12,480
-workers: 11 GB and no end in sight), and this bench analysed it in process without it.
+workers: 11 GB, unfinished after 3 minutes), and this bench analysed it in process without it.
 """
 
 from __future__ import annotations
