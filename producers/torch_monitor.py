@@ -245,7 +245,7 @@ class Monitor:
                 end = self.end
                 future.add_done_callback(lambda _: end(opened))
                 return work
-        timed = torch_comm.timed_work_class()(work, opened, self)
+        timed = torch_comm.TimedWork(work, opened, self)
         if lane is None:  # nothing to poll: its wait() ends the op
             return timed
         works = self.pending_works.get(lane)
