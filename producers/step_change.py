@@ -90,7 +90,7 @@ class StepChange:
         ordered = sorted(self._recent)
         middle = len(ordered) // 2
         center = ordered[middle]
-        spread = sorted(abs(x - center) for x in ordered)[middle]
+        spread = sorted([abs(x - center) for x in ordered])[middle]  # no generator frames
         self._center = center
         self._scale = max(_MAD_TO_SIGMA * spread, self.floor * center, 1e-9)
         self._since_refresh = 0

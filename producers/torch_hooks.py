@@ -101,6 +101,8 @@ class ModuleHooks:
         self._forward_count = 0
         self._counted_step = -1
         timer = monitor.timer
+        self._host_clock = timer.on_host_clock
+        self._append = monitor.append
         self._forward_code = timer.code_of(ot.FORWARD_COMPUTE)
         self._backward_code = timer.code_of(ot.BACKWARD_COMPUTE)
         self._own_forward = module.__dict__.get("forward")
@@ -191,10 +193,25 @@ class ModuleHooks:
         self._backward = monitor.begin(self._backward_code, microbatch, self.chunk)
 
     def backward_called(self) -> None:
-        """The job called a backward: the oldest forward still waiting for its backward
-        starts it (nothing when none waits: a backward through other modules)."""
-        if self.awaiting:
-            self._backward_start(*self.awaiting.popleft())
+        """The job called a backward (in a recorded step): the oldest forward still waiting
+        for its backward starts it (nothing when none waits: a backward through other
+        modules). `_backward_start` inline: it runs once per micro-batch, and each Python
+        call costs a recorded step about a microsecond of the training thread."""
+        if not self.awaiting:
+            return
+        microbatch, step = self.awaiting.popleft()
+        monitor = self.monitor
+        if step != monitor.step_id:
+            return
+        if monitor.pending_works:
+            monitor.poll_works()
+        if self._backward is not None:
+            self.close_backward()
+        if self._host_clock:
+            head = (self._backward_code, step, microbatch, self.chunk)
+            self._backward = (head, _perf_ns())
+        else:
+            self._backward = monitor.begin(self._backward_code, microbatch, self.chunk)
 
     def _arrival(self, index: int) -> Any:
         def arrived(grad: Any) -> None:
@@ -208,7 +225,16 @@ class ModuleHooks:
             self._learned = True
 
     def _last_gradient(self, grad: Any) -> None:
-        self._ended()
+        opened = self._backward  # `_ended()` inline: once per micro-batch, recorded or not
+        if opened is not None:
+            self._backward = None
+            if self._host_clock:
+                head, start = opened
+                self._append((head, start, _perf_ns() - start))
+            else:
+                self.monitor.end(opened)
+        elif self.by_call and self.awaiting:
+            self._ended()
 
     def _ended(self) -> None:
         """The backward's end: the first backward's multi-grad hook, then the last
@@ -276,6 +302,8 @@ class OptimizerHooks:
         self.monitor = monitor
         self._scope: Any = None
         self._code = monitor.timer.code_of(ot.OPTIMIZER)
+        self._host_clock = monitor.timer.on_host_clock
+        self._append = monitor.append
         self.handles = [
             optimizer.register_step_pre_hook(self._start),
             optimizer.register_step_post_hook(self._end),
@@ -290,14 +318,22 @@ class OptimizerHooks:
         monitor.close_backwards()
         if not monitor.active:
             return
-        monitor.on_event()
-        self._scope = monitor.begin(self._code)
+        if monitor.pending_works:  # `on_event()`, `begin` and `end` inline, as the forward's
+            monitor.poll_works()
+        if self._host_clock:
+            self._scope = ((self._code, monitor.step_id, -1, 0), _perf_ns())
+        else:
+            self._scope = monitor.begin(self._code)
 
     def _end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         opened = self._scope
         if opened is not None:
             self._scope = None
-            self.monitor.end(opened)
+            if self._host_clock:
+                head, start = opened
+                self._append((head, start, _perf_ns() - start))
+            else:
+                self.monitor.end(opened)
         self.monitor.step()
 
 

@@ -96,7 +96,8 @@ class Monitor:
         """How collectives and p2p are recorded: learnt per group on first use."""
         #: (collective kind, id(group)) -> op code, or None when the op is not recorded.
         self.collective_codes: dict[tuple[str, int], int | None] = {}
-        self._p2p_codes: dict[tuple[str, int | None, int | None, int], int | None] = {}
+        #: (kind, peer, group peer, id(group)) -> op code, or None when not recorded.
+        self.p2p_codes: dict[tuple[str, int | None, int | None, int], int | None] = {}
         #: id(tensor) -> "forward"/"backward", set by a schedule that knows a p2p's direction.
         self.direction_hints: dict[int, str] = {}
 
@@ -194,12 +195,12 @@ class Monitor:
         # The direction follows from the peer's stage alone: worked out once per peer.
         key = (kind, peer, group_peer, id(group))
         try:
-            return self._p2p_codes[key]
+            return self.p2p_codes[key]
         except KeyError:
             pass
         optype = self._p2p_optype_by_peer(kind, peer, group, group_peer)
         code = None if optype is None else self._codes[optype]
-        self._p2p_codes[key] = code
+        self.p2p_codes[key] = code
         return code
 
     def _p2p_optype_by_peer(

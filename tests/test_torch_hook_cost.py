@@ -1,6 +1,7 @@
 """The backward's end costs one hook call per backward, whatever the number of parameters:
 a hook on every parameter cost ~1.5 us each per micro-batch (300 us for a 200-parameter
-chunk). A world of one gloo rank in this process."""
+chunk). A world of one gloo rank in this process; and the Python calls a recorded step
+makes, in a two-rank pipeline (`tests/torch_jobs/hook_calls.py`)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,38 @@ def test_one_chunk_backward_starts_from_the_backward_call_not_a_hook_per_forward
         if op["optype"] == "backward-compute"
     )
     assert backward == [(0, 0), (0, 1), (1, 0), (1, 1), (3, 0), (3, 1)], backward
+
+
+def test_a_recorded_pipeline_step_costs_its_training_thread_few_python_calls(
+    tmp_path: Path,
+) -> None:
+    """Python calls are the unit of what recording costs the training thread: about a
+    microsecond each in a real job. A recorded step of a two-stage pipeline (forward,
+    backward, a send, a receive and the optimizer: 5 ops a rank) makes at most 2 calls into
+    lagscope per op more than an unrecorded one: 5 a rank-step (each p2p work's wrapping
+    and its wait, the backward's start), 6 when the step-time check refreshes. With each
+    p2p op timed
+    through helper methods (its code, begin, the work's wrapping, its completion, end: 7
+    calls) and the backward's start and end through two more each, it made 22."""
+    import json
+    import statistics
+
+    from tests.torch_jobs import hook_calls
+    from tests.torch_jobs.harness import Knobs, launch
+
+    knobs = Knobs(log_dir=str(tmp_path / "logs"), job_id="calls", world=2, pp=2, steps=12,
+                  hidden=8)  # fmt: skip
+    launch(hook_calls.worker, knobs)
+    ops = recorded_ops(tmp_path / "logs")
+    for rank in range(2):
+        steps = json.loads((tmp_path / "calls" / f"rank-{rank}.json").read_text())
+        # After the first steps: the first backward learns whose gradient comes last.
+        later = steps[4:]
+        recorded = [sum(s["calls"].values()) for s in later if s["recorded"]]
+        unrecorded = [sum(s["calls"].values()) for s in later if not s["recorded"]]
+        assert len(recorded) == len(unrecorded) == 4
+        per_step = {op["step"] for op in ops if op["rank"] == rank}
+        op_count = len([op for op in ops if op["rank"] == rank]) / len(per_step)
+        assert op_count == 5, op_count
+        extra = statistics.median(recorded) - statistics.median(unrecorded)
+        assert extra <= 2 * op_count, (rank, extra, later[4]["calls"], later[5]["calls"])
