@@ -53,7 +53,7 @@ not given a lower priority (a helper thread that holds the interpreter lock, at 
 and at nice 19, beside a training-like loop: a preempted low-priority holder of the lock
 keeps the training thread waiting).
 
-`LAGSCOPE_BENCH_PAIRS` (default 4) and `LAGSCOPE_BENCH_IN_RUN_RUNS` (default 2) scale the
+`LAGSCOPE_BENCH_PAIRS` (default 4) and `LAGSCOPE_BENCH_IN_RUN_RUNS` (default 4) scale the
 step-time designs, `LAGSCOPE_BENCH_THREAD_RUNS` (default 4) the monitor thread's CPU rows;
 `LAGSCOPE_BENCH_TORCH_CONDITIONS` ("quiet,busy") picks the conditions.
 """
@@ -185,7 +185,8 @@ _PAIRS = int(os.environ.get("LAGSCOPE_BENCH_PAIRS", "4"))
 #: their steps. 80 steps (~37 contrasts a run) gave the quiet jobs' medians 95 % intervals
 #: 0.94 (1F1B) and 6.9 (DDP) points wide; 320 steps, 0.75 and 2.7 (2026-11-28): closer to
 #: resolving 0.5 %, and still short of it on step times (the CPU clocks' rows resolve it).
-_IN_RUN_RUNS = int(os.environ.get("LAGSCOPE_BENCH_IN_RUN_RUNS", "2"))
+#: Two such runs left the busy 1F1B mean's interval 1.1 points wide (2026-11-29): four.
+_IN_RUN_RUNS = int(os.environ.get("LAGSCOPE_BENCH_IN_RUN_RUNS", "4"))
 _IN_RUN_STEPS = 320
 #: Steps of the saturated-node interval's paired runs (below).
 _STRETCH_STEPS = 80
