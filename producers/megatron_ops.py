@@ -4,7 +4,8 @@
 one method and finishes in another; a p2p handle completes at its `wait()`). The
 `config.timers` seam calls `timers(name).start()` and `timers(name).stop()` as separate
 calls: `MegatronTimers` maps the names lagscope needs to `Phase`s holding their open op,
-and passes every call on to the timers the job already had (Megatron-LM's `Timers`).
+and passes every call on to the timers the job already had (Megatron-LM's `Timers`). A p2p
+handle's op, which ends at its `wait()`, is a `torch_comm.TimedWork` holding a `Span`.
 """
 
 from __future__ import annotations
@@ -40,38 +41,6 @@ class Span:
         scope, self._scope = self._scope, None
         if scope is not None:
             scope.__exit__(None, None, None)
-
-
-class TimedWork:
-    """A p2p handle whose op ends when the transfer is seen complete: when the schedule
-    waits for it, or (host clocks) when a poll finds it done first."""
-
-    __slots__ = ("_span", "_work")
-
-    def __init__(self, work: Any, span: Span) -> None:
-        self._work = work
-        self._span = span
-
-    @property
-    def open(self) -> bool:
-        return self._span.open
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
-        self._span.end()
-        return result
-
-    def poll(self) -> bool:
-        """End the op if the transfer has completed; whether it has."""
-        if self._span.open and self._work.is_completed():
-            self._span.end()
-        return not self._span.open
-
-    def end(self) -> None:
-        self._span.end()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
 
 
 class Phase:

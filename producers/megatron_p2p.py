@@ -22,7 +22,8 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
-from lagscope.producers.megatron_ops import Span, TimedWork
+from lagscope.producers.megatron_ops import Span
+from lagscope.producers.torch_comm import TimedWork
 from lagscope.simulator import optypes as ot
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def end_outstanding() -> None:
     """End every op still open: the schedule is done with its transfers."""
     poll()
     for work in _outstanding:
-        work.end()
+        work.complete()
     _outstanding.clear()
 
 
@@ -113,7 +114,7 @@ class TimedP2P:
         recv_prev, recv_next, requests = super()._communicate(**kwargs)  # type: ignore[misc]
         for key in list(requests or ()):
             if key in spans:
-                work = requests[key] = TimedWork(requests[key], spans.pop(key))
+                work = requests[key] = TimedWork(requests[key], spans.pop(key), Span.end)
                 _outstanding.append(work)
         for span in spans.values():  # no handle came back for these (ring exchange)
             span.end()

@@ -89,6 +89,8 @@ class Monitor:
         #: Whether ops are timed on the host clock (then `append` takes a finished op).
         self.host_clock = timer.on_host_clock
         self.append = timer.appender()
+        #: What a `TimedWork` appends its finished op with (None: it calls `end`).
+        self.timed_work_append = self.append if self.host_clock else None
         self._names = timer.optype_names
         self._codes = {name: timer.code_of(name) for name in timer.optype_names}
 
@@ -246,7 +248,7 @@ class Monitor:
                 end = self.end
                 future.add_done_callback(lambda _: end(opened))
                 return work
-        timed = torch_comm.TimedWork(work, opened, self)
+        timed = torch_comm.TimedWork(work, opened, self.end, self.timed_work_append)
         if lane is None:  # nothing to poll: its wait() ends the op
             return timed
         works = self.pending_works.get(lane)
