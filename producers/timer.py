@@ -254,8 +254,10 @@ _STEPS_PER_SEAL = 40
 #: A straggler's steps do not wait for it: they are handed over as they end (below).
 _MAX_SEAL_INTERVAL_S = 3.0
 #: While every core of the node is busy, seals are rarer still (this many times fewer
-#: wakes, and as many times the lag): each wake is a thread the scheduler has to fit
-#: between the job's.
+#: wakes, and as many times the lag), and so are the hand-overs of a prompt spell (below):
+#: each wake is a thread the scheduler has to fit between the job's. A busy node's step
+#: times swing, and its ranks' spells came often: 8 steps a seal on the 1F1B and DDP jobs
+#: of `make bench` with every core busy, 28 and 20 on a quiet machine (2026-11-29).
 _SATURATED_STRETCH = 2
 #: When a rank's step time changes (`producers/step_change.py`: a straggler appeared or
 #: recovered), its steps are handed over one at a time for this many steps, re-armed while
@@ -408,6 +410,7 @@ class OpTimer:
         #: The interval the steps' pace asks for (`_pace`), which a prompt spell shortens
         #: and its end restores.
         self._paced_interval_s = flush_interval_s
+        self._prompt_gap_s = _PROMPT_MIN_GAP_S
         #: Set by the sealer while the node's cores are all busy (see `_node_saturated`).
         self.saturated = False
         self._handed_over_at = time.monotonic()
@@ -618,7 +621,7 @@ class OpTimer:
         prompt = self._prompt_steps > 0
         if prompt:
             self._prompt_steps -= 1
-        if elapsed >= self._seal_interval_s or (prompt and elapsed >= _PROMPT_MIN_GAP_S):
+        if elapsed >= self._seal_interval_s or (prompt and elapsed >= self._prompt_gap_s):
             self._handed_over_at = now
             self._pace(step, elapsed)
             if self._prompt_steps:
@@ -633,10 +636,12 @@ class OpTimer:
     def _pace(self, step: int, elapsed: float) -> None:
         """The next hand-over's interval: `_STEPS_PER_SEAL` steps at the pace of the steps
         since the last one, at least `flush_interval_s`, at most `_MAX_SEAL_INTERVAL_S`;
-        `_SATURATED_STRETCH` times both while the node's cores are all busy."""
+        `_SATURATED_STRETCH` times both, and the prompt spells' least gap, while the node's
+        cores are all busy."""
         steps = max(1, step - self._paced_step)
         self._paced_step = step
         stretch = _SATURATED_STRETCH if self.saturated else 1
+        self._prompt_gap_s = _PROMPT_MIN_GAP_S * stretch
         interval = min(_MAX_SEAL_INTERVAL_S, elapsed / steps * _STEPS_PER_SEAL) * stretch
         self._seal_interval_s = self._paced_interval_s = max(self._min_seal_interval_s, interval)
 

@@ -70,11 +70,16 @@ def test_a_quiet_rank_tells_a_change_an_episode_could_open_on(
 
 
 def _handed_over(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durations: list[float]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    durations: list[float],
+    saturated: bool = False,
 ) -> list[int]:
     """The steps at which a timer whose steps take `durations` hands its ops over (the
-    timer module's monotonic clock driven by the test)."""
+    timer module's monotonic clock driven by the test), on a node whose cores are all busy
+    or not (whatever this machine's own load is)."""
     clock = [1000.0]
+    monkeypatch.setattr(timer_module, "_node_saturated", lambda: saturated)
 
     class _Clock:
         """The timer module's `time`, its monotonic clock driven by the test."""
@@ -87,6 +92,7 @@ def _handed_over(
 
     monkeypatch.setattr(timer_module, "time", _Clock())
     timer = OpTimer(job_id="j", rank=0, dp_rank=0, pp_rank=0, log_dir=tmp_path, mode="host")
+    timer.saturated = saturated  # as the sealer finds at its first wake
     handed: list[int] = []
 
     def hand_over(finished_steps_only: bool = False, wake: bool = True) -> None:
@@ -138,3 +144,22 @@ def test_steps_shorter_than_the_readers_poll_are_handed_over_no_more_often(
     gaps = [b - a for a, b in itertools.pairwise(slow)]
     assert gaps and all(gap >= 2 for gap in gaps[: _PROMPT_STEPS // 2]), handed
     assert len(slow) >= 4, handed  # still several hand-overs in the spell, not one
+
+
+def test_on_a_saturated_node_a_spell_hands_steps_over_half_as_often(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While every core of the node is busy, each wake of the sealer is a thread the
+    scheduler must fit between the job's: a spell of 0.12 s steps hands every other step
+    over (0.2 s apart at least), not each one, and is still told as soon."""
+    durations = [0.075] * 120 + [0.12] * 12
+    quiet = [s for s in _handed_over(tmp_path / "quiet", monkeypatch, durations) if s > 120]
+    busy = [
+        s
+        for s in _handed_over(tmp_path / "busy", monkeypatch, durations, saturated=True)
+        if s > 120
+    ]
+    assert busy and quiet and busy[0] <= quiet[0] + 1, (quiet, busy)
+    assert all(b - a == 1 for a, b in itertools.pairwise(quiet)), quiet
+    assert all(b - a == 2 for a, b in itertools.pairwise(busy)), busy
+    assert len(busy) >= 4, busy
