@@ -184,24 +184,12 @@ class ModuleHooks:
         return timed_forward
 
     def _backward_start(self, microbatch: int, step: int) -> None:
+        """Open micro-batch `microbatch`'s backward (from the wrapped backward call, or from
+        a tensor hook with several chunks on the rank); `begin` inline on the host clock: it
+        runs once per micro-batch, and each Python call costs a recorded step about a
+        microsecond of the training thread."""
         monitor = self.monitor
         if not monitor.active or step != monitor.step_id:
-            return
-        if monitor.pending_works:
-            monitor.poll_works()
-        self.close_backward()
-        self._backward = monitor.begin(self._backward_code, microbatch, self.chunk)
-
-    def backward_called(self) -> None:
-        """The job called a backward (in a recorded step): the oldest forward still waiting
-        for its backward starts it (nothing when none waits: a backward through other
-        modules). `_backward_start` inline: it runs once per micro-batch, and each Python
-        call costs a recorded step about a microsecond of the training thread."""
-        if not self.awaiting:
-            return
-        microbatch, step = self.awaiting.popleft()
-        monitor = self.monitor
-        if step != monitor.step_id:
             return
         if monitor.pending_works:
             monitor.poll_works()
@@ -212,6 +200,12 @@ class ModuleHooks:
             self._backward = (head, _perf_ns())
         else:
             self._backward = monitor.begin(self._backward_code, microbatch, self.chunk)
+
+    def backward_called(self) -> None:
+        """The job called a backward: the oldest forward still waiting for its backward
+        starts it (nothing when none waits: a backward through other modules)."""
+        if self.awaiting:
+            self._backward_start(*self.awaiting.popleft())
 
     def _arrival(self, index: int) -> Any:
         def arrived(grad: Any) -> None:
@@ -224,8 +218,11 @@ class ModuleHooks:
         if self._arrivals:
             self._learned = True
 
-    def _last_gradient(self, grad: Any) -> None:
-        opened = self._backward  # `_ended()` inline: once per micro-batch, recorded or not
+    def _ended(self, grad: Any = None) -> None:
+        """The backward's end: the first backward's multi-grad hook, then the last
+        parameter's gradient hook (`_last_gradient`, this method itself: no call between);
+        `end` inline on the host clock."""
+        opened = self._backward
         if opened is not None:
             self._backward = None
             if self._host_clock:
@@ -234,21 +231,13 @@ class ModuleHooks:
             else:
                 self.monitor.end(opened)
         elif self.by_call and self.awaiting:
-            self._ended()
-
-    def _ended(self) -> None:
-        """The backward's end: the first backward's multi-grad hook, then the last
-        parameter's gradient hook."""
-        opened = self._backward
-        if opened is not None:
-            self._backward = None
-            self.monitor.end(opened)
-        elif self.by_call and self.awaiting:
             # A backward ran that the wrapped `torch.autograd.backward` did not see (called
             # through a reference taken before the monitor started, or the engine
             # directly): from the next forward on, a tensor hook starts each backward.
             self.by_call = False
             self.awaiting.clear()
+
+    _last_gradient = _ended
 
     def _hook_the_last_parameter(self) -> None:
         """Swap the learning hooks for one on the parameter whose gradient came last; done

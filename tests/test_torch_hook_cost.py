@@ -112,8 +112,9 @@ def test_a_recorded_pipeline_step_costs_its_training_thread_few_python_calls(
     """Python calls are the unit of what recording costs the training thread: about a
     microsecond each in a real job. A recorded step of a two-stage pipeline (forward,
     backward, a send, a receive and the optimizer: 5 ops a rank) makes at most 2 calls into
-    lagscope per op more than an unrecorded one: 5 a rank-step (each p2p work's wrapping
-    and its wait, the backward's start), 6 when the step-time check refreshes. With each
+    lagscope per op more than an unrecorded one: 6 a rank-step (each p2p work's wrapping
+    and its wait, the backward's start from its call), 7 when the step-time check
+    refreshes. With each
     p2p op timed
     through helper methods (its code, begin, the work's wrapping, its completion, end: 7
     calls) and the backward's start and end through two more each, it made 22."""
