@@ -108,9 +108,14 @@ def test_a_straggler_still_slow_when_the_job_ends_stops_alerting_with_it(
     alert fires) while the job runs, still open when the job ends; the job's ranks said
     they ended, so the alert stops with the job, not 15 minutes later."""
     job = "live-slow-to-the-end"
+    # Twice the other tests' steps: the alert can fire only between the host's first
+    # write of the episode and the job's end, about 2.5 s of a 60-step job on a quiet
+    # machine, and a loaded CI machine's host once lagged the job by more than that.
+    steps = 2 * STEPS
     seen = follow_live(
         tmp_path, kafka_bootstrap, kafka_topics, job,
-        ["--slow-rank", "2", "--slow-phase", "forward", "--slow-steps", f"20-{STEPS - 1}"],
+        ["--slow-rank", "2", "--slow-phase", "forward", "--slow-steps", f"20-{steps - 1}"],
+        steps=steps,
     )  # fmt: skip
     for host, found in seen.items():
         assert any(
