@@ -396,6 +396,9 @@ class OpTimer:
         #: Seals so far: hand-overs encoded and written together (by the sealer, or by
         #: flush() and the CUDA resolver on their own threads).
         self.seals = 0
+        #: Times the rank's step time changed (`step_change.py`), each starting or
+        #: re-arming a prompt spell of hand-overs.
+        self.step_changes = 0
         # Steps' ops travel to the sealer thread, which encodes and writes them: the
         # training thread pays a list copy, an append and a lock release per hand-over
         # (every step, or every few short ones), and the sealer wakes once per hand-over.
@@ -616,6 +619,7 @@ class OpTimer:
         now = time.monotonic()
         if self._step_change.observe(now - self._step_ended_at):
             self._prompt_steps = _PROMPT_STEPS
+            self.step_changes += 1
         self._step_ended_at = now
         elapsed = now - self._handed_over_at
         prompt = self._prompt_steps > 0

@@ -74,6 +74,7 @@ def _handed_over(
     monkeypatch: pytest.MonkeyPatch,
     durations: list[float],
     saturated: bool = False,
+    changes: list[int] | None = None,
 ) -> list[int]:
     """The steps at which a timer whose steps take `durations` hands its ops over (the
     timer module's monotonic clock driven by the test), on a node whose cores are all busy
@@ -107,6 +108,8 @@ def _handed_over(
     finally:
         monkeypatch.undo()
         timer.close()
+    if changes is not None:
+        changes.append(timer.step_changes)
     return handed
 
 
@@ -116,7 +119,10 @@ def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
     """Short steady steps go to the sealer ~40 at a time; once the step time rose, every
     step is handed over as it ends, for a few steps, then the steps' own pace resumes (not
     the shortest interval: a spell costs no short seal after it)."""
-    handed = _handed_over(tmp_path, monkeypatch, [0.075] * 120 + [0.12] * 12 + [0.12] * 100)
+    changes: list[int] = []
+    handed = _handed_over(
+        tmp_path, monkeypatch, [0.075] * 120 + [0.12] * 12 + [0.12] * 100, changes=changes
+    )
     steady = [s for s in handed if s <= 120]
     assert len(steady) <= 120 / 40 + 3, handed  # ~40 steps per hand-over
     slow = [s for s in handed if 120 < s <= 132]
@@ -124,6 +130,8 @@ def test_the_timer_hands_steps_over_one_at_a_time_after_a_change(
     # while the change lasts (the detector fires again every third step).
     assert slow[0] <= 123, handed
     assert slow == list(range(slow[0], 133)), handed
+    # Each time the detector fired is counted (the bench reports them per 100 steps).
+    assert changes[0] >= 3, changes
     assert _PROMPT_STEPS >= 3
     # Once the new level is the rank's usual (its window's median), the spell ends and the
     # next hand-over comes at the pace of 0.12 s steps: 3 s, 25 steps on.

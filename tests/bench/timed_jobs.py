@@ -17,6 +17,8 @@ code is not touched. Each rank writes `<log_dir>/../bench/rank-<r>.json`:
   rank-step is the first over the second: a direct reading, not the difference of two
   noisy runs, and not skewed by the steps the last seal, at close(), writes on the
   training thread.
+- `step_changes`: the times the rank's step time changed in those steps (each starts or
+  re-arms a prompt spell of hand-overs, `producers/step_change.py`).
 - `threads_gc_s`: of that, the CPU of garbage collections that ran on those threads.
   CPython runs a scheduled collection on whichever thread next checks for pending work,
   so the job's own garbage is often collected on the sealer's thread just after it takes
@@ -116,8 +118,8 @@ class _Probe:
         self.handle.remove()
         gc.callbacks.remove(self._on_gc)
         first, last = WARM_UP_STEPS - 1, self.knobs.steps - 1
-        (batches_0, seals_0), (batches_1, seals_1) = (
-            self.counts_at.get(first, (0, 0)), self.counts_at.get(last, (0, 0))
+        (batches_0, seals_0, changes_0), (batches_1, seals_1, changes_1) = (
+            self.counts_at.get(first, (0, 0, 0)), self.counts_at.get(last, (0, 0, 0))
         )  # fmt: skip
         out = Path(self.knobs.log_dir).parent / "bench"
         out.mkdir(exist_ok=True)
@@ -130,17 +132,20 @@ class _Probe:
             "threads_gc_s": self.gc_s,
             "sealed_steps": batches_1 - batches_0,
             "seals": seals_1 - seals_0,
+            "step_changes": changes_1 - changes_0,
         }))  # fmt: skip
 
 
-def _sealer_counts() -> tuple[int, int]:
-    """(rank-steps sealed, seals) of this process' monitor so far."""
+def _sealer_counts() -> tuple[int, int, int]:
+    """(rank-steps sealed, seals, step changes) of this process' monitor so far."""
     from lagscope.producers import torch_comm
 
     monitor = torch_comm._monitor
     if monitor is None:
-        return 0, 0
-    return monitor.timer.steps_sealed, int(getattr(monitor.timer, "seals", 0))
+        return 0, 0, 0
+    timer = monitor.timer
+    return (timer.steps_sealed, int(getattr(timer, "seals", 0)),
+            int(getattr(timer, "step_changes", 0)))  # fmt: skip
 
 
 def ddp_worker(rank: int, knobs: Knobs) -> None:

@@ -293,6 +293,10 @@ def _run_job(tmp: Path, job: str, *, monitor: bool, steps: int, every_other: boo
             if r["sealed_steps"]
         ],
         "steps_per_seal": [r["sealed_steps"] / r["seals"] for r in ranks if r["seals"]],
+        # each starts (or re-arms) a spell of prompt hand-overs: more seals
+        "step_changes_per_100": [
+            100 * r.get("step_changes", 0) / r["sealed_steps"] for r in ranks if r["sealed_steps"]
+        ],
         "recorded": recorded,
     }
 
@@ -422,6 +426,7 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
     threads = [t for run in long_runs for t in run["own_us_per_step"]]
     with_gc = [t for run in long_runs for t in run["threads_us_per_step"]]
     per_seal = [s for run in long_runs for s in run["steps_per_seal"]]
+    changes = [c for run in long_runs for c in run["step_changes_per_100"]]
     short = [t for m, _ in pairs for t in m["threads_us_per_step"]]
     short_per_seal = [s for m, _ in pairs for s in m["steps_per_seal"]]
     base = statistics.median([p["median_step_s"] for _, p in pairs])
@@ -481,6 +486,8 @@ def _job_rows(tmp: Path, job: str, condition: str, load: float) -> list[dict]:
                  f"{statistics.median(with_gc):.1f} us, {min(with_gc):.1f}-{max(with_gc):.1f}), "
                  f"median of ranks x {len(long_runs)} runs of {_THREAD_STEPS} steps; "
                  f"{statistics.median(per_seal):.0f} steps per seal; "
+                 f"{statistics.fmean(changes):.2f} step-time changes per 100 rank-steps "
+                 f"(each a spell of prompt seals); "
                  f"= {statistics.median(threads) / (base * 1e6) * 100:.3f} % of a step; "
                  f"{short_text}"},
         {"benchmark": f"torch: {job} job monitor thread CPU per rank-step, batches encoded "
