@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lagscope.simulator.advice import Advice, advise_resplit
+from lagscope.simulator.advice import Advice, advise_resplit, resimulated_step_time
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
 from lagscope.simulator.episode_diagnosis import (
@@ -485,6 +485,9 @@ def _resplit(episode: WorkerEpisode, steps: Sequence[PreparedTrace]) -> Advice |
     if episode.kind in (HOST, "input-wait") or not steps:
         return None
     prepared = concat_steps(sorted(steps, key=lambda p: int(p.steps[0])))
-    base = analyze(prepared, decompose_threshold=np.inf, explain=False)
-    advice = advise_resplit(prepared, float(base.t_nodelay.mean()), prepared.model.compiled)
+    compiled = prepared.model.compiled
+    # The re-split is weighed against the steps as measured, without launch delays: one
+    # pass, not a what-if analysis whose attribution passes it would not read.
+    base_time = resimulated_step_time(prepared, prepared.cost, compiled)
+    advice = advise_resplit(prepared, base_time, compiled)
     return advice if advice is not None and advice.predicted_speedup > 1.0 else None
