@@ -225,3 +225,18 @@ def test_analyze_reports_the_estimate(dense_limit, errors, monkeypatch, tmp_path
         expected = truth[worker["stage"], worker["dp"]]
         assert worker["offset_s"] == pytest.approx(expected, abs=0.1 * spec.cost.p2p_s)
         assert worker["standard_error_s"] is not None
+
+
+@pytest.mark.parametrize("distinct_sizes", [4, 200])
+def test_group_medians_are_numpys_median_of_each_group(distinct_sizes: int) -> None:
+    """The edges' medians, by partitioning rows of one size (a few sizes) or by one full
+    sort (many): each group's np.median, ties and NaN included."""
+    rng = np.random.default_rng(distinct_sizes)
+    sizes = rng.choice(rng.integers(1, 300, size=distinct_sizes), size=400)
+    group = np.repeat(np.arange(sizes.size), sizes)
+    rng.shuffle(group)
+    values = np.round(rng.normal(size=group.size), 2)  # ties
+    values[rng.integers(0, values.size, size=5)] = np.nan
+    first = np.append(0, np.cumsum(sizes)[:-1])
+    expected = np.array([np.median(values[group == g]) for g in range(sizes.size)])
+    assert np.array_equal(clocks._medians(values, group, first), expected, equal_nan=True)
