@@ -205,6 +205,10 @@ def _links(model: DependencyModel, n_dp: int) -> tuple[np.ndarray, ...]:
     )
 
 
+#: Past this many distinct group sizes, one full sort costs less than a partition a size.
+_MEDIAN_ROW_SIZES = 64
+
+
 def _medians(values: np.ndarray, group: np.ndarray, first: np.ndarray) -> np.ndarray:
     """Median of every group of `values` (group ids ascending from 0, `first` the offset of
     each group once sorted by it), as np.median computes it: NaN where a group has one.
@@ -213,16 +217,16 @@ def _medians(values: np.ndarray, group: np.ndarray, first: np.ndarray) -> np.nda
     ...          np.array([0, 3]))
     array([5. , 1.5])
     """
+    count = np.diff(np.append(first, values.size))
+    sizes = np.unique(count)
+    if sizes.size > _MEDIAN_ROW_SIZES:
+        return _sorted_medians(values, group, first, count)
     # A stable sort by group keeps each group's values together; small ids sort in linear
     # time. Groups of one size are then rows of one array, whose two middle values a
     # partition finds without sorting them (a job's edges come in a few sizes: their
     # links x its steps).
     ids = group.astype(np.int16 if first.size < 2**15 else np.int64)
     grouped = values[np.argsort(ids, kind="stable")]
-    count = np.diff(np.append(first, values.size))
-    sizes = np.unique(count)
-    if sizes.size > _MEDIAN_ROW_SIZES:
-        return _sorted_medians(values, group, first, count)
     median = np.empty(first.size)
     for size in sizes.tolist():
         members = np.flatnonzero(count == size)
@@ -231,10 +235,6 @@ def _medians(values: np.ndarray, group: np.ndarray, first: np.ndarray) -> np.nda
         values_at = (middle[:, (size - 1) // 2] + middle[:, size // 2]) / 2
         median[members] = np.where(np.isnan(rows).any(axis=1), np.nan, values_at)
     return median
-
-
-#: Past this many distinct group sizes, one full sort costs less than a partition a size.
-_MEDIAN_ROW_SIZES = 64
 
 
 def _sorted_medians(
