@@ -62,6 +62,11 @@ Host time became the host gaps on 2026-11-28 (it had been the launch delays, whi
 1F1B stage hold the forward before each backward receive: a forward straggler opened as a
 slow host in a live CI run); the 19 recordings of 2026-11-27 read as before.
 
+A worker slow from the job's first step has no rise to see. The job's diagnosis finds it
+(slower than its peers in the median step, `diagnose.py`), and the host then adopts it
+(`OnlineEpisodes.adopt`): an episode from where its stretch above its peers begins, at its
+peers' level before, followed from then on like any other.
+
 State (`state_dict` / `from_state`) is plain arrays and numbers: a host snapshots it with
 the rest of its step processor.
 """
@@ -230,6 +235,9 @@ class WorkerEpisode:
     ratio_before: float
     #: The last step this episode covered (its latest update).
     last_step: int
+    #: Found by the job's diagnosis rather than by a rise (`OnlineEpisodes.adopt`): its
+    #: `level_before` and `ratio_before` are its peers'.
+    standing: bool = False
 
     @property
     def open(self) -> bool:
@@ -264,7 +272,7 @@ class _History:
     count: int = 0
 
     def push(self, step: int, values: np.ndarray) -> None:
-        peers = _peer_median(values[np.newaxis])[0]
+        peers = peer_median(values[np.newaxis])[0]
         if self.count < self.length:
             self.values[self.count] = values
             self.peers[self.count] = peers
@@ -442,12 +450,105 @@ class OnlineEpisodes:
                 changes.append(EpisodeChange("opened", episode))
         return changes
 
+    def adopt(
+        self,
+        worker: tuple[int, int],
+        kind: str,
+        steps: np.ndarray,
+        values: np.ndarray,
+        step_times: np.ndarray,
+        *,
+        seen_at_evidence: bool = False,
+    ) -> WorkerEpisode | None:
+        """An episode for `worker` (dp, stage), which the job's diagnosis verified slow in
+        `kind` while no episode of it is open: slow since before its first step seen (a
+        bad node from the job's start has no rise to detect) or risen too weakly to open
+        one. `values` are every worker's seconds of `kind` ([step, stage, dp]) and
+        `step_times` the measured step times over `steps` (the steps the diagnosis
+        covered, in order, the latest last).
+
+        The episode begins where the worker's latest stretch above its peers begins (by
+        `min_peer_ratio`, but for one step in `steps_per_quick_peer_step`: a peer that lost
+        its core), if that stretch reaches the latest step and is `confirm_steps` long, or
+        `noisy_steps` where the other workers jump over their own level in more than
+        `busy_spike_rate` of its steps (a rank of a busy machine loses its core for up to
+        10 steps); else None. Its levels are its own median over the stretch and its
+        peers' (the time it would take at their pace); from here on it is followed like
+        any episode, and closes once the worker is back below the middle of the two. It
+        was first seen at the latest step, or with `seen_at_evidence` (a recorded trace
+        read whole) where its stretch had the steps it needed, as a host following the job
+        would have seen it.
+
+        >>> detector = OnlineEpisodes(["forward-compute", HOST], n_stages=1, n_dp=3)
+        >>> values = np.full((12, 1, 3), 0.010)
+        >>> values[2:, 0, 1] = 0.020  # dp 1 twice its peers' time from step 2
+        >>> found = detector.adopt((1, 0), "forward-compute", np.arange(12), values,
+        ...                        np.full(12, 0.1))
+        >>> found.onset, found.level_before, found.level_inside, found.standing
+        (2, 0.01, 0.02, True)
+        >>> detector.adopt((1, 0), "forward-compute", np.arange(12), values,
+        ...                np.full(12, 0.1)) is None  # it has one open
+        True
+        """
+        cfg = self.settings
+        dp, stage = worker
+        if kind not in self.kinds or any(
+            (e.dp, e.stage) == (dp, stage) for e in self.open_episodes()
+        ):
+            return None
+        own = values[:, stage, dp]
+        peers = peer_median(values[:, np.newaxis])[:, 0, stage, dp]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = own / np.where(peers > 0, peers, np.nan)
+            slow = ratio >= cfg.min_peer_ratio
+        if not slow.size or not slow[-1]:
+            return None
+        # From the latest step back, as long as the quick steps stay within the allowance
+        # of a stretch that long; then from its first slow step.
+        quick_from_end = np.cumsum(~slow[::-1])
+        allowed = (np.arange(1, slow.size + 1) - 1) // cfg.steps_per_quick_peer_step
+        too_many = np.flatnonzero(quick_from_end > allowed)
+        start = slow.size - (int(too_many[0]) if too_many.size else slow.size)
+        start += int(np.argmax(slow[start:]))
+        others = np.ones(values.shape[1:], dtype=bool)
+        others[stage, dp] = False
+        noisy = (
+            _jump_rate(values[start:], others, float(np.median(step_times[start:])), cfg)
+            > cfg.busy_spike_rate
+        )
+        needed = cfg.noisy_steps if noisy else cfg.confirm_steps
+        if slow.size - start < needed:
+            return None
+        episode = WorkerEpisode(
+            episode_id=self._next_id,
+            dp=int(dp),
+            stage=int(stage),
+            kind=kind,
+            onset=int(steps[start]),
+            first_seen=int(steps[start + needed - 1] if seen_at_evidence else steps[-1]),
+            recovery=None,
+            level_before=float(np.median(peers[start:])),
+            level_inside=float(np.median(own[start:])),
+            # Its peers' time is positive in every step it is slow in (above them by a ratio).
+            ratio_inside=float(np.median(ratio[start:][slow[start:]])),
+            ratio_before=1.0,
+            last_step=int(steps[-1]),
+            standing=True,
+        )
+        self._next_id += 1
+        self.episodes.append(episode)
+        return episode
+
     def _usable(self, steps: np.ndarray) -> np.ndarray:
         """[slot, stage, dp]: which of these steps a worker's baseline may use: none of its
         own earlier episode, and none inside any episode of the job (a straggler changes
         what its peers do too: they wait, or get the cores it leaves idle)."""
         inside_any = np.zeros(steps.shape, dtype=bool)
         for episode in self.episodes:
+            if episode.standing:
+                # Slow since before its steps were seen: its peers' steps beside it are
+                # all their baselines hold, before its onset as after it.
+                continue
             end = episode.recovery if episode.recovery is not None else np.iinfo(np.int64).max
             inside_any |= (steps >= episode.onset) & (steps < end)
         return (steps[:, None, None] >= self._baseline_from[None]) & ~inside_any[:, None, None]
@@ -613,7 +714,7 @@ class OnlineEpisodes:
         if self.n_dp > 16:
             typical = np.nanmedian(sigma, axis=2, keepdims=True)
             return np.broadcast_to(typical, (*sigma.shape[:2], self.n_dp))
-        return _peer_median(sigma[np.newaxis])[0]
+        return peer_median(sigma[np.newaxis])[0]
 
     # -- reading ------------------------------------------------------------------------
     def open_episodes(self) -> list[WorkerEpisode]:
@@ -654,6 +755,28 @@ class OnlineEpisodes:
         tracker.episodes = [WorkerEpisode(**e) for e in state["episodes"]]
         tracker._next_id = int(state["next_id"])
         return tracker
+
+
+def _jump_rate(
+    values: np.ndarray, workers: np.ndarray, step_s: float, cfg: OnlineEpisodeSettings
+) -> float:
+    """The share of `workers`' ([stage, dp] mask) steps of `values` ([step, stage, dp]) in
+    which one jumped by `min_rise` over its own median there and by `min_cost` of a step
+    (`step_s`): as `OnlineEpisodes._spike_rate` counts, over these steps; only the workers
+    that do this kind of work count.
+
+    >>> values = np.full((10, 1, 3), 0.010)
+    >>> values[::2, 0, 0] = 0.030  # dp 0 jumps every other step
+    >>> mask = np.array([[True, True, False]])
+    >>> _jump_rate(values, mask, 0.1, OnlineEpisodeSettings())
+    0.25
+    """
+    series = values[:, workers & (values != 0).any(axis=0)]
+    if not series.size:
+        return 0.0
+    median = np.median(series, axis=0)
+    jumped = (series >= (1 + cfg.min_rise) * median) & (series - median >= cfg.min_cost * step_s)
+    return float(jumped.mean())
 
 
 def _mad_sigma(values: np.ndarray, level: np.ndarray | None = None) -> np.ndarray:
@@ -725,7 +848,7 @@ def nanquantile_first_axis(values: np.ndarray, q: float) -> np.ndarray:
     return np.where(count > 0, out, np.nan)
 
 
-def _peer_median(values: np.ndarray) -> np.ndarray:
+def peer_median(values: np.ndarray) -> np.ndarray:
     """[slot, kind, stage, dp]: the median of each worker's peers, the other DP ranks of
     its stage (the other stages when there is one DP rank). With many peers the median of
     all of them, itself included, is the same to within one of many."""

@@ -267,3 +267,73 @@ def test_only_the_series_that_may_pass_are_weighed() -> None:
         everything.update(step, values[step], float(step_time[step]))
     assert filtered.episodes, "the planted straggler should open an episode"
     assert filtered.episodes == everything.episodes
+
+
+def _adopt_from(detector: OnlineEpisodes, values: np.ndarray, kind: int, worker: tuple[int, int]):
+    """`OnlineEpisodes.adopt` of `worker` (dp, stage) on `values`' steps so far (a step
+    as long as its busiest worker's own time)."""
+    step_time = values.sum(axis=1).max(axis=(1, 2))
+    return detector.adopt(
+        worker, KINDS[kind], np.arange(values.shape[0]), values[:, kind], step_time
+    )
+
+
+def test_a_worker_slow_from_the_first_step_is_adopted_and_followed_to_its_recovery() -> None:
+    """Slow from step 0, it never rose: no episode of the detector's own. Adopted at step
+    11 (the job's diagnosis verified it), it is an episode since step 0 at its peers' level
+    before, followed like any other: closed at its recovery (step 45). It leaves the other
+    workers' baselines alone: one rising at step 30, while it is still open, opens an
+    episode of its own."""
+    values = _job(3)
+    values[:45, 1, 1, 2] *= 2.0  # worker (dp 2, pp 1), forward, steps 0-44
+    values[30:, 0, 0, 1] *= 2.0  # worker (dp 1, pp 0), backward, from step 30
+    detector = _run(values[:12])
+    assert detector.episodes == []
+    standing = _adopt_from(detector, values[:12], 1, (2, 1))
+    assert standing is not None and standing.standing
+    assert (standing.onset, standing.first_seen, standing.kind) == (0, 11, KINDS[1])
+    assert standing.level_before == pytest.approx(LEVELS[1], rel=0.1)
+    assert standing.level_inside == pytest.approx(2 * LEVELS[1], rel=0.1)
+    assert _adopt_from(detector, values[:12], 1, (2, 1)) is None  # it has one open
+    step_time = values.sum(axis=(1, 3)).max(axis=1)
+    for step in range(12, N_STEPS):
+        detector.update(step, values[step], float(step_time[step]))
+    assert standing.recovery == 45
+    (later,) = [e for e in detector.episodes if e is not standing]
+    assert (later.dp, later.stage, later.kind, later.onset) == (1, 0, KINDS[0], 30)
+
+
+@pytest.mark.parametrize(
+    ("slow_steps", "then_also", "reason"),
+    [
+        (slice(5, 12), slice(3, 5), "7 steps: fewer than confirm_steps"),
+        (slice(0, 11), slice(11, 12), "quick in the latest step"),
+    ],
+)
+def test_a_worker_is_adopted_only_on_a_long_enough_stretch_up_to_now(
+    slow_steps: slice, then_also: slice, reason: str
+) -> None:
+    values = _job(4)[:12]
+    values[slow_steps, 1, 1, 2] *= 2.0
+    detector = OnlineEpisodes(KINDS, N_STAGES, N_DP)
+    assert _adopt_from(detector, values, 1, (2, 1)) is None, reason
+    assert detector.episodes == []
+    values[then_also, 1, 1, 2] *= 2.0  # slow long enough, up to the latest step
+    assert _adopt_from(detector, values, 1, (2, 1)) is not None
+
+
+def test_a_busy_job_needs_a_longer_stretch_to_adopt() -> None:
+    """Where the other workers jump over their own level in two steps of five (shared
+    cores), 9 slow steps of a rank are what its lost core looks like: not adopted until
+    the stretch is `noisy_steps` long; on a quiet job 9 are enough."""
+    base = _job(5)[:20]
+    quiet = base.copy()
+    quiet[11:, 1, 1, 2] *= 3.0
+    assert _adopt_from(OnlineEpisodes(KINDS, N_STAGES, N_DP), quiet, 1, (2, 1)) is not None
+    rng = np.random.default_rng(5)
+    busy = np.where(rng.random(base.shape) < 0.4, 2.0 * base, base)
+    busy[:, 1, 1, 2] = base[:, 1, 1, 2]  # the rank itself never jumps ...
+    busy[11:, 1, 1, 2] *= 3.0  # ... but is 3x slower from step 11
+    assert _adopt_from(OnlineEpisodes(KINDS, N_STAGES, N_DP), busy, 1, (2, 1)) is None
+    busy[8:11, 1, 1, 2] = 3.0 * base[8:11, 1, 1, 2]  # 12 steps: past the longest lost core
+    assert _adopt_from(OnlineEpisodes(KINDS, N_STAGES, N_DP), busy, 1, (2, 1)) is not None
