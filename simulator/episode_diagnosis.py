@@ -139,6 +139,7 @@ def episode_diagnosis(
         lost_s=cost.lost_s,
         share=cost.share,
         steps=cost.steps,
+        standing=episode.standing,
     )
     refuted = ("re-split micro-batches",) if cause == Cause.SLOW_WORKERS and resplit is None else ()
     finding = Finding(
@@ -161,6 +162,12 @@ def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: in
         f"({_times(episode.level_inside, episode.level_before)} its own level before), "
         f"{episode.ratio_inside:.1f}x its peers'"
     )
+    if episode.standing:
+        how = (
+            f"{episode.level_inside * 1e3:.1f} ms per step, {episode.ratio_inside:.1f}x its "
+            f"peers' {episode.level_before * 1e3:.1f} ms, with no quicker level of its own "
+            "before"
+        )
     costs = (
         f"costs the job {cost.share:.0%} of its slowdown over these steps, "
         f"{cost.lost_s:.2f} s ({cost.lost_s * n_gpus:,.1f} GPU-s)"

@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lagscope.simulator import optypes as ot
 from lagscope.simulator.advice import Advice, advise_resplit, resimulated_step_time
+from lagscope.simulator.causes import Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
 from lagscope.simulator.episode_diagnosis import (
@@ -65,6 +67,13 @@ if TYPE_CHECKING:
     # story with this module and starts without the validation framework.
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.trace import JobMeta
+
+#: The kind of own time a run's worker cause is about (None: the op its worker is slow in).
+_KIND_OF_CAUSE: dict[Cause, str | None] = {
+    Cause.SLOW_WORKERS: None,
+    Cause.SLOW_INPUT: ot.INPUT_WAIT,
+    Cause.SLOW_HOST: HOST,
+}
 
 #: Step ids and slowdowns kept for a job's step chart (the latest ones).
 _STEP_SERIES_KEPT = 4096
@@ -158,6 +167,8 @@ class JobDiagnosis:
     run: Diagnosis
     verdict: Diagnosis
     final: bool = False
+    #: Episodes this diagnosis found (`LiveJob.adopt_verified`), named: stored with it.
+    episodes: tuple[EpisodeState, ...] = ()
 
 
 class LiveJob:
@@ -260,17 +271,26 @@ class LiveJob:
         self,
         episode: WorkerEpisode,
         prepared: PreparedTrace,
-        times: tuple[float, float, float],
+        times: tuple[Any, Any, Any],
         cost: EpisodeCost,
     ) -> EpisodeCost:
-        """`cost` with one more step's (`times`: its measured, no-delay, ideal time)."""
+        """`cost` with `prepared`'s steps added (`times`: their measured, no-delay and
+        ideal step times, a number each for one step)."""
         worker = (episode.dp, episode.stage)
-        lost = float(lost_seconds(prepared, worker, episode.kind, episode.level_before)[0])
-        actual, nodelay, ideal = times
+        lost = lost_seconds(prepared, worker, episode.kind, episode.level_before)
+        actual, nodelay, ideal = (np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in times)
         excess = (actual if episode.kind == HOST else nodelay) - ideal
-        own = float(worker_signals(prepared, [episode.kind])[0, 0, episode.stage, episode.dp])
-        gc = float(gc_beyond_peers(prepared, worker, episode.kind)[0])
-        return cost.plus(lost, excess, actual, own - episode.level_before, gc)
+        own = worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp]
+        gc = gc_beyond_peers(prepared, worker, episode.kind)
+        for i in range(prepared.n_steps):
+            cost = cost.plus(
+                float(lost[i]),
+                float(excess[i]),
+                float(actual[i]),
+                float(own[i]) - episode.level_before,
+                float(gc[i]),
+            )
+        return cost
 
     def _state(self, episode: WorkerEpisode, step: int, *, final: bool = False) -> EpisodeState:
         first_seen, shown_id = self.named.get(
@@ -322,10 +342,20 @@ class LiveJob:
         self.since_diagnosis = 0
         if not final:
             self.diagnosis_interval = self.interval_after(self.diagnosis_interval, capacity)
-        found = self.rolled_up(window, final=final, decompose_threshold=decompose_threshold)
-        if found is not None:
-            self.last_diagnosis = found
-            self.story_changed = False
+        if not window:
+            return None
+        prepared, rollup, run = self._run_diagnosis(window, decompose_threshold)
+        # The end adds no episode (its bounds are refined, none is found there).
+        adopted = [] if final else self.adopt_verified(run, prepared, rollup)
+        if adopted:
+            # What the run has lost to stragglers now counts the adopted episodes too.
+            run = diagnose(rollup, prepared, settings=self.diagnosis_settings,
+                           wasted_gpu_s=self.straggler_gpu_seconds())  # fmt: skip
+        found = JobDiagnosis(
+            int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final, tuple(adopted)
+        )
+        self.last_diagnosis = found
+        self.story_changed = False
         return found
 
     def rolled_up(
@@ -336,11 +366,69 @@ class LiveJob:
         the cadence of what the store is given)."""
         if not window:
             return None
+        prepared, rollup, run = self._run_diagnosis(window, decompose_threshold)
+        return JobDiagnosis(int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final)
+
+    def _run_diagnosis(
+        self, window: Sequence[PreparedTrace], decompose_threshold: float
+    ) -> tuple[PreparedTrace, WhatIfResult, Diagnosis]:
+        """The retained steps as one trace, their roll-up and its diagnosis."""
         prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
-        cfg = self.diagnosis_settings
-        run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
-        return JobDiagnosis(int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final)
+        run = diagnose(rollup, prepared, settings=self.diagnosis_settings,
+                       wasted_gpu_s=self.straggler_gpu_seconds())  # fmt: skip
+        return prepared, rollup, run
+
+    def adopt_verified(
+        self,
+        run: Diagnosis,
+        prepared: PreparedTrace,
+        rollup: WhatIfResult,
+        *,
+        final: bool = False,
+        whole_trace: bool = False,
+    ) -> list[EpisodeState]:
+        """Episodes for the workers `run` (the diagnosis of `prepared`, rolled up as
+        `rollup`) verified slow where no episode of theirs is open (`OnlineEpisodes.adopt`):
+        a worker slow from the job's first step has no rise for the detector to see, yet
+        it is a straggler, and the store, the alerts and the job's losses count stragglers
+        by their episodes. Each is costed over its steps in `prepared` and named, as any
+        episode, once it costs the job enough; returns the named ones' states.
+        `whole_trace`: `prepared` is a recorded trace read whole, each episode seen where
+        its evidence was complete."""
+        if run.cause not in _KIND_OF_CAUSE or self.detector is None:
+            return []
+        kinds = self.detector.kinds
+        signals = worker_signals(prepared, kinds)
+        step = int(prepared.steps[-1])
+        slow_in = {v.worker: v.first_op for v in run.evidence.finding.verified}
+        states = []
+        for worker in run.evidence.named_workers:
+            kind = _KIND_OF_CAUSE[run.cause] or slow_in.get(worker)
+            if kind not in kinds:
+                continue
+            episode = self.detector.adopt(
+                (worker.dp, worker.stage),
+                kind,
+                prepared.steps,
+                signals[:, kinds.index(kind)],
+                rollup.t_actual,
+                seen_at_evidence=whole_trace,
+            )
+            if episode is None:
+                continue
+            inside = np.flatnonzero(prepared.steps >= episode.onset)
+            steps = prepared.select_steps(inside)
+            times = (rollup.t_actual[inside], rollup.t_nodelay[inside], rollup.t_ideal[inside])
+            key = episode.episode_id
+            self.costs[key] = self._cost_of(episode, steps, times, EpisodeCost())
+            self.resplit[key] = _resplit(episode, [steps])
+            if not costs_the_job(self.costs[key], self.diagnosis_settings):
+                continue  # followed from here on, named once it costs enough
+            self.named[key] = (episode.first_seen, len(self.named) + 1)
+            self.story_changed = True
+            states.append(self._state(episode, step, final=final))
+        return states
 
     def recompose(self, step: int) -> JobDiagnosis | None:
         """The run's story at `step` told again with the episodes as they are now, on the
@@ -471,6 +559,7 @@ def trace_story(
     for index, result in enumerate(per_step):
         step = prepared.select_steps([index])
         live.on_step(int(step.steps[0]), 0, result, step, complete=True)
+    live.adopt_verified(run, prepared, rollup, final=True, whole_trace=True)
     # The steps one by one again only to refine episodes: a large trace is not held twice
     # when it has none.
     found = bool(live.named)

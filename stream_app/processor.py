@@ -702,6 +702,8 @@ class StepProcessor:
                     decompose_threshold=self.settings.decompose_threshold,
                     capacity=job.retained_capacity,
                 )
+                if diagnosis is not None:
+                    episodes = [*episodes, *diagnosis.episodes]
             elif job.live.story_changed:
                 diagnosis = job.live.recompose(closed.step)
             outputs[index] = StepOutput(

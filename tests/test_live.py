@@ -14,7 +14,9 @@ test polls the store as Grafana would, every quarter second:
   job's final verdict says the same;
 - a healthy job: no episode, no alert, no cause, at any time;
 - a straggler still slow when the job ends: its episode stays open, its alert stops with
-  the job (every rank said it ended).
+  the job (every rank said it ended);
+- a worker slow from the job's first step (a bad node from the start, no rise to detect):
+  its episode, open since the first step, from the job's first diagnosis on.
 """
 
 from __future__ import annotations
@@ -129,3 +131,36 @@ def test_a_straggler_still_slow_when_the_job_ends_stops_alerting_with_it(
         assert found.ended == (4, True), (host, found.ended)
         assert found.rules_firing == [], (host, found.rules_firing)
         assert found.verdict[0] == "slow_workers" and "(ongoing)" in found.verdict[1], host
+
+
+def test_a_worker_slow_from_the_first_step_is_named_while_the_job_runs(
+    kafka_bootstrap: str, kafka_topics: dict[str, str], tmp_path: Path
+) -> None:
+    """Its forward 2x slower from step 0 to the end: the episode detector sees no rise, the
+    job's first diagnosis (its 10th step) verifies it; from then on the store holds its
+    episode, open since the job's first step, and the alert fires for it while the job
+    runs; the verdict tells the same."""
+    job = "live-from-the-first-step"
+    seen = follow_live(
+        tmp_path, kafka_bootstrap, kafka_topics, job,
+        ["--slow-rank", "2", "--slow-phase", "forward"],
+    )  # fmt: skip
+    for host, found in seen.items():
+        running = [
+            (last, e)
+            for last, episodes in found.polls
+            for e in episodes
+            if last < STEPS - 10 and e["state"] == "open"
+        ]
+        assert running, (host, [p for p in found.polls if p[1]][:3], found.polls[-2:])
+        _, episode = running[0]
+        assert (episode["dp_rank"], episode["pp_rank"]) == WORKER, (host, episode)
+        assert (episode["cause"], episode["optype"]) == ("slow_workers", "forward-compute")
+        assert episode["onset_step"] <= 1, (host, episode)
+        assert episode["first_seen_step"] <= 12, (host, episode)
+        assert any(last < STEPS - 10 for last, _ in found.fired), (host, found.fired[:3])
+        final = found.polls[-1][1]
+        assert len(final) == 1 and final[0]["state"] == "open", (host, final)
+        verdict_cause, summary = found.verdict
+        assert verdict_cause == "slow_workers" and "(dp 1, pp 0)" in summary, (host, summary)
+        assert summary.count("(dp ") == 1, (host, summary)

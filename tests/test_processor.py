@@ -290,3 +290,46 @@ def test_outputs_do_not_depend_on_how_input_is_grouped(reference_dir):
     assert bad.result is None and "does not occur" in bad.reason
     assert {o.step for o in one_by_one if not o.complete} == {step_ids[30], step_ids[31]}
     assert any(c.kind == "onset" for o in one_by_one for c in o.changes)
+
+
+def _episodes_while_running(spec: JobSpec) -> list:
+    """(step, episode state) for every episode state a host would store, step by step."""
+    info, steps = stream_of(generate_job(spec))
+    processor = StepProcessor()
+    processor.on_job(info)
+    found = []
+    for _, _, batches in steps:
+        for batch in batches:
+            for out in processor.on_batch(batch):
+                found.extend((out.step, state) for state in out.episodes)
+    return found
+
+
+@pytest.mark.parametrize("end_step", [None, 30])
+def test_a_worker_slow_from_the_first_step_is_an_episode_from_its_first_diagnosis(end_step):
+    """No rise for the detector to see, yet a straggler: the job's first diagnosis verifies
+    it, and it is an episode from the job's first step on, named as such, closed when the
+    worker recovers."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=0, end_step=end_step)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="standing", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    found = _episodes_while_running(spec)
+    assert found, "no episode"
+    assert {(s.episode.dp, s.episode.stage) for _, s in found} == {(1, 0)}
+    first_step, first = found[0]
+    assert first.episode.onset == 0 and first.episode.standing
+    # Seen at the first diagnosis (the 10th step), as the store shows it from then on.
+    assert first_step == first.episode.first_seen == 9
+    assert first.diagnosis.cause == "slow_workers"
+    assert "with no quicker level of its own before" in first.diagnosis.summary
+    assert first.cost.lost_s > 0 and first.diagnosis.escalation.accumulated_loss_s > 0
+    last = found[-1][1]
+    if end_step is None:
+        assert last.episode.open
+    else:
+        assert abs(last.episode.recovery - end_step) <= 3
+
+
+def test_a_healthy_generated_job_adopts_no_episode():
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="healthy", seed=5)
+    assert _episodes_while_running(spec) == []
