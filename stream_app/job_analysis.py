@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lagscope.simulator import optypes as ot
-from lagscope.simulator.advice import Advice, advise_resplit, resimulated_step_time
-from lagscope.simulator.causes import Cause
+from lagscope.simulator.advice import Advice, advise_resplit, escalation, resimulated_step_time
+from lagscope.simulator.causes import WORKER_CAUSES, Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
 from lagscope.simulator.episode_diagnosis import (
@@ -349,8 +349,7 @@ class LiveJob:
         adopted = [] if final else self.adopt_verified(run, prepared, rollup)
         if adopted:
             # What the run has lost to stragglers now counts the adopted episodes too.
-            run = diagnose(rollup, prepared, settings=self.diagnosis_settings,
-                           wasted_gpu_s=self.straggler_gpu_seconds())  # fmt: skip
+            run = self._diagnosed(rollup, prepared)
         found = JobDiagnosis(
             int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final, tuple(adopted)
         )
@@ -375,9 +374,23 @@ class LiveJob:
         """The retained steps as one trace, their roll-up and its diagnosis."""
         prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
-        run = diagnose(rollup, prepared, settings=self.diagnosis_settings,
-                       wasted_gpu_s=self.straggler_gpu_seconds())  # fmt: skip
-        return prepared, rollup, run
+        return prepared, rollup, self._diagnosed(rollup, prepared)
+
+    def _diagnosed(self, rollup: WhatIfResult, prepared: PreparedTrace) -> Diagnosis:
+        """The diagnosis of the retained steps, its escalation on what the job has lost
+        so far to its cause: to stragglers, their episodes' cost; to a cause of the job's
+        own make (a heavier last stage, unequal sequences, GC, slow links), which no
+        episode prices, everything its steps lost above their straggler-free time, as
+        `lagscope analyze` counts it (a heavier stage read "0 s lost" live)."""
+        cfg = self.diagnosis_settings
+        run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
+        if run.cause in WORKER_CAUSES or run.cause in (Cause.NONE, Cause.UNATTRIBUTED):
+            return run
+        ladder = escalation(
+            self.totals.gpu_seconds_above_ideal, self.info.world_size, cfg, run.cause,
+            run.evidence.finding.refuted_actions,
+        )  # fmt: skip
+        return dataclasses.replace(run, escalation=ladder)
 
     def adopt_verified(
         self,

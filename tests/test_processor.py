@@ -9,7 +9,7 @@ import pytest
 
 from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import default_job_id, iter_step_batches
-from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+from lagscope.simulator.generate import JobSpec, LastStageImbalance, SlowWorker, generate_job
 from lagscope.store.snapshot_format import decode_state, encode_state
 from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
 from tests.conftest import analyzed_reference, assert_same_result, load_reference
@@ -333,3 +333,25 @@ def test_a_worker_slow_from_the_first_step_is_an_episode_from_its_first_diagnosi
 def test_a_healthy_generated_job_adopts_no_episode():
     spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="healthy", seed=5)
     assert _episodes_while_running(spec) == []
+
+
+def test_a_heavier_last_stage_escalates_on_what_the_job_lost_to_it():
+    """No episode prices a heavier last stage (no worker is a straggler): the diagnosis'
+    escalation counts the job's loss above its straggler-free time, as `lagscope analyze`
+    does, where it read 0 s lost while the stage explained all of the slowdown."""
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="heavier", seed=5,
+                   stragglers=(LastStageImbalance(factor=1.5),))  # fmt: skip
+    info, steps = stream_of(generate_job(spec))
+    processor = StepProcessor()
+    processor.on_job(info)
+    diagnoses = [
+        out.diagnosis
+        for _, _, batches in steps
+        for batch in batches
+        for out in processor.on_batch(batch)
+        if out.diagnosis is not None
+    ]
+    assert diagnoses and all(d.run.cause == "last_stage_imbalance" for d in diagnoses)
+    losses = [d.run.escalation.accumulated_loss_s for d in diagnoses]
+    assert losses[0] > 0 and losses == sorted(losses)
+    assert processor.live_job(info.job_id).named == {}  # a stage is no worker's episode
