@@ -226,7 +226,11 @@ def refined_bounds(
     """The episode's (onset, recovery) fitted on the worker's own series of its kind over
     `prepared` (the steps kept around it), each within the settings' slack of the live
     bounds; the live bounds where the fit finds no raised stretch there. An episode still
-    open takes the fit's recovery, if it finds one."""
+    open takes the fit's recovery, if it finds one. A standing episode keeps its live
+    bounds: the fit needs the worker's own quicker level around the stretch, and where it
+    has none (slow from the first step) it cuts the slow level's noise into a recovery."""
+    if episode.standing:
+        return episode.onset, episode.recovery
     steps = prepared.steps
     series = worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp]
     live_onset = int(np.searchsorted(steps, episode.onset))

@@ -116,6 +116,22 @@ def test_an_episode_still_open_at_the_end_takes_the_recovery_its_series_shows(se
 
 
 @pytest.mark.parametrize("seed", range(6))
+def test_a_worker_slow_from_the_first_step_to_the_end_is_still_slow_at_the_end(seed):
+    """Slow from step 0 (its first steps slower still, as a warm-up is) to the last: its
+    episode, adopted at the first diagnosis, ends the job still open from step 0; the fit
+    at the end, which would find the warm-up's bump and call what follows a recovery, is
+    not asked (the worker has no quicker level of its own)."""
+    slow = (SlowWorker(dp=1, stage=0, factor=2.0, start_step=0, end_step=40),
+            SlowWorker(dp=1, stage=0, factor=1.6, start_step=0, end_step=3))  # fmt: skip
+    outputs, conclusion = streamed(slow, 40, seed)
+    states = [state for out in outputs for state in out.episodes]
+    assert states and states[0].episode.standing and states[0].episode.onset == 0
+    (final,) = conclusion.episodes
+    assert final.final and final.episode.onset == 0 and final.episode.open
+    assert "(ongoing)" in final.diagnosis.summary
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_a_healthy_noisy_job_has_no_episode_and_no_cause(seed):
     outputs, conclusion = streamed((), 60, seed)
     assert [s for out in outputs for s in out.episodes] == []

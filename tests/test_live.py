@@ -22,6 +22,7 @@ test polls the store as Grafana would, every quarter second:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,17 @@ SLOW_START, SLOW_END, STEPS = 15, 45, 60
 WORKER = (1, 0)
 #: On-call targets: seen within this many steps of the onset.
 SEEN_WITHIN = 10
+
+
+def _open_before(found: Any, step: int) -> list[tuple[int, dict[str, Any]]]:
+    """(the job's last closed step, episode) of every open episode the store showed while
+    the job had closed no step past `step`."""
+    return [
+        (last, e)
+        for last, episodes in found.polls
+        for e in episodes
+        if last < step and e["state"] == "open"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -60,12 +72,7 @@ def test_a_straggler_is_named_while_it_is_still_slow(
     for host, found in seen.items():
         # While the worker was still slow (the job had closed no step past its window),
         # the store named it, with what it is slow in, as an open episode ...
-        open_while_slow = [
-            (last, e)
-            for last, episodes in found.polls
-            for e in episodes
-            if last < SLOW_END and e["state"] == "open"
-        ]
+        open_while_slow = _open_before(found, SLOW_END)
         first_polls = [p for p in found.polls if p[1]][:3]
         assert open_while_slow, (host, first_polls, found.polls[-2:])
         _, episode = open_while_slow[0]
@@ -146,12 +153,7 @@ def test_a_worker_slow_from_the_first_step_is_named_while_the_job_runs(
         ["--slow-rank", "2", "--slow-phase", "forward"],
     )  # fmt: skip
     for host, found in seen.items():
-        running = [
-            (last, e)
-            for last, episodes in found.polls
-            for e in episodes
-            if last < STEPS - 10 and e["state"] == "open"
-        ]
+        running = _open_before(found, STEPS - 10)
         assert running, (host, [p for p in found.polls if p[1]][:3], found.polls[-2:])
         _, episode = running[0]
         assert (episode["dp_rank"], episode["pp_rank"]) == WORKER, (host, episode)

@@ -192,15 +192,7 @@ def test_change_points_of_a_slow_worker_episode():
         seed=5,
         stragglers=(SlowWorker(dp=1, stage=0, factor=1.6, start_step=40, end_step=70),),
     )
-    job = generate_job(spec)
-    info, steps = stream_of(job)
-    processor = StepProcessor()
-    processor.on_job(info)
-    changes = []
-    for _, _, batches in steps:
-        for batch in batches:
-            for out in processor.on_batch(batch):
-                changes.extend(out.changes)
+    changes = [c for out in _outputs(spec)[1] for c in out.changes]
     step_time = [c for c in changes if c.series == "step_time"]
     kinds = [(c.kind, c.step) for c in step_time]
     assert [k for k, _ in kinds] == ["onset", "recovery"], kinds
@@ -292,17 +284,18 @@ def test_outputs_do_not_depend_on_how_input_is_grouped(reference_dir):
     assert any(c.kind == "onset" for o in one_by_one for c in o.changes)
 
 
-def _episodes_while_running(spec: JobSpec) -> list:
-    """(step, episode state) for every episode state a host would store, step by step."""
+def _outputs(spec: JobSpec) -> tuple[StepProcessor, list]:
+    """The generated job through a processor batch by batch: it, and every step's output."""
     info, steps = stream_of(generate_job(spec))
     processor = StepProcessor()
     processor.on_job(info)
-    found = []
-    for _, _, batches in steps:
-        for batch in batches:
-            for out in processor.on_batch(batch):
-                found.extend((out.step, state) for state in out.episodes)
-    return found
+    outputs = [out for _, _, batches in steps for b in batches for out in processor.on_batch(b)]
+    return processor, outputs
+
+
+def _episodes_while_running(spec: JobSpec) -> list:
+    """(step, episode state) for every episode state a host would store, step by step."""
+    return [(out.step, state) for out in _outputs(spec)[1] for state in out.episodes]
 
 
 @pytest.mark.parametrize("end_step", [None, 30])
@@ -341,17 +334,9 @@ def test_a_heavier_last_stage_escalates_on_what_the_job_lost_to_it():
     does, where it read 0 s lost while the stage explained all of the slowdown."""
     spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="heavier", seed=5,
                    stragglers=(LastStageImbalance(factor=1.5),))  # fmt: skip
-    info, steps = stream_of(generate_job(spec))
-    processor = StepProcessor()
-    processor.on_job(info)
-    diagnoses = [
-        out.diagnosis
-        for _, _, batches in steps
-        for batch in batches
-        for out in processor.on_batch(batch)
-        if out.diagnosis is not None
-    ]
+    processor, outputs = _outputs(spec)
+    diagnoses = [out.diagnosis for out in outputs if out.diagnosis is not None]
     assert diagnoses and all(d.run.cause == "last_stage_imbalance" for d in diagnoses)
     losses = [d.run.escalation.accumulated_loss_s for d in diagnoses]
     assert losses[0] > 0 and losses == sorted(losses)
-    assert processor.live_job(info.job_id).named == {}  # a stage is no worker's episode
+    assert processor.live_job("heavier-0").named == {}  # a stage is no worker's episode
