@@ -203,6 +203,9 @@ class LiveJob:
             maxlen=self.episode_settings.confirm_steps
         )
         self.last_diagnosis: JobDiagnosis | None = None
+        #: (episode id, step) -> its (lost seconds, own seconds, GC beyond peers) in a
+        #: step about to come (`price_ahead`).
+        self._priced: dict[tuple[int, int], tuple[float, float, float]] = {}
         #: When each of the latest steps began (ns), to date an episode's bounds.
         self.step_start_ns: dict[int, int] = {}
         #: Complete steps analysed since the last diagnosis, and how many make the next.
@@ -276,12 +279,13 @@ class LiveJob:
     ) -> EpisodeCost:
         """`cost` with `prepared`'s steps added (`times`: their measured, no-delay and
         ideal step times, a number each for one step)."""
-        worker = (episode.dp, episode.stage)
-        lost = lost_seconds(prepared, worker, episode.kind, episode.level_before)
+        priced = self._priced.pop((episode.episode_id, int(prepared.steps[0])), None)
+        if prepared.n_steps == 1 and priced is not None:
+            lost, own, gc = (np.array([value]) for value in priced)
+        else:
+            lost, own, gc = _episode_measures(episode, prepared)
         actual, nodelay, ideal = (np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in times)
         excess = (actual if episode.kind == HOST else nodelay) - ideal
-        own = worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp]
-        gc = gc_beyond_peers(prepared, worker, episode.kind)
         for i in range(prepared.n_steps):
             cost = cost.plus(
                 float(lost[i]),
@@ -291,6 +295,23 @@ class LiveJob:
                 float(gc[i]),
             )
         return cost
+
+    def price_ahead(self, steps: Sequence[PreparedTrace]) -> None:
+        """Price every open episode over `steps` (the complete steps `on_step` takes
+        next, in order) in one engine pass each, not one a step: a worker slow throughout
+        a backlog (AR x 20, slow from its first step) cost a third of the worker's core in
+        passes of one step. The numbers are the same (the engine's columns never mix)."""
+        self._priced.clear()
+        episodes = self.detector.open_episodes() if self.detector is not None else []
+        if len(steps) < 2 or not episodes:
+            return
+        joint = concat_steps(list(steps))
+        for episode in episodes:
+            measures = _episode_measures(episode, joint)
+            for index, step in enumerate(joint.steps.tolist()):
+                self._priced[(episode.episode_id, step)] = tuple(  # type: ignore[assignment]
+                    float(m[index]) for m in measures
+                )
 
     def _state(self, episode: WorkerEpisode, step: int, *, final: bool = False) -> EpisodeState:
         first_seen, shown_id = self.named.get(
@@ -411,12 +432,18 @@ class LiveJob:
         its evidence was complete."""
         if run.cause not in _KIND_OF_CAUSE or self.detector is None:
             return []
+        # A worker in an episode already is the usual case of a named one: the window's
+        # signals are read only for the others.
+        in_episode = {(e.dp, e.stage) for e in self.detector.open_episodes()}
+        workers = [w for w in run.evidence.named_workers if (w.dp, w.stage) not in in_episode]
+        if not workers:
+            return []
         kinds = self.detector.kinds
         signals = worker_signals(prepared, kinds)
         step = int(prepared.steps[-1])
         slow_in = {v.worker: v.first_op for v in run.evidence.finding.verified}
         states = []
-        for worker in run.evidence.named_workers:
+        for worker in workers:
             kind = _KIND_OF_CAUSE[run.cause] or slow_in.get(worker)
             if kind not in kinds:
                 continue
@@ -579,6 +606,19 @@ def trace_story(
     window = [prepared.select_steps([i]) for i in range(prepared.n_steps)] if found else []
     refined = live.refine(window)
     return live.story(run, rollup), refined
+
+
+def _episode_measures(
+    episode: WorkerEpisode, prepared: PreparedTrace
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[step] each: the job seconds lost to the episode's worker, its own seconds of the
+    episode's kind, and its GC pauses there beyond its peers'."""
+    worker = (episode.dp, episode.stage)
+    return (
+        lost_seconds(prepared, worker, episode.kind, episode.level_before),
+        worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp],
+        gc_beyond_peers(prepared, worker, episode.kind),
+    )
 
 
 def _resplit(episode: WorkerEpisode, steps: Sequence[PreparedTrace]) -> Advice | None:

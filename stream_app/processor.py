@@ -672,7 +672,17 @@ class StepProcessor:
         retained, change points, episodes and (when due) the job's diagnosis, which sees
         the retained steps as they are at its step."""
         outputs: dict[int, StepOutput] = {}
-        computed = iter(outcome if isinstance(outcome, list) else ())
+        results = outcome if isinstance(outcome, list) else []
+        analysable = [closed for _, closed in items if not closed.reason]
+        # No results (a failed computation) price nothing.
+        job.live.price_ahead(
+            [
+                r.alone
+                for r, c in zip(results, analysable, strict=False)
+                if c.complete and r.alone is not None
+            ]
+        )
+        computed = iter(results)
         mirror = job.executor is not None and job.executor.mirrors
         for index, closed in items:
             step = StepComputed(failure=closed.reason) if closed.reason else None

@@ -340,3 +340,26 @@ def test_a_heavier_last_stage_escalates_on_what_the_job_lost_to_it():
     losses = [d.run.escalation.accumulated_loss_s for d in diagnoses]
     assert losses[0] > 0 and losses == sorted(losses)
     assert processor.live_job("heavier-0").named == {}  # a stage is no worker's episode
+
+
+def test_a_backlog_prices_its_open_episodes_as_steps_one_at_a_time():
+    """A backlog's steps price an open episode in one engine pass (`LiveJob.price_ahead`):
+    every episode state, its cost included, is the one of the steps taken one by one."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=0, end_step=30)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="backlog", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    one_by_one = [s for _, s in _episodes_while_running(spec)]
+    info, steps = stream_of(generate_job(spec))
+    processor = StepProcessor()
+    processor.on_job(info)
+    # Two backlogs: the episode opens in the first, the second prices it ahead.
+    at_once = [
+        s
+        for part in (steps[:15], steps[15:])
+        for out in processor.on_batches([b for _, _, batches in part for b in batches])
+        for s in out.episodes
+    ]
+    assert len(one_by_one) > 20
+    assert [(s.at_step, s.cost, s.episode.recovery) for s in at_once] == [
+        (s.at_step, s.cost, s.episode.recovery) for s in one_by_one
+    ]
