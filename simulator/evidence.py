@@ -130,7 +130,8 @@ class EpisodeFacts:
     lost_s: float
     share: float
     steps: int
-    #: Slow already when first seen, its levels before its peers' (`WorkerEpisode.standing`).
+    #: Found by the job's diagnosis, not by a rise: its levels before are its peers'
+    #: (`WorkerEpisode.standing`).
     standing: bool = False
 
     def as_dict(self) -> dict[str, Any]:

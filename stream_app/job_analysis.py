@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lagscope.simulator import optypes as ot
 from lagscope.simulator.advice import Advice, advise_resplit, escalation, resimulated_step_time
 from lagscope.simulator.causes import WORKER_CAUSES, Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
 from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
 from lagscope.simulator.episode_diagnosis import (
+    CAUSE_OF_KIND,
     costs_the_job,
     episode_diagnosis,
     refined_bounds,
@@ -71,8 +71,7 @@ if TYPE_CHECKING:
 #: The kind of own time a run's worker cause is about (None: the op its worker is slow in).
 _KIND_OF_CAUSE: dict[Cause, str | None] = {
     Cause.SLOW_WORKERS: None,
-    Cause.SLOW_INPUT: ot.INPUT_WAIT,
-    Cause.SLOW_HOST: HOST,
+    **{cause: kind for kind, cause in CAUSE_OF_KIND.items()},
 }
 
 #: Step ids and slowdowns kept for a job's step chart (the latest ones).
@@ -279,8 +278,10 @@ class LiveJob:
     ) -> EpisodeCost:
         """`cost` with `prepared`'s steps added (`times`: their measured, no-delay and
         ideal step times, a number each for one step)."""
-        priced = self._priced.pop((episode.episode_id, int(prepared.steps[0])), None)
-        if prepared.n_steps == 1 and priced is not None:
+        priced = None
+        if prepared.n_steps == 1:
+            priced = self._priced.pop((episode.episode_id, int(prepared.steps[0])), None)
+        if priced is not None:
             lost, own, gc = (np.array([value]) for value in priced)
         else:
             lost, own, gc = _episode_measures(episode, prepared)
