@@ -11,6 +11,12 @@ path) or batches produced straight to Kafka. Pace: `speed=1` replays in real tim
 batches are written when the step would have ended), `speed=N` N times faster, `speed=0`
 as fast as possible. `repeat=N` replays the trace N times with shifted step numbers (load
 tests).
+
+A replay that runs to its end ends the job as a finished job's ranks do: every rank of its
+world (the trace's and the TP/CP ranks it does not hold) writes its record once more,
+`ended_ns` when the last replayed op ended, so the store reads the job ended, not
+silent. Its records name no machine (a trace records none); an interrupted replay ends
+nothing, as a killed rank does not.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from typing import Protocol
 import numpy as np
 
 from lagscope.producers.config import LagscopeConfig
-from lagscope.producers.events import BATCH_VERSION, JobInfo, RankStepBatch, batch_id_of
+from lagscope.producers.events import (
+    BATCH_VERSION,
+    JobInfo,
+    RankIdentity,
+    RankStepBatch,
+    batch_id_of,
+)
 from lagscope.producers.kafka_login import kafka_client
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter, Record, list_rank_dirs, read_all
 from lagscope.producers.redact import redact_url
@@ -197,6 +209,7 @@ def replay(
                 stats.steps, total=total_steps, note=f"{stats.ops:,} ops, {rate:,.0f} ops/s"
             )
 
+    last_batches: list[RankStepBatch] = []
     try:
         for end_offset_ns, _step, batches in iter_step_batches(
             trace, meta, job_id=job_id, attempt=attempt, start_wall_ns=begin_wall, repeat=repeat
@@ -208,12 +221,35 @@ def replay(
                 stats.batches += 1
                 stats.ops += batch.n_ops
             stats.steps += 1
+            last_batches = batches
             report_progress()
+        if last_batches:
+            # The monitors close once the last op has ended (the step's span is rounded
+            # from the trace's seconds: it may end a nanosecond before that op).
+            ended_ns = max(int((b.start_ns + b.duration_ns).max()) for b in last_batches)
+            destination.end(ended_records(info, ended_ns))
     finally:
         destination.close()
     stats.seconds = time.monotonic() - begin
     report_progress()
     return stats
+
+
+def ended_records(info: JobInfo, ended_ns: int) -> list[JobInfo]:
+    """The records every rank of `info`'s world writes when its monitor closes at
+    `ended_ns`: the job's record, the rank and `ended_ns` set (no machine: a recorded trace
+    names none).
+
+    >>> from lagscope.simulator.trace import JobMeta
+    >>> meta = JobMeta(trial_name="t", dp_size=2, pp_size=1, tp_size=2, world_size=4)
+    >>> ended = ended_records(JobInfo.from_meta(meta, job_id="t-0"), 10**18)
+    >>> [(r.record_key, r.ended_ns) for r in ended][-1]
+    ('t-0/0/3', 1000000000000000000)
+    """
+    return [
+        info.model_copy(update={"rank_identity": RankIdentity(rank=rank), "ended_ns": ended_ns})
+        for rank in range(info.world_size)
+    ]
 
 
 def _wait_until(due: float, sleep: Callable[[float], None]) -> None:
@@ -251,6 +287,17 @@ class _LogDestination:
                 writer.append(KIND_JOB, self.info.model_dump_json().encode())
         writer.append(KIND_BATCH, payload)
         self.sent += 1
+
+    def end(self, records: list[JobInfo]) -> None:
+        """Each rank's record of its end after its last batch, in its own log; those of the
+        ranks the trace does not hold, in the log that holds the job's record."""
+        if not self.writers:
+            return  # nothing replayed: no job to end
+        first = next(iter(self.writers.values()))
+        for record in records:
+            assert record.rank_identity is not None
+            writer = self.writers.get(record.rank_identity.rank, first)
+            writer.append(KIND_JOB, record.model_dump_json().encode())
 
     def close(self) -> None:
         for writer in self.writers.values():
@@ -312,7 +359,19 @@ class _KafkaDestination:
             except BufferError:
                 self.producer.poll(0.1)
 
+    def end(self, records: list[JobInfo]) -> None:
+        """The ranks' records of their end on the jobs topic (keyed per rank, as a
+        streamer ships them), once every batch is confirmed."""
+        self._flush()
+        for record in records:
+            self.producer.produce(self.kafka.kafka.topic_jobs, key=record.record_key.encode(),
+                                  value=record.model_dump_json().encode())  # fmt: skip
+            self.producer.poll(0)
+
     def close(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
         remaining = self.producer.flush(60)
         if remaining:
             raise UndeliveredError(

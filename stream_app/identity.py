@@ -40,9 +40,11 @@ class MachineBook:
         self._identity: dict[tuple[str, int], dict[tuple[int, int], RankIdentity]] = {}
 
     def add(self, info: JobInfo) -> bool:
-        """Remember `info`'s rank; True when it carried an identity (a row to store)."""
+        """Remember `info`'s rank; True when it named its machine (a row to store). A
+        record naming no machine (a replayed trace's rank saying it ended) names none, not
+        "an unnamed host"."""
         who = info.rank_identity
-        if who is None:
+        if who is None or not (who.node or who.host):
             return False
         if who.tp_rank == 0 and who.cp_rank == 0:
             key = (info.job_id, info.attempt)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lagscope.producers.config import ConfigError, LagscopeConfig, load_config
-from lagscope.producers.events import decode_batch
+from lagscope.producers.events import JobInfo, decode_batch
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, Record, list_rank_dirs, read_all
 from lagscope.producers.reference_format import load_meta, load_trace
 from lagscope.producers.replay import replay
@@ -104,8 +104,54 @@ def test_replay_maps_times_to_wall_clock_per_step(tmp_path: Path, reference) -> 
     for batch in batches:
         assert (batch.tp_rank, batch.cp_rank) == (0, 0)
         assert batch.pp_rank == int(trace.stage[trace.rank == batch.rank][0])
-    jobs = [i for d in list_rank_dirs(tmp_path) for i in read_all(d) if i.kind == KIND_JOB]
-    assert len(jobs) == 1
+    # The job's record once, then, after each rank's last batch in its own log, every rank
+    # of the world saying it ended at the last step's end (the TP/CP ranks the trace does
+    # not hold, in the log of the job's record).
+    records = {
+        d.name: [i for i in read_all(d) if isinstance(i, Record)] for d in list_rank_dirs(tmp_path)
+    }
+    infos = [
+        JobInfo.model_validate_json(i.payload)
+        for r in records.values()
+        for i in r
+        if i.kind == KIND_JOB
+    ]
+    assert sum(info.ended_ns is None for info in infos) == 1
+    ended = {info.rank_identity.rank: info.ended_ns for info in infos if info.ended_ns is not None}
+    assert sorted(ended) == list(range(meta.world_size))
+    assert set(ended.values()) == {max(ends.values())}
+    for name, items in records.items():
+        rank = int(name.removeprefix("rank-"))
+        kinds = [
+            "end" if item.kind == KIND_JOB and _ended_rank(item) == rank else item.kind
+            for item in items
+        ]
+        assert "end" in kinds and kinds.index("end") > len(kinds) - 1 - kinds[::-1].index(
+            KIND_BATCH
+        )
+
+
+def _ended_rank(item: Record) -> int | None:
+    """The rank a job record says ended (None: it says no rank ended)."""
+    info = JobInfo.model_validate_json(item.payload)
+    return info.rank_identity.rank if info.ended_ns is not None else None
+
+
+def test_an_interrupted_replay_ends_no_rank(tmp_path: Path, reference) -> None:
+    """A replay stopped part way is a job whose ranks were killed: none says it ended."""
+    trace, meta = reference
+
+    def interrupt_at_the_third_step(_: float, waits: list[float] = []) -> None:  # noqa: B006
+        waits.append(_)
+        if len(waits) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        replay(trace, meta, log_dir=tmp_path, speed=10.0, progress=None,
+               sleep=interrupt_at_the_third_step)  # fmt: skip
+    infos = [JobInfo.model_validate_json(i.payload) for d in list_rank_dirs(tmp_path)
+             for i in read_all(d) if isinstance(i, Record) and i.kind == KIND_JOB]  # fmt: skip
+    assert len(infos) == 1 and infos[0].ended_ns is None
 
 
 def test_replay_paces_steps_by_speed(tmp_path: Path, reference) -> None:

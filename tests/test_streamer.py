@@ -73,7 +73,10 @@ def test_reference_trace_reaches_kafka_exactly_once_in_batches(
     assert max(got.values()) == 1  # every op exactly once
 
     jobs = consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])
-    assert len(jobs) == 1
+    # The job's record, then each of its 64 ranks' end, once each (the logs in the
+    # streamer's order).
+    assert jobs[0].key == b"AR-0/0"
+    assert sorted(m.key for m in jobs[1:]) == sorted(f"AR-0/0/{r}".encode() for r in range(64))
     info = JobInfo.model_validate_json(jobs[0].value)
     assert (info.job_id, info.world_size, info.pp_size) == ("AR-0", 64, 4)
     assert jobs[0].key == b"AR-0/0"
@@ -223,8 +226,15 @@ def test_replay_straight_into_kafka(
     messages = consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
     assert len(messages) == stats.batches
     assert sum(decode_batch(m.value).n_ops for m in messages) == trace.n_rows
-    (job,) = consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])
+    job, *ended = consume_all(kafka_bootstrap, kafka_topics["topic_jobs"])
     assert job.key == b"st-direct/3"
+    # Then every rank of its world says it ended, keyed per rank as a streamer ships it.
+    assert [m.key for m in ended] == [f"st-direct/3/{r}".encode() for r in range(meta.world_size)]
+    last_op_end_ns = max(
+        int((b.start_ns + b.duration_ns).max())
+        for b in map(decode_batch, (m.value for m in messages))
+    )
+    assert {JobInfo.model_validate_json(m.value).ended_ns for m in ended} == {last_op_end_ns}
 
 
 def test_unreachable_kafka_keeps_memory_bounded_and_position_unconfirmed(tmp_path: Path) -> None:

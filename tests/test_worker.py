@@ -67,6 +67,16 @@ def test_reference_traces_through_kafka_match_the_batch_analysis(
         assert rollups[name]["step"] == int(result.steps[-1])
         assert abs(rollups[name]["slowdown"] / result.slowdown - 1) < 1e-3, name
 
+    # Each replay ran to its end: its job reads ended (every rank said so), not silent,
+    # and its ranks, which name no machine, add no machine row.
+    ended = query_store(
+        tmp_path / "w",
+        "SELECT job_id, world_size, ranks_ended, ended_at IS NOT NULL AS ended FROM jobs FINAL",
+    )
+    assert {row["job_id"] for row in ended} == set(REFERENCE_NAMES)
+    assert all(row["ranks_ended"] == row["world_size"] and row["ended"] for row in ended), ended
+    assert query_store(tmp_path / "w", "SELECT count() AS n FROM rank_identity") == [{"n": 0}]
+
     dead = query_store(tmp_path / "w", "SELECT source, reason FROM dead_letters")
     assert len(dead) == 1 and "too short" in dead[0]["reason"], dead
     assert kafka_topics["topic_ops"] in dead[0]["source"]
