@@ -56,6 +56,7 @@ from lagscope.simulator.evidence import (
     SlowGroup,
     VerifiedWorker,
     Worker,
+    in_one_unit,
 )
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
 from lagscope.simulator.measures import (
@@ -369,8 +370,9 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     )
     speedup = float(result.t_actual.mean() / max(result.t_actual.mean() - added, 1e-12))
     who = worker.label()
+    (more,), unit = in_one_unit(extra)
     summary = (
-        f"the host of worker {who} stalls between its ops: {extra * 1e3:.1f} ms more per "
+        f"the host of worker {who} stalls between its ops: {more} {unit} more per "
         f"step than its peers' ({ratio[stage, dp]:.1f}x), {clamped_share(share)} of the time "
         f"launch delays add to the job's steps (launch slowdown {result.launch_slowdown:.2f}); "
         f"its ops take their usual time"

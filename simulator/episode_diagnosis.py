@@ -44,7 +44,14 @@ from lagscope.simulator.causes import Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
 from lagscope.simulator.episode_cost import EpisodeCost
 from lagscope.simulator.episodes import square_wave
-from lagscope.simulator.evidence import EpisodeFacts, Evidence, Finding, VerifiedWorker, Worker
+from lagscope.simulator.evidence import (
+    EpisodeFacts,
+    Evidence,
+    Finding,
+    VerifiedWorker,
+    Worker,
+    in_one_unit,
+)
 from lagscope.simulator.online_episodes import (
     HOST,
     OnlineEpisodeSettings,
@@ -157,16 +164,16 @@ def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: in
     """Who, since when, how much slower than before and than its peers, and the cost."""
     who = Worker(episode.dp, episode.stage).label()
     until = f"to step {episode.recovery - 1}" if episode.recovery is not None else "(ongoing)"
+    (before, inside), unit = in_one_unit(episode.level_before, episode.level_inside)
     how = (
-        f"{episode.level_before * 1e3:.1f} -> {episode.level_inside * 1e3:.1f} ms per step "
+        f"{before} -> {inside} {unit} per step "
         f"({_times(episode.level_inside, episode.level_before)} its own level before), "
         f"{episode.ratio_inside:.1f}x its peers'"
     )
     if episode.standing:
         how = (
-            f"{episode.level_inside * 1e3:.1f} ms per step, {episode.ratio_inside:.1f}x its "
-            f"peers' {episode.level_before * 1e3:.1f} ms, with no quicker level of its own "
-            "before"
+            f"{inside} {unit} per step, {episode.ratio_inside:.1f}x its peers' {before} "
+            f"{unit}, with no quicker level of its own before"
         )
     costs = (
         f"costs the job {cost.share:.0%} of its slowdown over these steps, "

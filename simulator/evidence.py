@@ -35,6 +35,19 @@ class Worker:
         return {"dp": self.dp, "stage": self.stage}
 
 
+def in_one_unit(*seconds: float) -> tuple[list[str], str]:
+    """Durations as a summary writes them side by side: in ms, or in s where the largest
+    is 10 s or more (a 46-s step's forward reads "27.9 s", not "27873.9 ms").
+
+    >>> in_one_unit(0.05, 0.2)
+    (['50.0', '200.0'], 'ms')
+    >>> in_one_unit(12.1, 27.8739)
+    (['12.1', '27.9'], 's')
+    """
+    scale, unit = (1.0, "s") if max(seconds, default=0.0) >= 10 else (1e3, "ms")
+    return [f"{value * scale:.1f}" for value in seconds], unit
+
+
 @dataclass(frozen=True)
 class VerifiedWorker:
     """A worker verified slow on its own: the share of the slowdown it explains alone,

@@ -175,3 +175,19 @@ def test_a_raised_stretch_is_fitted_to_its_steps_in_a_noisy_series(seed):
     onset, recovery = square_wave(to_the_end, 7, 39)
     assert abs(onset - 15) <= 1 and recovery is None
     assert square_wave(noise, 0, 39) is None
+
+
+@pytest.mark.parametrize(
+    ("before_s", "inside_s", "reads"),
+    [(0.05, 0.2, "50.0 -> 200.0 ms per step"), (12.1, 27.8739, "12.1 -> 27.9 s per step")],
+)
+def test_an_episode_reads_its_levels_in_a_unit_that_fits_the_steps(before_s, inside_s, reads):
+    """A job of 46-s steps reads "27.9 s per step", not "27873.9 ms"."""
+    from lagscope.simulator.episode_cost import EpisodeCost
+    from lagscope.simulator.episode_diagnosis import episode_diagnosis
+    from lagscope.simulator.online_episodes import WorkerEpisode
+
+    episode = WorkerEpisode(1, 0, 0, "backward-compute", 16, 24, None, before_s, inside_s,
+                            2.3, 1.0, 40)  # fmt: skip
+    cost = EpisodeCost(lost_s=30.0, excess_s=40.0, measured_s=400.0, steps=24)
+    assert reads in episode_diagnosis(episode, cost, n_gpus=64).summary
