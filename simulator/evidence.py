@@ -143,8 +143,8 @@ class EpisodeFacts:
     lost_s: float
     share: float
     steps: int
-    #: Found by the job's diagnosis, not by a rise: its levels before are its peers'
-    #: (`WorkerEpisode.standing`).
+    #: Found by the job's diagnosis, slow as far back as it saw: its level before is its
+    #: peers' (`WorkerEpisode.standing`).
     standing: bool = False
 
     def as_dict(self) -> dict[str, Any]:

@@ -235,8 +235,8 @@ class WorkerEpisode:
     ratio_before: float
     #: The last step this episode covered (its latest update).
     last_step: int
-    #: Found by the job's diagnosis rather than by a rise (`OnlineEpisodes.adopt`): its
-    #: `level_before` and `ratio_before` are its peers'.
+    #: Found by the job's diagnosis, slow as far back as it saw (`OnlineEpisodes.adopt`):
+    #: its `level_before` is its peers' and `ratio_before` 1.
     standing: bool = False
 
     @property
@@ -472,23 +472,32 @@ class OnlineEpisodes:
         its core), if that stretch reaches the latest step and is `confirm_steps` long, or
         `noisy_steps` where the other workers jump over their own level in more than
         `busy_spike_rate` of its steps (a rank of a busy machine loses its core for up to
-        10 steps); else None. Its levels are its own median over the stretch and its
-        peers' (the time it would take at their pace); from here on it is followed like
-        any episode, and closes once the worker is back below the middle of the two. It
+        10 steps); else None. Its level inside is its own median over the stretch; its
+        level before, its own median before the stretch where it was quicker there (a rise
+        too weak to open an episode), else its peers' over the stretch (the time it would
+        take at their pace: a `standing` episode, slow as far back as `steps` go). From
+        here on it is followed like any episode, and closes once the worker is back below
+        the middle of the two. It
         was first seen at the latest step, or with `seen_at_evidence` (a recorded trace
         read whole) where its stretch had the steps it needed, as a host following the job
         would have seen it.
 
         >>> detector = OnlineEpisodes(["forward-compute", HOST], n_stages=1, n_dp=3)
         >>> values = np.full((12, 1, 3), 0.010)
-        >>> values[2:, 0, 1] = 0.020  # dp 1 twice its peers' time from step 2
+        >>> values[:, 0, 1] = 0.020  # dp 1 twice its peers' time from the first step
         >>> found = detector.adopt((1, 0), "forward-compute", np.arange(12), values,
         ...                        np.full(12, 0.1))
         >>> found.onset, found.level_before, found.level_inside, found.standing
-        (2, 0.01, 0.02, True)
+        (0, 0.01, 0.02, True)
         >>> detector.adopt((1, 0), "forward-compute", np.arange(12), values,
         ...                np.full(12, 0.1)) is None  # it has one open
         True
+        >>> values = np.full((12, 1, 3), 0.010)
+        >>> values[:, 0, 2] = [0.012] * 2 + [0.016] * 10  # dp 2 a little slower from step 2
+        >>> risen = OnlineEpisodes(["forward-compute", HOST], n_stages=1, n_dp=3).adopt(
+        ...     (2, 0), "forward-compute", np.arange(12), values, np.full(12, 0.1))
+        >>> risen.onset, risen.level_before, risen.ratio_before, risen.standing
+        (2, 0.012, 1.2, False)
         """
         cfg = self.settings
         dp, stage = worker
@@ -519,6 +528,13 @@ class OnlineEpisodes:
         needed = cfg.noisy_steps if noisy else cfg.confirm_steps
         if slow.size - start < needed:
             return None
+        level_inside = float(np.median(own[start:]))
+        # Its peers' time is positive in every step it is slow in (above them by a ratio).
+        ratio_inside = float(np.median(ratio[start:][slow[start:]]))
+        # Quicker before its stretch (a rise too weak for the detector): an episode from
+        # its own level, as any; else slow as far back as seen, measured by its peers'.
+        own_before = float(np.median(own[:start])) if start else np.inf
+        rose = own_before < level_inside
         episode = WorkerEpisode(
             episode_id=self._next_id,
             dp=int(dp),
@@ -527,13 +543,12 @@ class OnlineEpisodes:
             onset=int(steps[start]),
             first_seen=int(steps[start + needed - 1] if seen_at_evidence else steps[-1]),
             recovery=None,
-            level_before=float(np.median(peers[start:])),
-            level_inside=float(np.median(own[start:])),
-            # Its peers' time is positive in every step it is slow in (above them by a ratio).
-            ratio_inside=float(np.median(ratio[start:][slow[start:]])),
-            ratio_before=1.0,
+            level_before=own_before if rose else float(np.median(peers[start:])),
+            level_inside=level_inside,
+            ratio_inside=ratio_inside,
+            ratio_before=float(np.nanmedian(ratio[:start])) if rose else 1.0,
             last_step=int(steps[-1]),
-            standing=True,
+            standing=not rose,
         )
         self._next_id += 1
         self.episodes.append(episode)

@@ -337,3 +337,27 @@ def test_a_busy_job_needs_a_longer_stretch_to_adopt() -> None:
     assert _adopt_from(OnlineEpisodes(KINDS, N_STAGES, N_DP), busy, 1, (2, 1)) is None
     busy[8:11, 1, 1, 2] = 3.0 * base[8:11, 1, 1, 2]  # 12 steps: past the longest lost core
     assert _adopt_from(OnlineEpisodes(KINDS, N_STAGES, N_DP), busy, 1, (2, 1)) is not None
+
+
+def test_a_worker_adopted_after_a_rise_is_measured_from_its_own_level_before() -> None:
+    """Slow from step 12, too weakly for the detector in a job it never saw rise (the
+    diagnosis found it): its episode starts at 12 from its own quicker level before, and
+    its summary says so; one slow since the first step seen has no level of its own to
+    start from, and its summary says that instead."""
+    from lagscope.simulator.episode_cost import EpisodeCost
+    from lagscope.simulator.episode_diagnosis import episode_diagnosis
+
+    values = _job(6)[:24]
+    values[12:, 1, 1, 2] *= 1.6  # worker (dp 2, pp 1), forward, from step 12
+    values[:, 1, 0, 3] *= 1.6  # worker (dp 3, pp 0), forward, from the first step
+    detector = OnlineEpisodes(KINDS, N_STAGES, N_DP)
+    risen, standing = (_adopt_from(detector, values, 1, who) for who in ((2, 1), (3, 0)))
+    assert (risen.onset, risen.standing, standing.onset, standing.standing) == (12, False, 0, True)
+    assert risen.level_before == pytest.approx(LEVELS[1], rel=0.05)
+    assert risen.level_inside == pytest.approx(1.6 * LEVELS[1], rel=0.05)
+    assert risen.ratio_before == pytest.approx(1.0, abs=0.05)
+    cost = EpisodeCost(lost_s=0.1, excess_s=0.2, measured_s=2.0, steps=12)
+    summaries = [episode_diagnosis(e, cost, n_gpus=8).summary for e in (risen, standing)]
+    assert "its own level before), 1.6x its peers'" in summaries[0], summaries[0]
+    assert "no quicker level" not in summaries[0]
+    assert "with no quicker level of its own before" in summaries[1], summaries[1]
