@@ -735,6 +735,25 @@ class OnlineEpisodes:
     def open_episodes(self) -> list[WorkerEpisode]:
         return [e for e in self.episodes if e.open]
 
+    def history(self, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The steps it keeps (oldest first), every worker's seconds of `kind` in them
+        ([step, stage, dp]) and their measured times: what `adopt` reads, where a job's
+        retained window holds fewer steps (a large job keeps a few).
+
+        >>> detector = OnlineEpisodes(["forward-compute", HOST], n_stages=1, n_dp=2)
+        >>> for step in (7, 8):
+        ...     _ = detector.update(step, np.full((2, 1, 2), 0.01 * step), 0.1)
+        >>> steps, values, times = detector.history("forward-compute")
+        >>> steps.tolist(), values[:, 0, 1].tolist(), times.tolist()
+        ([7, 8], [0.07, 0.08], [0.1, 0.1])
+        """
+        history = self._history
+        return (
+            history.steps[: history.count].copy(),
+            history.recent(history.count)[:, self.kinds.index(kind)].copy(),
+            np.array(self._step_times[-history.count :] if history.count else []),
+        )
+
     def level_of(self, episode: WorkerEpisode, step: int) -> float | None:
         """The worker's seconds of the episode's kind in `step`, while it is kept."""
         history = self._history

@@ -448,13 +448,13 @@ class LiveJob:
             kind = _KIND_OF_CAUSE[run.cause] or slow_in.get(worker)
             if kind not in kinds:
                 continue
+            # The longer of the retained window and the detector's own history: a large
+            # job retains a few steps (4 at 100,000 GPUs), fewer than a stretch needs.
+            series = self.detector.history(kind)
+            if series[0].size <= prepared.n_steps:
+                series = (prepared.steps, signals[:, kinds.index(kind)], rollup.t_actual)
             episode = self.detector.adopt(
-                (worker.dp, worker.stage),
-                kind,
-                prepared.steps,
-                signals[:, kinds.index(kind)],
-                rollup.t_actual,
-                seen_at_evidence=whole_trace,
+                (worker.dp, worker.stage), kind, *series, seen_at_evidence=whole_trace
             )
             if episode is None:
                 continue

@@ -284,29 +284,36 @@ def test_outputs_do_not_depend_on_how_input_is_grouped(reference_dir):
     assert any(c.kind == "onset" for o in one_by_one for c in o.changes)
 
 
-def _outputs(spec: JobSpec) -> tuple[StepProcessor, list]:
+def _outputs(
+    spec: JobSpec, settings: ProcessorSettings | None = None
+) -> tuple[StepProcessor, list]:
     """The generated job through a processor batch by batch: it, and every step's output."""
     info, steps = stream_of(generate_job(spec))
-    processor = StepProcessor()
+    processor = StepProcessor(settings)
     processor.on_job(info)
     outputs = [out for _, _, batches in steps for b in batches for out in processor.on_batch(b)]
     return processor, outputs
 
 
-def _episodes_while_running(spec: JobSpec) -> list:
+def _episodes_while_running(spec: JobSpec, settings: ProcessorSettings | None = None) -> list:
     """(step, episode state) for every episode state a host would store, step by step."""
-    return [(out.step, state) for out in _outputs(spec)[1] for state in out.episodes]
+    return [(out.step, state) for out in _outputs(spec, settings)[1] for state in out.episodes]
 
 
 @pytest.mark.parametrize("end_step", [None, 30])
-def test_a_worker_slow_from_the_first_step_is_an_episode_from_its_first_diagnosis(end_step):
+@pytest.mark.parametrize("retained", ["256 steps", "1 step"])
+def test_a_worker_slow_from_the_first_step_is_an_episode_from_its_first_diagnosis(
+    end_step, retained
+):
     """No rise for the detector to see, yet a straggler: the job's first diagnosis verifies
     it, and it is an episode from the job's first step on, named as such, closed when the
-    worker recovers."""
+    worker recovers. Also where the job retains fewer steps than a stretch needs (a large
+    job keeps 4 at 100,000 GPUs): the detector's own history has them."""
     slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=0, end_step=end_step)
     spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="standing", seed=5,
                    stragglers=(slow,))  # fmt: skip
-    found = _episodes_while_running(spec)
+    settings = ProcessorSettings(rollup_budget_bytes=1 if retained == "1 step" else 96 << 20)
+    found = _episodes_while_running(spec, settings)
     assert found, "no episode"
     assert {(s.episode.dp, s.episode.stage) for _, s in found} == {(1, 0)}
     first_step, first = found[0]
