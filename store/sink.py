@@ -15,6 +15,7 @@ StoreError; a batch that does not fit the schema (`BatchError`) is not retried.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import logging
 import re
 import uuid
@@ -122,6 +123,28 @@ class SinkBatch:
     def row_count(self, table: str) -> int:
         columns = self.tables.get(table)
         return len(next(iter(columns.values()))) if columns else 0
+
+    @classmethod
+    def merged(cls, batches: Sequence[SinkBatch]) -> SinkBatch:
+        """`batches` as one write: each table's rows in their order, the token derived from
+        theirs (so the same batches merge to the same token).
+
+        >>> a, b = SinkBatch("a"), SinkBatch("b")
+        >>> a.add("jobs", {"job_id": ["x"]}); b.add("jobs", {"job_id": ["y"]})
+        >>> both = SinkBatch.merged([a, b])
+        >>> both.tables["jobs"]["job_id"], both.dedup_token == SinkBatch.merged([a, b]).dedup_token
+        (['x', 'y'], True)
+        """
+        digest = hashlib.sha256("\0".join(b.dedup_token for b in batches).encode())
+        out = cls(f"merged/{digest.hexdigest()[:32]}/{len(batches)}")
+        for batch in batches:
+            for table, columns in batch.tables.items():
+                into = out.tables.setdefault(table, {name: [] for name in columns})
+                if set(into) != set(columns):
+                    raise ValueError(f"SinkBatch {batch.dedup_token!r}: {table!r} columns differ")
+                for name, values in columns.items():
+                    into[name].extend(values.tolist() if isinstance(values, np.ndarray) else values)
+        return out
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,9 @@ class JobRecords:
         self.ended: dict[tuple[str, int], dict[int, int]] = {}
         self.machines = MachineBook()
         self.pending: list[SinkBatch] = []
+        #: (job, attempt) -> its pending row of ranks ended, while unwritten: a rank's end
+        #: updates it rather than adding a row (100,000 ranks end a 100,000-GPU job).
+        self._pending_end: dict[tuple[str, int], SinkBatch] = {}
         self.dead: list[DeadLetter] = []
         self.dead_by_kind: dict[str, int] = dict.fromkeys(DEAD_LETTER_KINDS, 0)
 
@@ -178,9 +181,12 @@ class JobRecords:
         if info.rank_identity.rank in ended:
             return
         ended[info.rank_identity.rank] = info.ended_ns
-        batch = SinkBatch(f"jobs/{info.job_id}/{info.attempt}/ended/{len(ended)}")
-        batch.add("jobs", self._job_row(info))
-        self.pending.append(batch)
+        token = f"jobs/{info.job_id}/{info.attempt}/ended/{len(ended)}"
+        batch = self._pending_end.get(key)
+        if batch is None:
+            batch = self._pending_end[key] = SinkBatch(token)
+            self.pending.append(batch)
+        batch.dedup_token, batch.tables = token, {"jobs": self._job_row(info)}
 
     def all_ended(self) -> bool:
         """Whether there are jobs and every rank of each said it ended."""
@@ -194,7 +200,12 @@ class JobRecords:
         self.dead_by_kind["job_metadata"] += 1
 
     def write(self, sink: ClickHouseSink) -> None:
-        """Store the pending rows; what a failed write leaves stays pending."""
+        """Store the pending rows in one write (a large job's ranks each send a record as
+        they start: one write each was 100,000 inserts at 100,000 GPUs); what a failed
+        write leaves stays pending."""
+        if len(self.pending) > 1:
+            self.pending = [SinkBatch.merged(self.pending)]
+        self._pending_end.clear()  # merged or about to be written: a new end is a new row
         while self.pending:
             sink.write(self.pending[0])
             self.pending.pop(0)

@@ -351,3 +351,31 @@ def test_a_job_ends_once_every_rank_said_so_and_each_end_counts_once(chdb_dsn) -
     records.write(sink)
     _, rows = sink.query("SELECT count() FROM jobs WHERE job_id = 'huge'")
     assert rows == [(0,)] and records.dead_by_kind["job_metadata"] == 1
+
+
+def test_a_large_jobs_rank_records_are_stored_in_one_insert(chdb_dsn, monkeypatch) -> None:
+    """Each rank of a job sends its record as it starts and again as it ends: at 100,000
+    GPUs one insert each was 200,000 inserts (a replayed 99,840-GPU job held its worker
+    for over 10 minutes). What the records make between two writes is one insert, with
+    every rank's machine and the job's latest row."""
+    from lagscope.producers.events import JobInfo, RankIdentity
+
+    world = 4096
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+    records = JobRecords(max_world_size=world)
+    for ended_ns in (None, 1_790_000_000_000_000_000):
+        for rank in range(world):
+            who = RankIdentity(rank=rank, dp_rank=rank, host=f"node-{rank // 8}", gpu=rank % 8)
+            info = JobInfo(job_id="big", dp_size=world, pp_size=1, world_size=world,
+                           rank_identity=who, ended_ns=ended_ns)  # fmt: skip
+            records.take(info.model_dump_json().encode(), "test", 0.0)
+    writes = []
+    write = sink.write
+    monkeypatch.setattr(sink, "write", lambda batch: writes.append(batch) or write(batch))
+    records.write(sink)
+    assert len(writes) == 1
+    _, rows = sink.query("SELECT ranks_ended, ended_at IS NOT NULL FROM jobs FINAL")
+    assert rows == [(world, True)]
+    _, rows = sink.query("SELECT count(), uniqExact(host) FROM rank_identity FINAL")
+    assert rows == [(world, world // 8)]
