@@ -231,8 +231,19 @@ def test_run_and_query_share_the_default_store_and_progress_is_plain_lines(
 def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
     tmp_path: Path, st_logs: Path
 ) -> None:
+    import shutil
+
+    from lagscope.producers.events import JobInfo
+    from lagscope.producers.log import KIND_JOB, LogWriter
+
+    # ST's replay ended its job; a second job still running keeps the command following.
+    logs = tmp_path / "logs"
+    shutil.copytree(st_logs, logs)
+    running = JobInfo(job_id="running", dp_size=1, pp_size=1, world_size=1)
+    with LogWriter(logs, 999) as writer:
+        writer.append(KIND_JOB, running.model_dump_json().encode())
     env = {k: v for k, v in os.environ.items() if k != "LAGSCOPE_CLICKHOUSE_DSN"}
-    command = [*LAGSCOPE, "run", "--log-dir", str(st_logs), "--follow", "--idle-exit-s", "120"]
+    command = [*LAGSCOPE, "run", "--log-dir", str(logs), "--follow", "--idle-exit-s", "120"]
     # A suite started in the background (`cmd &`, nohup) hands its children SIGINT ignored,
     # and Python then installs no handler: give the command the default a terminal gives.
     with subprocess.Popen(

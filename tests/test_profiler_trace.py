@@ -86,8 +86,9 @@ def test_analyze_names_the_slow_rank(profiled_torch_job, capsys):
             str(profiled_torch_job / "timeline.json"),
         ]
     )
-    printed = capsys.readouterr().out
-    assert code == 0, printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert code == 0, printed + captured.err  # the error is on stderr
     assert "4 torch.profiler trace(s), 4 worker(s), steps 1-4" in printed
     document = json.loads(out.read_text())
     assert document["slowdown"] > 1.2
