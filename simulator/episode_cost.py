@@ -18,7 +18,7 @@ collection, not its compute or its host, when the pauses explain the rise
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -99,17 +99,22 @@ class EpisodeCost:
     #: recorded GC pauses in those ops beyond its peers' (`measures.gc_beyond_peers`), summed.
     rise_s: float = 0.0
     gc_s: float = 0.0
+    #: Of `lost_s` and `steps`: the part estimated for steps whose inputs were no longer
+    #: held when the episode was found (`with_estimated`).
+    estimated_s: float = 0.0
+    estimated_steps: int = 0
 
     @property
     def share(self) -> float:
-        """Share of the job's excess over the episode's steps the worker explains (0-1).
+        """Share of the job's excess over the episode's priced steps the worker explains
+        (0-1): the excess of an estimated step is not known.
 
         >>> EpisodeCost(lost_s=1.5, excess_s=2.0).share
         0.75
         """
         if self.excess_s <= 0:
             return 0.0
-        return float(min(max(self.lost_s / self.excess_s, 0.0), 1.0))
+        return float(min(max((self.lost_s - self.estimated_s) / self.excess_s, 0.0), 1.0))
 
     @property
     def saved_share(self) -> float:
@@ -159,4 +164,34 @@ class EpisodeCost:
             (*self.recent, float(lost_s))[-_STEPS_KEPT:],
             self.rise_s + max(rise_s, 0.0),
             self.gc_s + max(gc_s, 0.0),
+            self.estimated_s,
+            self.estimated_steps,
+        )
+
+    def with_estimated(self, rises: np.ndarray, measured: np.ndarray) -> EpisodeCost:
+        """This cost with steps that can no longer be priced (a job retains a few steps
+        of a large size, and a worker slow from its first step is found at its first
+        diagnosis): each loses what the worker rose in it (`rises`: its own seconds of the
+        episode's kind above its level) times the share of its rise that the priced steps
+        passed on to the job, at most the step's `measured` time. Without a priced step
+        there is nothing to scale by, and the cost stays as it is. `rise_s` and `gc_s`
+        stay the priced steps' (the GC share is read where pauses were recorded).
+
+        >>> cost = EpisodeCost(lost_s=0.6, measured_s=4.0, steps=2, rise_s=0.8)
+        >>> more = cost.with_estimated(np.array([0.4, 0.2, -0.1]), np.array([2.0, 2.0, 2.0]))
+        >>> round(more.lost_s, 3), more.steps, round(more.estimated_s, 3), more.estimated_steps
+        (1.05, 5, 0.45, 3)
+        """
+        if not rises.size or self.steps == 0 or self.rise_s <= 0:
+            return self
+        passed = (self.lost_s - self.estimated_s) / self.rise_s
+        rise = np.maximum(rises, 0.0)
+        estimated = float(np.minimum(passed * rise, measured).sum())
+        return replace(
+            self,
+            lost_s=self.lost_s + estimated,
+            measured_s=self.measured_s + float(measured.sum()),
+            steps=self.steps + int(rises.size),
+            estimated_s=self.estimated_s + estimated,
+            estimated_steps=self.estimated_steps + int(rises.size),
         )

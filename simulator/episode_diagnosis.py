@@ -179,6 +179,11 @@ def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: in
         f"costs the job {cost.share:.0%} of its slowdown over these steps, "
         f"{cost.lost_s:.2f} s ({cost.lost_s * n_gpus:,.1f} GPU-s)"
     )
+    if cost.estimated_steps:
+        costs += (
+            f", {cost.estimated_s:.2f} s of it estimated for its first "
+            f"{cost.estimated_steps} step(s), no longer held when it was found"
+        )
     if cause == Cause.SLOW_HOST:
         return (
             f"the host of worker {who} stalls between its ops since step {episode.onset} "

@@ -252,7 +252,8 @@ class LiveJob:
                     if int(earlier.steps[0]) >= episode.onset:
                         cost = self._cost_of(episode, earlier, earlier_times, cost)
                         inside.append(earlier)
-                self.costs[key] = cost
+                first_priced = int(inside[0].steps[0]) if inside else step + 1
+                self.costs[key] = self._with_unpriced(episode, cost, first_priced)
                 self.resplit[key] = _resplit(episode, inside)
             if change.change == "updated":
                 self.costs[key] = self._cost_of(episode, prepared, times, self.costs[key])
@@ -296,6 +297,22 @@ class LiveJob:
                 float(gc[i]),
             )
         return cost
+
+    def _with_unpriced(
+        self, episode: WorkerEpisode, cost: EpisodeCost, first_priced: int
+    ) -> EpisodeCost:
+        """`cost` (of the episode's steps from `first_priced` on) with its earlier steps
+        that are no longer held to be priced, estimated from the detector's history of
+        the worker (`EpisodeCost.with_estimated`): at 100,000 GPUs a job retains 4 steps,
+        and a worker slow from the first step is found at the 10th, whose first 6 steps
+        of loss went uncounted."""
+        assert self.detector is not None
+        steps, values, times = self.detector.history(episode.kind)
+        before = (steps >= episode.onset) & (steps < first_priced)
+        if not before.any():
+            return cost
+        own = values[before, episode.stage, episode.dp]
+        return cost.with_estimated(own - episode.level_before, times[before])
 
     def price_ahead(self, steps: Sequence[PreparedTrace]) -> None:
         """Price every open episode over `steps` (the complete steps `on_step` takes
@@ -462,7 +479,9 @@ class LiveJob:
             steps = prepared.select_steps(inside)
             times = (rollup.t_actual[inside], rollup.t_nodelay[inside], rollup.t_ideal[inside])
             key = episode.episode_id
-            self.costs[key] = self._cost_of(episode, steps, times, EpisodeCost())
+            cost = self._cost_of(episode, steps, times, EpisodeCost())
+            first_priced = int(steps.steps[0]) if steps.n_steps else step + 1
+            self.costs[key] = self._with_unpriced(episode, cost, first_priced)
             self.resplit[key] = _resplit(episode, [steps])
             if not costs_the_job(self.costs[key], self.diagnosis_settings):
                 continue  # followed from here on, named once it costs enough

@@ -330,6 +330,26 @@ def test_a_worker_slow_from_the_first_step_is_an_episode_from_its_first_diagnosi
         assert abs(last.episode.recovery - end_step) <= 3
 
 
+def test_an_episode_found_after_its_steps_left_the_window_counts_their_loss():
+    """A job that retains one step finds a worker slow from step 0 at its 10th step:
+    the 9 steps it no longer holds are estimated from the detector's history of the
+    worker (its rise in each, passed on as the priced step passed its own), so the job's
+    loss is that of a job that held them all, not a tenth of it, and says so."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=0)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="standing", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    firsts = {}
+    for retained, budget in (("all", 96 << 20), ("one", 1)):
+        found = _episodes_while_running(spec, ProcessorSettings(rollup_budget_bytes=budget))
+        firsts[retained] = found[0][1]
+    held, estimated = firsts["all"].cost, firsts["one"].cost
+    assert held.steps == estimated.steps == 10 and held.estimated_steps == 0
+    assert estimated.estimated_steps == 9 and 0 < estimated.estimated_s < estimated.lost_s
+    assert estimated.lost_s == pytest.approx(held.lost_s, rel=0.1)
+    assert "estimated for its first 9 step(s)" in firsts["one"].diagnosis.summary
+    assert "estimated" not in firsts["all"].diagnosis.summary
+
+
 def test_a_healthy_generated_job_adopts_no_episode():
     spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="healthy", seed=5)
     assert _episodes_while_running(spec) == []
