@@ -350,6 +350,31 @@ def test_an_episode_found_after_its_steps_left_the_window_counts_their_loss():
     assert "estimated" not in firsts["all"].diagnosis.summary
 
 
+def test_an_estimated_episode_cost_resumes_from_a_snapshot():
+    """The estimated part of an episode's cost is part of the job's state: a worker
+    restarted from a snapshot after the episode was found goes on with the same costs."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=0)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=20, name="standing", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    settings = ProcessorSettings(rollup_budget_bytes=1)
+    info, steps = stream_of(generate_job(spec))
+    batches = [[b for b in step_batches] for _, _, step_batches in steps]
+
+    def states(processor, part):
+        return [s for step in part for b in step for o in processor.on_batch(b) for s in o.episodes]
+
+    straight = StepProcessor(settings)
+    straight.on_job(info)
+    want = states(straight, batches)
+    resumed = StepProcessor(settings)
+    resumed.on_job(info)
+    got = states(resumed, batches[:12])
+    resumed = StepProcessor.from_state(decode_state(encode_state(resumed.state_dict())))
+    got += states(resumed, batches[12:])
+    assert want and want[0].cost.estimated_steps == 9
+    assert [(s.at_step, s.cost) for s in got] == [(s.at_step, s.cost) for s in want]
+
+
 def test_a_healthy_generated_job_adopts_no_episode():
     spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="healthy", seed=5)
     assert _episodes_while_running(spec) == []
