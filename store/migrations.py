@@ -276,6 +276,22 @@ def _jobs_ended(ops_ttl_days: int) -> Migration:
     )
 
 
+# -- 8: the estimated part of an episode's loss ------------------------------------------
+def _episodes_estimated(ops_ttl_days: int) -> Migration:
+    return Migration(
+        8,
+        "episodes: the part of the loss estimated for steps found too late to price",
+        (
+            # Of `lost_s`: seconds and steps estimated from the worker's rise where its
+            # steps were no longer held when the episode was found (`EpisodeCost`).
+            f"ALTER TABLE {EPISODES_TABLE} ADD COLUMN IF NOT EXISTS estimated_lost_s Float64 "
+            "DEFAULT 0 AFTER lost_s",
+            f"ALTER TABLE {EPISODES_TABLE} ADD COLUMN IF NOT EXISTS estimated_steps UInt32 "
+            "DEFAULT 0 AFTER estimated_lost_s",
+        ),
+    )
+
+
 #: Every migration, in order; each takes the retention `ops` is created with.
 _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _tables,
@@ -285,6 +301,7 @@ _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _rank_identity_local_rank,
     _episodes,
     _jobs_ended,
+    _episodes_estimated,
 )
 
 

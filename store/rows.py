@@ -525,6 +525,8 @@ def episode_rows(
             "gpu": who.gpu if who is not None else None,
             "share": state.cost.share,
             "lost_s": state.cost.lost_s,
+            "estimated_lost_s": state.cost.estimated_s,
+            "estimated_steps": state.cost.estimated_steps,
             "gpu_seconds_lost": state.gpu_seconds_lost,
             "first_seen_step": episode.first_seen,
             "final": state.final,
@@ -545,7 +547,8 @@ def episode_rows(
 _EPISODE_COLUMNS = (
     "job_id", "attempt", "episode_id", "state", "onset_step", "recovery_step", "onset_ts",
     "recovery_ts", "last_step", "last_ts", "cause", "optype", "dp_rank", "pp_rank", "workers",
-    "node", "host", "gpu", "share", "lost_s", "gpu_seconds_lost", "first_seen_step", "final",
+    "node", "host", "gpu", "share", "lost_s", "estimated_lost_s", "estimated_steps",
+    "gpu_seconds_lost", "first_seen_step", "final",
     "summary", "evidence", "advice", "updated_at", "version",
 )  # fmt: skip
 

@@ -24,7 +24,8 @@ Tables and their ORDER BY (the dashboards' access paths: one job's attempt, a st
   leave it (written again, version = ranks ended, as each one does).
 - `episodes` (job_id, attempt, episode_id): straggler episodes found while the job runs,
   one row per state (open, kept current, closed, refined at the job's end); `FINAL`
-  gives each episode's latest state.
+  gives each episode's latest state. Of its `lost_s`, `estimated_lost_s` over
+  `estimated_steps` were estimated: steps no longer held when the episode was found.
 - `steps_1m` (job_id, attempt, minute): minute rollup of `steps`, filled by the
   materialized view `steps_1m_mv`.
 - `worker_state` (group_id, topic, partition) and `worker_retained` (group_id, job_id,

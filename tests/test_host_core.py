@@ -379,3 +379,30 @@ def test_a_large_jobs_rank_records_are_stored_in_one_insert(chdb_dsn, monkeypatc
     assert rows == [(world, True)]
     _, rows = sink.query("SELECT count(), uniqExact(host) FROM rank_identity FINAL")
     assert rows == [(world, world // 8)]
+
+
+def test_an_episodes_estimated_loss_is_stored_beside_its_whole_loss(chdb_dsn) -> None:
+    """A job retaining one step finds a worker slow from step 0 at its 10th step: the
+    store's episode row says how much of its loss (and over how many steps) was estimated,
+    as its summary does, so SQL over `lost_s` can tell."""
+    from lagscope.simulator.generate import SlowWorker
+
+    slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=0)
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=14, name="standing", seed=5,
+                               stragglers=(slow,)))  # fmt: skip
+    info, steps = stream_of(job)
+    settings = ProcessorSettings(lateness_s=1_000.0, rollup_budget_bytes=1)
+    core = HostCore(settings, JobRecords(settings.max_world_size))
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    for _, _, batches in steps:
+        core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+    core.settle()
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+    core.write(sink)
+    row = query(sink, "SELECT lost_s, estimated_lost_s, estimated_steps, summary, last_step "
+                      "FROM episodes FINAL")  # fmt: skip
+    assert row["last_step"] == 13 and row["estimated_steps"] == 9
+    assert 0 < row["estimated_lost_s"] < row["lost_s"]
+    assert f"{row['estimated_lost_s']:.2f} s of it estimated for its first 9" in row["summary"]
+    sink.close()
