@@ -36,9 +36,16 @@ def lost_seconds(
     kind: str,
     level_before: float,
     compiled: CompiledModel | None = None,
+    *,
+    measured_nodelay: np.ndarray | None = None,
 ) -> np.ndarray:
     """[step]: job seconds each step lost to `worker` (dp, stage) spending more than
     `level_before` seconds of `kind` (an op type, or `host`).
+
+    `measured_nodelay`: the steps' simulated time as measured without launch delays
+    (`WhatIfResult.t_nodelay`), where the caller has it: an op type's loss is against
+    that time, so only the worker's usual variant is simulated (a host's loss is against
+    the steps with their delays, simulated here either way).
 
     >>> from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
     >>> from lagscope.simulator.prepare import prepare
@@ -74,6 +81,11 @@ def lost_seconds(
         rows = (node_stage == stage) & (np.array(prepared.node_optype) == kind)
         usual = cost.copy()
         usual[rows, :, dp] *= scale[None, :]
+        if measured_nodelay is not None:
+            # The same columns as the what-if's measured variant: the same numbers.
+            offsets = np.arange(0, n_steps * n_dp, n_dp, dtype=np.int64)
+            times = simulate(compiled, usual.reshape(n_nodes, -1), None, offsets).step_time
+            return np.maximum(np.asarray(measured_nodelay, dtype=np.float64) - times, 0.0)
         costs = np.concatenate([cost.reshape(n_nodes, -1), usual.reshape(n_nodes, -1)], axis=1)
         delays = None
     offsets = np.arange(0, 2 * n_steps * n_dp, n_dp, dtype=np.int64)

@@ -282,11 +282,11 @@ class LiveJob:
         priced = None
         if prepared.n_steps == 1:
             priced = self._priced.pop((episode.episode_id, int(prepared.steps[0])), None)
+        actual, nodelay, ideal = (np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in times)
         if priced is not None:
             lost, own, gc = (np.array([value]) for value in priced)
         else:
-            lost, own, gc = _episode_measures(episode, prepared)
-        actual, nodelay, ideal = (np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in times)
+            lost, own, gc = _episode_measures(episode, prepared, nodelay)
         excess = (actual if episode.kind == HOST else nodelay) - ideal
         for i in range(prepared.n_steps):
             cost = cost.plus(
@@ -314,18 +314,20 @@ class LiveJob:
         own = values[before, episode.stage, episode.dp]
         return cost.with_estimated(own - episode.level_before, times[before])
 
-    def price_ahead(self, steps: Sequence[PreparedTrace]) -> None:
+    def price_ahead(self, steps: Sequence[tuple[PreparedTrace, WhatIfResult]]) -> None:
         """Price every open episode over `steps` (the complete steps `on_step` takes
-        next, in order) in one engine pass each, not one a step: a worker slow throughout
-        a backlog (AR x 20, slow from its first step) cost a third of the worker's core in
-        passes of one step. The numbers are the same (the engine's columns never mix)."""
+        next, in order, with their what-if results) in one engine pass each, not one a
+        step: a worker slow throughout a backlog (AR x 20, slow from its first step) cost
+        a third of the worker's core in passes of one step. The numbers are the same (the
+        engine's columns never mix)."""
         self._priced.clear()
         episodes = self.detector.open_episodes() if self.detector is not None else []
         if len(steps) < 2 or not episodes:
             return
-        joint = concat_steps(list(steps))
+        joint = concat_steps([prepared for prepared, _ in steps])
+        nodelay = np.concatenate([result.t_nodelay for _, result in steps])
         for episode in episodes:
-            measures = _episode_measures(episode, joint)
+            measures = _episode_measures(episode, joint, nodelay)
             for index, step in enumerate(joint.steps.tolist()):
                 self._priced[(episode.episode_id, step)] = tuple(  # type: ignore[assignment]
                     float(m[index]) for m in measures
@@ -629,13 +631,16 @@ def trace_story(
 
 
 def _episode_measures(
-    episode: WorkerEpisode, prepared: PreparedTrace
+    episode: WorkerEpisode, prepared: PreparedTrace, measured_nodelay: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[step] each: the job seconds lost to the episode's worker, its own seconds of the
-    episode's kind, and its GC pauses there beyond its peers'."""
+    episode's kind, and its GC pauses there beyond its peers' (`measured_nodelay`: the
+    steps' `WhatIfResult.t_nodelay`)."""
     worker = (episode.dp, episode.stage)
     return (
-        lost_seconds(prepared, worker, episode.kind, episode.level_before),
+        lost_seconds(
+            prepared, worker, episode.kind, episode.level_before, measured_nodelay=measured_nodelay
+        ),
         worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp],
         gc_beyond_peers(prepared, worker, episode.kind),
     )

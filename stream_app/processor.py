@@ -677,9 +677,9 @@ class StepProcessor:
         # No results (a failed computation) price nothing.
         job.live.price_ahead(
             [
-                r.alone
+                (r.alone, r.result)
                 for r, c in zip(results, analysable, strict=False)
-                if c.complete and r.alone is not None
+                if c.complete and r.alone is not None and r.result is not None
             ]
         )
         computed = iter(results)
