@@ -432,8 +432,9 @@ def _straggler_episodes(q: Collector) -> table.Panel:
             "Verified straggler episodes, open ones first: which worker, on which node "
             "and GPU, slow in what (an op type, or `host`: its host stalls between its "
             "ops), since when (onset step), seen at which step, until when, and what it "
-            "cost. Found while the job runs and kept current every step; a job's end "
-            "refines their bounds."
+            "cost (GPU-h lost; of it estimated: the part for early steps no longer held "
+            "when it was found, from the worker's rise in them). Found while the job runs "
+            "and kept current every step; a job's end refines their bounds."
         )
         .with_target(
             q.query(
@@ -444,7 +445,10 @@ def _straggler_episodes(q: Collector) -> table.Panel:
                        gpu, cause, optype AS op, onset_step,
                        recovery_step, first_seen_step,
                        share AS share_of_slowdown,
-                       gpu_seconds_lost / 3600 AS gpu_hours_lost, summary
+                       gpu_seconds_lost / 3600 AS gpu_hours_lost,
+                       if(lost_s > 0, gpu_seconds_lost * estimated_lost_s / lost_s, 0)
+                           / 3600 AS of_it_estimated,
+                       summary
                 FROM episodes FINAL
                 WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
                   AND ifNull(recovery_ts, last_ts) >= $__fromTime
@@ -462,6 +466,7 @@ def _straggler_episodes(q: Collector) -> table.Panel:
                         "first_seen_step": "number",
                         "share_of_slowdown": "number",
                         "gpu_hours_lost": "number",
+                        "of_it_estimated": "number",
                         "summary": "string",
                     },
                     may_be_empty=True,
