@@ -150,3 +150,26 @@ def assert_same_result(got, want, what: str) -> None:
             assert a.per_step.keys() == b.per_step.keys()
             for key in a.per_step:
                 np.testing.assert_array_equal(a.per_step[key], b.per_step[key], f"{kind} {key}")
+
+
+def straight_and_resumed(
+    info, steps: list, settings, cut: int
+) -> tuple[list, list, object, object]:
+    """A job's steps ((end, step, batches) each) through one processor straight, and
+    through another snapshotted after `cut` steps and resumed from the snapshot: the step
+    outputs of each, and the two processors."""
+    from lagscope.store.snapshot_format import decode_state, encode_state
+    from lagscope.stream_app.processor import StepProcessor
+
+    def feed(processor, part) -> list:
+        return [out for _, _, batches in part for b in batches for out in processor.on_batch(b)]
+
+    straight = StepProcessor(settings)
+    straight.on_job(info)
+    want = feed(straight, steps)
+    resumed = StepProcessor(settings)
+    resumed.on_job(info)
+    got = feed(resumed, steps[:cut])
+    resumed = StepProcessor.from_state(decode_state(encode_state(resumed.state_dict())))
+    got += feed(resumed, steps[cut:])
+    return want, got, straight, resumed

@@ -10,9 +10,8 @@ import pytest
 from lagscope.producers.events import JobInfo
 from lagscope.producers.replay import iter_step_batches
 from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
-from lagscope.store.snapshot_format import decode_state, encode_state
 from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
-from tests.conftest import assert_same_result
+from tests.conftest import assert_same_result, straight_and_resumed
 
 SPEC = JobSpec(
     dp=4,
@@ -74,16 +73,8 @@ def test_a_capped_rollup_is_the_analysis_of_the_steps_it_covers(job_steps):
 def test_a_capped_job_resumes_exactly(job_steps):
     info, steps = job_steps
     settings = ProcessorSettings(rollup_budget_bytes=4 * step_bytes(info, steps))
-    straight = StepProcessor(settings)
-    straight.on_job(info)
-    want = feed(straight, steps)
-    resumed = StepProcessor(settings)
-    resumed.on_job(info)
-    got = feed(resumed, steps[:13])
-    state = decode_state(encode_state(resumed.state_dict()))
-    resumed = StepProcessor.from_state(state)
+    want, got, straight, resumed = straight_and_resumed(info, steps, settings, cut=13)
     assert resumed.jobs[info.job_id, info.attempt].retained_capacity == 4
-    got += feed(resumed, steps[13:])
     for a, b in zip(got, want, strict=True):
         assert_same_result(a.result, b.result, f"step {a.step}")
     assert_same_result(resumed.rollup(info.job_id), straight.rollup(info.job_id), "roll-up")

@@ -12,7 +12,12 @@ from lagscope.producers.replay import default_job_id, iter_step_batches
 from lagscope.simulator.generate import JobSpec, LastStageImbalance, SlowWorker, generate_job
 from lagscope.store.snapshot_format import decode_state, encode_state
 from lagscope.stream_app.processor import ProcessorSettings, StepProcessor
-from tests.conftest import analyzed_reference, assert_same_result, load_reference
+from tests.conftest import (
+    analyzed_reference,
+    assert_same_result,
+    load_reference,
+    straight_and_resumed,
+)
 
 
 class FakeClock:
@@ -358,19 +363,9 @@ def test_an_estimated_episode_cost_resumes_from_a_snapshot():
                    stragglers=(slow,))  # fmt: skip
     settings = ProcessorSettings(rollup_budget_bytes=1)
     info, steps = stream_of(generate_job(spec))
-    batches = [[b for b in step_batches] for _, _, step_batches in steps]
-
-    def states(processor, part):
-        return [s for step in part for b in step for o in processor.on_batch(b) for s in o.episodes]
-
-    straight = StepProcessor(settings)
-    straight.on_job(info)
-    want = states(straight, batches)
-    resumed = StepProcessor(settings)
-    resumed.on_job(info)
-    got = states(resumed, batches[:12])
-    resumed = StepProcessor.from_state(decode_state(encode_state(resumed.state_dict())))
-    got += states(resumed, batches[12:])
+    straight, resumed = straight_and_resumed(info, steps, settings, cut=12)[:2]
+    want = [s for out in straight for s in out.episodes]
+    got = [s for out in resumed for s in out.episodes]
     assert want and want[0].cost.estimated_steps == 9
     assert [(s.at_step, s.cost) for s in got] == [(s.at_step, s.cost) for s in want]
 
