@@ -380,8 +380,11 @@ class LiveJob:
         """Roll up and diagnose `window` (the retained steps at this point, of at most
         `capacity`) and compose the run's story with the episodes; None without a
         retained step."""
-        self.since_diagnosis = 0
         if not final:
+            # A conclusion (a job that stopped, or only paused for a checkpoint) is one
+            # diagnosis more: the cadence stays on the job's steps, so every host
+            # diagnoses (and adopts) at the same steps whatever pauses it saw.
+            self.since_diagnosis = 0
             self.diagnosis_interval = self.interval_after(self.diagnosis_interval, capacity)
         if not window:
             return None

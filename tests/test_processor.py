@@ -370,6 +370,31 @@ def test_an_estimated_episode_cost_resumes_from_a_snapshot():
     assert [(s.at_step, s.cost) for s in got] == [(s.at_step, s.cost) for s in want]
 
 
+def test_a_pause_concluded_mid_run_moves_no_diagnosis():
+    """A job concluded at a pause (a checkpoint longer than the worker's idle time)
+    and resumed is diagnosed at the steps of a job that never paused, and its straggler
+    is found at the same step: what a host stores does not depend on the pauses it saw."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=0)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=30, name="paused", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    info, steps = stream_of(generate_job(spec))
+
+    def run(pause_after: int | None) -> tuple[list, list]:
+        processor = StepProcessor()
+        processor.on_job(info)
+        outputs = []
+        for index, (_, _, batches) in enumerate(steps):
+            outputs += [o for b in batches for o in processor.on_batch(b)]
+            if index == pause_after:
+                assert processor.conclude(info.job_id) is not None
+        diagnosed = [o.step for o in outputs if o.diagnosis is not None]
+        return diagnosed, [(o.step, s.episode.first_seen) for o in outputs for s in o.episodes]
+
+    straight, paused = run(None), run(1)
+    assert straight[0] == [9, 29] and straight[1]
+    assert paused == straight
+
+
 def test_a_healthy_generated_job_adopts_no_episode():
     spec = JobSpec(dp=2, pp=2, microbatches=4, steps=45, name="healthy", seed=5)
     assert _episodes_while_running(spec) == []
