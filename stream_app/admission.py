@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lagscope.producers.events import JobInfo, RankStepBatch
+from lagscope.producers.events import PER_RANK_FIELDS, JobInfo, RankStepBatch
 from lagscope.simulator.optypes import KNOWN_OPTYPES
 
 #: No training op lasts a day: a longer duration is a broken clock or a corrupt record.
@@ -37,10 +37,6 @@ def job_problem(info: JobInfo, max_world_size: int) -> str:
             f"{max_world_size:,} GPUs (processor.max_world_size)"
         )
     return ""
-
-
-#: Job record fields each rank writes for itself.
-PER_RANK_FIELDS = frozenset({"rank_identity", "ended_ns"})
 
 
 def job_conflict(first: JobInfo, other: JobInfo) -> str:

@@ -62,6 +62,8 @@ _CLIENT_LOG = "lagscope.worker.librdkafka"
 #: Seconds without a complaint of the Kafka clients after which Kafka answering says it
 #: is back (while the broker is away they complain every ~100 ms).
 _KAFKA_QUIET_S = 3.0
+#: Job records the jobs reader hands the core in one call, at most.
+_JOB_RECORDS_PER_CALL = 1000
 
 
 # -- the faust host -------------------------------------------------------------------------
@@ -220,17 +222,23 @@ class FaustWorker:
             while not self._stop.is_set():
                 if all(position[p] >= ends[p] for p in partitions):
                     self._jobs_ready.set()
-                msg = consumer.poll(0.2)
-                if msg is None or msg.error() is not None:
+                # Many at a time: a 100,000-GPU job's ranks each write two records, which
+                # one at a time cost the core a hand-over each.
+                records = []
+                for msg in consumer.consume(_JOB_RECORDS_PER_CALL, 0.2):
+                    if msg.error() is not None:
+                        continue
+                    position[msg.partition()] = msg.offset() + 1
+                    where = f"{topic}[{msg.partition()}]@{msg.offset()}"
+                    records.append((msg.value(), msg.timestamp()[1] / 1000, where))
+                if not records:
                     continue
-                position[msg.partition()] = msg.offset() + 1
-                where = f"{topic}[{msg.partition()}]@{msg.offset()}"
-                timestamp = msg.timestamp()[1] / 1000
-                self._executor.submit(self.core.on_job_record, msg.value(), timestamp, where)
-                job_id = _job_id_of(msg.value())
-                if job_id is not None:
-                    # After the submit: the executor runs it before any later batch.
-                    self._known_jobs.add(job_id)
+                self._executor.submit(self.core.on_job_records, records)
+                for value, _, _ in records:
+                    job_id = _job_id_of(value)
+                    if job_id is not None:
+                        # After the submit: the executor runs it before any later batch.
+                        self._known_jobs.add(job_id)
         finally:
             consumer.close()
 

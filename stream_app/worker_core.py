@@ -200,7 +200,12 @@ class WorkerCore:
     # -- input ------------------------------------------------------------------------
     def on_job_record(self, value: bytes | None, timestamp_s: float, where: str) -> None:
         """A record of the jobs topic (every worker reads them all)."""
-        self.records.take(value or b"", where, timestamp_s)
+        self.on_job_records([(value, timestamp_s, where)])
+
+    def on_job_records(self, records: Sequence[tuple[bytes | None, float, str]]) -> None:
+        """Records of the jobs topic, each (value, its time in s, where it was read)."""
+        for value, timestamp_s, where in records:
+            self.records.take(value or b"", where, timestamp_s)
         self._count_totals()
 
     def on_streamer_dead_letters(self, letters: list[DeadLetter]) -> bool:

@@ -381,6 +381,46 @@ def test_a_large_jobs_rank_records_are_stored_in_one_insert(chdb_dsn, monkeypatc
     assert rows == [(world, world // 8)]
 
 
+def test_a_known_jobs_rank_record_reads_as_its_full_validation_does(monkeypatch) -> None:
+    """A rank's record of a job whose record stands is read by its own fields alone (the
+    job's were validated with the first): the same record as a full validation's, and a
+    record with a wrong own field, or with job fields of its own, is still set aside and
+    named as the full validation names it."""
+    from lagscope.producers.events import JobInfo, RankIdentity
+
+    job = JobInfo(job_id="j", dp_size=4, pp_size=2, world_size=8, gpu_peak_flops=989e12)
+
+    def record(rank: int, **update) -> bytes:
+        who = RankIdentity(rank=rank, dp_rank=rank // 2, pp_rank=rank % 2, host="n0", gpu=rank)
+        return job.model_copy(update={"rank_identity": who, **update}).model_dump_json().encode()
+
+    records = JobRecords(max_world_size=8)
+    payloads = [record(rank, ended_ns=end) for rank, end in [(1, None), (5, None), (5, 10**18)]]
+    expected = [JobInfo.model_validate_json(payload) for payload in payloads]
+    validated = []
+    validate = JobInfo.model_validate_json
+    monkeypatch.setattr(JobInfo, "model_validate_json", lambda v: validated.append(v) or validate(v))
+    assert records.take(record(0), "jobs@0", 0.0) is not None
+    taken = [records.take(payload, "jobs@1", 1.0) for payload in payloads]
+    assert len(validated) == 1  # the first record only
+    assert taken == expected
+    assert [t.model_dump_json() for t in taken] == [e.model_dump_json() for e in expected]
+    # JSON's 1.0 for an int reads as 1 in both ways.
+    as_float = record(3).replace(b'"dp_rank":1', b'"dp_rank":1.0')
+    assert records.take(as_float, "jobs@2", 1.0).rank_identity.dp_rank == 1
+    assert records.dead == []
+
+    wrong_end = record(6, ended_ns=-5)
+    other_job = record(7, dp_size=2, world_size=4)
+    for payload in (wrong_end, other_job, b'{"job_id": "j", "attempt": [0]}', b"[1]"):
+        assert records.take(payload, "jobs@3", 2.0) is None
+    reasons = [letter.reason for letter in records.dead]
+    assert "ended_ns" in reasons[0] and "greater than or equal to 0" in reasons[0]
+    assert "conflicts with the first" in reasons[1] and "dp_size 4 (kept) vs 2" in reasons[1]
+    assert all(r.startswith("invalid job metadata") for r in reasons[2:]), reasons
+    assert records.ended[("j", 0)] == {5: 10**18}
+
+
 def test_an_episodes_estimated_loss_is_stored_beside_its_whole_loss(chdb_dsn) -> None:
     """A job retaining one step finds a worker slow from step 0 at its 10th step: the
     store's episode row says how much of its loss (and over how many steps) was estimated,
