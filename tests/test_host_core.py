@@ -399,7 +399,12 @@ def test_a_known_jobs_rank_record_reads_as_its_full_validation_does(monkeypatch)
     expected = [JobInfo.model_validate_json(payload) for payload in payloads]
     validated = []
     validate = JobInfo.model_validate_json
-    monkeypatch.setattr(JobInfo, "model_validate_json", lambda v: validated.append(v) or validate(v))
+
+    def counted(payload: bytes) -> JobInfo:
+        validated.append(payload)
+        return validate(payload)
+
+    monkeypatch.setattr(JobInfo, "model_validate_json", counted)
     assert records.take(record(0), "jobs@0", 0.0) is not None
     taken = [records.take(payload, "jobs@1", 1.0) for payload in payloads]
     assert len(validated) == 1  # the first record only
