@@ -244,9 +244,12 @@ class JobRecords:
 
     def all_ended(self) -> bool:
         """Whether there are jobs and every rank of each said it ended."""
-        return bool(self.infos) and all(
-            len(self.ended.get(key, ())) >= info.world_size for key, (info, _) in self.infos.items()
-        )
+        return bool(self.infos) and all(self.has_ended(key) for key in self.infos)
+
+    def has_ended(self, key: tuple[str, int]) -> bool:
+        """Whether every rank of the job attempt said it ended."""
+        known = self.infos.get(key)
+        return known is not None and len(self.ended.get(key, ())) >= known[0].world_size
 
     def _dead(self, letter: DeadLetter) -> None:
         log.warning("dead letter %s: %s", letter.source, letter.reason)
@@ -463,8 +466,9 @@ class HostCore:
 
     # -- time ---------------------------------------------------------------------------
     def tick(self) -> None:
-        """Close the windows whose lateness timeout passed."""
+        """Close the windows whose lateness timeout passed; conclude the jobs that ended."""
         self._closed(self.processor.tick())
+        self.conclude_ended()
 
     def close_through(self, job_id: str, attempt: int, step: int) -> None:
         """Close the job's windows up to `step` (its input moved past them)."""
@@ -512,8 +516,32 @@ class HostCore:
         return conclusion
 
     def conclude_all(self) -> None:
-        for job_id, attempt in list(self.processor.jobs):
-            self.conclude(job_id, attempt)
+        """Conclude every job not concluded at its last step (the end of the input)."""
+        for key in list(self.processor.jobs):
+            if not self._concluded_at_last_step(key):
+                self.conclude(*key)
+
+    def conclude_ended(self) -> list[tuple[str, int]]:
+        """Conclude every job each rank of which said it ended, once the host read all
+        there is and no step of it is open: its final answer is in the store when the job
+        ends, not when its host falls idle (`conclude_idle`) or its input ends. Returns
+        them."""
+        if self.clock.behind:
+            return []  # its last steps may still be on the way
+        open_jobs = {key[:2] for key in self.processor.windows}
+        done = []
+        for key in list(self.processor.jobs):
+            if key in open_jobs or not self.records.has_ended(key):
+                continue
+            if not self._concluded_at_last_step(key):
+                self.conclude(*key)
+                done.append(key)
+        return done
+
+    def _concluded_at_last_step(self, key: tuple[str, int]) -> bool:
+        job = self.processor.jobs.get(key)
+        last = job.live.totals.last_step if job is not None else -1
+        return self.concluded_step.get(key, -2) >= last
 
     def conclude_idle(self, idle_s: float) -> list[tuple[str, int]]:
         """Conclude every job that received no batch and closed no step for `idle_s` since

@@ -7,10 +7,11 @@ import time
 
 import pytest
 
+from lagscope.producers.events import RankIdentity
 from lagscope.simulator.generate import JobSpec, generate_job
 from lagscope.store.errors import StoreError
 from lagscope.store.sink import ClickHouseSink, RetryPolicy
-from lagscope.stream_app.host_core import WRITE_MAX_SHARE, HostCore, JobRecords
+from lagscope.stream_app.host_core import WRITE_MAX_SHARE, HostCore, JobRecords, LatenessClock
 from lagscope.stream_app.processor import ProcessorSettings
 from tests.test_processor import stream_of
 
@@ -39,6 +40,44 @@ def test_a_job_whose_batches_still_arrive_is_not_concluded_until_they_stop() -> 
         assert arrive(batch) == [], f"concluded at {now[0]} s while its batches still arrive"
     now[0] += IDLE_S
     assert core.conclude_idle(IDLE_S) == [(info.job_id, info.attempt)]
+    assert len(core.conclusions) == 1
+
+
+def test_a_job_every_rank_of_which_ended_is_concluded_at_once() -> None:
+    """Its final answer is in the store when the job ends, not after the idle time: once
+    every rank said it ended, the host read all there is and no step of it is open."""
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=0))
+    info, steps = stream_of(job)
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    clock = LatenessClock(wall=lambda: 0.0)
+    clock.behind = False  # caught up: only its ranks' ends and its open step hold it
+    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    for _, _, batches in steps[:-1]:
+        core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+    for rank in range(info.world_size):
+        identity = RankIdentity(rank=rank, dp_rank=rank // 2, pp_rank=rank % 2, host="h")
+        ended = info.model_copy(update={"rank_identity": identity, "ended_ns": 1})
+        core.on_job_record(ended.model_dump_json().encode(), f"jobs@{rank + 1}", 0.0)
+        if rank < info.world_size - 1:
+            core.tick()
+            assert core.conclusions == [], f"concluded with {rank + 1} ranks ended"
+    *_, last = steps
+    core.on_batches([(b.encode(), "ops@0", 0.0) for b in last[2][:-1]])
+    core.tick()
+    assert core.conclusions == [], "concluded while its last step was open"
+    clock.behind = True
+    core.on_batches([(last[2][-1].encode(), "ops@0", 0.0)])
+    core.tick()
+    assert core.conclusions == [], "concluded while its host was behind"
+    clock.behind = False
+    core.tick()
+    assert [c.diagnosis.step for c in core.conclusions] == [last[1]]
+    # Concluded at its last step: neither a tick, the idle time nor the input's end (a
+    # `lagscope run` that stops reading) concludes it again.
+    core.tick()
+    core.conclude_idle(0.0)
+    core.conclude_all()
     assert len(core.conclusions) == 1
 
 
