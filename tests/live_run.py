@@ -17,6 +17,7 @@ from typing import Any
 from lagscope.dashboards.alerts import RULES
 from lagscope.producers.events import peek_header
 from lagscope.producers.log import KIND_BATCH, RankLogReader, Record, list_rank_dirs
+from lagscope.store.rows import episode_version
 from lagscope.store.sink import ClickHouseSink
 from tests.worker_util import (
     WorkerProcess,
@@ -51,6 +52,8 @@ class Seen:
     #: At the end, the job's row: how many of its ranks said they ended, and whether the
     #: job did (all of them).
     ended: tuple[int, bool] = (0, False)
+    #: Whether the job's final diagnosis was in the store while the hosts still ran.
+    concluded: bool = False
 
 
 @dataclass
@@ -170,9 +173,20 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
                 stdout=job_log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         seen = {name: Seen() for name in databases}
+        stopping = False
         while training.poll() is None or any(p.process.poll() is None for p in processes):
             for name, sink in sinks.items():
                 _poll(sink, job, seen[name])
+            if training.poll() is not None and not stopping:
+                # A host concludes a job once all its ranks said they ended: when both
+                # stores hold that final answer, the hosts have nothing left to do, and are
+                # stopped as an operator would rather than left to fall idle.
+                for name, sink in sinks.items():
+                    seen[name].concluded = seen[name].concluded or _concluded(sink, job, steps)
+                if all(found.concluded for found in seen.values()):
+                    for process in processes:
+                        process.process.terminate()
+                    stopping = True
             assert time.monotonic() < deadline + 300, "the live run did not end"
             time.sleep(0.25)
         assert training.returncode == 0, (tmp_path / "job.log").read_text()[-3000:]
@@ -201,6 +215,18 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
             if process.process.poll() is None:
                 process.process.kill()
         server.stop()
+
+
+def _concluded(sink: ClickHouseSink, job: str, steps: int) -> bool:
+    """Whether the store holds the job's final diagnosis, made at its last step."""
+    _, rows = sink.query(
+        "SELECT max(version) FROM diagnoses WHERE job_id = {job:String}", {"job": job}
+    )
+    return (
+        bool(rows)
+        and rows[0][0] is not None
+        and int(rows[0][0]) == episode_version(steps - 1, final=True)
+    )
 
 
 def _verdict(sink: ClickHouseSink, job: str) -> tuple[str, str]:

@@ -92,6 +92,8 @@ def test_a_straggler_is_named_while_it_is_still_slow(
         verdict_cause, summary = found.verdict
         assert verdict_cause == cause and "(dp 1, pp 0)" in summary, (host, summary)
         assert summary.count("(dp ") == 1, (host, summary)
+        # Its ranks said they ended: the verdict was in the store as the job ended.
+        assert found.concluded, host
 
 
 def test_a_healthy_job_stays_quiet_while_it_runs(
@@ -108,6 +110,7 @@ def test_a_healthy_job_stays_quiet_while_it_runs(
         assert found.rules_firing == [], (host, found.rules_firing)
         # Its 4 ranks said they ended: finished, so not "silent" once its steps stop.
         assert found.ended == (4, True), (host, found.ended)
+        assert found.concluded, host
 
 
 def test_a_straggler_still_slow_when_the_job_ends_stops_alerting_with_it(

@@ -129,7 +129,7 @@ def start_worker(
         str(work_dir / "faust"),
     ]
     if exit_when_idle_s is not None:
-        command += ["--exit-when-idle-s", str(exit_when_idle_s)]
+        command += ["--idle-exit-s", str(exit_when_idle_s)]
     command += extra_args
     log_path = work_dir / log_name
     with open(log_path, "wb") as log:
