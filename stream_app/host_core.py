@@ -7,8 +7,8 @@ the origin), windows and analyses the steps (`StepProcessor`: what-if, change po
 episodes, the job's diagnosis every few steps), and writes every table's rows to the
 store exactly once: `steps`, `attribution`, `worker_slowdown`, `changepoints`,
 `episodes`, `diagnoses`, `dead_letters`, `jobs`, `rank_identity` (and `ops` where raw ops
-are kept). `conclude` ends a job (its input ended or it fell idle): every episode's bounds
-refined, the final diagnosis.
+are kept). `conclude` ends a job (its ranks said they ended, its input ended, or it
+fell idle): every episode's bounds refined, the final diagnosis.
 
 The drivers differ only in how records arrive (rank logs, Kafka partitions), how time
 passes for the lateness timeout (`LatenessClock`, fed with the records' own times), and

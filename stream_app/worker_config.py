@@ -77,8 +77,9 @@ class WorkerSettings(BaseModel):
     #: How often lateness timeouts, writes and snapshots are checked.
     tick_interval_s: float = Field(default=0.5, gt=0)
     #: Conclude a job (episodes refined, final diagnosis) once it has received no batch
-    #: and closed no step for this long; while it runs its diagnosis is kept current
-    #: anyway (`processor.diagnose_every_steps`).
+    #: and closed no step for this long (a job every rank of which said it ended is
+    #: concluded at once); while it runs its diagnosis is kept current anyway
+    #: (`processor.diagnose_every_steps`).
     rollup_idle_s: float = Field(default=10.0, gt=0)
     #: Exit after this long with no message and everything written (tests, backfills).
     exit_when_idle_s: float | None = Field(default=None, gt=0)
