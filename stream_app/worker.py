@@ -233,14 +233,14 @@ class FaustWorker:
                     records.append((msg.value(), msg.timestamp()[1] / 1000, where))
                 if not records:
                     continue
-                self._executor.submit(self.core.on_job_records, records)
-                for value, _, _ in records:
-                    job_id = _job_id_of(value)
-                    if job_id is not None:
-                        # After the submit: the executor runs it before any later batch.
-                        self._known_jobs.add(job_id)
+                # Their jobs are known once the core took them, before any later batch:
+                # the core reads each record once (a 100,000-GPU job's ranks send 200,000).
+                self._executor.submit(self._take_job_records, records)
         finally:
             consumer.close()
+
+    def _take_job_records(self, records: list[tuple[bytes | None, float, str]]) -> None:
+        self._known_jobs.update(self.core.on_job_records(records))
 
     # -- faust ------------------------------------------------------------------------------
     def _read_dead_letters(self) -> None:
@@ -758,14 +758,6 @@ def _batch_job_id(message: OpsMessage) -> bytes | None:
         return peek_header(message.value or b"")["job_id"].encode()
     except SchemaError:
         return None
-
-
-def _job_id_of(value: bytes | None) -> bytes | None:
-    try:
-        job_id = json.loads(value or b"").get("job_id")
-    except (ValueError, AttributeError):
-        return None
-    return job_id.encode() if isinstance(job_id, str) else None
 
 
 def _faust_credentials(kafka: KafkaSettings) -> Any:

@@ -49,6 +49,7 @@ stands. Retained inputs are kept 30 days (table TTL).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -202,11 +203,18 @@ class WorkerCore:
         """A record of the jobs topic (every worker reads them all)."""
         self.on_job_records([(value, timestamp_s, where)])
 
-    def on_job_records(self, records: Sequence[tuple[bytes | None, float, str]]) -> None:
-        """Records of the jobs topic, each (value, its time in s, where it was read)."""
+    def on_job_records(self, records: Sequence[tuple[bytes | None, float, str]]) -> set[bytes]:
+        """Records of the jobs topic, each (value, its time in s, where it was read);
+        returns the ids of the jobs they name, as a batch's header names them (a record
+        set aside counts too: its job's batches must not wait for another)."""
+        jobs = set()
         for value, timestamp_s, where in records:
-            self.records.take(value or b"", where, timestamp_s)
+            info = self.records.take(value or b"", where, timestamp_s)
+            job_id = info.job_id.encode() if info is not None else _job_id_of(value)
+            if job_id is not None:
+                jobs.add(job_id)
         self._count_totals()
+        return jobs
 
     def on_streamer_dead_letters(self, letters: list[DeadLetter]) -> bool:
         """Dead letters the streamers sent (the dead-letter topic), stored with what else
@@ -718,3 +726,12 @@ def conclusion_result(conclusion: JobConclusion) -> dict[str, Any]:
         summary=found.verdict.summary,
     )
     return message
+
+
+def _job_id_of(value: bytes | None) -> bytes | None:
+    """The job id a record that was set aside names, if it names one."""
+    try:
+        job_id = json.loads(value or b"").get("job_id")
+    except (ValueError, AttributeError):
+        return None
+    return job_id.encode() if isinstance(job_id, str) else None
