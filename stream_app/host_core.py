@@ -505,10 +505,13 @@ class HostCore:
             self.pending.append(out)
 
     # -- the end of a job -------------------------------------------------------------
-    def conclude(self, job_id: str, attempt: int = 0) -> JobConclusion | None:
-        """End a job now (its input ended): final diagnosis, episodes refined."""
+    def conclude(
+        self, job_id: str, attempt: int = 0, *, ended: bool = True
+    ) -> JobConclusion | None:
+        """End a job now (its input `ended`, or it fell idle): final diagnosis, episodes
+        refined (at an idle, the closed ones)."""
         self.settle()
-        conclusion = self.processor.conclude(job_id, attempt)
+        conclusion = self.processor.conclude(job_id, attempt, ended=ended)
         if conclusion is not None:
             live = self.processor.live_job(job_id, attempt)
             self.concluded_step[job_id, attempt] = live.totals.last_step if live else -1
@@ -543,10 +546,10 @@ class HostCore:
         last = job.live.totals.last_step if job is not None else -1
         return self.concluded_step.get(key, -2) >= last
 
-    def conclude_idle(self, idle_s: float) -> list[tuple[str, int]]:
+    def conclude_idle(self, idle_s: float, *, ended: bool = False) -> list[tuple[str, int]]:
         """Conclude every job that received no batch and closed no step for `idle_s` since
-        its last conclusion (a job that stopped, or paused: a later step resumes it);
-        returns them."""
+        its last conclusion (a job that stopped, or paused: a later step resumes it;
+        `ended`: the host's input ended); returns them."""
         now = self.clock()
         done = []
         for key, job in list(self.processor.jobs.items()):
@@ -554,7 +557,7 @@ class HostCore:
             if last < 0 or self.concluded_step.get(key, -1) >= last:
                 continue
             if now - self.last_input_at.get(key, now) >= idle_s:
-                self.conclude(*key)
+                self.conclude(*key, ended=ended)
                 done.append(key)
         return done
 

@@ -513,20 +513,28 @@ class LiveJob:
         return run_story(run, episodes, rollup, settings=self.diagnosis_settings)
 
     def conclude(
-        self, window: Sequence[PreparedTrace], *, decompose_threshold: float
+        self, window: Sequence[PreparedTrace], *, decompose_threshold: float, ended: bool = True
     ) -> tuple[JobDiagnosis | None, list[EpisodeState]]:
-        """The end of the job's input (or a long idle): every episode's bounds refined on
-        the retained steps around it, then the final diagnosis."""
-        refined = self.refine(window)
+        """The end of the job's input (`ended`), or a long idle: every episode's bounds
+        refined on the retained steps around it (at an idle, only those of the closed
+        ones), then the final diagnosis."""
+        refined = self.refine(window, open_ones=ended)
         return self.diagnose(window, final=True, decompose_threshold=decompose_threshold), refined
 
-    def refine(self, window: Sequence[PreparedTrace]) -> list[EpisodeState]:
+    def refine(
+        self, window: Sequence[PreparedTrace], *, open_ones: bool = True
+    ) -> list[EpisodeState]:
         """Every episode's final state, its bounds refined on the steps of `window`
-        around it (the retained ones)."""
+        around it (the retained ones). Without `open_ones`, an episode still open keeps
+        its live state: a job that only paused (a checkpoint's save) resumes it, and a
+        refit of its bounds there (a recovery found in its last steps' noise, an onset
+        moved) would be taken back at its next step, its alert resolved and fired again."""
         refined = []
         if window and self.detector is not None:
             prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
             for episode in self._named_episodes():
+                if episode.recovery is None and not open_ones:
+                    continue
                 onset, recovery = refined_bounds(episode, prepared, self.episode_settings)
                 fitted = dataclasses.replace(episode, onset=onset, recovery=recovery)
                 end = recovery if recovery is not None else np.inf

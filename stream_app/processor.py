@@ -803,17 +803,20 @@ class StepProcessor:
         steps = sorted(job.retained, key=lambda p: int(p.steps[0]))
         return analyze(concat_steps(steps), decompose_threshold=self.settings.decompose_threshold)
 
-    def conclude(self, job_id: str, attempt: int = 0) -> JobConclusion | None:
+    def conclude(
+        self, job_id: str, attempt: int = 0, *, ended: bool = True
+    ) -> JobConclusion | None:
         """The job's end: its final diagnosis and its episodes refined (None: no such
-        job). Steps may still come after it (a job that only paused): its analysis goes on
-        and a later conclusion supersedes this one."""
+        job). Steps may still come after it (a job that only paused, not `ended`): its
+        analysis goes on and a later conclusion supersedes this one."""
         self._settle()
         job = self.jobs.get((job_id, attempt))
         if job is None:
             return None
         diagnosis, episodes = job.live.conclude(
-            tuple(job.retained), decompose_threshold=self.settings.decompose_threshold
-        )
+            tuple(job.retained), decompose_threshold=self.settings.decompose_threshold,
+            ended=ended,
+        )  # fmt: skip
         return JobConclusion(job_id, attempt, job.info, diagnosis, tuple(episodes))
 
     def live_job(self, job_id: str, attempt: int = 0) -> LiveJob | None:

@@ -78,7 +78,8 @@ class WorkerSettings(BaseModel):
     tick_interval_s: float = Field(default=0.5, gt=0)
     #: Conclude a job (episodes refined, final diagnosis) once it has received no batch
     #: and closed no step for this long (a job every rank of which said it ended is
-    #: concluded at once); while it runs its diagnosis is kept current anyway
+    #: concluded at once; an idle job may only have paused, so its open episodes keep
+    #: their live bounds); while it runs its diagnosis is kept current anyway
     #: (`processor.diagnose_every_steps`).
     rollup_idle_s: float = Field(default=10.0, gt=0)
     #: Exit after this long with no message and everything written (tests, backfills).

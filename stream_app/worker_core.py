@@ -421,7 +421,7 @@ class WorkerCore:
             # Steps still with the analysis process count: a job all of whose steps were
             # there would look as if it had none, and end without its conclusion.
             part.core.settle()
-            part.core.conclude_idle(0.0)
+            part.core.conclude_idle(0.0, ended=True)
         return self.checkpoints_of(list(self.partitions))
 
     def open_windows(self) -> int:

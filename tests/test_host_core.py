@@ -8,11 +8,12 @@ import time
 import pytest
 
 from lagscope.producers.events import RankIdentity
-from lagscope.simulator.generate import JobSpec, generate_job
+from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
 from lagscope.store.errors import StoreError
 from lagscope.store.sink import ClickHouseSink, RetryPolicy
 from lagscope.stream_app.host_core import WRITE_MAX_SHARE, HostCore, JobRecords, LatenessClock
 from lagscope.stream_app.processor import ProcessorSettings
+from tests.test_episodes import NOISY
 from tests.test_processor import stream_of
 
 IDLE_S = 3.0
@@ -79,6 +80,46 @@ def test_a_job_every_rank_of_which_ended_is_concluded_at_once() -> None:
     core.conclude_idle(0.0)
     core.conclude_all()
     assert len(core.conclusions) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pause_leaves_an_open_episode_as_it_stands_and_the_end_refines_it(seed) -> None:
+    """The worker is back from step 30 but 1.7x slow again every other step: the live
+    rule never closes its episode, the end of the input does (its whole series shows it
+    came back). A pause at step 40 (a checkpoint's save) is no end: the job resumes it, so
+    the conclusion there leaves the open episode as it stands; closed at the pause and
+    open again at the next step, its alert would resolve and fire again."""
+    slow = [SlowWorker(dp=1, stage=0, factor=2.0, start_step=15, end_step=30)]
+    slow += [SlowWorker(dp=1, stage=0, factor=1.7, start_step=s, end_step=s + 1)
+             for s in range(31, 50, 2)]  # fmt: skip
+    job = generate_job(
+        JobSpec(dp=2, pp=2, microbatches=4, steps=50, cost=NOISY, stragglers=tuple(slow),
+                seed=seed)
+    )  # fmt: skip
+    info, steps = stream_of(job)
+    now = [0.0]
+    clock = LatenessClock(wall=lambda: now[0])
+    clock.behind = False
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    shown = []  # (step, open) of the episode's every stored state, in write order
+    for _, step, batches in steps:
+        now[0] += 1.0
+        core.on_batches([(b.encode(), "ops@0", now[0]) for b in batches])
+        core.settle()
+        if step == 40:
+            now[0] += IDLE_S
+            assert core.conclude_idle(IDLE_S) == [(info.job_id, info.attempt)]
+        shown += [(out.step, s.episode.open) for out in core.pending for s in out.episodes]
+        shown += [(c.diagnosis.step, s.episode.open) for c in core.conclusions for s in c.episodes]
+        assert all("(ongoing)" in c.diagnosis.verdict.summary for c in core.conclusions), step
+        core.pending.clear()
+        core.conclusions.clear()
+    assert shown and all(is_open for _, is_open in shown), shown
+    core.conclude_all()
+    (final,) = core.conclusions[0].episodes
+    assert final.episode.recovery is not None and abs(final.episode.recovery - 30) <= 3
 
 
 def _core_with_closed_steps(steps: list, info) -> HostCore:
