@@ -246,10 +246,14 @@ class JobRecords:
         """Whether there are jobs and every rank of each said it ended."""
         return bool(self.infos) and all(self.has_ended(key) for key in self.infos)
 
-    def has_ended(self, key: tuple[str, int]) -> bool:
-        """Whether every rank of the job attempt said it ended."""
+    def has_ended(self, key: tuple[str, int], *, after_ns: int | None = None) -> bool:
+        """Whether every rank of the job attempt said it ended (with `after_ns`: the last
+        of them after it; a step that began later came from monitors opened again)."""
         known = self.infos.get(key)
-        return known is not None and len(self.ended.get(key, ())) >= known[0].world_size
+        ended = self.ended.get(key, {})
+        if known is None or len(ended) < known[0].world_size:
+            return False
+        return after_ns is None or max(ended.values()) >= after_ns
 
     def _dead(self, letter: DeadLetter) -> None:
         log.warning("dead letter %s: %s", letter.source, letter.reason)
@@ -533,10 +537,13 @@ class HostCore:
             return []  # its last steps may still be on the way
         open_jobs = {key[:2] for key in self.processor.windows}
         done = []
-        for key in list(self.processor.jobs):
-            if key in open_jobs or not self.records.has_ended(key):
+        for key, job in list(self.processor.jobs.items()):
+            if key in open_jobs or self._concluded_at_last_step(key):
                 continue
-            if not self._concluded_at_last_step(key):
+            # Steps that began after every rank said it ended (a job that opened its
+            # monitors again) are no end: it is concluded when it falls idle, not at
+            # each of them.
+            if self.records.has_ended(key, after_ns=job.live.totals.last_step_start_ns):
                 self.conclude(*key)
                 done.append(key)
         return done

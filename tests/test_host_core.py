@@ -56,9 +56,11 @@ def test_a_job_every_rank_of_which_ended_is_concluded_at_once() -> None:
     core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
     for _, _, batches in steps[:-1]:
         core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+    # As a rank's monitor closes: after its last op.
+    ended_ns = max(int((b.start_ns + b.duration_ns).max()) for b in steps[-1][2])
     for rank in range(info.world_size):
         identity = RankIdentity(rank=rank, dp_rank=rank // 2, pp_rank=rank % 2, host="h")
-        ended = info.model_copy(update={"rank_identity": identity, "ended_ns": 1})
+        ended = info.model_copy(update={"rank_identity": identity, "ended_ns": ended_ns})
         core.on_job_record(ended.model_dump_json().encode(), f"jobs@{rank + 1}", 0.0)
         if rank < info.world_size - 1:
             core.tick()
@@ -80,6 +82,43 @@ def test_a_job_every_rank_of_which_ended_is_concluded_at_once() -> None:
     core.conclude_idle(0.0)
     core.conclude_all()
     assert len(core.conclusions) == 1
+
+
+def test_steps_after_every_rank_ended_are_concluded_when_idle_not_each_at_once() -> None:
+    """A job that opened its monitors again after they all closed (a second phase in the
+    same attempt): its ranks' ends are behind its new steps, so they do not conclude it
+    at every step; its idle time does."""
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=6, seed=0))
+    info, steps = stream_of(job)
+    now = [0.0]
+    clock = LatenessClock(wall=lambda: now[0])
+    clock.behind = False
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+
+    def arrive(batches: list) -> None:
+        now[0] += 1.0
+        core.on_batches([(b.encode(), "ops@0", now[0]) for b in batches])
+        core.settle()
+        core.tick()
+
+    for _, _, batches in steps[:3]:
+        arrive(batches)
+    # The monitors closed before the second phase's first op.
+    first_phase_end = min(int(b.start_ns.min()) for b in steps[3][2]) - 1
+    for rank in range(info.world_size):
+        identity = RankIdentity(rank=rank, dp_rank=rank // 2, pp_rank=rank % 2)
+        ended = info.model_copy(update={"rank_identity": identity, "ended_ns": first_phase_end})
+        core.on_job_record(ended.model_dump_json().encode(), f"jobs@{rank + 1}", 0.0)
+    core.tick()
+    assert [c.diagnosis.step for c in core.conclusions] == [2]
+    for _, _, batches in steps[3:]:
+        arrive(batches)
+    assert len(core.conclusions) == 1, [c.diagnosis.step for c in core.conclusions]
+    now[0] += IDLE_S
+    assert core.conclude_idle(IDLE_S) == [(info.job_id, info.attempt)]
+    assert core.conclusions[-1].diagnosis.step == steps[-1][1]
 
 
 @pytest.mark.parametrize("seed", range(3))
