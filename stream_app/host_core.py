@@ -530,15 +530,20 @@ class HostCore:
 
     def conclude_ended(self) -> list[tuple[str, int]]:
         """Conclude every job each rank of which said it ended, once the host read all
-        there is and no step of it is open: its final answer is in the store when the job
-        ends, not when its host falls idle (`conclude_idle`) or its input ends. Returns
-        them."""
+        there is, no step of it is open and its last steps were handed to the store: its
+        final answer is in the store when the job ends, not when its host falls idle
+        (`conclude_idle`) or its input ends. Returns them."""
         if self.clock.behind:
             return []  # its last steps may still be on the way
-        open_jobs = {key[:2] for key in self.processor.windows}
+        # Its last steps are stored first: a conclusion (a roll-up, the refit, the final
+        # diagnosis) takes a while, and they are what the store is waiting for.
+        waiting = {key[:2] for key in self.processor.windows}
+        waiting |= {(out.job_id, out.attempt) for out in self.pending}
         done = []
         for key, job in list(self.processor.jobs.items()):
-            if key in open_jobs or self._concluded_at_last_step(key):
+            if key in waiting or self.processor.analysing(*key):
+                continue
+            if self._concluded_at_last_step(key):
                 continue
             # Steps that began after every rank said it ended (a job that opened its
             # monitors again) are no end: it is concluded when it falls idle, not at

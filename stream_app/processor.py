@@ -378,6 +378,16 @@ class StepProcessor:
         """Calls whose closed steps' analysis has not come back yet (0: none)."""
         return len(self._submitted)
 
+    def analysing(self, job_id: str, attempt: int = 0) -> bool:
+        """Whether closed steps of the job are still being analysed (their outputs come
+        with a later call)."""
+        key = (job_id, attempt)
+        return any(
+            (job.info.job_id, job.info.attempt) == key
+            for s in self._submitted
+            for job, _, _ in s.jobs
+        ) or any((out.job_id, out.attempt) == key for out in self._finished)
+
     def drain(self) -> list[StepOutput]:
         """Wait for every closed step's analysis; returns the outputs not returned yet."""
         return self._analyse_closed([], wait=True)

@@ -44,9 +44,10 @@ def test_a_job_whose_batches_still_arrive_is_not_concluded_until_they_stop() -> 
     assert len(core.conclusions) == 1
 
 
-def test_a_job_every_rank_of_which_ended_is_concluded_at_once() -> None:
+def test_a_job_every_rank_of_which_ended_is_concluded_at_once(chdb_dsn: str) -> None:
     """Its final answer is in the store when the job ends, not after the idle time: once
-    every rank said it ended, the host read all there is and no step of it is open."""
+    every rank said it ended, the host read all there is, no step of it is open and its
+    steps are stored (they come first: a conclusion takes a while)."""
     job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=0))
     info, steps = stream_of(job)
     settings = ProcessorSettings(lateness_s=1_000.0)
@@ -75,6 +76,11 @@ def test_a_job_every_rank_of_which_ended_is_concluded_at_once() -> None:
     assert core.conclusions == [], "concluded while its host was behind"
     clock.behind = False
     core.tick()
+    assert core.conclusions == [], "concluded before its last steps were stored"
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+    core.write(sink)
+    core.tick()
     assert [c.diagnosis.step for c in core.conclusions] == [last[1]]
     # Concluded at its last step: neither a tick, the idle time nor the input's end (a
     # `lagscope run` that stops reading) concludes it again.
@@ -84,7 +90,9 @@ def test_a_job_every_rank_of_which_ended_is_concluded_at_once() -> None:
     assert len(core.conclusions) == 1
 
 
-def test_steps_after_every_rank_ended_are_concluded_when_idle_not_each_at_once() -> None:
+def test_steps_after_every_rank_ended_are_concluded_when_idle_not_each_at_once(
+    chdb_dsn: str,
+) -> None:
     """A job that opened its monitors again after they all closed (a second phase in the
     same attempt): its ranks' ends are behind its new steps, so they do not conclude it
     at every step; its idle time does."""
@@ -97,11 +105,20 @@ def test_steps_after_every_rank_ended_are_concluded_when_idle_not_each_at_once()
     core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
     core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
 
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+
+    concluded: list[int] = []  # the step of every conclusion stored
+
+    def tick_and_write() -> None:
+        core.tick()
+        concluded.extend(c.diagnosis.step for c in core.write(sink).conclusions)
+
     def arrive(batches: list) -> None:
         now[0] += 1.0
         core.on_batches([(b.encode(), "ops@0", now[0]) for b in batches])
         core.settle()
-        core.tick()
+        tick_and_write()
 
     for _, _, batches in steps[:3]:
         arrive(batches)
@@ -111,14 +128,16 @@ def test_steps_after_every_rank_ended_are_concluded_when_idle_not_each_at_once()
         identity = RankIdentity(rank=rank, dp_rank=rank // 2, pp_rank=rank % 2)
         ended = info.model_copy(update={"rank_identity": identity, "ended_ns": first_phase_end})
         core.on_job_record(ended.model_dump_json().encode(), f"jobs@{rank + 1}", 0.0)
-    core.tick()
-    assert [c.diagnosis.step for c in core.conclusions] == [2]
+    tick_and_write()
+    assert concluded == [2]
     for _, _, batches in steps[3:]:
         arrive(batches)
-    assert len(core.conclusions) == 1, [c.diagnosis.step for c in core.conclusions]
+        tick_and_write()
+    assert concluded == [2]
     now[0] += IDLE_S
     assert core.conclude_idle(IDLE_S) == [(info.job_id, info.attempt)]
-    assert core.conclusions[-1].diagnosis.step == steps[-1][1]
+    tick_and_write()
+    assert concluded == [2, steps[-1][1]]
 
 
 @pytest.mark.parametrize("seed", range(3))
