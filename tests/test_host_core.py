@@ -44,17 +44,25 @@ def test_a_job_whose_batches_still_arrive_is_not_concluded_until_they_stop() -> 
     assert len(core.conclusions) == 1
 
 
+def _caught_up_core(info, wall) -> HostCore:
+    """A host core that knows the job and has read all there is (its clock on `wall`)."""
+    clock = LatenessClock(wall=wall)
+    clock.behind = False
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    return core
+
+
 def test_a_job_every_rank_of_which_ended_is_concluded_at_once(chdb_dsn: str) -> None:
     """Its final answer is in the store when the job ends, not after the idle time: once
     every rank said it ended, the host read all there is, no step of it is open and its
     steps are stored (they come first: a conclusion takes a while)."""
     job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=0))
     info, steps = stream_of(job)
-    settings = ProcessorSettings(lateness_s=1_000.0)
-    clock = LatenessClock(wall=lambda: 0.0)
-    clock.behind = False  # caught up: only its ranks' ends and its open step hold it
-    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
-    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    # Caught up: only its ranks' ends and its open step hold it.
+    core = _caught_up_core(info, lambda: 0.0)
+    clock = core.clock
     for _, _, batches in steps[:-1]:
         core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
     # As a rank's monitor closes: after its last op.
@@ -99,11 +107,7 @@ def test_steps_after_every_rank_ended_are_concluded_when_idle_not_each_at_once(
     job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=6, seed=0))
     info, steps = stream_of(job)
     now = [0.0]
-    clock = LatenessClock(wall=lambda: now[0])
-    clock.behind = False
-    settings = ProcessorSettings(lateness_s=1_000.0)
-    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
-    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    core = _caught_up_core(info, lambda: now[0])
 
     sink = ClickHouseSink(chdb_dsn)
     sink.ensure_schema()
@@ -156,11 +160,7 @@ def test_a_pause_leaves_an_open_episode_as_it_stands_and_the_end_refines_it(seed
     )  # fmt: skip
     info, steps = stream_of(job)
     now = [0.0]
-    clock = LatenessClock(wall=lambda: now[0])
-    clock.behind = False
-    settings = ProcessorSettings(lateness_s=1_000.0)
-    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
-    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    core = _caught_up_core(info, lambda: now[0])
     shown = []  # (step, open) of the episode's every stored state, in write order
     for _, step, batches in steps:
         now[0] += 1.0
