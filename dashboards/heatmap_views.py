@@ -28,6 +28,7 @@ from lagscope.dashboards.worker_grid import (
     text_width,
     worst_dp_ranks,
 )
+from lagscope.simulator.summary import Others
 
 #: A cell's least and largest side (px): below 12 a cell is a hairline a pointer cannot
 #: hit, above 44 a small job's picture is mostly colour.
@@ -348,6 +349,7 @@ def heatmap_view(
         "groups": [],
     }
     top_workers = _top_workers(worker_slowdown, verified, scale, machines)
+    view["top_others"] = _others_text(worker_slowdown, top_workers)
     view["show_machines"] = bool(machines)
     if not grid.binned:
         view["chart"] = _full_chart(
@@ -466,6 +468,15 @@ def _top_workers(
         }
         for w in ranked_workers(worker_slowdown, list(verified), top=TOP_WORKERS)
     ]
+
+
+def _others_text(worker_slowdown: np.ndarray, shown: list[dict[str, Any]]) -> str:
+    """Where the S_w of the workers the top table leaves out lie ("" when it shows all)."""
+    left_out = np.ones(worker_slowdown.shape, dtype=bool)
+    for w in shown:
+        left_out[w["stage"], w["dp"]] = False
+    others = Others.of(worker_slowdown[left_out])
+    return others.text("workers", "S_w") if others else ""
 
 
 def _dp_group(

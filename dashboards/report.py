@@ -27,6 +27,7 @@ from lagscope.dashboards.heatmap_views import heatmap_view
 from lagscope.dashboards.step_chart import line_view, sampled_runs
 from lagscope.dashboards.stragglers import verified_in_run, verified_workers
 from lagscope.simulator.diagnose import Diagnosis
+from lagscope.simulator.summary import others_after
 from lagscope.simulator.verdict import (
     ABOVE_S,
     MEANINGS,
@@ -35,7 +36,7 @@ from lagscope.simulator.verdict import (
     raw_note,
     verdict_of,
 )
-from lagscope.simulator.whatif import WhatIfResult
+from lagscope.simulator.whatif import Attribution, WhatIfResult
 
 if TYPE_CHECKING:
     import jinja2
@@ -149,6 +150,20 @@ def bars_view(items: list[tuple[str, float]], chart_id: str) -> dict[str, Any]:
     }
 
 
+def _family_bars(
+    att: Attribution, top: int, chart_id: str, title: str, noun: str
+) -> dict[str, Any]:
+    """A family's bar chart of its `top` groups, titled with how many it has, and where
+    the groups it leaves out lie."""
+    ranked = att.ranked()
+    others = others_after(att, top)
+    return {
+        **bars_view(ranked[:top], chart_id),
+        "title": f"{title} (top {top} of {len(ranked):,})" if others else title,
+        "others": others.text(noun) if others else "",
+    }
+
+
 def bars_svg(items: list[tuple[str, float]], chart_id: str) -> str:
     return str(_charts().bars(bars_view(items, chart_id)))
 
@@ -253,11 +268,10 @@ def render_report(data: ReportData) -> str:
         "above_s": ", ".join(_above_s(r)),
         "above_s_reason": ABOVE_S,
         "slowdown": f"{r.slowdown:.3f}",
-        "top": top,
         "bars": {
-            "optype": bars_view(r.by_optype.ranked()[:top], "by-optype"),
-            "stage": bars_view(r.by_stage.ranked()[:top], "by-stage"),
-            "dp": bars_view(r.by_dp_rank.ranked()[:top], "by-dp"),
+            "optype": _family_bars(r.by_optype, top, "by-optype", "by op type", "op types"),
+            "stage": _family_bars(r.by_stage, top, "by-stage", "by stage", "stages"),
+            "dp": _family_bars(r.by_dp_rank, top, "by-dp", "by DP rank", "DP ranks"),
         },
         "timeline_file": data.timeline_file,
         "timeline_note": data.timeline_note,

@@ -5,6 +5,8 @@ stream app and the report share them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -94,16 +96,62 @@ def result_to_dict(result: WhatIfResult, *, always_decompose: bool = False) -> d
     }
 
 
+@dataclass(frozen=True)
+class Others:
+    """The members of a ranked family that a list leaves out: how many, and where their
+    values lie. At 1,560 DP ranks a top-5 list of near-equal values reads as five slow
+    ranks; beside the others' range it reads as one rank that stands out, or none.
+
+    >>> Others.of([1.06, 1.07, 1.065]).text("DP ranks")
+    'the other 3 DP ranks: S 1.060-1.070, median 1.065'
+    >>> Others.of([]) is None
+    True
+    """
+
+    count: int
+    low: float
+    median: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Others | None:
+        """The others' figures (NaNs left out of the range); None when none is left out."""
+        array = np.asarray(list(values), dtype=np.float64)
+        if array.size == 0:
+            return None
+        finite = array[np.isfinite(array)]
+        if finite.size == 0:
+            return cls(int(array.size), float("nan"), float("nan"), float("nan"))
+        return cls(int(array.size), float(finite.min()), float(np.median(finite)),
+                   float(finite.max()))  # fmt: skip
+
+    def text(self, noun: str, symbol: str = "S") -> str:
+        if not np.isfinite(self.median):
+            return f"the other {self.count:,} {noun}: no {symbol}"
+        return (
+            f"the other {self.count:,} {noun}: {symbol} {self.low:.3f}-{self.high:.3f}, "
+            f"median {self.median:.3f}"
+        )
+
+
+def others_after(att: Attribution, top: int) -> Others | None:
+    """The groups of `att` after its `top` highest."""
+    return Others.of(value for _, value in att.ranked()[top:])
+
+
 def _with_meaning(line: str, symbol: str) -> str:
     return f"{line}   - {symbol}: {MEANINGS[symbol]}"
 
 
 def _attribution_line(
-    title: str, att: Attribution, slowdown: float, top: int, prefix: str = ""
+    title: str, att: Attribution, slowdown: float, top: int, prefix: str, noun: str
 ) -> str:
-    """A family's top groups by S_X; a group above S itself says why beside it."""
+    """A family's top groups by S_X, then where the others lie; a group above S itself
+    says why beside it."""
     ranked = att.ranked()[:top]
     line = f"{title:<20}" + "   ".join(f"{n} {v:.3f}" for n, v in ranked)
+    if (others := others_after(att, top)) is not None:
+        line += f"   ({others.text(noun)})"
     if ranked and ranked[0][1] > slowdown + 5e-4:
         line += f"   ({prefix}{ranked[0][0]} is {ABOVE_S})"
     return line
@@ -133,7 +181,9 @@ def summary_lines(
     """The human summary `lagscope analyze` prints: the numbers, each symbol with one
     sentence of meaning, shares written as shares, then the verdict of `diagnosis` (the
     numbers alone name no cause: the diagnosis checks them against the job's noise)."""
-    worst_workers = np.argsort(-result.worker_slowdown, axis=None, kind="stable")[:3]
+    by_score = np.argsort(-result.worker_slowdown, axis=None, kind="stable")
+    worst_workers = by_score[:3]
+    other_workers = Others.of(result.worker_slowdown.flat[by_score[3:]])
     n_dp = result.worker_slowdown.shape[1]
     lines = [
         f"steps analysed      {result.steps.size}"
@@ -149,6 +199,7 @@ def summary_lines(
         _with_meaning(
             "M_W (top workers)   "
             + ", ".join(f"(dp {dp}, pp {st})" for dp, st in result.mw.workers[:6])
+            + (f" and {len(result.mw.workers) - 6:,} more" if len(result.mw.workers) > 6 else "")
             + f": {share(result.mw.removed_share, 'M_W', 1)}",
             "M_W",
         ),
@@ -158,17 +209,18 @@ def summary_lines(
             + "   ".join(
                 f"(dp {i % n_dp}, pp {i // n_dp}) {result.worker_slowdown.flat[i]:.3f}"
                 for i in worst_workers.tolist()
-            ),
+            )
+            + (f"   ({other_workers.text('workers', 'S_w')})" if other_workers else ""),
             "S_w",
         ),
     ]
     if result.decomposed:
-        for title, att, prefix in (
-            ("by op type", result.by_optype, ""),
-            ("by stage", result.by_stage, "pp "),
-            ("by DP rank", result.by_dp_rank, "dp "),
+        for title, att, prefix, noun in (
+            ("by op type", result.by_optype, "", "op types"),
+            ("by stage", result.by_stage, "pp ", "stages"),
+            ("by DP rank", result.by_dp_rank, "dp ", "DP ranks"),
         ):
-            lines.append(_attribution_line(title, att, result.slowdown, top, prefix))
+            lines.append(_attribution_line(title, att, result.slowdown, top, prefix, noun))
     worst = np.argsort(-result.step_slowdown)[:3]
     lines.append(
         "slowest steps       "

@@ -193,3 +193,52 @@ def test_heatmap_outlines_verified_workers_and_marks_their_crossings() -> None:
     assert kinds[1, 1] == "verified" and kinds[1, 2] == "crossing"
     assert kinds[0, 1] == "crossing"  # the verified worker's stage
     assert kinds[0, 0] == "unverified" and kinds[2, 2] == "unverified"
+
+
+def _others(values: list[float]) -> str:
+    """The others' figures written out here, not by the code under test."""
+    return f"S {min(values):.3f}-{max(values):.3f}, median {float(np.median(values)):.3f}"
+
+
+def test_a_ranked_list_says_where_the_groups_it_leaves_out_lie() -> None:
+    """SE's top 5 DP ranks (1.186-1.204) read alone as five slow ranks; beside the other
+    27 (1.118-1.184) they read as the top of one spread. At 1,560 DP ranks a straggler's
+    rank stood above four arbitrary ones of 1,559 near-equal ranks, and the report's "by
+    op type" left 3 of 11 op types out without a word."""
+    from lagscope.dashboards.report import ReportData, render_report
+    from lagscope.simulator.diagnose import diagnose
+    from lagscope.simulator.summary import summary_lines
+
+    prepared, result = analyzed_reference("SE")
+    by_dp = sorted(result.by_dp_rank.overall.values(), reverse=True)
+    scores = sorted(result.worker_slowdown.ravel().tolist(), reverse=True)
+    lines = summary_lines(result)
+    dp_line = next(line for line in lines if line.startswith("by DP rank"))
+    assert f"(the other 27 DP ranks: {_others(by_dp[5:])})" in dp_line
+    score_line = next(line for line in lines if line.startswith("worker score S_w"))
+    assert f"(the other 61 workers: {_others(scores[3:])})".replace(" S ", " S_w ") in score_line
+    stage_line = next(line for line in lines if line.startswith("by stage"))
+    assert "the other" not in stage_line  # both stages are listed
+
+    html = render_report(ReportData(title="SE", subtitle="", result=result,
+                                    diagnosis=diagnose(result, prepared)))  # fmt: skip
+    assert "<h3>by DP rank (top 8 of 32)</h3>" in html
+    assert f'id="by-dp-others">the other 24 DP ranks: {_others(by_dp[8:])}</p>' in html
+    assert "<h3>by stage</h3>" in html and 'id="by-stage-others"' not in html
+    n_optypes = len(result.by_optype.overall)
+    assert n_optypes > 8 and f"<h3>by op type (top 8 of {n_optypes})</h3>" in html
+
+
+def test_the_top_workers_table_says_where_the_others_lie() -> None:
+    """At 99,968 GPUs the table names 10 workers of 12,496: their caption gives the other
+    12,486 workers' range, so a list of near-equal scores is not read as ten stragglers."""
+    rng = np.random.default_rng(4)
+    worker_slowdown = 1.0 + 0.02 * rng.random((8, 1562))
+    worker_slowdown[3, 1041] = 1.3
+    view = heatmap_view(worker_slowdown, [(1041, 3)])
+    shown = {(w["stage"], w["dp"]) for w in view["top_workers"]}
+    others = [float(v) for (stage, dp), v in np.ndenumerate(worker_slowdown)
+              if (stage, dp) not in shown]  # fmt: skip
+    assert len(others) == worker_slowdown.size - len(shown)
+    expected = f"the other {len(others):,} workers: {_others(others)}".replace(" S ", " S_w ")
+    assert view["top_others"] == expected
