@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from lagscope.dashboards.colour_scale import FIXED_HIGH, FIXED_LOW, ColourScale, colour_scale
-from lagscope.dashboards.stragglers import ranked_workers
+from lagscope.dashboards.stragglers import RankedWorker, others_than, ranked_workers
 from lagscope.dashboards.worker_grid import (
     WorkerGrid,
     bin_workers,
@@ -28,7 +28,6 @@ from lagscope.dashboards.worker_grid import (
     text_width,
     worst_dp_ranks,
 )
-from lagscope.simulator.summary import Others
 
 #: A cell's least and largest side (px): below 12 a cell is a hairline a pointer cannot
 #: hit, above 44 a small job's picture is mostly colour.
@@ -348,8 +347,10 @@ def heatmap_view(
         "top_workers": [],
         "groups": [],
     }
-    top_workers = _top_workers(worker_slowdown, verified, scale, machines)
-    view["top_others"] = _others_text(worker_slowdown, top_workers)
+    ranked = ranked_workers(worker_slowdown, list(verified), top=TOP_WORKERS)
+    top_workers = _top_workers(ranked, scale, machines)
+    others = others_than(worker_slowdown, ranked)
+    view["top_others"] = others.text("workers", "S_w") if others else ""
     view["show_machines"] = bool(machines)
     if not grid.binned:
         view["chart"] = _full_chart(
@@ -452,10 +453,7 @@ def _worst_replicas_chart(
 
 
 def _top_workers(
-    worker_slowdown: np.ndarray,
-    verified: Sequence[tuple[int, int]],
-    scale: ColourScale,
-    machines: Mapping[tuple[int, int], str],
+    ranked: list[RankedWorker], scale: ColourScale, machines: Mapping[tuple[int, int], str]
 ) -> list[dict[str, Any]]:
     """The table of the top workers, verified ones first, each with its machine."""
     return [
@@ -466,17 +464,8 @@ def _top_workers(
             "kind": w.kind,
             "machine": machines.get((w.dp, w.stage), ""),
         }
-        for w in ranked_workers(worker_slowdown, list(verified), top=TOP_WORKERS)
+        for w in ranked
     ]
-
-
-def _others_text(worker_slowdown: np.ndarray, shown: list[dict[str, Any]]) -> str:
-    """Where the S_w of the workers the top table leaves out lie ("" when it shows all)."""
-    left_out = np.ones(worker_slowdown.shape, dtype=bool)
-    for w in shown:
-        left_out[w["stage"], w["dp"]] = False
-    others = Others.of(worker_slowdown[left_out])
-    return others.text("workers", "S_w") if others else ""
 
 
 def _dp_group(

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from lagscope.simulator.summary import Others
+
 if TYPE_CHECKING:
     from lagscope.simulator.evidence import Evidence
 
@@ -95,3 +97,16 @@ def ranked_workers(
             )
         )
     return ranked[:top]
+
+
+def others_than(worker_slowdown: np.ndarray, shown: Sequence[RankedWorker]) -> Others | None:
+    """Where the S_w of the workers a list of `shown` leaves out lie (None: it shows all).
+
+    >>> s_w = np.array([[1.0, 1.1], [1.2, 1.4]])  # [stage, dp]
+    >>> others_than(s_w, ranked_workers(s_w, [], top=1)).text("workers", "S_w")
+    'the other 3 workers: S_w 1.000-1.200, median 1.100'
+    """
+    left_out = np.ones(worker_slowdown.shape, dtype=bool)
+    for w in shown:
+        left_out[w.stage, w.dp] = False
+    return Others.of(worker_slowdown[left_out])

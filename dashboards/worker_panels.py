@@ -188,39 +188,58 @@ def worker_slowdown_per_step(q: Collector) -> heatmap.Panel:
     )
 
 
+#: Rows of the top stragglers table, before its last row: the other workers' range.
+TOP_STRAGGLERS = 10
+
 #: Workers an episode verified first, then the highest worker scores, in range and among
-#: the selected DP ranks.
+#: the selected DP ranks; then one row for all the others, which says where their scores
+#: lie (at 12,480 workers, ten near-equal scores would read as ten stragglers).
 TOP_STRAGGLERS_SQL = f"""
     {dp_range_with()}
-    SELECT w.dp AS dp, w.stage AS stage,
-           if(e.episodes > 0,
-              concat('verified: episode ', e.ids, ' (', e.causes, ')'),
-              'score only') AS evidence,
-           e.gpu_hours_lost AS gpu_hours_lost,
-           w.mean_S_w AS mean_S_w, w.max_S_w AS max_S_w,
-           w.slow_steps AS slow_steps
+    SELECT if(place <= {TOP_STRAGGLERS}, any(worker_dp), NULL) AS dp,
+           if(place <= {TOP_STRAGGLERS}, any(worker_stage), NULL) AS stage,
+           if(place <= {TOP_STRAGGLERS}, any(worker_evidence),
+              concat('the other ', toString(count()), ' workers: mean S_w ',
+                     toDecimalString(min(worker_mean), 3), '-',
+                     toDecimalString(max(worker_mean), 3), ', median ',
+                     toDecimalString(median(worker_mean), 3))) AS evidence,
+           if(place <= {TOP_STRAGGLERS}, any(worker_lost), NULL) AS gpu_hours_lost,
+           if(place <= {TOP_STRAGGLERS}, any(worker_mean), median(worker_mean)) AS mean_S_w,
+           max(worker_max) AS max_S_w,
+           if(place <= {TOP_STRAGGLERS}, any(worker_slow_steps), NULL) AS slow_steps
     FROM (
-        SELECT dp_rank AS dp, pp_rank AS stage, avg(slowdown) AS mean_S_w,
-               max(slowdown) AS max_S_w,
-               countIf(slowdown > 1.05) AS slow_steps
-        FROM worker_slowdown FINAL
-        WHERE {IN_RANGE} AND {IN_DP_RANGE}
-        GROUP BY dp, stage
-    ) AS w
-    LEFT JOIN (
-        SELECT toUInt32(dp_rank) AS dp, toUInt32(pp_rank) AS stage,
-               count() AS episodes,
-               arrayStringConcat(groupArray(toString(episode_id)), ', ') AS ids,
-               arrayStringConcat(groupUniqArray(concat(cause, ' in ', optype)),
-                                 ', ') AS causes,
-               sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
-        FROM episodes FINAL
-        WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
-          AND ifNull(recovery_ts, last_ts) >= $__fromTime
-        GROUP BY dp, stage
-    ) AS e ON e.dp = w.dp AND e.stage = w.stage
-    ORDER BY e.episodes > 0 DESC, e.gpu_hours_lost DESC, w.mean_S_w DESC
-    LIMIT 10
+        SELECT w.dp AS worker_dp, w.stage AS worker_stage,
+               if(e.episodes > 0,
+                  concat('verified: episode ', e.ids, ' (', e.causes, ')'),
+                  'score only') AS worker_evidence,
+               e.gpu_hours_lost AS worker_lost,
+               w.mean_S_w AS worker_mean, w.max_S_w AS worker_max,
+               w.slow_steps AS worker_slow_steps,
+               row_number() OVER (ORDER BY e.episodes > 0 DESC, e.gpu_hours_lost DESC,
+                                           w.mean_S_w DESC, w.stage, w.dp) AS position
+        FROM (
+            SELECT dp_rank AS dp, pp_rank AS stage, avg(slowdown) AS mean_S_w,
+                   max(slowdown) AS max_S_w,
+                   countIf(slowdown > 1.05) AS slow_steps
+            FROM worker_slowdown FINAL
+            WHERE {IN_RANGE} AND {IN_DP_RANGE}
+            GROUP BY dp, stage
+        ) AS w
+        LEFT JOIN (
+            SELECT toUInt32(dp_rank) AS dp, toUInt32(pp_rank) AS stage,
+                   count() AS episodes,
+                   arrayStringConcat(groupArray(toString(episode_id)), ', ') AS ids,
+                   arrayStringConcat(groupUniqArray(concat(cause, ' in ', optype)),
+                                     ', ') AS causes,
+                   sum(gpu_seconds_lost) / 3600 AS gpu_hours_lost
+            FROM episodes FINAL
+            WHERE {ONE_ATTEMPT} AND onset_ts <= $__toTime
+              AND ifNull(recovery_ts, last_ts) >= $__fromTime
+            GROUP BY dp, stage
+        ) AS e ON e.dp = w.dp AND e.stage = w.stage
+    )
+    GROUP BY least(position, {TOP_STRAGGLERS + 1}) AS place
+    ORDER BY place
 """
 
 
@@ -233,7 +252,8 @@ def top_stragglers(q: Collector) -> table.Panel:
             "Workers verified by an episode in the range first (with what they cost), "
             "then the highest worker scores S_w, labelled as scores: S_w = min(S_dp, "
             "S_stage) also lights up the crossings of a slow DP replica and a slow stage "
-            "(a score, not a verdict). slow steps = steps with S_w above 1.05."
+            "(a score, not a verdict). slow steps = steps with S_w above 1.05. The last "
+            "row gives where the other workers' scores lie."
         )
         .with_target(
             q.query(

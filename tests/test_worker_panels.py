@@ -19,6 +19,7 @@ from lagscope.dashboards.worker_panels import (
     MATRIX_BLOCKS,
     MATRIX_MAX_DP_COLUMNS,
     MAX_WORKER_SERIES,
+    TOP_STRAGGLERS,
 )
 from tests.generated_store import store_generated_job
 
@@ -179,6 +180,26 @@ def test_top_stragglers_follow_the_dp_range(wide_store) -> None:
     (first, *_) = _run(wide_store, "Top stragglers in range")
     assert (first["dp"], first["stage"]) == (dp, stage)
     assert first["evidence"].startswith("verified")
-    zoomed = _run(wide_store, "Top stragglers in range", dp_range="0-9")
+    *zoomed, others = _run(wide_store, "Top stragglers in range", dp_range="0-9")
     assert zoomed and all(row["dp"] < 10 for row in zoomed)
     assert json.dumps([r["evidence"] for r in zoomed]).count("verified") == 0
+    assert others["evidence"].startswith(f"the other {10 * PP - len(zoomed)} workers: ")
+
+
+def test_top_stragglers_end_with_where_the_other_workers_lie(wide_store) -> None:
+    """Ten rows of 192 workers, nine of them scores only: the last row gives the other
+    182 workers' range and median of mean S_w, as the stored rows have them, so the nine
+    are read against them."""
+    *top, others = _run(wide_store, "Top stragglers in range")
+    assert len(top) == TOP_STRAGGLERS and others["dp"] is None and others["stage"] is None
+    means = _worker_means(wide_store)
+    rest = sorted(v for worker, v in means.items()
+                  if worker not in {(row["dp"], row["stage"]) for row in top})  # fmt: skip
+    assert len(rest) == DP * PP - TOP_STRAGGLERS
+    median = (rest[len(rest) // 2 - 1] + rest[len(rest) // 2]) / 2
+    assert others["evidence"] == (
+        f"the other {len(rest)} workers: mean S_w {rest[0]:.3f}-{rest[-1]:.3f}, median {median:.3f}"
+    )
+    assert others["mean_S_w"] == pytest.approx(median, abs=1e-9)
+    # The top rows are the highest scores of the rest, after the verified worker.
+    assert min(row["mean_S_w"] for row in top[1:]) >= rest[-1]

@@ -52,14 +52,20 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
 
 
 def _print_workers(job: JobReport, say: Callable[..., None]) -> None:
-    from lagscope.dashboards.stragglers import ranked_workers, verified_in_run
+    from lagscope.dashboards.stragglers import others_than, ranked_workers, verified_in_run
     from lagscope.simulator.verdict import MEANINGS
 
     assert job.rollup is not None
     evidence = job.diagnosis.evidence if job.diagnosis is not None else None
     verified = verified_in_run(evidence, [e.diagnosis.evidence for e in job.episodes])
     top = ranked_workers(job.rollup.worker_slowdown, verified)
-    say("    top stragglers " + ", ".join(w.describe() for w in top) + f" - S_w: {MEANINGS['S_w']}")
+    others = others_than(job.rollup.worker_slowdown, top)
+    say(
+        "    top stragglers "
+        + ", ".join(w.describe() for w in top)
+        + (f" ({others.text('workers', 'S_w')})" if others else "")
+        + f" - S_w: {MEANINGS['S_w']}"
+    )
 
 
 def print_episode(
