@@ -28,6 +28,7 @@ from lagscope.dashboards.worker_grid import (
     text_width,
     worst_dp_ranks,
 )
+from lagscope.simulator.summary import Others
 
 #: A cell's least and largest side (px): below 12 a cell is a hairline a pointer cannot
 #: hit, above 44 a small job's picture is mostly colour.
@@ -413,6 +414,15 @@ def _binned_parts(
     worst = worst_dp_ranks(worker_slowdown, min(WORST_DP, fit), [dp for dp, _ in verified])
     parts["worst_heading"] = (
         f"The {len(worst)} DP replicas with the highest S_w, every worker (worst first)"
+    )
+    # Their worst workers against the other replicas' worst: 15 replicas as slow as the
+    # 1,544 others are no stragglers.
+    worst_of_replica = np.nanmax(
+        np.where(np.isfinite(worker_slowdown), worker_slowdown, -np.inf), axis=0
+    )
+    others = Others.of(np.delete(worst_of_replica, worst))
+    parts["worst_others"] = (
+        others.text("DP replicas", "worst worker's S_w") if others is not None else ""
     )
     parts["worst"] = _worst_replicas_chart(
         chart_id, worker_slowdown, worst, kinds, scale, max_width, machines

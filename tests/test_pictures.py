@@ -230,8 +230,9 @@ def test_a_ranked_list_says_where_the_groups_it_leaves_out_lie() -> None:
 
 
 def test_the_top_workers_table_says_where_the_others_lie() -> None:
-    """At 99,968 GPUs the table names 10 workers of 12,496: their caption gives the other
-    12,486 workers' range, so a list of near-equal scores is not read as ten stragglers."""
+    """At 99,968 GPUs the table names 10 workers of 12,496 and the worst replicas' heatmap
+    16 of 1,562 replicas: each says where the others lie, so near-equal scores are not
+    read as ten stragglers."""
     rng = np.random.default_rng(4)
     worker_slowdown = 1.0 + 0.02 * rng.random((8, 1562))
     worker_slowdown[3, 1041] = 1.3
@@ -242,3 +243,11 @@ def test_the_top_workers_table_says_where_the_others_lie() -> None:
     assert len(others) == worker_slowdown.size - len(shown)
     expected = f"the other {len(others):,} workers: {_others(others)}".replace(" S ", " S_w ")
     assert view["top_others"] == expected
+    # The worst replicas' heatmap, against the other replicas' worst workers.
+    shown_replicas = {int(tick["text"]) for tick in view["worst"]["ticks"]}
+    rest = [float(worker_slowdown[:, dp].max()) for dp in range(1562) if dp not in shown_replicas]
+    assert view["worst_others"] == (
+        f"the other {len(rest):,} DP replicas: {_others(rest)}".replace(
+            " S ", " worst worker's S_w "
+        )
+    )
