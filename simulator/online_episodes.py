@@ -30,17 +30,21 @@ A weaker rise, clear of the noise by `confirm_z` only, opens the episode once it
 lasted `confirm_steps`; a job whose workers jump that much in more than `quiet_spike_rate`
 of their steps before the evidence (ranks that lose shared cores in runs of up to 10 steps
 look like stragglers for that long) opens none before `confirm_steps`, and above
-`busy_spike_rate` none before `noisy_steps`. The evidence begins where the worker rose
-(its first step is past the middle of its two levels), and the baselines leave out every
-episode's steps (a straggler changes what its peers do too). Of the kinds that rose at
-once, the episode is the one that cost most (a rank starved of input also starts its next
-forward late: one episode); a worker in an episode opens another only in another kind that
-costs it `second_episode_ratio` times more (a small episode must not hide a straggler that
-follows it, and the host time a straggler drags up with it stays part of its episode). An
-episode stays open while the worker is slow and closes once `recovery_steps` of its last
-`recovery_steps` + 1 steps, the latest among them, are back below the middle of its two
-levels (one noisy step does not hold a recovered worker's episode open); the recovery step
-is the first of those.
+`busy_spike_rate` none before `noisy_steps`. In a quiet job (its workers jump by
+`quiet_min_rise` in at most `quiet_jump_rate` of their steps: a GPU's kernels), a smaller
+rise, by `quiet_min_rise` and `quiet_min_peer_ratio` over its peers, opens one at
+`confirm_steps`, clear of the noise by `onset_z`: a GPU throttled to 1.3x is a straggler
+there, while on shared CPU cores every rank rises so now and then. The evidence begins
+where the worker rose (its first step is past the middle of its two levels), and the
+baselines leave out every episode's steps (a straggler changes what its peers do too). Of
+the kinds that rose at once, the episode is the one that cost most (a rank starved of
+input also starts its next forward late: one episode); a worker in an episode opens
+another only in another kind that costs it `second_episode_ratio` times more (a small
+episode must not hide a straggler that follows it, and the host time a straggler drags up
+with it stays part of its episode). An episode stays open while the worker is slow and
+closes once `recovery_steps` of its last `recovery_steps` + 1 steps, the latest among
+them, are back below the middle of its two levels (one noisy step does not hold a
+recovered worker's episode open); the recovery step is the first of those.
 
 Measured on 183 real 4-rank torch jobs on a shared 2-core machine (DDP and DP 2 x PP 2 1F1B
 pipelines, on an emulated accelerator and on real CPU compute, some with a CPU burner
@@ -146,6 +150,19 @@ class OnlineEpisodeSettings:
     #: Against its peers, one step in this many of the evidence may be quick (a peer lost
     #: its core there): windows of 5 steps allow none, of 8 one, of 11 two.
     steps_per_quick_peer_step: int = 5
+    #: In a quiet job a smaller rise opens an episode too, on `confirm_steps` of evidence
+    #: clear of the noise by `onset_z`: a worker 1.3-1.45x slower (a throttled GPU) for 16
+    #: of a generated 1,024-GPU job's 40 steps cost those steps 15-23 % and was never an
+    #: episode; nor, by a hair, a 1.5x one at 12,288 GPUs (its median rose 1.494x).
+    quiet_min_rise: float = 0.15
+    #: ... slower than its peers by this much in its every step ...
+    quiet_min_peer_ratio: float = 1.1
+    #: ... where the job's workers jump by `quiet_min_rise` (and `min_cost`) in at most this
+    #: share of their baseline steps (of that kind): in the recorded CPU jobs, whose ranks
+    #: lose their cores, their compute and host time jump so in 14-39 % of the steps
+    #: (median over a run; input waits and optimizer 0-7 %), on the emulated accelerator
+    #: 0-3 %; a GPU's kernels hardly ever.
+    quiet_jump_rate: float = 0.05
     #: How far (steps) the end of the job's refit may move an onset from the live one: the
     #: evidence (up to `noisy_steps` long) may begin on a noisy step before the rise; with
     #: 3 a forward straggler of steps 15-29 kept a live onset of 11 (real 1F1B job).
@@ -161,6 +178,10 @@ class OnlineEpisodeSettings:
             problems.append(("confirm_steps", "must be at least onset_steps"))
         if self.noisy_steps < self.confirm_steps:
             problems.append(("noisy_steps", "must be at least confirm_steps"))
+        if self.quiet_min_rise > self.min_rise:
+            problems.append(("quiet_min_rise", "must be at most min_rise"))
+        if self.quiet_min_peer_ratio > self.min_peer_ratio:
+            problems.append(("quiet_min_peer_ratio", "must be at most min_peer_ratio"))
         if problems:
             raise FieldErrors(problems)
 
@@ -175,6 +196,9 @@ _SETTINGS_BOUNDS = {
     "confirm_steps": Bound(integer=True, ge=2),
     "min_rise": Bound(gt=0),
     "min_peer_ratio": Bound(ge=1),
+    "quiet_min_rise": Bound(gt=0),
+    "quiet_min_peer_ratio": Bound(ge=1),
+    "quiet_jump_rate": Bound(ge=0, le=1),
     "onset_z": Bound(ge=0),
     "confirm_z": Bound(ge=0),
     "min_cost": Bound(ge=0),
@@ -293,6 +317,19 @@ class _History:
         return self.peers[self.count - n : self.count]
 
 
+@dataclass(frozen=True)
+class _Lane:
+    """One way an episode opens: `window` steps of evidence clear of the noise by `z`,
+    risen by `rise` and slower than the peers by `peer_ratio`, in a job whose workers jump
+    by `rise` in at most `most_jumps` of their baseline steps (None: any)."""
+
+    window: int
+    z: float
+    rise: float
+    peer_ratio: float
+    most_jumps: float | None
+
+
 @dataclass
 class _Evidence:
     """What the gates found for every worker over one window ([kind, stage, dp])."""
@@ -395,21 +432,17 @@ class OnlineEpisodes:
         if not candidates.any():
             return changes  # a healthy job's usual step: no gate to take
         measured = np.flatnonzero(candidates.any(axis=(1, 2)))
-        lanes = (
-            (cfg.onset_steps, cfg.onset_z, cfg.quiet_spike_rate),
-            (cfg.confirm_steps, cfg.confirm_z, cfg.busy_spike_rate),
-            (cfg.noisy_steps, cfg.confirm_z, None),
-        )
         columns = np.nonzero(candidates)
-        for window, z, most_spikes in lanes:
+        for lane in self._lanes():
+            window = lane.window
             # The gates first: a series' evidence is its own, and the spike rate (medians
             # over the job's baseline) is only needed where one rose.
-            evidence = self._evidence(window, z, columns)
+            evidence = self._evidence(lane, columns)
             if evidence is None or not evidence.raised.any():
                 continue
             kinds_allowed = np.ones(len(self.kinds), dtype=bool)
-            if most_spikes is not None:
-                kinds_allowed = self._spike_rate(measured, window) <= most_spikes
+            if lane.most_jumps is not None:
+                kinds_allowed = self._spike_rate(measured, window, lane.rise) <= lane.most_jumps
             raised = (
                 evidence.raised
                 & ~open_kind
@@ -449,6 +482,21 @@ class OnlineEpisodes:
                 opened_now[stage, dp] = True
                 changes.append(EpisodeChange("opened", episode))
         return changes
+
+    def _lanes(self) -> tuple[_Lane, ...]:
+        """The ways an episode opens, tried in turn: a clear rise on `onset_steps`, a
+        weaker one on `confirm_steps`, and in a noisy job on `noisy_steps` only; last, in a
+        quiet job, a smaller rise on `confirm_steps`."""
+        cfg = self.settings
+        return (
+            _Lane(cfg.onset_steps, cfg.onset_z, cfg.min_rise, cfg.min_peer_ratio,
+                  cfg.quiet_spike_rate),
+            _Lane(cfg.confirm_steps, cfg.confirm_z, cfg.min_rise, cfg.min_peer_ratio,
+                  cfg.busy_spike_rate),
+            _Lane(cfg.noisy_steps, cfg.confirm_z, cfg.min_rise, cfg.min_peer_ratio, None),
+            _Lane(cfg.confirm_steps, cfg.onset_z, cfg.quiet_min_rise, cfg.quiet_min_peer_ratio,
+                  cfg.quiet_jump_rate),
+        )  # fmt: skip
 
     def adopt(
         self,
@@ -568,11 +616,11 @@ class OnlineEpisodes:
             inside_any |= (steps >= episode.onset) & (steps < end)
         return (steps[:, None, None] >= self._baseline_from[None]) & ~inside_any[:, None, None]
 
-    def _spike_rate(self, kinds: np.ndarray, window: int) -> np.ndarray:
+    def _spike_rate(self, kinds: np.ndarray, window: int, rise: float) -> np.ndarray:
         """[kind]: the share of the workers' steps before the last `window` (the evidence:
         a straggler's own first slow steps are no measure of the job's noise; none of an
         episode; only the workers that do that kind of work) in which one jumped by
-        `min_rise` over its own median and by `min_cost` of a step: how often the job's
+        `rise` over its own median and by `min_cost` of a step: how often the job's
         own noise makes a worker look like a straggler for a step. Only `kinds` (indices)
         are measured, the others read 1 (they have no candidate)."""
         cfg = self.settings
@@ -594,9 +642,7 @@ class OnlineEpisodes:
             median = nanmedian_first_axis(kept)
             step_times = self._step_times[: len(self._step_times) - window]
             step_s = float(np.median(step_times[-cfg.baseline_steps :]))
-            jumped = (kept >= (1 + cfg.min_rise) * median) & (
-                kept - median >= cfg.min_cost * step_s
-            )
+            jumped = (kept >= (1 + rise) * median) & (kept - median >= cfg.min_cost * step_s)
             counted = np.sum(~np.isnan(kept), axis=(0, 2, 3))
         rate[kinds] = np.where(
             counted > 0, jumped.sum(axis=(0, 2, 3)) / np.maximum(counted, 1), 1.0
@@ -605,10 +651,11 @@ class OnlineEpisodes:
 
     def _candidates(self) -> np.ndarray:
         """[kind, stage, dp]: the series that may pass the gates in some window: every
-        window asks its k-th least ratio to its peers to reach `min_peer_ratio`, k its
-        allowed quick peer steps, so the last `onset_steps` steps (the shortest window's)
-        hold at most the largest k below it. Asking this first spares the gates' medians
-        on the series that cannot pass: most of them, most of the time."""
+        window asks its k-th least ratio to its peers to reach its lane's peer ratio (at
+        least `quiet_min_peer_ratio`), k its allowed quick peer steps, so the last
+        `onset_steps` steps (the shortest window's) hold at most the largest k below it.
+        Asking this first spares the gates' medians on the series that cannot pass: most
+        of them, most of the time."""
         cfg = self.settings
         history = self._history
         last = min(cfg.onset_steps, history.count)
@@ -618,11 +665,13 @@ class OnlineEpisodes:
         peers = history.recent_peers(last)
         with np.errstate(all="ignore"):
             ratio = history.recent(last) / np.where(peers > 0, peers, np.nan)
-        return np.sum(ratio >= cfg.min_peer_ratio, axis=0) >= last - allowed
+        least_ratio = min(cfg.min_peer_ratio, cfg.quiet_min_peer_ratio)
+        return np.sum(ratio >= least_ratio, axis=0) >= last - allowed
 
-    def _evidence(self, window: int, z: float, columns: tuple[np.ndarray, ...]) -> _Evidence | None:
-        """The gates of the module docstring over the last `window` steps, for the series
-        at `columns` ((kind, stage, dp) indices) at once; None before enough steps were
+    def _evidence(self, lane: _Lane, columns: tuple[np.ndarray, ...]) -> _Evidence | None:
+        """The gates of the module docstring over the `lane`'s window of last steps, with
+        its rise and peer ratio, for the series at `columns` ((kind, stage, dp) indices)
+        at once; None before enough steps were
         seen or when none of them can pass. Its arrays are [kind, stage, dp], NaN (False)
         off `columns`.
 
@@ -631,6 +680,7 @@ class OnlineEpisodes:
         the window and the peers' levels along."""
         cfg = self.settings
         history = self._history
+        window, z, min_rise = lane.window, lane.z, lane.rise
         if history.count < window + cfg.min_baseline_steps:
             return None
         kind, stage, dp = columns
@@ -642,7 +692,7 @@ class OnlineEpisodes:
         # A worker's baseline leaves out its last episode's steps: NaN there.
         usable_all = self._usable(steps[before_slots])  # [slot, stage, dp]
         usable = usable_all[:, stage, dp]
-        rise = 1.0 + cfg.min_rise
+        rise = 1.0 + min_rise
         # The least-step gate below, against the baseline's least step (never above its
         # quick level; the slack covers the quantile's rounding): most series fail it,
         # most steps, and skip the medians (a slow-from-the-start worker, on every step).
@@ -694,12 +744,12 @@ class OnlineEpisodes:
                 & (
                     inside[0]
                     >= np.fmax(
-                        (1 + cfg.min_rise / 2) * level_before, np.sqrt(level_before * level_inside)
+                        (1 + min_rise / 2) * level_before, np.sqrt(level_before * level_inside)
                     )
                 )
-                & (least_ratio >= cfg.min_peer_ratio)
-                & (ratio_inside >= (1 + cfg.min_rise / 2) * np.fmax(ratio_before, 1.0))
-                & (level_inside / level_before >= (1 + cfg.min_rise / 2) * np.fmax(peers_rise, 1.0))
+                & (least_ratio >= lane.peer_ratio)
+                & (ratio_inside >= (1 + min_rise / 2) * np.fmax(ratio_before, 1.0))
+                & (level_inside / level_before >= (1 + min_rise / 2) * np.fmax(peers_rise, 1.0))
                 & (extra >= cfg.min_cost * step_s)
                 & (extra >= z * stderr)
             )

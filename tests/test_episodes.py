@@ -17,14 +17,19 @@ from tests.test_processor import stream_of
 NOISY = CostModel(first_stage_extra=0.0, last_stage_extra=0.1, noise_cv=0.12)
 
 
-def streamed(stragglers, steps, seed, settings=None):
-    """The processor's outputs of a generated DP 2 x PP 2 job, closed step by step, and its
-    conclusion."""
+#: A GPU job's costs: its kernels hardly jitter, its last stage is heavier.
+QUIET = CostModel(last_stage_extra=0.1, noise_cv=0.02)
+
+
+def streamed(stragglers, steps, seed, settings=None, *, cost=NOISY, dp=2, pp=2):
+    """The processor's outputs of a generated job (DP 2 x PP 2 unless said), closed step
+    by step, and its conclusion."""
     job = generate_job(
         JobSpec(
-            dp=2, pp=2, microbatches=4, steps=steps, cost=NOISY, stragglers=stragglers, seed=seed
+            dp=dp, pp=pp, microbatches=4, steps=steps, cost=cost, stragglers=stragglers,
+            seed=seed,
         )
-    )
+    )  # fmt: skip
     info, batches = stream_of(job)
     processor = StepProcessor(settings)
     processor.on_job(info)
@@ -56,6 +61,25 @@ def test_a_worker_slow_for_a_window_is_named_while_slow_and_bounded_at_the_end(s
     assert conclusion.diagnosis.verdict.cause == "slow_workers"
     first = conclusion.diagnosis.verdict.evidence.named_workers[0]
     assert (first.dp, first.stage) == (1, 0)
+
+
+@pytest.mark.parametrize("factor", [1.25, 1.35])
+def test_a_throttled_gpu_in_a_quiet_job_is_named_and_bounded(factor):
+    """A worker 1.25-1.35x slower for steps 16-31 of 40 in a quiet job (DP 8 x PP 4): below
+    the 1.5x a noisy job needs, yet it costs its stage that much of every step. It is
+    named while slow (8 steps of evidence), with its worker and op, and bounded at the end
+    to within 3 steps; a healthy quiet job has no episode."""
+    slow = SlowWorker(dp=5, stage=2, factor=factor, start_step=16, end_step=32)
+    outputs, conclusion = streamed((slow,), 40, 3, cost=QUIET, dp=8, pp=4)
+    states = [state for out in outputs for state in out.episodes]
+    assert states, "no episode"
+    opened = states[0]
+    assert (opened.episode.dp, opened.episode.stage) == (5, 2)
+    assert opened.episode.first_seen - 16 <= 10 and opened.diagnosis.cause == "slow_workers"
+    (final,) = conclusion.episodes
+    assert abs(final.episode.onset - 16) <= 3 and abs(final.episode.recovery - 32) <= 3
+    outputs, conclusion = streamed((), 40, 3, cost=QUIET, dp=8, pp=4)
+    assert [s for out in outputs for s in out.episodes] == [] and conclusion.episodes == ()
 
 
 def test_an_episode_is_named_from_the_step_it_has_cost_the_job_enough():

@@ -74,6 +74,51 @@ def test_one_noisy_step_in_a_recovery_does_not_keep_the_episode_open(noisy_step:
     assert episode.open
 
 
+def _run_timed(values: np.ndarray) -> OnlineEpisodes:
+    """`_run` with each step as long as its slowest worker's own time (the sum of its
+    kinds), not its stage's DP ranks' together: a rise's cost is weighed against a step
+    of the job's length."""
+    detector = OnlineEpisodes(KINDS, N_STAGES, N_DP)
+    for step in range(values.shape[0]):
+        detector.update(step, values[step], float(values[step].sum(axis=0).max()))
+    return detector
+
+
+@pytest.mark.parametrize("factor", [1.3, 1.45])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_smaller_rise_in_a_quiet_job_opens_an_episode_on_more_evidence(
+    factor: float, seed: int
+) -> None:
+    """A GPU's kernels hardly jitter: a worker 1.3-1.45x slower in its backward for 15
+    steps (a throttled GPU) cost its stage that much of every step and was never an
+    episode, being under the 1.5x a shared CPU's noise needs. In a quiet job it opens on
+    `confirm_steps` of evidence, clear of the noise by `onset_z`, with its bounds."""
+    values = _job(seed, jitter=0.01)
+    values[20:35, 0, 1, 2] *= factor  # worker (dp 2, pp 1), steps 20-34
+    (episode,) = _run_timed(values).episodes
+    assert (episode.dp, episode.stage, episode.kind) == (2, 1, "backward-compute")
+    assert episode.onset == 20 and episode.recovery == 35
+    assert episode.first_seen == 27  # 8 steps of evidence: the onset's and 7 more
+    assert episode.level_inside == pytest.approx(factor * episode.level_before, rel=0.05)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_smaller_rise_in_a_job_whose_workers_jump_so_is_no_episode(seed: int) -> None:
+    """Where the workers jump by 1.3x in 10 % of their steps (ranks that lose a shared
+    core now and then), a 1.3x rise is within what the job's own noise does: no episode;
+    a 2x straggler still is one."""
+    rng = np.random.default_rng(seed)
+    values = _job(seed, jitter=0.01)
+    jumps = rng.random(values.shape) < 0.1
+    values = np.where(jumps, 1.3 * values, values)
+    moderate = values.copy()
+    moderate[20:35, 0, 1, 2] = 1.3 * _job(seed, jitter=0.01)[20:35, 0, 1, 2]
+    assert _run_timed(moderate).episodes == []
+    strong = values.copy()
+    strong[20:35, 0, 1, 2] = 2.0 * _job(seed, jitter=0.01)[20:35, 0, 1, 2]
+    assert len(_run_timed(strong).episodes) == 1
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_healthy_job_has_no_episode(seed: int) -> None:
     assert _run(_job(seed, jitter=0.08)).episodes == []
@@ -221,6 +266,8 @@ def test_settings_are_checked() -> None:
         OnlineEpisodeSettings(onset_steps=1)
     with pytest.raises(FieldErrors, match="confirm_steps: must be at least onset_steps"):
         OnlineEpisodeSettings(onset_steps=6, confirm_steps=5)
+    with pytest.raises(FieldErrors, match="quiet_min_rise: must be at most min_rise"):
+        OnlineEpisodeSettings(min_rise=0.3, quiet_min_rise=0.4)
 
 
 def test_signals_of_another_shape_are_refused() -> None:
