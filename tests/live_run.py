@@ -28,9 +28,11 @@ from tests.worker_util import (
 )
 
 EPISODE_RULE = next(rule for rule in RULES if rule.uid == "lagscope-episode-open")
-#: The hosts start before the job and exit this long after its last record (a job's
-#: processes take several seconds to start).
-_HOSTS_IDLE_EXIT_S = 20.0
+#: The hosts start before the job and exit this long after its last record, a fallback:
+#: they are stopped once the job is concluded. A job's processes take several seconds to
+#: start, over 20 on a machine whose cores are all busy (the streamer and the workers
+#: exited before the first record of a 4-rank job beside two CPU burners).
+_HOSTS_IDLE_EXIT_S = 60.0
 
 
 @dataclass
