@@ -27,6 +27,7 @@ from lagscope.dashboards.worker_grid import (
     nice_step,
     text_width,
     worst_dp_ranks,
+    worst_of_replicas,
 )
 from lagscope.simulator.summary import Others
 
@@ -417,10 +418,7 @@ def _binned_parts(
     )
     # Their worst workers against the other replicas' worst: 15 replicas as slow as the
     # 1,544 others are no stragglers.
-    worst_of_replica = np.nanmax(
-        np.where(np.isfinite(worker_slowdown), worker_slowdown, -np.inf), axis=0
-    )
-    others = Others.of(np.delete(worst_of_replica, worst))
+    others = Others.of(np.delete(worst_of_replicas(worker_slowdown), worst))
     parts["worst_others"] = (
         others.text("DP replicas", "worst worker's S_w") if others is not None else ""
     )

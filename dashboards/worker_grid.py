@@ -111,6 +111,15 @@ def bin_workers(worker_slowdown: np.ndarray, max_columns: int, max_rows: int) ->
     )
 
 
+def worst_of_replicas(worker_slowdown: np.ndarray) -> np.ndarray:
+    """[dp] each DP replica's highest S_w on any stage (-inf where it has none).
+
+    >>> worst_of_replicas(np.array([[1.0, np.nan], [1.3, np.nan]])).tolist()
+    [1.3, -inf]
+    """
+    return np.max(np.where(np.isfinite(worker_slowdown), worker_slowdown, -np.inf), axis=0)
+
+
 def worst_dp_ranks(worker_slowdown: np.ndarray, k: int, first: Sequence[int] = ()) -> list[int]:
     """The `k` DP replicas with the highest S_w on any stage, worst first, after the DP
     ranks in `first` (those of verified workers).
@@ -118,7 +127,7 @@ def worst_dp_ranks(worker_slowdown: np.ndarray, k: int, first: Sequence[int] = (
     >>> worst_dp_ranks(np.array([[1.0, 1.2, 1.1], [1.3, 1.0, 1.0]]), 2)
     [0, 1]
     """
-    by_dp = np.nanmax(np.where(np.isfinite(worker_slowdown), worker_slowdown, -np.inf), axis=0)
+    by_dp = worst_of_replicas(worker_slowdown)
     chosen = list(dict.fromkeys(int(d) for d in first))[:k]
     for dp in np.argsort(-by_dp, kind="stable").tolist():
         if len(chosen) >= k:
