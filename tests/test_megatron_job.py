@@ -43,6 +43,7 @@ def _run(entry: Any, out: Path, steps: int) -> dict[str, Any]:
         world=WORLD,
         pp=PP,
         microbatches=MICROBATCHES,
+        hidden=tiny_gpt.HIDDEN,
     )
     launch(entry, knobs, timeout_s=400)
     headers = [

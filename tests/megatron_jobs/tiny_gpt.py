@@ -18,6 +18,7 @@ is one `lagscope.megatron.monitor(...)` call per rank; the CPU work-arounds are 
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,9 @@ PP = 2
 class TinyGPTStage(torch.nn.Module):
     """One pipeline stage: [embedding] -> layer -> [tied output projection + loss]."""
 
-    def __init__(self, config: Any, pre_process: bool, post_process: bool) -> None:
+    def __init__(
+        self, config: Any, pre_process: bool, post_process: bool, hidden: int = HIDDEN
+    ) -> None:
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.enums import ModelType
 
@@ -50,17 +53,20 @@ class TinyGPTStage(torch.nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.share_embeddings_and_output_weights = True
-        shared = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=_seeded(1)) * 0.1)
+        shared = torch.nn.Parameter(torch.randn(VOCAB, hidden, generator=_seeded(1)) * 0.1)
         if pre_process:
             self.word_embeddings = shared
         else:
             self.output_weight = shared
         self.layers = torch.nn.Sequential(
-            torch.nn.Linear(HIDDEN, 4 * HIDDEN),
+            torch.nn.Linear(hidden, 4 * hidden),
             torch.nn.GELU(),
-            torch.nn.Linear(4 * HIDDEN, HIDDEN),
+            torch.nn.Linear(4 * hidden, hidden),
         )
         self.input_tensor: torch.Tensor | None = None
+        #: A straggler's forward: `(knobs, rank)` when the job plants one, and the step.
+        self.straggler: tuple[Knobs, int] | None = None
+        self.step = 0
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
@@ -73,7 +79,15 @@ class TinyGPTStage(torch.nn.Module):
             hidden = self.word_embeddings[tokens].transpose(0, 1).contiguous()  # [s, b, h]
         else:
             hidden = self.input_tensor
+        began = time.perf_counter()
         hidden = hidden + self.layers(hidden)
+        if self.straggler is not None:
+            knobs, rank = self.straggler
+            if knobs.slow(rank, self.step, "forward"):
+                extra = knobs.stall_ms / 1e3 or (knobs.slow_factor - 1.0) * (
+                    time.perf_counter() - began
+                )
+                knobs.pause(extra)
         if not self.post_process:
             return hidden
         logits = hidden @ self.shared_embedding_or_output_weight().t()
@@ -145,7 +159,7 @@ def _train(rank: int, knobs: Knobs, chunks: int) -> None:
     )
     config = TransformerConfig(
         num_layers=knobs.pp * chunks,
-        hidden_size=HIDDEN,
+        hidden_size=knobs.hidden,
         num_attention_heads=1,
         pipeline_model_parallel_size=knobs.pp,
         virtual_pipeline_model_parallel_size=chunks if interleaved else None,
@@ -161,9 +175,12 @@ def _train(rank: int, knobs: Knobs, chunks: int) -> None:
             config,
             pre_process=stage == 0 and chunk == 0,
             post_process=stage == knobs.pp - 1 and chunk == chunks - 1,
+            hidden=knobs.hidden,
         )
         for chunk in range(chunks)
     ]
+    for chunk in model:
+        chunk.straggler = (knobs, rank)
     parameters = [p for chunk in model for p in chunk.parameters()]
     with cuda_tensors_on_cpu():
         optimizer = ChainedOptimizer(
@@ -187,7 +204,9 @@ def _train(rank: int, knobs: Knobs, chunks: int) -> None:
     data = [batches(dp_rank, steps, microbatches) for _ in range(chunks)]
     losses = []
     forward_backward = get_forward_backward_func()
-    for _ in range(steps):
+    for step in range(steps):
+        for chunk in model:
+            chunk.step = step
         optimizer.zero_grad()
         with cuda_tensors_on_cpu():
             outputs = forward_backward(
@@ -200,7 +219,11 @@ def _train(rank: int, knobs: Knobs, chunks: int) -> None:
                 p2p_communicator=communicator,
                 pg_collection=pg_collection,
             )
+            # A slow host after the schedule returned (its update starts late), or after
+            # the update (its next step starts late while its peers' have begun).
+            knobs.host_stall(rank, step, 0.0, "update")
             optimizer.step()
+            knobs.host_stall(rank, step, 0.0, "step")
         losses.append([float(o["lm loss"]) for o in outputs])
     monitor.close()
     checksum = float(sum(p.detach().double().sum() for p in parameters))
@@ -233,7 +256,7 @@ def _process_groups() -> Any:
 def main() -> None:
     main_for(
         run_rank, __doc__.splitlines()[0], job_id=JOB_ID, world=WORLD, pp=PP, steps=6,
-        microbatches=4,
+        microbatches=4, hidden=HIDDEN,
     )  # fmt: skip
 
 

@@ -32,12 +32,14 @@ def worker(rank: int, knobs: Knobs) -> None:
             model.module.step = step
             began = time.perf_counter()
             loss = torch.nn.functional.mse_loss(model(x), y)
-            knobs.host_stall(rank, step, time.perf_counter() - began)
+            knobs.host_stall(rank, step, time.perf_counter() - began, "forward")
             began = time.perf_counter()
             loss.backward()
-            knobs.host_stall(rank, step, time.perf_counter() - began)
+            knobs.host_stall(rank, step, time.perf_counter() - began, "backward")
+            knobs.host_stall(rank, step, 0.0, "update")
             optimizer.step()
             optimizer.zero_grad()
+            knobs.host_stall(rank, step, 0.0, "step")
             step += 1
             if step == knobs.steps:
                 break

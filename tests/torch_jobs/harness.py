@@ -59,6 +59,20 @@ class Knobs:
     slow_end: int = 1 << 30
     #: An input straggler's extra wait per batch (ms): its loader has no compute to scale.
     input_ms: float = 30.0
+    #: A slow host (phase `host`) stalls this long (ms) at each of `stall_at` instead of
+    #: `(slow_factor - 1)` times the op that just returned: a fixed +N ms of host work.
+    stall_ms: float = 0.0
+    #: Where a slow host stalls, of: `forward` (after its forward returned: its backward
+    #: starts late, and in DDP every gradient bucket with it), `backward` (after its
+    #: backward returned), `update` (after the schedule and the gradients' reduction
+    #: returned, before its optimizer: a Megatron job's host work between
+    #: `forward_backward` and the update), `step` (after its optimizer step, before the
+    #: next step's data: the other ranks start the next step without it), `autograd`
+    #: (`stall_ms` at the start of its backward pass, before any gradient).
+    stall_at: str = "forward,backward"
+    #: A planted delay spins the CPU instead of sleeping: on shared cores a sleeping rank
+    #: frees its core for the others, which a slow GPU or a slow host never does.
+    busy: bool = False
     #: Late sender: in steps [late_start, late_end) this rank sends every activation
     #: `late_ms` after its receiver posted the irecv for it.
     late_rank: int = -1
@@ -104,14 +118,30 @@ class Knobs:
             and (self.slow_start <= step < self.slow_end)
         )
 
-    def host_stall(self, rank: int, step: int, op_seconds: float) -> None:
-        """A slow host's stall after an op of `op_seconds` returned (phase `host`): the
-        job's own code between two ops takes `(factor - 1)` times the op; or (`host_gc`)
-        a garbage collection as long runs there."""
+    def host_stall(self, rank: int, step: int, op_seconds: float, at: str = "forward") -> None:
+        """A slow host's stall at `at` (`forward`, `backward`: after that op of
+        `op_seconds` returned; `step`: after the optimizer) when the knobs plant one
+        there (phase `host`): the job's own code between two ops takes `stall_ms`, or
+        `(factor - 1)` times the op; or (`host_gc`) a garbage collection as long runs
+        there."""
+        if at not in self.stall_at.split(","):
+            return
+        extra = self.stall_ms / 1e3 if self.stall_ms else (self.slow_factor - 1.0) * op_seconds
         if self.slow(rank, step, "host"):
-            time.sleep((self.slow_factor - 1.0) * op_seconds)
+            self.pause(extra)
         if self.slow(rank, step, "host_gc"):
-            collect_garbage((self.slow_factor - 1.0) * op_seconds)
+            collect_garbage(extra)
+
+    def pause(self, seconds: float) -> None:
+        """A planted delay: a sleep, or with `busy` the CPU spun as long."""
+        if seconds <= 0:
+            return
+        if not self.busy:
+            time.sleep(seconds)
+            return
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
 
     def late(self, rank: int, step: int) -> bool:
         return rank == self.late_rank and self.late_start <= step < self.late_end
@@ -307,7 +337,7 @@ def straggler_model(knobs: Knobs, rank: int, seed: int, layers: int | None = Non
             elapsed = time.perf_counter() - self.backward_began
             device = 2 * device_forward_s
             whole = device + max(0.0, elapsed - device) * share
-            time.sleep(max(0.0, (knobs.slow_factor - 1.0) * whole))
+            knobs.pause((knobs.slow_factor - 1.0) * whole)
 
         def forward(self, x: Any) -> Any:
             slow_forward = knobs.slow(rank, self.step, "forward")
@@ -322,8 +352,12 @@ def straggler_model(knobs: Knobs, rank: int, seed: int, layers: int | None = Non
                 x = straggle.apply(x, self._device_backward)
             if slow_backward:
                 x = straggle.apply(x, self._backward_starts)
+            if knobs.slow(rank, self.step, "host") and "autograd" in knobs.stall_at:
+                # Runs first in the backward pass: the rank's autograd waits before any
+                # gradient (and, in DDP, before any bucket is ready).
+                x = straggle.apply(x, lambda: knobs.pause(knobs.stall_ms / 1e3))
             if slow_forward:
-                time.sleep((knobs.slow_factor - 1.0) * (time.perf_counter() - began))
+                knobs.pause((knobs.slow_factor - 1.0) * (time.perf_counter() - began))
             if knobs.slow(rank, self.step, "gc"):
                 collect_garbage((knobs.slow_factor - 1.0) * (time.perf_counter() - began))
             return x
@@ -362,7 +396,7 @@ def slow_input_collate(knobs: Knobs, rank: int, batches_per_step: int) -> Callab
         step = fetched[0] // batches_per_step
         fetched[0] += 1
         if knobs.slow(rank, step, "input"):
-            time.sleep(knobs.input_ms / 1e3)
+            knobs.pause(knobs.input_ms / 1e3)
         return default_collate(items)
 
     return collate

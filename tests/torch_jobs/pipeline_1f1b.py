@@ -57,7 +57,7 @@ class Stage:
             x.requires_grad_()
         began = time.perf_counter()
         out = self.model(x)
-        self.knobs.host_stall(self.rank, self.step, time.perf_counter() - began)
+        self.knobs.host_stall(self.rank, self.step, time.perf_counter() - began, "forward")
         if self.last:
             out = torch.nn.functional.mse_loss(out, self.targets[m])
         else:
@@ -89,7 +89,7 @@ class Stage:
             dist.irecv(grad, self.rank + 1).wait()
         began = time.perf_counter()
         out.backward(grad)
-        self.knobs.host_stall(self.rank, self.step, time.perf_counter() - began)
+        self.knobs.host_stall(self.rank, self.step, time.perf_counter() - began, "backward")
         if not self.first:
             self.sends.append(dist.isend(x.grad, self.rank - 1))
 
@@ -157,8 +157,10 @@ def worker(rank: int, knobs: Knobs) -> None:
         began = time.perf_counter()
         runner.one_f_one_b(step)
         all_reduce_grads(params, dp_group, dp)
+        knobs.host_stall(rank, step, 0.0, "update")
         optimizer.step()
         optimizer.zero_grad()
+        knobs.host_stall(rank, step, 0.0, "step")
         step_seconds.append(time.perf_counter() - began)
         if step == CPU_WARM_UP_STEPS - 1:
             cpu_began = time.process_time()
