@@ -353,6 +353,12 @@ class _Builder:
             if scatters and layernorm:
                 self.add_edge(scatters[-1], layernorm[0])
             buckets = by_type[ot.SEPARATE_GRADS_ALL_REDUCE]
+            reductions = before_middle[len(head) :]
+            if _reduced_first(buckets, reductions, computes):
+                # Megatron-core's `finalize_model_grads` waits for the DP gradient sync
+                # first and all-reduces the layernorm and embedding gradients after it: the
+                # chain as the job ran it, or their launch delays hold the sync's wait.
+                before_middle, after_middle = head, reductions + after_middle
             middle = buckets[:1]
             if len(buckets) > 1:
                 middle = self._bucket_edges(computes, buckets, before_middle[-1:], after_middle[:1])
@@ -423,6 +429,16 @@ class _Builder:
         clip = [n for s in range(self.n_stages) for n in seq0(s, ot.OPTIMIZER_CLIP_MAIN_GRAD)]
         if clip:
             self.groups.append(CommGroup(tuple(clip), dp_synchronized=True))
+
+
+def _reduced_first(
+    buckets: list[_SliceOp], reductions: list[_SliceOp], computes: list[_SliceOp]
+) -> bool:
+    """Whether the slice ran its DP gradient sync (the buckets launched after the last
+    compute) before its other end-of-step all-reduces (layernorm, embedding)."""
+    last_end = max((c.end for c in computes), default=-np.inf)
+    late = [b for b in buckets if b.start >= last_end - LAUNCH_TOLERANCE_S]
+    return bool(late and reductions and min(r.start for r in reductions) >= late[0].start)
 
 
 def _latest_ended_before(ops: list[_SliceOp], time: float) -> _SliceOp | None:

@@ -101,3 +101,40 @@ def test_a_rank_starved_by_its_input_is_an_input_straggler():
     assert result.by_dp_rank.ranked()[0][0] == "1"
     # Not smeared into launch delay: the replay without launch delays has the wait.
     assert np.all(result.discrepancy < 0.05)
+
+
+def _tail_model(order: list[str]) -> dict[str, set[str]]:
+    """The dependencies of a one-stage slice (a forward, a backward, then the end-of-step
+    ops one after another in `order`), by op name."""
+    from lagscope.simulator.depmodel import infer_dependency_model
+
+    optypes = [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE, *order]
+    start = np.arange(len(optypes)) * 0.01
+    model = infer_dependency_model(
+        np.zeros(len(optypes), dtype=np.int64), optypes, np.zeros(len(optypes), dtype=np.int64),
+        start, start + 0.008, np.zeros(len(optypes), dtype=np.int64),
+        np.zeros(len(optypes), dtype=np.int64), n_stages=1, vpp=1, has_dp_comm=True,
+        overlapped_dp=True,
+    )  # fmt: skip
+    return {
+        model.nodes[i].optype: {model.nodes[d].optype for d in model.deps[i]}
+        for i in range(model.n_nodes)
+    }
+
+
+def test_megatron_reduces_its_gradients_before_the_layernorm_and_embedding():
+    """megatron-core's finalize_model_grads waits for the DP gradient sync, then
+    all-reduces the layernorm and embedding gradients: the chain as the job ran it, so
+    the layernorm's launch delay does not hold the sync's wait for a slow peer (it read
+    as host time of every healthy rank of a Megatron job whose one rank stalled)."""
+    tail = [ot.SEPARATE_GRADS_ALL_REDUCE, ot.LAYERNORM_GRADS_ALL_REDUCE,
+            ot.EMBEDDING_GRADS_ALL_REDUCE, ot.OPTIMIZER_CLIP_MAIN_GRAD, ot.OPTIMIZER]  # fmt: skip
+    deps = _tail_model(tail)
+    assert deps[ot.SEPARATE_GRADS_ALL_REDUCE] == {ot.BACKWARD_COMPUTE}
+    assert deps[ot.LAYERNORM_GRADS_ALL_REDUCE] == {ot.SEPARATE_GRADS_ALL_REDUCE}
+    assert deps[ot.EMBEDDING_GRADS_ALL_REDUCE] == {ot.LAYERNORM_GRADS_ALL_REDUCE}
+    assert deps[ot.OPTIMIZER_CLIP_MAIN_GRAD] == {ot.EMBEDDING_GRADS_ALL_REDUCE}
+    # The reference analyzer's order (layernorm first) keeps its chain.
+    reference = _tail_model([tail[1], tail[2], tail[0], *tail[3:]])
+    assert reference[ot.LAYERNORM_GRADS_ALL_REDUCE] == {ot.BACKWARD_COMPUTE}
+    assert reference[ot.SEPARATE_GRADS_ALL_REDUCE] == {ot.EMBEDDING_GRADS_ALL_REDUCE}
