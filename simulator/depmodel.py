@@ -71,6 +71,12 @@ class DependencyModel:
     #: do not say (a 1F1B stage posts a backward's receive after the next forward, on
     #: which the receive does not depend). None in a model built without a slice.
     host_predecessor: np.ndarray | None = None
+    #: For every DP collective, the worker's own-work op of its stage that began last at or
+    #: before it in the reference slice, -1 for none: where that op still runs when the node
+    #: starts, the worker launched the node from inside it (DDP launches a gradient
+    #: bucket's all-reduce from the backward's hook), so no host time went before the
+    #: node, and the node moves with that op. None in a model built without a slice.
+    host_container: np.ndarray | None = None
 
     @property
     def n_nodes(self) -> int:
@@ -154,11 +160,19 @@ class DependencyModel:
     def host_predecessor_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The nodes that have a host predecessor, and those predecessors (read-only:
         shared by every caller; empty where the model has none)."""
-        before = self.host_predecessor
-        rows = np.flatnonzero(before >= 0) if before is not None else np.empty(0, np.int64)
-        found = (rows, before[rows] if before is not None else rows.copy())
-        for array in found:
-            array.flags.writeable = False
+        return _rows_having(self.host_predecessor)
+
+    @cached_property
+    def host_container_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes that have a host container, and those containers (read-only)."""
+        return _rows_having(self.host_container)
+
+    @cached_property
+    def root_nodes(self) -> np.ndarray:
+        """Nodes without dependencies: a worker's first ops of a step (read-only)."""
+        roots = np.fromiter((not d for d in self.deps), dtype=bool, count=self.n_nodes)
+        found = np.flatnonzero(roots)
+        found.flags.writeable = False
         return found
 
     @cached_property
@@ -431,6 +445,16 @@ class _Builder:
             self.groups.append(CommGroup(tuple(clip), dp_synchronized=True))
 
 
+def _rows_having(links: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The nodes whose link (a per-node node index, -1 for none) is set, and their
+    linked nodes; read-only, empty where the model has no such links."""
+    rows = np.flatnonzero(links >= 0) if links is not None else np.empty(0, np.int64)
+    found = (rows, links[rows] if links is not None else rows.copy())
+    for array in found:
+        array.flags.writeable = False
+    return found
+
+
 def _reduced_first(
     buckets: list[_SliceOp], reductions: list[_SliceOp], computes: list[_SliceOp]
 ) -> bool:
@@ -473,6 +497,31 @@ def _host_predecessors(stage_ops: dict[int, list[_SliceOp]], n_nodes: int) -> np
         latest = np.where(ended, before_end, -np.inf).argmax(axis=1)
         has = ended.any(axis=1)
         found[node[has]] = before_node[latest[has]]
+    found.flags.writeable = False
+    return found
+
+
+def _host_containers(stage_ops: dict[int, list[_SliceOp]], n_nodes: int) -> np.ndarray:
+    """`DependencyModel.host_container` from the slice's ops of each stage: for each DP
+    collective, the stage's own-work op that began last at or before it. Only DP
+    collectives: they are what a framework launches from a compute's hooks (DDP's buckets
+    from the backward); a pipeline transfer found inside a compute was posted by a host
+    that had launched the compute's kernels and moved on, its launch delay its own."""
+    found = np.full(n_nodes, -1, dtype=np.int64)
+    for all_ops in stage_ops.values():
+        own = [o for o in all_ops if ot.is_compute(o.optype)]
+        ops = [o for o in all_ops if o.optype in ot.DP_OPTYPES]
+        if not own or not ops:
+            continue
+        own_node = np.array([o.node for o in own])
+        own_start = np.array([o.start for o in own])
+        node = np.array([o.node for o in ops])
+        began = (own_start[None, :] <= np.array([o.start for o in ops])[:, None]) & (
+            own_node[None, :] != node[:, None]
+        )
+        latest = np.where(began, own_start, -np.inf).argmax(axis=1)
+        has = began.any(axis=1)
+        found[node[has]] = own_node[latest[has]]
     found.flags.writeable = False
     return found
 
@@ -524,6 +573,7 @@ def infer_dependency_model(
         overlapped_dp=overlapped_dp,
         has_dp_comm=has_dp_comm,
         host_predecessor=_host_predecessors(stage_ops, len(builder.nodes)),
+        host_container=_host_containers(stage_ops, len(builder.nodes)),
     )
     # Raises on a cycle, naming the ops in it.
     return dataclasses.replace(model, level=topological_levels(model))

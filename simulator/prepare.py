@@ -74,6 +74,11 @@ class PreparedTrace:
     #: a gap. Where ops are timed on the device (CUDA events) a host's collection stalls
     #: its launches, not its kernels, and falls here.
     gc_gap_pause: np.ndarray | None = None
+    #: When each worker ended its previous step (its last op's end), in seconds from this
+    #: step's origin, [step, stage, dp]: negative when it ended before any worker began
+    #: this step, positive when its peers began this step while it still ran the last
+    #: (steps overlap). NaN where the previous step is not known (`with_entries`).
+    entry: np.ndarray | None = None
 
     @property
     def n_steps(self) -> int:
@@ -119,6 +124,7 @@ class PreparedTrace:
             source=self.source,
             gc_pause=None if self.gc_pause is None else self.gc_pause[:, idx],
             gc_gap_pause=None if self.gc_gap_pause is None else self.gc_gap_pause[:, idx],
+            entry=None if self.entry is None else self.entry[idx],
         )
 
     def select_dp(self, dp_ranks: np.ndarray) -> PreparedTrace:
@@ -139,7 +145,31 @@ class PreparedTrace:
             source=self.source,
             gc_pause=None if self.gc_pause is None else self.gc_pause[:, :, dp_ranks],
             gc_gap_pause=None if self.gc_gap_pause is None else self.gc_gap_pause[:, :, dp_ranks],
+            entry=None if self.entry is None else self.entry[:, :, dp_ranks],
         )
+
+    @property
+    def periods(self) -> np.ndarray:
+        """[step] each step's period: from the moment the last worker ended the previous
+        step to the moment the last one ended this one, what the job pays for a step
+        when steps overlap; NaN where the previous step is not known."""
+        if self.entry is None:
+            return np.full(self.n_steps, np.nan)
+        return self.actual_end() - self.entry.max(axis=(1, 2)).astype(np.float64)
+
+    def actual_end(self) -> np.ndarray:
+        """[step] when the step's last op ended, from its origin."""
+        return (self.start + self.duration).max(axis=(0, 2)).astype(np.float64)
+
+    def worker_ends(self) -> np.ndarray:
+        """[step, stage, dp] when each worker's last op of the step ended, from the
+        step's origin."""
+        ends = np.full((self.n_steps, self.n_stages, self.n_dp), -np.inf)
+        end = (self.start + self.duration).astype(np.float64)
+        nodes, firsts, stages = self.model.nodes_by_stage(None)
+        if nodes.size:
+            ends[:, stages] = np.maximum.reduceat(end[nodes], firsts, axis=0).transpose(1, 0, 2)
+        return ends
 
 
 def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
@@ -153,6 +183,18 @@ def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
 
     def joined(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts], axis=1)
+
+    def joined_entries() -> np.ndarray | None:
+        if all(p.entry is None for p in parts):
+            return None
+        return np.concatenate(
+            [
+                np.full((p.n_steps, p.n_stages, p.n_dp), np.nan, np.float32)
+                if p.entry is None
+                else p.entry
+                for p in parts
+            ]
+        )
 
     def joined_pauses(name: str) -> np.ndarray | None:
         # A part without pauses had none recorded: zeros beside the parts that had some.
@@ -181,7 +223,30 @@ def concat_steps(parts: list[PreparedTrace]) -> PreparedTrace:
         source=first.source,
         gc_pause=joined_pauses("gc_pause"),
         gc_gap_pause=joined_pauses("gc_gap_pause"),
+        entry=joined_entries(),
     )
+
+
+def with_entries(
+    prepared: PreparedTrace, previous: PreparedTrace | None, previous_origin_s: float
+) -> PreparedTrace:
+    """`prepared` (one step) with when each worker ended `previous` (the step before it,
+    with the same DP ranks), whose origin was `previous_origin_s` seconds before this
+    step's: what makes its period known (`PreparedTrace.periods`). Without `previous`
+    the entries stay unknown.
+
+    >>> from lagscope.simulator.generate import JobSpec, generate_job
+    >>> job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=2, seed=1))
+    >>> steps = prepare(job.trace, job.meta)
+    >>> first, second = steps.select_steps([0]), steps.select_steps([1])
+    >>> later = with_entries(second, first, float(first.actual_step_time[0]) + 0.01)
+    >>> round(float(later.periods[0] - second.actual_step_time[0]), 6)
+    0.01
+    """
+    if previous is None or previous.n_dp != prepared.n_dp or prepared.n_steps != 1:
+        return prepared
+    entry = previous.worker_ends()[-1:] - previous_origin_s
+    return dataclasses.replace(prepared, entry=entry.astype(np.float32))
 
 
 def prepare(
@@ -569,18 +634,59 @@ def host_gaps(prepared: PreparedTrace) -> np.ndarray:
     True
     """
     gaps = np.maximum(prepared.launch_delay, 0.0)
+    if prepared.entry is not None:
+        roots = prepared.model.root_nodes
+        own = own_gaps_of_roots(prepared)
+        gaps[roots] = np.where(np.isnan(own), gaps[roots], np.maximum(own, 0.0))
     rows, before = prepared.model.host_predecessor_rows
-    if not rows.size:
-        return gaps
-    # np.take: a streamed job asks for these every step, and it gathers rows faster.
-    since = np.take(prepared.start, rows, axis=0)
-    since -= np.take(prepared.start, before, axis=0)
-    since -= np.take(prepared.duration, before, axis=0)
-    # The predecessor still ran past the op's start: this step ran them in another order.
-    np.putmask(since, since < -LAUNCH_TOLERANCE_S, np.inf)
-    np.maximum(since, 0.0, out=since)
-    gaps[rows] = np.minimum(np.take(gaps, rows, axis=0), since, out=since)
+    if rows.size:
+        # np.take: a streamed job asks for these every step, and it gathers rows faster.
+        since = np.take(prepared.start, rows, axis=0)
+        since -= np.take(prepared.start, before, axis=0)
+        since -= np.take(prepared.duration, before, axis=0)
+        # The predecessor still ran past the op's start: this step ran them in another order.
+        np.putmask(since, since < -LAUNCH_TOLERANCE_S, np.inf)
+        np.maximum(since, 0.0, out=since)
+        gaps[rows] = np.minimum(np.take(gaps, rows, axis=0), since, out=since)
+    inside, _ = launched_inside(prepared)
+    gaps[inside[0], inside[1], inside[2]] = 0.0
     return gaps
+
+
+def own_gaps_of_roots(prepared: PreparedTrace) -> np.ndarray:
+    """[root, step, dp] seconds from the moment each worker ended its previous step to the
+    start of each of its first ops (`DependencyModel.root_nodes`): the host time before
+    them, where a launch delay from the step's origin would also count the time the
+    worker still ran its previous step while its peers began this one. NaN where the
+    previous step is not known."""
+    roots = prepared.model.root_nodes
+    stages = prepared.model.node_stage()[roots]
+    entry = (
+        np.full((prepared.n_steps, prepared.n_stages, prepared.n_dp), np.nan)
+        if prepared.entry is None
+        else prepared.entry.astype(np.float64)
+    )
+    # [root, step, dp]: each root's worker's entry.
+    return prepared.start[roots].astype(np.float64) - entry[:, stages].transpose(1, 0, 2)
+
+
+def launched_inside(prepared: PreparedTrace) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """The ops a worker launched while its own op that began before them still ran
+    (`DependencyModel.host_container`: DDP's gradient buckets launched from the
+    backward's hooks), as [node, step, dp] indices, and for each the share of its
+    container's duration that had passed at its start."""
+    rows, container = prepared.model.host_container_rows
+    if not rows.size:
+        empty = np.empty(0, np.int64)
+        return (empty, empty, empty), np.empty(0)
+    start = np.take(prepared.start, rows, axis=0)
+    began = np.take(prepared.start, container, axis=0)
+    lasted = np.take(prepared.duration, container, axis=0)
+    passed = start - began
+    inside = (passed >= 0) & (passed < lasted - LAUNCH_TOLERANCE_S)
+    where = np.nonzero(inside)
+    share = passed[where] / np.maximum(lasted[where], 1e-12)
+    return (rows[where[0]], where[1], where[2]), share.astype(np.float64)
 
 
 def apply_clock_offsets(prepared: PreparedTrace, offset_s: np.ndarray) -> PreparedTrace:

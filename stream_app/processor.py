@@ -42,7 +42,7 @@ from lagscope.simulator.bocd import BocdBank, BocdConfig
 from lagscope.simulator.diagnose import DiagnosisSettings
 from lagscope.simulator.noise import series_names, step_series
 from lagscope.simulator.online_episodes import OnlineEpisodeSettings
-from lagscope.simulator.prepare import PreparedTrace, concat_steps
+from lagscope.simulator.prepare import PreparedTrace, concat_steps, with_entries
 from lagscope.simulator.whatif import WhatIfResult, analyze
 from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app import admission
@@ -235,10 +235,11 @@ def _fingerprint(batch: RankStepBatch) -> tuple[int, int, bytes]:
 #: Fields of a retained step that are its own (the model and meta are the job's).
 _STEP_INPUTS = (
     "steps", "n_dp", "start", "duration", "cost", "launch_delay", "actual_step_time",
-    "worker_rank", "source", "gc_pause", "gc_gap_pause",
+    "worker_rank", "source", "gc_pause", "gc_gap_pause", "entry",
 )  # fmt: skip
-#: ... less those a snapshot of an earlier version lacks (none recorded, as then).
-_STEP_INPUTS_ADDED = ("gc_gap_pause",)
+#: ... less those a snapshot of an earlier version lacks (none recorded, or not known,
+#: as then).
+_STEP_INPUTS_ADDED = ("gc_gap_pause", "entry")
 
 
 def encode_step_inputs(prepared: PreparedTrace) -> bytes:
@@ -684,6 +685,7 @@ class StepProcessor:
         outputs: dict[int, StepOutput] = {}
         results = outcome if isinstance(outcome, list) else []
         analysable = [closed for _, closed in items if not closed.reason]
+        _chain_entries(job, results, analysable)
         # No results (a failed computation) price nothing.
         job.live.price_ahead(
             [
@@ -952,6 +954,25 @@ def _load_retained(
             continue
         retained.append(PreparedTrace(model=job.compute.model, meta=meta, **inputs))
     return retained
+
+
+def _chain_entries(job: _JobState, results: list[StepComputed], closed: list[_Closed]) -> None:
+    """Each complete step's prepared inputs with when its workers ended the step before
+    it (`with_entries`), where that step was complete too: the job's last retained step,
+    or the one before it in `results`."""
+    previous = job.retained[-1] if job.retained else None
+    for computed, step in zip(results, closed, strict=False):
+        if computed.alone is None or not step.complete:
+            previous = None
+            continue
+        if previous is not None and int(previous.steps[0]) == step.step - 1:
+            began = job.live.step_start_ns.get(step.step - 1)
+            if began is not None:
+                computed.alone = with_entries(
+                    computed.alone, previous, (step.start_ns - began) / 1e9
+                )
+        previous = computed.alone
+        job.live.step_start_ns.setdefault(step.step, step.start_ns)
 
 
 def change_kind(kind: str, before: float, after: float, baseline: float, min_rise: float) -> str:

@@ -76,3 +76,40 @@ def test_a_1f1b_forward_straggler_leaves_its_host_time_alone(tmp_path: Path) -> 
     assert rise(mine[:, 0]) > 1.8, rise(mine[:, 0])
     assert rise(delays) > 1.4, rise(delays)  # what the launch delays alone would say
     assert rise(mine[:, 1]) < 1.15, rise(mine[:, 1])
+
+
+def _recorded_run(name: str, tmp_path: Path) -> tuple[object, dict]:
+    """A recorded run (tests/data/recorded) through the embedded host, and its truth."""
+    import json
+
+    from tests.torch_jobs.harness import analyse_archive
+
+    with tarfile.open(RECORDED / f"{name}.tar.xz") as packed:
+        truth = json.load(packed.extractfile("truth.json"))  # type: ignore[arg-type]
+    return analyse_archive(RECORDED / f"{name}.tar.xz", tmp_path), truth
+
+
+def test_a_rank_whose_autograd_waits_is_slow_in_backward_alone(tmp_path: Path) -> None:
+    """ddp-lateback-0: DDP, rank 1's autograd waits 100 ms before its first gradient in
+    steps 20-39. Its gradient buckets, launched from the backward's hooks, start that much
+    later, but the host launched them from inside its backward: no host gap. Their launch
+    delays, counted from the forward, read as a second episode (`host`), priced at 5 % of
+    what the job lost."""
+    job, truth = _recorded_run("ddp-lateback-0", tmp_path)
+    found = [(s.episode.dp, s.episode.stage, s.episode.kind) for s in job.episode_states]
+    assert found == [(*truth["worker"], truth["cause"])], found
+    (state,) = job.episode_states
+    assert (state.episode.onset, state.episode.recovery) == tuple(truth["slow_steps"])
+
+
+def test_a_host_stall_between_overlapping_steps_counts_once(tmp_path: Path) -> None:
+    """mcore-hostupdate-0: a Megatron-core 1F1B job whose rank (dp 0, pp 1) stalls 100 ms
+    after `forward_backward` returns, before its update, in steps 20-39. Its peers begin
+    the next step meanwhile, so it begins it late: counted from the step's first op, its
+    first op's launch delay held the stall a second time (200 ms of host time a step).
+    Counted from its own end of the step before, it holds its own gap only."""
+    job, truth = _recorded_run("mcore-hostupdate-0", tmp_path)
+    (state,) = job.episode_states
+    episode = state.episode
+    assert [episode.dp, episode.stage] == truth["worker"] and episode.kind == HOST
+    assert 0.09 < episode.extra_s < 0.11, episode.extra_s
