@@ -176,6 +176,15 @@ class DependencyModel:
         return found
 
     @cached_property
+    def compiled_in_work_order(self) -> CompiledModel:
+        """The model laid out for the engine with each node also after its host
+        predecessor and container (`work_order_levels`): for simulations that anchor
+        ops to them (`engine.Anchors`)."""
+        from lagscope.simulator.engine import compile_model
+
+        return compile_model(dataclasses.replace(self, level=work_order_levels(self)))
+
+    @cached_property
     def compiled(self) -> CompiledModel:
         """The model laid out for the engine, once: the analysis and the diagnosis of one
         trace, and every step of a streamed job, simulate the same model."""
@@ -588,6 +597,41 @@ def topological_levels(model: DependencyModel) -> np.ndarray:
     """
     if model.level is not None:
         return model.level
+    level, stuck = _unit_levels(model, [])
+    if level is None:
+        names = ", ".join(str(model.nodes[m]) for m in stuck[:12])
+        more = f" and {len(stuck) - 12} more" if len(stuck) > 12 else ""
+        raise TraceError(f"dependency model has a cycle; ops that can never start: {names}{more}")
+    return level
+
+
+def work_order_levels(model: DependencyModel) -> np.ndarray:
+    """`topological_levels` with every node also after its host predecessor and its host
+    container (`DependencyModel.host_predecessor`, `host_container`), so that the engine
+    has ended them when it starts the node (`engine.Anchors`). An ordering that would
+    close a cycle (a bucket launched before the backward it follows in the model ended) is
+    left out."""
+    extra = [
+        (int(before), int(node))
+        for links in (model.host_predecessor_rows, model.host_container_rows)
+        for node, before in zip(*links, strict=True)
+    ]
+    while True:
+        level, stuck = _unit_levels(model, extra)
+        if level is not None:
+            return level
+        on_cycle = set(stuck)
+        kept = [(b, n) for b, n in extra if not (b in on_cycle and n in on_cycle)]
+        if len(kept) == len(extra):
+            return topological_levels(model)  # the cycle is the model's own: it says so
+        extra = kept
+
+
+def _unit_levels(
+    model: DependencyModel, extra: list[tuple[int, int]]
+) -> tuple[np.ndarray | None, list[int]]:
+    """Node levels (comm groups contracted) over the model's edges and `extra` ones
+    (before, node); None and the nodes that can never start where there is a cycle."""
     n = model.n_nodes
     unit_of = list(range(n))
     members: list[list[int]] = [[i] for i in range(n)]
@@ -607,6 +651,9 @@ def topological_levels(model: DependencyModel) -> np.ndarray:
                     "dependency cycle inside one comm group: "
                     + ", ".join(str(model.nodes[m]) for m in members[u])
                 )
+    for before, node in extra:
+        if unit_of[before] != unit_of[node]:
+            unit_deps[unit_of[node]].add(unit_of[before])
     successors: list[list[int]] = [[] for _ in range(n_units)]
     remaining = [len(d) for d in unit_deps]
     for u in range(n_units):
@@ -626,7 +673,5 @@ def topological_levels(model: DependencyModel) -> np.ndarray:
                 ready.append(v)
     if done != sum(alive):
         stuck = [m for u in range(n_units) if alive[u] and remaining[u] > 0 for m in members[u]]
-        names = ", ".join(str(model.nodes[m]) for m in stuck[:12])
-        more = f" and {len(stuck) - 12} more" if len(stuck) > 12 else ""
-        raise TraceError(f"dependency model has a cycle; ops that can never start: {names}{more}")
-    return np.array([level[unit_of[i]] for i in range(n)], dtype=np.int64)
+        return None, stuck
+    return np.array([level[unit_of[i]] for i in range(n)], dtype=np.int64), []

@@ -145,6 +145,20 @@ class Timeline:
 
 
 @dataclass(frozen=True)
+class Anchors:
+    """Starts the dependency model does not give: `node[i]` starts no earlier than
+    `after[i]` ends plus `offset[i, column]` (-inf: not in that column). A worker runs its
+    ops one after another: an op it launched after waiting on another (a blocking send)
+    waits for it again when that one moves, and an op it launched from inside another (a
+    gradient bucket from the backward's hook) moves with that one. Each `after[i]` must lie
+    at an earlier level than `node[i]`; a node has one anchor at most."""
+
+    node: np.ndarray
+    after: np.ndarray
+    offset: np.ndarray
+
+
+@dataclass(frozen=True)
 class SimulationResult:
     #: Step time of every segment: max end - min start over its columns.
     step_time: np.ndarray
@@ -159,6 +173,8 @@ def simulate(
     *,
     record_timeline: bool = False,
     in_engine_order: bool = False,
+    anchors: Anchors | None = None,
+    from_zero: bool = False,
 ) -> SimulationResult:
     """Simulate every column of `cost` ([node, column]); `delay` is launch delay or None.
 
@@ -169,7 +185,11 @@ def simulate(
     a caller that fills its buffers itself (`simulator/whatif.py`) writes them in this
     order rather than have them reordered here.
 
-    One function on purpose (about 70 lines): it is the engine's hot loop, one pass per
+    `anchors` (node order) adds starts the model does not give (`Anchors`).
+    `from_zero`: a step's time runs from 0, not from its earliest start (launch delays
+    measured from the moment the previous step ended: a step's period).
+
+    One function on purpose (about 80 lines): it is the engine's hot loop, one pass per
     dependency level over every column, and it reads as the paper's recurrence (start =
     latest dependency end + launch delay; a group starts when its last member posts).
     """
@@ -188,7 +208,8 @@ def simulate(
     starts = np.empty((n, n_cols), dtype=np.float64) if record_timeline else None
     # Without launch delays every op starts at or after 0, and ops without dependencies
     # start exactly at 0, so the step's earliest start is 0.
-    earliest = np.full(n_cols, np.inf) if delay is not None else np.zeros(n_cols)
+    earliest = np.full(n_cols, np.inf) if delay is not None and not from_zero else np.zeros(n_cols)
+    anchored = _anchor_rows(compiled, anchors)
     # A level's dependency ends are gathered into these rather than into new arrays: a
     # wide pass' gathers are past malloc's mmap threshold, and a fresh mapping per level
     # costs its page faults.
@@ -207,6 +228,14 @@ def simulate(
             np.maximum(start, dep_end, out=start)
         if delay is not None:
             start += delay[rows]
+        if anchored is not None:
+            lo, hi = np.searchsorted(anchored[0], (level.first, level.first + size))
+            if hi > lo:
+                local = anchored[0][lo:hi] - level.first
+                start[local] = np.maximum(
+                    start[local], end[anchored[1][lo:hi]] + anchored[2][lo:hi]
+                )
+        if delay is not None and not from_zero:
             np.minimum(earliest, start.min(axis=0), out=earliest)
         if starts is not None:
             starts[rows] = start
@@ -243,3 +272,20 @@ def simulate(
         row_of = compiled.row_of_node
         timeline = Timeline(start=starts[row_of], end=end[:n][row_of])
     return SimulationResult(step_time=step_time, timeline=timeline)
+
+
+def _anchor_rows(
+    compiled: CompiledModel, anchors: Anchors | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`anchors` in the engine's rows, sorted by the anchored node's row: each level then
+    takes its own as one contiguous slice."""
+    if anchors is None or not anchors.node.size:
+        return None
+    row_of = compiled.row_of_node
+    rows, after = row_of[anchors.node], row_of[anchors.after]
+    firsts = np.array([level.first for level in compiled.levels])
+    level_first = firsts[np.searchsorted(firsts, rows, side="right") - 1]
+    # One at an earlier level has ended when the node's level runs; any other is left out.
+    keep = np.flatnonzero(after < level_first)
+    order = keep[np.argsort(rows[keep], kind="stable")]
+    return rows[order], after[order], np.asarray(anchors.offset, dtype=np.float64)[order]

@@ -673,8 +673,8 @@ def own_gaps_of_roots(prepared: PreparedTrace) -> np.ndarray:
 def launched_inside(prepared: PreparedTrace) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """The ops a worker launched while its own op that began before them still ran
     (`DependencyModel.host_container`: DDP's gradient buckets launched from the
-    backward's hooks), as [node, step, dp] indices, and for each the share of its
-    container's duration that had passed at its start."""
+    backward's hooks), as [node, step, dp] indices, and for each the seconds of its
+    container that had passed at its start."""
     rows, container = prepared.model.host_container_rows
     if not rows.size:
         empty = np.empty(0, np.int64)
@@ -683,10 +683,11 @@ def launched_inside(prepared: PreparedTrace) -> tuple[tuple[np.ndarray, ...], np
     began = np.take(prepared.start, container, axis=0)
     lasted = np.take(prepared.duration, container, axis=0)
     passed = start - began
-    inside = (passed >= 0) & (passed < lasted - LAUNCH_TOLERANCE_S)
+    # A hook fires up to the op's last instant: the last bucket of a backward is launched
+    # as it ends, a little after its end is stamped.
+    inside = (passed >= 0) & (passed <= lasted + LAUNCH_TOLERANCE_S)
     where = np.nonzero(inside)
-    share = passed[where] / np.maximum(lasted[where], 1e-12)
-    return (rows[where[0]], where[1], where[2]), share.astype(np.float64)
+    return (rows[where[0]], where[1], where[2]), passed[where].astype(np.float64)
 
 
 def apply_clock_offsets(prepared: PreparedTrace, offset_s: np.ndarray) -> PreparedTrace:

@@ -438,6 +438,35 @@ def recorded_ops(log_dir: str | Path) -> list[dict[str, Any]]:
     return ops
 
 
+def chained_logs(log_dir: str | Path) -> Any:
+    """Every step every rank wrote, prepared one step at a time as the hosts do, each
+    with when its workers ended the step before (`with_entries`: its period known), as
+    one prepared trace."""
+    from lagscope.producers.events import decode_batch
+    from lagscope.producers.log import KIND_BATCH, Record, list_rank_dirs, read_all
+    from lagscope.simulator.prepare import concat_steps, prepare, with_entries
+    from lagscope.stream_app.step_compute import batches_to_trace
+
+    info = job_records(log_dir)[0]
+    by_step: dict[int, list[Any]] = {}
+    for directory in list_rank_dirs(log_dir):
+        for item in read_all(directory):
+            if isinstance(item, Record) and item.kind == KIND_BATCH:
+                batch = decode_batch(item.payload)
+                by_step.setdefault(batch.step, []).append(batch)
+    steps, model, previous, began = [], None, None, 0
+    for step in sorted(by_step):
+        batches = by_step[step]
+        origin = min(int(b.start_ns.min()) for b in batches if b.n_ops)
+        prepared = prepare(batches_to_trace(batches, info.pp_size), info.to_meta(), model=model)
+        model = prepared.model
+        if previous is not None and int(previous.steps[0]) == step - 1:
+            prepared = with_entries(prepared, previous, (origin - began) / 1e9)
+        steps.append(prepared)
+        previous, began = prepared, origin
+    return concat_steps(steps)
+
+
 def prepared_logs(log_dir: str | Path) -> Any:
     """Every step every rank wrote, prepared for the what-if analysis as one trace (the
     job's record gives its layout)."""
