@@ -22,12 +22,18 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from lagscope.simulator.engine import CompiledModel, simulate
-from lagscope.simulator.online_episodes import HOST, worker_signals
-from lagscope.simulator.prepare import PreparedTrace, host_gaps
+from lagscope.simulator.engine import CompiledModel
+from lagscope.simulator.online_episodes import worker_signals
+from lagscope.simulator.prepare import PreparedTrace
+from lagscope.simulator.step_without import step_times_without
 
 #: Per-step costs an `EpisodeCost` keeps for a picture (the latest ones).
 _STEPS_KEPT = 64
+#: The model's price and the job's own measure agree while neither is more than this
+#: many times the other: on a busy machine the model is off by up to a fifth where the
+#: straggler's peers got its core (or lost theirs to it), and by 2x or more where it
+#: misses a cause.
+_AGREE = 1.33
 
 
 def lost_seconds(
@@ -36,16 +42,11 @@ def lost_seconds(
     kind: str,
     level_before: float,
     compiled: CompiledModel | None = None,
-    *,
-    measured_nodelay: np.ndarray | None = None,
 ) -> np.ndarray:
     """[step]: job seconds each step lost to `worker` (dp, stage) spending more than
-    `level_before` seconds of `kind` (an op type, or `host`).
-
-    `measured_nodelay`: the steps' simulated time as measured without launch delays
-    (`WhatIfResult.t_nodelay`), where the caller has it: an op type's loss is against
-    that time, so only the worker's usual variant is simulated (a host's loss is against
-    the steps with their delays, simulated here either way).
+    `level_before` seconds of `kind` (an op type, or `host`): the step as the job ran it
+    against the step with that worker's time of that kind scaled down to the level
+    (`step_without.step_times_without`).
 
     >>> from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
     >>> from lagscope.simulator.prepare import prepare
@@ -57,40 +58,27 @@ def lost_seconds(
     >>> bool(lost[0] < 1e-3 < lost[3])
     True
     """
-    compiled = compiled or prepared.model.compiled
     dp, stage = worker
     own = worker_signals(prepared, [kind])[:, 0, stage, dp]  # [step]
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(own > level_before, level_before / own, 1.0)
-    node_stage = prepared.model.node_stage()
-    n_nodes, n_steps, n_dp = prepared.cost.shape
-    cost = prepared.cost.astype(np.float64)
-    if kind == HOST:
-        # Its host gaps scaled down to the level before; the rest of each launch delay
-        # (what the worker ran or waited on before the op) stays.
-        rows = node_stage == stage
-        delay = prepared.launch_delay.astype(np.float64)
-        gaps = host_gaps(prepared)[rows, :, dp].astype(np.float64)
-        usual = delay.copy()
-        usual[rows, :, dp] -= gaps * (1.0 - scale[None, :])
-        costs = np.concatenate([cost.reshape(n_nodes, -1)] * 2, axis=1)
-        delays: np.ndarray | None = np.concatenate(
-            [delay.reshape(n_nodes, -1), usual.reshape(n_nodes, -1)], axis=1
-        )
-    else:
-        rows = (node_stage == stage) & (np.array(prepared.node_optype) == kind)
-        usual = cost.copy()
-        usual[rows, :, dp] *= scale[None, :]
-        if measured_nodelay is not None:
-            # The same columns as the what-if's measured variant: the same numbers.
-            offsets = np.arange(0, n_steps * n_dp, n_dp, dtype=np.int64)
-            times = simulate(compiled, usual.reshape(n_nodes, -1), None, offsets).step_time
-            return np.maximum(np.asarray(measured_nodelay, dtype=np.float64) - times, 0.0)
-        costs = np.concatenate([cost.reshape(n_nodes, -1), usual.reshape(n_nodes, -1)], axis=1)
-        delays = None
-    offsets = np.arange(0, 2 * n_steps * n_dp, n_dp, dtype=np.int64)
-    times = simulate(compiled, costs, delays, offsets).step_time
-    return np.maximum(times[:n_steps] - times[n_steps:], 0.0)
+    return step_times_without(prepared, worker, kind, scale, compiled).lost
+
+
+def baseline_of(paid: np.ndarray) -> tuple[float, float, int] | None:
+    """What the job paid for a step, from `paid` (its steps' times): their median, their
+    spread (1.4826 x their median absolute deviation: a step that lost its core is an
+    outlier there, not noise) and how many; None for fewer than 4.
+
+    >>> baseline_of(np.array([1.0, 1.1, 0.9, 1.0, 5.0]))
+    (1.0, 0.14826, 5)
+    """
+    paid = np.asarray(paid, dtype=np.float64)
+    paid = paid[np.isfinite(paid)]
+    if paid.size < 4:
+        return None
+    middle = float(np.median(paid))
+    return middle, round(1.4826 * float(np.median(np.abs(paid - middle))), 12), int(paid.size)
 
 
 @dataclass(frozen=True)
@@ -102,7 +90,7 @@ class EpisodeCost:
     #: Job seconds above the straggler-free step time over the same steps: what every
     #: straggler and the job's noise cost together.
     excess_s: float = 0.0
-    #: The measured step times of those steps, summed.
+    #: What the job paid for those steps (their periods where known, `paid_times`), summed.
     measured_s: float = 0.0
     steps: int = 0
     #: The latest steps' lost seconds, oldest first.
@@ -115,6 +103,90 @@ class EpisodeCost:
     #: held when the episode was found (`with_estimated`).
     estimated_s: float = 0.0
     estimated_steps: int = 0
+    #: What the job paid for a step before the episode (`Baseline`); 0 steps: not known.
+    baseline_s: float = 0.0
+    baseline_spread_s: float = 0.0
+    baseline_steps: int = 0
+    #: Of the job's measured steps, what they took above `baseline_s`, summed: the job's
+    #: own measure of what it lost meanwhile (its share where episodes overlap), and the
+    #: shares summed (the steps it stands for: `with_baseline_moved`).
+    job_lost_s: float = 0.0
+    job_steps: float = 0.0
+
+    @property
+    def job_noise_s(self) -> float:
+        """How far the job's own measure can be off by its noise alone (1 sigma): each
+        step's spread, and the baseline's own uncertainty, over the episode's steps.
+
+        >>> round(EpisodeCost(steps=16, baseline_spread_s=0.01, baseline_steps=16).job_noise_s, 4)
+        0.0566
+        """
+        if not self.baseline_steps:
+            return 0.0
+        n = self.steps
+        return self.baseline_spread_s * float(np.sqrt(n + n * n / self.baseline_steps))
+
+    @property
+    def measured_known(self) -> bool:
+        """Whether the job's own measure exists: steps before the episode to compare with."""
+        return self.baseline_steps > 0 and self.steps > 0
+
+    @property
+    def explained(self) -> float | None:
+        """Share of the job's measured loss the model explains (`lost_s` over
+        `job_lost_s`); None where the job measured no loss beyond its noise.
+
+        >>> EpisodeCost(lost_s=0.5, job_lost_s=1.0, steps=10, baseline_steps=20).explained
+        0.5
+        """
+        if not self.measured_known or self.job_lost_s <= 2 * self.job_noise_s:
+            return None
+        return self.lost_s / self.job_lost_s
+
+    @property
+    def contradicted(self) -> bool:
+        """Whether the job's own step times contradict the model's price: one is more
+        than `_AGREE` times the other, by more than twice the job's noise (a shared
+        machine, where a sleeping straggler frees its core for its peers, or a busy one
+        takes theirs; a cause the model does not describe). Every output then says how
+        much of the measure the model explains.
+
+        >>> EpisodeCost(lost_s=0.1, job_lost_s=1.0, steps=10, baseline_steps=20).contradicted
+        True
+        >>> EpisodeCost(lost_s=0.85, job_lost_s=1.0, steps=10, baseline_steps=20).contradicted
+        False
+        """
+        if not self.measured_known:
+            return False
+        low, high = sorted((max(self.lost_s, 0.0), max(self.job_lost_s, 0.0)))
+        return high > _AGREE * low and high - low > 2 * self.job_noise_s
+
+    @property
+    def price_s(self) -> float:
+        """What the episode cost the job: what the job's own steps measured, where it
+        measured steps before the episode to compare with (the model decides who is to
+        blame, and shares the measure between episodes that overlap); the model's price
+        (`lost_s`) where it did not.
+
+        >>> EpisodeCost(lost_s=0.1, job_lost_s=1.0, steps=10, baseline_steps=20).price_s
+        1.0
+        >>> EpisodeCost(lost_s=0.1, steps=10).price_s
+        0.1
+        """
+        if self.measured_known:
+            return max(self.job_lost_s, 0.0)
+        return self.lost_s
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether the price is within the job's own noise (the job measured its steps
+        and they do not say it lost that much): evidence, not a straggler to act on.
+
+        >>> EpisodeCost(lost_s=0.05, job_lost_s=0.04, steps=8, baseline_spread_s=0.01,
+        ...     baseline_steps=20).within_noise
+        True
+        """
+        return self.measured_known and self.price_s <= 2 * self.job_noise_s
 
     @property
     def share(self) -> float:
@@ -126,7 +198,7 @@ class EpisodeCost:
         """
         if self.excess_s <= 0:
             return 0.0
-        return float(min(max((self.lost_s - self.estimated_s) / self.excess_s, 0.0), 1.0))
+        return float(min(max((self.price_s - self.estimated_s) / self.excess_s, 0.0), 1.0))
 
     @property
     def saved_share(self) -> float:
@@ -138,7 +210,7 @@ class EpisodeCost:
         """
         if self.measured_s <= 0:
             return 0.0
-        return float(min(max(self.lost_s / self.measured_s, 0.0), 1.0))
+        return float(min(max(self.price_s / self.measured_s, 0.0), 1.0))
 
     @property
     def speedup(self) -> float:
@@ -147,9 +219,9 @@ class EpisodeCost:
         >>> EpisodeCost(lost_s=1.0, measured_s=4.0).speedup
         1.3333333333333333
         """
-        if self.measured_s <= self.lost_s:
+        if self.measured_s <= self.price_s:
             return 1.0
-        return self.measured_s / (self.measured_s - self.lost_s)
+        return self.measured_s / (self.measured_s - self.price_s)
 
     @property
     def gc_share(self) -> float:
@@ -165,20 +237,83 @@ class EpisodeCost:
 
     def plus(
         self, lost_s: float, excess_s: float, measured_s: float, rise_s: float = 0.0,
-        gc_s: float = 0.0,
+        gc_s: float = 0.0, job_share: float = 1.0,
     ) -> EpisodeCost:  # fmt: skip
-        """This cost with one more step's."""
-        return EpisodeCost(
-            self.lost_s + max(lost_s, 0.0),
-            self.excess_s + max(excess_s, 0.0),
-            self.measured_s + measured_s,
-            self.steps + 1,
-            (*self.recent, float(lost_s))[-_STEPS_KEPT:],
-            self.rise_s + max(rise_s, 0.0),
-            self.gc_s + max(gc_s, 0.0),
-            self.estimated_s,
-            self.estimated_steps,
+        """This cost with one more step's (`job_share`: the episode's share of the step's
+        measured time above the baseline, where episodes overlap)."""
+        job = (measured_s - self.baseline_s) * job_share if self.baseline_steps else 0.0
+        return replace(
+            self,
+            lost_s=self.lost_s + max(lost_s, 0.0),
+            excess_s=self.excess_s + max(excess_s, 0.0),
+            measured_s=self.measured_s + measured_s,
+            steps=self.steps + 1,
+            recent=(*self.recent, float(lost_s))[-_STEPS_KEPT:],
+            rise_s=self.rise_s + max(rise_s, 0.0),
+            gc_s=self.gc_s + max(gc_s, 0.0),
+            job_lost_s=self.job_lost_s + job,
+            job_steps=self.job_steps + (job_share if self.baseline_steps else 0.0),
         )
+
+    def minus(self, later: EpisodeCost, earlier: EpisodeCost) -> EpisodeCost:
+        """This cost without the steps added between `earlier` and `later` (this cost
+        or one it grew into): steps priced after a worker recovered, before its episode
+        closed, are not the episode's.
+
+        >>> start = EpisodeCost().plus(1.0, 1.0, 2.0)
+        >>> grown = start.plus(0.0, 0.0, 1.0).plus(0.0, 0.0, 1.0)
+        >>> back = grown.minus(grown, start)
+        >>> back.steps, back.measured_s, back.recent
+        (1, 2.0, (1.0,))
+        """
+        dropped = later.steps - earlier.steps
+        return replace(
+            self,
+            lost_s=self.lost_s - (later.lost_s - earlier.lost_s),
+            excess_s=self.excess_s - (later.excess_s - earlier.excess_s),
+            measured_s=self.measured_s - (later.measured_s - earlier.measured_s),
+            steps=self.steps - dropped,
+            recent=self.recent[: max(len(self.recent) - dropped, 0)],
+            rise_s=self.rise_s - (later.rise_s - earlier.rise_s),
+            gc_s=self.gc_s - (later.gc_s - earlier.gc_s),
+            job_lost_s=self.job_lost_s - (later.job_lost_s - earlier.job_lost_s),
+            job_steps=self.job_steps - (later.job_steps - earlier.job_steps),
+        )
+
+    def with_baseline_moved(self, baseline_s: float, spread_s: float, steps: int) -> EpisodeCost:
+        """This cost measured against another baseline (the steps on both sides of the
+        episode, once the run has moved on).
+
+        >>> cost = EpisodeCost().with_baseline(np.ones(8)).plus(0.5, 0.5, 1.5)
+        >>> moved = cost.with_baseline_moved(1.1, 0.0, 16)
+        >>> round(cost.job_lost_s, 3), round(moved.job_lost_s, 3)
+        (0.5, 0.4)
+        """
+        if not self.baseline_steps or steps < 4:
+            return self
+        return replace(
+            self,
+            job_lost_s=self.job_lost_s - (baseline_s - self.baseline_s) * self.job_steps,
+            baseline_s=baseline_s,
+            baseline_spread_s=spread_s,
+            baseline_steps=steps,
+        )
+
+    def with_baseline(self, paid: np.ndarray) -> EpisodeCost:
+        """This cost measured against `paid`, what the job paid for each of its steps
+        before the episode (its periods where known): their median, and their spread as
+        1.4826 x their median absolute deviation (a lost core's step is an outlier there,
+        not noise). Fewer than 4 steps: not known.
+
+        >>> cost = EpisodeCost().with_baseline(np.array([1.0, 1.1, 0.9, 1.0, 5.0]))
+        >>> cost.baseline_s, round(cost.baseline_spread_s, 4), cost.baseline_steps
+        (1.0, 0.1483, 5)
+        """
+        found = baseline_of(paid)
+        if found is None:
+            return self
+        middle, spread, n = found
+        return replace(self, baseline_s=middle, baseline_spread_s=spread, baseline_steps=n)
 
     def with_estimated(self, rises: np.ndarray, measured: np.ndarray) -> EpisodeCost:
         """This cost with steps that can no longer be priced (a job retains a few steps
@@ -199,9 +334,12 @@ class EpisodeCost:
         passed = (self.lost_s - self.estimated_s) / self.rise_s
         rise = np.maximum(rises, 0.0)
         estimated = float(np.minimum(passed * rise, measured).sum())
+        job = float((measured - self.baseline_s).sum()) if self.baseline_steps else 0.0
         return replace(
             self,
             lost_s=self.lost_s + estimated,
+            job_lost_s=self.job_lost_s + job,
+            job_steps=self.job_steps + (int(rises.size) if self.baseline_steps else 0),
             measured_s=self.measured_s + float(measured.sum()),
             steps=self.steps + int(rises.size),
             estimated_s=self.estimated_s + estimated,

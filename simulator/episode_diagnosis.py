@@ -98,7 +98,9 @@ def costs_the_job(cost: EpisodeCost, settings: DiagnosisSettings | None = None) 
     it, is the job's noise: on a shared 2-core machine a healthy 1F1B rank's input waits
     rose 4-5x for 8-10 steps and cost 1-2 % of those steps, 5-12 % of their slowdown;
     every straggler planted in a recorded job and found cost 5-63 % of its steps at the
-    opening but one (a 2x forward that cost 0.6 %, 1.3 % in the end).
+    opening but one (a 2x forward that cost 0.6 %, 1.3 % in the end). Where the job
+    measured its steps before the episode, the price must also stand clear of that noise
+    (`EpisodeCost.within_noise`): it is kept as evidence meanwhile.
 
     >>> costs_the_job(EpisodeCost(lost_s=0.1, excess_s=1.0, measured_s=10.0, steps=8))
     False
@@ -108,6 +110,8 @@ def costs_the_job(cost: EpisodeCost, settings: DiagnosisSettings | None = None) 
     True
     """
     cfg = settings or DiagnosisSettings()
+    if cost.within_noise:
+        return False
     return cost.share >= cfg.explains_share or cost.saved_share >= cfg.floor_margin
 
 
@@ -143,10 +147,13 @@ def episode_diagnosis(
         level_inside_s=episode.level_inside,
         ratio_inside=episode.ratio_inside,
         ratio_before=episode.ratio_before,
-        lost_s=cost.lost_s,
+        lost_s=cost.price_s,
         share=cost.share,
         steps=cost.steps,
         standing=episode.standing,
+        model_lost_s=cost.lost_s,
+        job_lost_s=cost.job_lost_s if cost.measured_known else None,
+        model_explains=cost.explained,
     )
     refuted = ("re-split micro-batches",) if cause == Cause.SLOW_WORKERS and resplit is None else ()
     finding = Finding(
@@ -156,7 +163,7 @@ def episode_diagnosis(
         refuted_actions=refuted,
     )
     advice = _advice(cause, who, cost, resplit, cfg)
-    ladder = escalation(cost.lost_s * n_gpus, n_gpus, cfg, cause, refuted)
+    ladder = escalation(cost.price_s * n_gpus, n_gpus, cfg, cause, refuted)
     return Diagnosis(cause, summary, Evidence(finding=finding), advice, ladder)
 
 
@@ -177,8 +184,13 @@ def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: in
         )
     costs = (
         f"costs the job {cost.share:.0%} of its slowdown over these steps, "
-        f"{cost.lost_s:.2f} s ({cost.lost_s * n_gpus:,.1f} GPU-s)"
+        f"{cost.price_s:.2f} s ({cost.price_s * n_gpus:,.1f} GPU-s)"
     )
+    if cost.contradicted:
+        explains = cost.explained
+        costs += ", as the job's own step times measured it" + (
+            f" (the model explains {explains:.0%} of it)" if explains is not None else ""
+        )
     if cost.estimated_steps:
         costs += (
             f", {cost.estimated_s:.2f} s of it estimated for its first "

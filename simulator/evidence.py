@@ -146,6 +146,12 @@ class EpisodeFacts:
     #: Found by the job's diagnosis, slow as far back as it saw: its level before is its
     #: peers' (`WorkerEpisode.standing`).
     standing: bool = False
+    #: The model's price (`lost_s` is the job's own measure where that contradicts it),
+    #: the job's own measure (None: no steps before the episode to compare with), and the
+    #: share of it the model explains (None: the job measured no loss beyond its noise).
+    model_lost_s: float | None = None
+    job_lost_s: float | None = None
+    model_explains: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))

@@ -524,7 +524,7 @@ def episode_rows(
             "host": who.host if who is not None else "",
             "gpu": who.gpu if who is not None else None,
             "share": state.cost.share,
-            "lost_s": state.cost.lost_s,
+            "lost_s": state.cost.price_s,
             "estimated_lost_s": state.cost.estimated_s,
             "estimated_steps": state.cost.estimated_steps,
             "gpu_seconds_lost": state.gpu_seconds_lost,

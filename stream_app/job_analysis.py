@@ -42,7 +42,7 @@ import numpy as np
 from lagscope.simulator.advice import Advice, advise_resplit, escalation, resimulated_step_time
 from lagscope.simulator.causes import WORKER_CAUSES, Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
-from lagscope.simulator.episode_cost import EpisodeCost, lost_seconds
+from lagscope.simulator.episode_cost import EpisodeCost, baseline_of, lost_seconds
 from lagscope.simulator.episode_diagnosis import (
     CAUSE_OF_KIND,
     costs_the_job,
@@ -132,6 +132,26 @@ class JobTotals:
         self.step_slowdown = [*self.step_slowdown, slowdown][-_STEP_SERIES_KEPT:]
 
 
+#: Steps whose episodes' model prices are kept, to share the job's loss between them.
+_STEP_PRICES_KEPT = 64
+#: A job's first steps are its warm-up (caches, allocator, first collectives): no
+#: baseline for its later steps.
+_WARM_UP_STEPS = 3
+#: An open episode's latest steps kept to take back at its close (the detector closes
+#: an episode `recovery_steps` after its recovery, one more for a noisy step).
+_TAIL_KEPT = 16
+
+
+@dataclass
+class _Priced:
+    """An episode's steps priced by the model: their ids, inputs, and per step its lost,
+    excess, measured, own and GC seconds."""
+
+    steps: list[int] = field(default_factory=list)
+    inputs: list[PreparedTrace] = field(default_factory=list)
+    rows: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class EpisodeState:
     """One episode as it stands after a step: what the `episodes` table stores."""
@@ -153,7 +173,7 @@ class EpisodeState:
 
     @property
     def gpu_seconds_lost(self) -> float:
-        return self.cost.lost_s * self.n_gpus
+        return self.cost.price_s * self.n_gpus
 
 
 @dataclass(frozen=True)
@@ -205,6 +225,12 @@ class LiveJob:
         #: (episode id, step) -> its (lost seconds, own seconds, GC beyond peers) in a
         #: step about to come (`price_ahead`).
         self._priced: dict[tuple[int, int], tuple[float, float, float]] = {}
+        #: step -> the model's price of each episode priced in it (the latest steps).
+        self._step_prices: dict[int, dict[int, float]] = {}
+        #: Per open episode, its cost before each of its latest steps was added.
+        self._tails: dict[int, deque[tuple[int, EpisodeCost]]] = {}
+        #: The job attempt's first complete step.
+        self.first_step: int | None = None
         #: When each of the latest steps began (ns), to date an episode's bounds.
         self.step_start_ns: dict[int, int] = {}
         #: Complete steps analysed since the last diagnosis, and how many make the next.
@@ -232,31 +258,41 @@ class LiveJob:
         if not complete or result is None or prepared is None:
             return []
         self.since_diagnosis += 1
+        if self.first_step is None:
+            self.first_step = step
         if self.detector is None:
             kinds = signal_kinds(prepared)
             self.detector = OnlineEpisodes(
                 kinds, prepared.n_stages, prepared.n_dp, self.episode_settings
             )
         signals = worker_signals(prepared, self.detector.kinds)[0]
-        changes = self.detector.update(step, signals, float(result.t_actual[0]))
-        times = (float(result.t_actual[0]), float(result.t_nodelay[0]), float(result.t_ideal[0]))
+        paid = float(paid_times(prepared, result.t_actual)[0])
+        changes = self.detector.update(step, signals, paid)
+        times = (paid, float(result.t_nodelay[0]), float(result.t_ideal[0]))
         self.recent.append((prepared, times))
+        # Every episode's model price of its steps first, then each its share of what
+        # the job measured in them: episodes that overlap share the job's loss.
+        priced: dict[int, _Priced] = {}
+        for change in changes:
+            episode = change.episode
+            if change.change == "opened":
+                inside = [e for e in self.recent if int(e[0].steps[0]) >= episode.onset]
+                priced[episode.episode_id] = self._measure(episode, inside)
+            elif change.change == "updated":
+                priced[episode.episode_id] = self._measure(episode, [(prepared, times)])
         changed = []
         for change in changes:
             episode = change.episode
             key = episode.episode_id
             if change.change == "opened":
-                cost = EpisodeCost()
-                inside = []
-                for earlier, earlier_times in self.recent:
-                    if int(earlier.steps[0]) >= episode.onset:
-                        cost = self._cost_of(episode, earlier, earlier_times, cost)
-                        inside.append(earlier)
-                first_priced = int(inside[0].steps[0]) if inside else step + 1
+                cost = self._add(episode, priced[key], self._with_baseline(episode))
+                first_priced = int(priced[key].steps[0]) if priced[key].steps else step + 1
                 self.costs[key] = self._with_unpriced(episode, cost, first_priced)
-                self.resplit[key] = _resplit(episode, inside)
+                self.resplit[key] = _resplit(episode, priced[key].inputs)
             if change.change == "updated":
-                self.costs[key] = self._cost_of(episode, prepared, times, self.costs[key])
+                self.costs[key] = self._add(episode, priced[key], self.costs[key])
+            if change.change == "closed":
+                self._without_recovered(episode)
             if key not in self.named:
                 if not costs_the_job(self.costs[key], self.diagnosis_settings):
                     if change.change == "closed":  # never named: nothing to keep
@@ -270,6 +306,67 @@ class LiveJob:
             changed.append(self._state(episode, step))
         return changed
 
+    def _with_baseline(self, episode: WorkerEpisode) -> EpisodeCost:
+        """A new episode's cost, with what the job paid for its steps before the onset
+        (the detector's history: up to `baseline_steps` of them) to measure it against."""
+        assert self.detector is not None
+        steps, _, paid = self.detector.history(episode.kind)
+        kept = (steps < episode.onset) & (steps >= (self.first_step or 0) + _WARM_UP_STEPS)
+        return EpisodeCost().with_baseline(paid[kept][-self.episode_settings.baseline_steps :])
+
+    def _measure(
+        self, episode: WorkerEpisode, steps: Sequence[tuple[PreparedTrace, tuple[Any, Any, Any]]]
+    ) -> _Priced:
+        """The model's price of the episode's worker in `steps` (each a prepared trace
+        and its measured, no-delay and ideal step times), kept by step for the episodes
+        that share them."""
+        found = _Priced()
+        for inputs, times in steps:
+            priced = None
+            if inputs.n_steps == 1:
+                priced = self._priced.pop((episode.episode_id, int(inputs.steps[0])), None)
+            actual, _, ideal = (np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in times)
+            if priced is not None:
+                lost, own, gc = (np.array([value]) for value in priced)
+            else:
+                lost, own, gc = _episode_measures(episode, inputs)
+            excess = actual - ideal
+            for i, step in enumerate(inputs.steps.tolist()):
+                self._step_prices.setdefault(step, {})[episode.episode_id] = float(lost[i])
+                found.steps.append(step)
+                found.rows.append(
+                    (float(lost[i]), float(excess[i]), float(actual[i]), float(own[i]),
+                     float(gc[i]))
+                )  # fmt: skip
+            found.inputs.append(inputs)
+        while len(self._step_prices) > _STEP_PRICES_KEPT:
+            del self._step_prices[min(self._step_prices)]
+        return found
+
+    def _add(self, episode: WorkerEpisode, priced: _Priced, cost: EpisodeCost) -> EpisodeCost:
+        """`cost` with the steps of `priced`, each with its share of the job's measured
+        time above the episode's baseline (shared by the model's prices of the episodes
+        priced in that step)."""
+        tail = self._tails.setdefault(episode.episode_id, deque(maxlen=_TAIL_KEPT))
+        for step, (lost, excess, actual, own, gc) in zip(priced.steps, priced.rows, strict=True):
+            prices = self._step_prices.get(step, {})
+            total = sum(max(p, 0.0) for p in prices.values())
+            share = max(lost, 0.0) / total if total > 0 else 1.0 / max(len(prices), 1)
+            tail.append((step, cost))
+            cost = cost.plus(lost, excess, actual, own - episode.level_before, gc, share)
+        return cost
+
+    def _without_recovered(self, episode: WorkerEpisode) -> None:
+        """A closed episode's cost without the steps priced from its recovery on (the
+        detector closes it a few steps after the worker came back)."""
+        key = episode.episode_id
+        tail = self._tails.pop(key, None)
+        if not tail or episode.recovery is None or key not in self.costs:
+            return
+        before = next((cost for step, cost in tail if step >= episode.recovery), None)
+        if before is not None:
+            self.costs[key] = self.costs[key].minus(self.costs[key], before)
+
     def _cost_of(
         self,
         episode: WorkerEpisode,
@@ -278,25 +375,8 @@ class LiveJob:
         cost: EpisodeCost,
     ) -> EpisodeCost:
         """`cost` with `prepared`'s steps added (`times`: their measured, no-delay and
-        ideal step times, a number each for one step)."""
-        priced = None
-        if prepared.n_steps == 1:
-            priced = self._priced.pop((episode.episode_id, int(prepared.steps[0])), None)
-        actual, nodelay, ideal = (np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in times)
-        if priced is not None:
-            lost, own, gc = (np.array([value]) for value in priced)
-        else:
-            lost, own, gc = _episode_measures(episode, prepared, nodelay)
-        excess = (actual if episode.kind == HOST else nodelay) - ideal
-        for i in range(prepared.n_steps):
-            cost = cost.plus(
-                float(lost[i]),
-                float(excess[i]),
-                float(actual[i]),
-                float(own[i]) - episode.level_before,
-                float(gc[i]),
-            )
-        return cost
+        ideal step times)."""
+        return self._add(episode, self._measure(episode, [(prepared, times)]), cost)
 
     def _with_unpriced(
         self, episode: WorkerEpisode, cost: EpisodeCost, first_priced: int
@@ -325,9 +405,8 @@ class LiveJob:
         if len(steps) < 2 or not episodes:
             return
         joint = concat_steps([prepared for prepared, _ in steps])
-        nodelay = np.concatenate([result.t_nodelay for _, result in steps])
         for episode in episodes:
-            measures = _episode_measures(episode, joint, nodelay)
+            measures = _episode_measures(episode, joint)
             for index, step in enumerate(joint.steps.tolist()):
                 self._priced[(episode.episode_id, step)] = tuple(  # type: ignore[assignment]
                     float(m[index]) for m in measures
@@ -482,9 +561,10 @@ class LiveJob:
                 continue
             inside = np.flatnonzero(prepared.steps >= episode.onset)
             steps = prepared.select_steps(inside)
-            times = (rollup.t_actual[inside], rollup.t_nodelay[inside], rollup.t_ideal[inside])
+            paid = paid_times(steps, rollup.t_actual[inside])
+            times = (paid, rollup.t_nodelay[inside], rollup.t_ideal[inside])
             key = episode.episode_id
-            cost = self._cost_of(episode, steps, times, EpisodeCost())
+            cost = self._cost_of(episode, steps, times, self._with_baseline(episode))
             first_priced = int(steps.steps[0]) if steps.n_steps else step + 1
             self.costs[key] = self._with_unpriced(episode, cost, first_priced)
             self.resplit[key] = _resplit(episode, [steps])
@@ -537,6 +617,7 @@ class LiveJob:
                     continue
                 onset, recovery = refined_bounds(episode, prepared, self.episode_settings)
                 fitted = dataclasses.replace(episode, onset=onset, recovery=recovery)
+                self._measure_around(fitted, prepared)
                 end = recovery if recovery is not None else np.inf
                 inside = [p for p in window if onset <= int(p.steps[0]) < end]
                 if inside:
@@ -544,13 +625,30 @@ class LiveJob:
                 refined.append(self._state(fitted, self.totals.last_step, final=True))
         return refined
 
+    def _measure_around(self, episode: WorkerEpisode, prepared: PreparedTrace) -> None:
+        """A finished episode's cost measured against the steps on both sides of it in
+        `prepared` (the retained ones, past the warm-up), up to `baseline_steps` each:
+        the job's own steps before an episode alone moved with the machine's load."""
+        key = episode.episode_id
+        if key not in self.costs or episode.recovery is None:
+            return
+        steps = prepared.steps
+        paid = paid_times(prepared, prepared.actual_step_time)
+        usual = steps >= (self.first_step or 0) + _WARM_UP_STEPS
+        n = self.episode_settings.baseline_steps
+        before = paid[usual & (steps < episode.onset)][-n:]
+        after = paid[usual & (steps >= episode.recovery)][:n]
+        found = baseline_of(np.concatenate([before, after]))
+        if found is not None:
+            self.costs[key] = self.costs[key].with_baseline_moved(*found)
+
     def _named_episodes(self) -> list[WorkerEpisode]:
         if self.detector is None:
             return []
         return [e for e in self.detector.episodes if e.episode_id in self.named]
 
     def _states_by_cost(self) -> list[EpisodeState]:
-        return sorted(self.states.values(), key=lambda s: -s.cost.lost_s)
+        return sorted(self.states.values(), key=lambda s: -s.cost.price_s)
 
     def episodes(self) -> list[EpisodeState]:
         """Every episode's latest state, in onset order."""
@@ -559,7 +657,7 @@ class LiveJob:
     def straggler_gpu_seconds(self) -> float:
         """GPU-seconds the episodes cost the job (the part of its loss above the ideal
         that stragglers explain; the rest is its own jitter)."""
-        return sum(s.cost.lost_s for s in self.states.values()) * self.info.world_size
+        return sum(s.cost.price_s for s in self.states.values()) * self.info.world_size
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -573,6 +671,14 @@ class LiveJob:
             "diagnosis_interval": self.diagnosis_interval,
             "step_start_ns": [[k, v] for k, v in self.step_start_ns.items()],
             "named": [[k, *v] for k, v in self.named.items()],
+            "step_prices": [
+                [k, [[e, v] for e, v in p.items()]] for k, p in self._step_prices.items()
+            ],
+            "tails": [
+                [k, [[step, asdict(cost)] for step, cost in tail]]
+                for k, tail in self._tails.items()
+            ],
+            "first_step": self.first_step,
         }
 
     def restore(self, state: dict[str, Any], retained: Sequence[PreparedTrace]) -> None:
@@ -580,10 +686,7 @@ class LiveJob:
         self.totals = JobTotals(**state["totals"])
         if state["detector"] is not None:
             self.detector = OnlineEpisodes.from_state(state["detector"])
-        self.costs = {
-            int(k): EpisodeCost(**{**v, "recent": tuple(v["recent"])})
-            for k, v in state["costs"].items()
-        }
+        self.costs = {int(k): _cost_from_state(v) for k, v in state["costs"].items()}
         self.resplit = {int(k): Advice(**v) if v else None for k, v in state["resplit"].items()}
         by_step = {int(p.steps[0]): p for p in retained}
         for step, *times in state["recent_steps"]:
@@ -597,6 +700,16 @@ class LiveJob:
             episodes = self.detector.episodes if self.detector is not None else []
             named = [[e.episode_id, e.first_seen, e.episode_id] for e in episodes]
         self.named = {int(k): (int(step), int(shown)) for k, step, shown in named}
+        self._step_prices = {
+            int(k): {int(e): float(v) for e, v in p} for k, p in state.get("step_prices", [])
+        }
+        self._tails = {
+            int(k): deque(
+                ((int(step), _cost_from_state(cost)) for step, cost in tail), maxlen=_TAIL_KEPT
+            )
+            for k, tail in state.get("tails", [])
+        }
+        self.first_step = state.get("first_step")
         for episode in self._named_episodes():
             self._state(episode, self.totals.last_step)
 
@@ -641,17 +754,26 @@ def trace_story(
     return live.story(run, rollup), refined
 
 
+def _cost_from_state(saved: dict[str, Any]) -> EpisodeCost:
+    return EpisodeCost(**{**saved, "recent": tuple(saved["recent"])})
+
+
+def paid_times(prepared: PreparedTrace, actual: np.ndarray) -> np.ndarray:
+    """[step] what the job paid for each step of `prepared`: its period where the step
+    before it is known (`PreparedTrace.periods`: overlapping steps count their overlap
+    once), else `actual` (its measured span)."""
+    periods = prepared.periods
+    return np.where(np.isnan(periods), np.asarray(actual, dtype=np.float64), periods)
+
+
 def _episode_measures(
-    episode: WorkerEpisode, prepared: PreparedTrace, measured_nodelay: np.ndarray
+    episode: WorkerEpisode, prepared: PreparedTrace
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[step] each: the job seconds lost to the episode's worker, its own seconds of the
-    episode's kind, and its GC pauses there beyond its peers' (`measured_nodelay`: the
-    steps' `WhatIfResult.t_nodelay`)."""
+    episode's kind, and its GC pauses there beyond its peers'."""
     worker = (episode.dp, episode.stage)
     return (
-        lost_seconds(
-            prepared, worker, episode.kind, episode.level_before, measured_nodelay=measured_nodelay
-        ),
+        lost_seconds(prepared, worker, episode.kind, episode.level_before),
         worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp],
         gc_beyond_peers(prepared, worker, episode.kind),
     )

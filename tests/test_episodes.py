@@ -108,14 +108,19 @@ def test_an_episode_is_named_from_the_step_it_has_cost_the_job_enough():
 
 def test_named_episodes_are_numbered_in_the_order_they_were_named():
     """Two stragglers, one after the other: with the bar raised above what the first (1.5x)
-    costs, only the second is named, and it is episode 1, not the detector's second."""
+    saves the job, below what the second (3x) does, only the second is named, and it is
+    episode 1, not the detector's second."""
     slow = (
         SlowWorker(dp=0, stage=1, factor=1.5, start_step=12, end_step=22),
-        SlowWorker(dp=1, stage=0, factor=2.0, start_step=32, end_step=45),
+        SlowWorker(dp=1, stage=0, factor=3.0, start_step=32, end_step=45),
     )
     outputs, conclusion = streamed(slow, 55, 1)
     assert [(e.episode.episode_id, e.episode.dp) for e in conclusion.episodes] == [(1, 0), (2, 1)]
-    raised = ProcessorSettings(diagnosis=DiagnosisSettings(explains_share=0.7, floor_margin=1.0))
+    first = max(s.cost.saved_share for out in outputs for s in out.episodes if s.episode.dp == 0)
+    second = min(s.cost.saved_share for out in outputs for s in out.episodes if s.episode.dp == 1)
+    assert first < second
+    bar = DiagnosisSettings(explains_share=1.5, floor_margin=(first + second) / 2)
+    raised = ProcessorSettings(diagnosis=bar)
     outputs, conclusion = streamed(slow, 55, 1, raised)
     shown = {(s.episode.episode_id, s.episode.dp) for out in outputs for s in out.episodes}
     assert shown == {(1, 1)}

@@ -12,6 +12,8 @@ them must not (module docstring of `online_episodes.py` has the counts)."""
 
 from __future__ import annotations
 
+import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -31,16 +33,31 @@ def _analysed(name: str, tmp_path: Path) -> object:
     return analyse_archive(RECORDED / f"{name}.tar.xz", tmp_path)
 
 
+def _truth(name: str) -> dict | None:
+    """The truth a recording carries (`truth.json`: its worker, cause and slow steps), if
+    any."""
+    with tarfile.open(RECORDED / f"{name}.tar.xz") as packed:
+        if "truth.json" not in packed.getnames():
+            return None
+        return json.load(packed.extractfile("truth.json"))  # type: ignore[arg-type]
+
+
 def _found(job: object, name: str) -> bool:
     """Whether the straggler's episode is there, with its bounds within 3 steps; raises
     when an episode names anything else (another worker, another op, before the onset)."""
-    case = name.split("-")[1]
-    onset, end = WINDOWS.get(name, (15, 30))
+    truth = _truth(name)
+    if truth is None:
+        who, what = "(dp 1, pp 0)", SLOW_OP[name.split("-")[1]]
+        onset, end = WINDOWS.get(name, (15, 30))
+    else:
+        who = "(dp {}, pp {})".format(*truth["worker"])
+        what = "stalls between its ops" if truth["cause"] == "host" else truth["cause"]
+        onset, end = truth["slow_steps"]
     found = False
     for episode in job.episodes:
         summary = episode.diagnosis.summary
-        assert "(dp 1, pp 0)" in summary and summary.count("(dp ") == 1, summary
-        assert SLOW_OP[case] in summary, summary
+        assert who in summary and summary.count("(dp ") == 1, summary
+        assert what in summary, summary
         assert episode.onset >= onset - 3, (episode.onset, summary)
         found |= (
             abs(episode.onset - onset) <= 3
