@@ -336,6 +336,11 @@ class Discovery:
             )  # fmt: skip
         finally:
             self._own_start = False
+        from lagscope.simulator import optypes
+
+        # The step open when the process exits is written only if it trained: what the job
+        # did once it stopped training (a final metrics gather) is no step.
+        self.monitor.timer.last_step_needs = (optypes.FORWARD_COMPUTE, optypes.BACKWARD_COMPUTE)
         self.state = "recording"
         self.input.start(self.monitor)
         atexit.register(self.close)
