@@ -380,3 +380,30 @@ def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
     done = lagscope_launch(tmp_path, [])
     assert done.returncode == 2 and "no command to run" in done.stderr
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_stream_ships_every_recorded_step_to_kafka(
+    tmp_path: Path, kafka_bootstrap: str, kafka_topics: dict[str, str]
+) -> None:
+    """--stream runs the sidecar beside the job and stops it once the last steps shipped:
+    one Kafka message per rank-step the ranks recorded, and the streamer ended cleanly."""
+    from lagscope.producers.events import peek_header
+    from tests.kafka_util import consume_all
+
+    env = {**os.environ, **{f"LAGSCOPE_KAFKA__{k.upper()}": v for k, v in kafka_topics.items()}}
+    command = [*TORCHRUN, "--nproc-per-node", "2", str(JOBS / "ddp_train.py"), "--steps", "8"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lagscope", "launch", "--log-dir", str(tmp_path / "logs"),
+         "--job-id", "job", "--stream", "--bootstrap-servers", kafka_bootstrap, "--",
+         *command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the streamer ended with status" not in done.stderr, done.stderr[-3000:]
+    recorded = {(op["rank"], op["step"]) for op in recorded_ops(tmp_path / "logs")}
+    shipped = [
+        peek_header(m.value) for m in consume_all(kafka_bootstrap, kafka_topics["topic_ops"])
+    ]
+    assert recorded and {(h["rank"], h["step"]) for h in shipped} == recorded
+    assert len(shipped) == len(recorded)
