@@ -10,6 +10,9 @@ their own way; from there on they start alike:
 - this rank's `OpTimer`, in the lighter "off" mode on the ranks the analysis does not
   read (all but TP/CP rank 0 of each (dp, pp) worker);
 - at the process's exit, a moment with the interpreter lock released (below).
+
+Each announces its start first (`announce_start`): the automatic monitor of `lagscope
+launch` (`producers.auto_monitor`) gives way to a monitor the job starts itself.
 """
 
 from __future__ import annotations
@@ -17,13 +20,27 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
 from lagscope.producers.events import JobInfo
 from lagscope.producers.timer import OpTimer
 from lagscope.producers.torch_layout import Layout, job_id_from_environment, job_info, rank_identity
+
+#: Called with the API's name before a monitor starts in this process.
+_start_listeners: list[Callable[[str], None]] = []
+
+
+def listen_for_starts(listener: Callable[[str], None]) -> None:
+    """Have `listener(api)` called before any monitor of this process starts."""
+    _start_listeners.append(listener)
+
+
+def announce_start(api: str) -> None:
+    """A monitor of `api` ("lagscope.torch.monitor", ...) is about to start."""
+    for listener in list(_start_listeners):
+        listener(api)
 
 
 def job_and_log_dir(

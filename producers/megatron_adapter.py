@@ -59,7 +59,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lagscope.producers import megatron_p2p
-from lagscope.producers.integration_start import job_and_log_dir, rank_job_info, rank_timer
+from lagscope.producers.integration_start import (
+    announce_start,
+    job_and_log_dir,
+    rank_job_info,
+    rank_timer,
+)
 from lagscope.producers.megatron_ops import MegatronTimers, Phase, Span
 from lagscope.producers.megatron_p2p import TimedP2P, timed_communicator_class
 from lagscope.producers.megatron_seams import (
@@ -124,6 +129,7 @@ class MegatronMonitor:
         gpu_peak_flops: float | None = None,
     ) -> None:
         check_seams()
+        announce_start("lagscope.megatron.monitor")
         if _active is not None:
             raise RuntimeError(
                 "lagscope.megatron is already monitoring this process; close() that monitor "
@@ -253,6 +259,16 @@ class MegatronMonitor:
         and without it every training call of the schedule is a step of its own. For a job
         whose update monitor() cannot see, e.g. several schedule calls per update by an
         optimizer it was not given."""
+        self._end_step()
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """From now on a step ends at `optimizer`'s update, as with `optimizer=`: for a
+        monitor started before the job's optimizer was known (`lagscope launch` learns it
+        at the first update). Until then each training call of the schedule was a step."""
+        if self._steps_end_at_optimizer or self._closed:
+            return
+        self._hook_optimizer(optimizer)
+        self._steps_end_at_optimizer = True
         self._end_step()
 
     def _unhooked_schedule(self) -> None:

@@ -391,6 +391,9 @@ class OpTimer:
         #: Held while ops are encoded and written (the sealer, flush(), the CUDA resolver).
         self._lock = threading.Lock()
         self._closed = False
+        #: Op types the step open at close must hold one of to be written (empty: any op
+        #: but a GC pause will do); see `_drop_gc_only_step`.
+        self.last_step_needs: tuple[str, ...] = ()
         #: Seal records written (each holds the ops of one or more steps).
         self.records_written = 0
         #: Seals so far: hand-overs encoded and written together (by the sealer, or by
@@ -683,12 +686,21 @@ class OpTimer:
         """At close, a step begun but holding nothing but GC pauses (the collections of a
         job's teardown, after the optimizer's last step began the next) is no step:
         written, it would be a step this rank alone reported, held open by every live
-        analysis until its lateness timeout and then stored incomplete."""
+        analysis until its lateness timeout and then stored incomplete. With
+        `last_step_needs`, a step holding none of those op types is dropped the same way
+        (`lagscope launch` closes its monitor at the process's exit, after what the job did
+        once it stopped training)."""
         gc_code = self._codes[GC_PAUSE]
+        needed = {self._codes[name] for name in self.last_step_needs if name in self._codes}
         with self._hand_over_lock:
             current = self._current_step
             ops = [op for op in self._buffer if op[0][1] == current]
-            if not ops or any(op[0][0] != gc_code for op in ops):
+            if not ops:
+                return
+            if needed:  # e.g. a job's final metrics gathered after its last update
+                if any(op[0][0] in needed for op in ops):
+                    return
+            elif any(op[0][0] != gc_code for op in ops):
                 return
             if self._cuda is not None and self._cuda.holds_step(current):
                 return

@@ -302,17 +302,49 @@ class OptimizerHooks:
         for handle in self.handles:
             handle.remove()
 
-    def _start(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _start(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         monitor = self.monitor
         monitor.close_backwards()
         if not monitor.active:
-            return
+            return None
+        closure = (
+            kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        )
+        if closure is not None:
+            return self._after_closure(closure, args, kwargs)
         if monitor.pending_works:  # `on_event()`, `begin` and `end` inline, as the forward's
             monitor.poll_works()
         if self._host_clock:
             self._scope = ((self._code, monitor.step_id, -1, 0), _perf_ns())
         else:
             self._scope = monitor.begin(self._code)
+        return None
+
+    def _open(self) -> None:
+        monitor = self.monitor
+        if monitor.pending_works:
+            monitor.poll_works()
+        if self._host_clock:
+            self._scope = ((self._code, monitor.step_id, -1, 0), _perf_ns())
+        else:
+            self._scope = monitor.begin(self._code)
+
+    def _after_closure(self, closure: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """`step(closure)` (PyTorch Lightning, LBFGS) runs the forward and the backward
+        inside the optimizer's step: the update starts when the closure has returned (the
+        last time, for an optimizer that calls it several times)."""
+
+        def timed_closure() -> Any:
+            self._scope = None
+            loss = closure()
+            self.monitor.close_backwards()
+            if self.monitor.active:
+                self._open()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": timed_closure}
+        return (args[0], timed_closure, *args[2:]), kwargs
 
     def _end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         opened = self._scope

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lagscope.producers import torch_hooks, torch_pipelining
-from lagscope.producers.integration_start import job_and_log_dir, rank_job_info
+from lagscope.producers.integration_start import announce_start, job_and_log_dir, rank_job_info
 from lagscope.producers.torch_layout import Layout, attempt_from_environment, derive_layout
 from lagscope.producers.torch_monitor import Monitor
 from lagscope.producers.torch_sampling import Schedule
@@ -41,6 +41,7 @@ def start_monitor(
     monitor, and every hook on what the job passed."""
     from torch.nn.parallel import DistributedDataParallel
 
+    announce_start("lagscope.torch.monitor")
     job_id, log_dir = job_and_log_dir("lagscope.torch.monitor", job_id, log_dir)
     ddp = model if isinstance(model, DistributedDataParallel) else None
     stages = torch_pipelining.stages_of(pipeline) if pipeline is not None else []

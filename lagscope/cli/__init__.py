@@ -35,6 +35,7 @@ COMMAND_MODULE: dict[str, str] = {
     "changepoints": "lagscope.cli.changepoints",
     "query": "lagscope.cli.query",
     "run": "lagscope.cli.run",
+    "launch": "lagscope.cli.launch",
     "demo": "lagscope.cli.demo",
     "worker": "lagscope.cli.worker",
     "stream": "lagscope.cli.stream",

@@ -23,7 +23,8 @@ from lagscope.cli.progress import pipeline_progress
 from lagscope.store.dsn import DSN_HELP
 
 if TYPE_CHECKING:
-    from lagscope.stream_app.embedded import LiveReport
+    from lagscope.store.sink import ClickHouseSink
+    from lagscope.stream_app.embedded import EmbeddedRunner, LiveReport, RunReport
     from lagscope.stream_app.worker_config import WorkerConfig
 
 # The pipeline, numpy and the store are imported by the handler when it runs, so that
@@ -107,15 +108,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_logs_command(args: argparse.Namespace) -> int:
-    from lagscope.cli.job_page import render_job_page
-    from lagscope.cli.run_outcome import nothing_analysed
     from lagscope.producers.log import list_rank_dirs
+
+    runner, sink, live = embedded_host(args)
+    display, show = pipeline_progress(None)
+    if args.follow and not list_rank_dirs(args.log_dir):
+        print(f"lagscope run: waiting for the job's rank logs under {args.log_dir} "
+              "(Ctrl-C stops)", file=sys.stderr)  # fmt: skip
+    interrupted = False
+    try:
+        report = runner.run_logs(
+            args.log_dir, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=show
+        )
+    except KeyboardInterrupt:
+        # Ctrl-C is how a user stops `--follow`: what was read is analysed and kept.
+        interrupted = True
+        report = runner.close_open_steps()
+    display.close()
+    if not print_outcome(args, runner, sink, live, report, interrupted=interrupted):
+        return 1
+    if interrupted:
+        print("lagscope run: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def embedded_host(
+    args: argparse.Namespace,
+) -> tuple[EmbeddedRunner, ClickHouseSink, LiveReport | None]:
+    """The embedded host on the store, set up from `lagscope run`'s options (--dsn,
+    --config, --lateness-s, --report, --report-every-s; --log-dir is checked), each checked
+    before the store opens: a mistyped directory or setting must not leave an empty store
+    behind. Also what `lagscope launch --follow` runs."""
     from lagscope.store.dsn import parse_dsn
     from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
 
-    # Before the store opens: a mistyped directory or setting must not leave an empty
-    # store behind.
     config = _worker_config(args)
     dsn = config.store.resolved_dsn()
     parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at
@@ -132,25 +160,29 @@ def run_logs_command(args: argparse.Namespace) -> int:
         write_every_steps=config.worker.write_every_steps,
         write_interval_s=config.worker.write_interval_s,
     )  # fmt: skip
-    display, show = pipeline_progress(None)
-    if args.follow and not list_rank_dirs(args.log_dir):
-        print(f"lagscope run: waiting for the job's rank logs under {args.log_dir} "
-              "(Ctrl-C stops)", file=sys.stderr)  # fmt: skip
-    interrupted = False
-    try:
-        report = runner.run_logs(
-            args.log_dir, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=show
-        )
-    except KeyboardInterrupt:
-        # Ctrl-C is how a user stops `--follow`: what was read is analysed and kept.
-        interrupted = True
-        report = runner.close_open_steps()
-    display.close()
+    return runner, sink, live
+
+
+def print_outcome(
+    args: argparse.Namespace,
+    runner: EmbeddedRunner,
+    sink: ClickHouseSink,
+    live: LiveReport | None,
+    report: RunReport,
+    *,
+    interrupted: bool,
+    command: str = "run",
+) -> bool:
+    """Each job's summary, where its report went and the store; False (after one line
+    saying what was found instead) when nothing could be analysed."""
+    from lagscope.cli.job_page import render_job_page
+    from lagscope.cli.run_outcome import nothing_analysed
+
     # Success on nothing would read as a healthy job: say what was found instead.
     problem = None if interrupted else nothing_analysed(args.log_dir, report)
     if problem is not None:
-        print(f"lagscope run: error: {problem}", file=sys.stderr)
-        return 1
+        print(f"lagscope {command}: error: {problem}", file=sys.stderr)
+        return False
     say = print if args.report != STDOUT else functools.partial(print, file=sys.stderr)
     for key, job in report.jobs.items():
         print_job_summary(job, say=say)
@@ -162,10 +194,7 @@ def run_logs_command(args: argparse.Namespace) -> int:
             where = write_output(args.report, render_job_page(job), option="--report")
             say(f"  report written to {where}")
     say(f"  store: {sink.dsn.shown}  ({report.dead_letters} dead letter(s))")
-    if interrupted:
-        print("lagscope run: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return True
 
 
 def _worker_config(args: argparse.Namespace) -> WorkerConfig:
