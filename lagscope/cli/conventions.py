@@ -66,14 +66,43 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        # `is`, not `in`: 0 == False, and a default of 0 is one to show.
         if (
             "%(default)" in text
-            or action.default in (None, False, argparse.SUPPRESS)
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default is argparse.SUPPRESS
             or action.default == []
             or not action.option_strings
         ):
             return text
         return f"{text} (default: %(default)s)"
+
+
+#: The levels `--log-level` offers, on every command that runs for long.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """`--log-level`, the same on every long-running command (worker, stream, run, replay,
+    demo)."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="how much the command logs on stderr",
+    )
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """Log lines on stderr at the level `--log-level` chose, in one format for every
+    command."""
+    import logging
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def examples(*lines: str) -> str:
