@@ -146,6 +146,9 @@ class StreamerSettings(BaseModel):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     #: Address the metrics endpoint listens on.
     metrics_addr: str = "0.0.0.0"
+    #: The endpoint's /healthz fails once the shipping loop has not gone round for this
+    #: long (seconds): a wedged streamer is restarted, not left holding the node's logs.
+    stall_s: float = Field(default=120.0, gt=0)
 
     def resolved_checkpoint_path(self) -> Path:
         if self.checkpoint_path is not None:

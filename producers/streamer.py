@@ -56,7 +56,7 @@ from lagscope.producers.log import (
     list_log_files,
     list_rank_dirs,
 )
-from lagscope.producers.metrics import MetricsServer
+from lagscope.producers.metrics import Heartbeat, MetricsServer, Probes, Verdict
 from lagscope.producers.redact import redact_url
 
 log = logging.getLogger("lagscope.streamer")
@@ -177,6 +177,8 @@ class Streamer:
         self._last_checkpoint_s: float | None = None
         #: The Prometheus endpoint (`serve_metrics`), when `streamer.metrics_port` is set.
         self.metrics: MetricsServer | None = None
+        #: Beaten by the shipping loop (and its waits for Kafka): /healthz reads it.
+        self.heartbeat = Heartbeat(config.streamer.stall_s)
         self._owns_producer = producer is None
         if producer is None:
             # A rejected login is one line, not a retry loop; no broker yet is waited for.
@@ -385,8 +387,26 @@ class Streamer:
                 self.settings.metrics_port,
                 self.settings.metrics_addr,
                 what="streamer",
+                probes=Probes(live=self._live, ready=self._ready),
             )
         return self.metrics
+
+    def _live(self) -> Verdict:
+        """Liveness: the shipping loop goes round (an outage is ridden out in the loop)."""
+        age = self.heartbeat.age()
+        if self.heartbeat.stale():
+            return False, f"the shipping loop has not gone round for {age:.0f} s"
+        return True, f"the shipping loop went round {age:.1f} s ago"
+
+    def _ready(self) -> Verdict:
+        """Readiness: Kafka answers (the logs keep everything while it does not)."""
+        outage = self._outage
+        where = redact_url(self.config.kafka.bootstrap_servers)
+        if outage is not None:
+            return False, (
+                f"Kafka at {where} has not answered for {time.monotonic() - outage.since:.0f} s"
+            )
+        return True, f"Kafka at {where} answers"
 
     def close_metrics(self) -> None:
         if self.metrics is not None:
@@ -436,6 +456,9 @@ class Streamer:
             gauge("lagscope_streamer_last_delivery_timestamp_seconds",
                   "Unix time of the last delivery Kafka confirmed (0: none yet).",
                   self._last_delivery_s or 0.0),
+            gauge("lagscope_streamer_last_checkpoint_timestamp_seconds",
+                  "Unix time the checkpoint (what Kafka confirmed) was last written (0: "
+                  "not yet).", self._last_checkpoint_s or 0.0),
         ]  # fmt: skip
 
     def run(self) -> StreamerStats:
@@ -443,6 +466,7 @@ class Streamer:
         idle_since = time.monotonic()
         settings = self.settings
         while not self._stop.is_set():
+            self.heartbeat.beat()
             did_work = self.step()
             now = time.monotonic()
             # A Kafka that has never answered this run (a wrong address, a backfill with no
@@ -801,6 +825,7 @@ class Streamer:
         deadline = time.monotonic() + self.settings.delivery_timeout_ms / 1000 + 30
         while any(not (p.delivered or p.failed) for s in self._ranks.values()
                   for p in s.pending) and time.monotonic() < deadline:  # fmt: skip
+            self.heartbeat.beat()  # waiting for Kafka's answers is the loop's work
             self._producer.poll(0.1)
         self._advance()  # deliveries confirmed before the failure reset the count first
         self._rewinds_in_a_row += 1
