@@ -29,8 +29,10 @@ from lagscope.dashboards.panels import (
     BuiltDashboard,
     Collector,
     Expect,
+    datasource_variable,
     slowdown_thresholds,
 )
+from lagscope.dashboards.runbook import runbook
 from lagscope.store.schema import RANK_IDENTITY_TABLE
 
 FLEET_UID = "lagscope-fleet"
@@ -179,6 +181,7 @@ def _fleet_dashboard() -> dash.Dashboard:
         .tags(["lagscope", "stragglers", "fleet"])
         .time("now-6h", "now")
         .refresh("1m")
+        .with_variable(datasource_variable())
         .link(
             dash.DashboardLink("lagscope dashboards")
             .type(model.DashboardLinkType.DASHBOARDS)
@@ -259,6 +262,7 @@ def _wasted_today(q: Collector) -> stat.Panel:
     return (
         stat.Panel()
         .title(title)
+        .unit("suffix: GPU-h")
         .description("GPU-hours lost to stragglers since midnight, summed over jobs.")
         .with_target(
             q.query(
@@ -283,6 +287,7 @@ def _slowdown_per_job(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix:x")
         .description("Mean slowdown S of each job attempt per minute.")
         .with_target(
             q.query(
@@ -325,6 +330,7 @@ def _nodes_dashboard() -> dash.Dashboard:
         .tags(["lagscope", "stragglers", "fleet"])
         .time("now-24h", "now")
         .refresh("5m")
+        .with_variable(datasource_variable())
         .link(
             dash.DashboardLink("lagscope dashboards")
             .type(model.DashboardLinkType.DASHBOARDS)
@@ -409,6 +415,7 @@ def _straggling_nodes_over_time(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("percentunit")
         .description("Mean excess worker slowdown per node over time (the 10 worst).")
         .with_target(
             q.query(
@@ -443,7 +450,7 @@ def _straggling_nodes_over_time(q: Collector) -> timeseries.Panel:
 
 
 #: The fleet-wide dashboards, by file name stem (written to generated/fleet/).
-FLEET_DASHBOARDS = {"fleet": fleet, "nodes": nodes}
+FLEET_DASHBOARDS = {"fleet": fleet, "nodes": nodes, "runbook": runbook}
 
 
 def build_fleet() -> dict[str, BuiltDashboard]:

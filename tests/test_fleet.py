@@ -42,8 +42,11 @@ def test_generated_json_matches_the_code(built: dict[str, BuiltDashboard]) -> No
         assert text == item.to_json(), f"{folder / name}.json is stale: run dashboards build"
         data = json.loads(text)
         assert sdk_round_trip(data) == data
-        # No template variable: nothing a user types reaches the SQL.
-        assert data["templating"].get("list", []) == []
+        # The data source is the only variable (the runbook has none): nothing a user
+        # types reaches the SQL.
+        variables = data["templating"].get("list", [])
+        expected = [] if name == "runbook" else [("datasource", "datasource")]
+        assert [(v["name"], v["type"]) for v in variables] == expected
 
 
 def test_job_column_links_to_the_job_overview(built: dict[str, BuiltDashboard]) -> None:
