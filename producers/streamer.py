@@ -152,6 +152,8 @@ class Streamer:
         #: closed): what `exit_after_job_end_s` waits for. Kept in the checkpoint, so a
         #: restarted sidecar knows it too.
         self._ended_ranks: set[str] = set()
+        #: Rank directories whose shipped files this user may not delete (said once each).
+        self._undeletable: set[str] = set()
         #: When SIGTERM asked for a drain (`drain_s`), monotonic; None: not draining.
         self._draining_since: float | None = None
         #: Jobs whose records carry fields this build does not know, said once each.
@@ -343,7 +345,9 @@ class Streamer:
             self._delete_shipped()
 
     def _delete_shipped(self) -> None:
-        """Remove files wholly before each rank's checkpointed position (already durable)."""
+        """Remove files wholly before each rank's checkpointed position (already durable).
+        A file this user may not delete (a rank directory of another owner) is said once
+        per directory and kept: shipping goes on, the disk fills."""
         for name, state in self._ranks.items():
             if state.confirmed is None:
                 continue
@@ -351,7 +355,17 @@ class Streamer:
             for file in list_log_files(directory):
                 if file >= state.confirmed.file:
                     break
-                (directory / file).unlink(missing_ok=True)
+                try:
+                    (directory / file).unlink(missing_ok=True)
+                except OSError as exc:
+                    if name not in self._undeletable:
+                        self._undeletable.add(name)
+                        log.warning(
+                            "cannot delete shipped log files in %s (%s): they stay on the "
+                            "disk; make the directory writable by uid %d",
+                            directory, exc.strerror or exc, os.getuid(),
+                        )  # fmt: skip
+                    break
 
     # -- main loop ------------------------------------------------------------------------
 
