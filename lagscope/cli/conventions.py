@@ -84,22 +84,26 @@ class HelpFormatter(argparse.HelpFormatter):
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def add_log_level(parser: argparse.ArgumentParser) -> None:
-    """`--log-level`, the same on every long-running command (worker, stream, run, replay,
-    demo)."""
+def add_log_level(parser: argparse.ArgumentParser, *, service: bool = True) -> None:
+    """`--log-level`, the same on every long-running command: the services (worker,
+    stream) log at info by default, timestamped; the commands a person runs (run, replay,
+    demo) show warnings only, as plain lines, unless a level is asked for."""
     parser.add_argument(
         "--log-level",
-        default="info",
+        default="info" if service else None,
         choices=LOG_LEVELS,
-        help="how much the command logs on stderr",
+        help="how much the command logs on stderr"
+        + ("" if service else " (default: warning, as plain lines)"),
     )
 
 
 def configure_logging(args: argparse.Namespace) -> None:
     """Log lines on stderr at the level `--log-level` chose, in one format for every
-    command."""
+    command (nothing to do where no level was chosen and none is the default)."""
     import logging
 
+    if args.log_level is None:
+        return
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
