@@ -71,6 +71,8 @@ test: install lint
 test-fast: install lint
 	$(BIN)/python -m pytest -m "not slow" --durations=10
 
+# The benchmarks (tests/bench/*_bench.py) as a table and bench-results/bench.json; the
+# dated measurements behind the sizing rules of deploy/README.md are in tests/bench/NOTES.md.
 bench: install bytecode
 	$(BIN)/python -m tests.bench
 

@@ -535,3 +535,70 @@ def test_the_monitoring_kustomization_renders() -> None:
     rendered = _render(K8S / "monitoring")
     assert sorted(d["kind"] for d in rendered) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
     assert all(d["metadata"]["namespace"] == "lagscope" for d in rendered)
+
+
+# -- the runbook, as an operator follows it on an empty cluster ----------------------------
+
+
+def _runbook_section(title: str) -> str:
+    text = (DEPLOY / "README.md").read_text()
+    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_runbook_works_in_order_from_an_empty_cluster() -> None:
+    steps = _runbook_section("Kubernetes from an empty cluster")
+    order = [
+        "docker push $REGISTRY/lagscope-sidecar",
+        "kubectl apply -f deploy/k8s/namespace.yaml",
+        "kafka-topics.sh",
+        "CREATE USER IF NOT EXISTS grafana",
+        "kubectl -n lagscope create secret generic lagscope-clickhouse",
+        "kubectl apply -k deploy/k8s\n",
+        "kubectl apply -k deploy/k8s/monitoring",
+        "lagscope dashboards push",
+    ]
+    images = _runbook_section("Images")
+    positions = [(images + steps).index(what) for what in order]
+    assert positions == sorted(positions), "the runbook's steps are out of order"
+    # every image the manifests name is built and pushed, every path it applies exists
+    for name in _images():
+        assert f"--target {name.removeprefix('lagscope-')} -t $REGISTRY/{name}:" in images
+        assert f"docker push $REGISTRY/{name}:" in images
+    for path in re.findall(r"kubectl apply -[fk] (deploy/\S+)", steps):
+        assert (REPO / path).exists(), path
+    # the topics the workers and streamers use, each with its partitions
+    config = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]
+    topics = [config[k] for k in config if k.startswith("LAGSCOPE_KAFKA__TOPIC_")]
+    for topic in [*topics, "lagscope.results"]:
+        assert re.search(rf"--topic {re.escape(topic)} \\\s+--partitions \d+", steps), topic
+    assert "cleanup.policy=compact" in steps.split("--topic lagscope.jobs", 1)[1][:120]
+    # Grafana's user is the read-only one compose defines, and the secret is the one the
+    # workers read
+    users = ET.parse(DEPLOY / "clickhouse/users.d/grafana-readonly.xml").getroot()
+    readonly = users.findtext("profiles/grafana_readonly/readonly")
+    assert f"readonly = {readonly}" in steps and "GRANT SELECT ON lagscope.* TO grafana" in steps
+    deployment = _workload("worker-deployment.yaml", "Deployment")
+    (ref,) = [
+        e["valueFrom"]["secretKeyRef"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "valueFrom" in e
+    ]
+    assert f"secret generic {ref['name']} \\\n       --from-literal={ref['key']}=" in steps
+
+
+def test_the_runbook_says_how_to_upgrade_and_roll_back_and_keeps_no_diary() -> None:
+    upgrade = _runbook_section("Upgrade and rollback")
+    assert upgrade.index("lagscope-worker=$REGISTRY/lagscope-worker:$NEW") < upgrade.index(
+        "lagscope-sidecar=$REGISTRY/lagscope-sidecar:$NEW"
+    )  # readers first
+    assert upgrade.index("lagscope-sidecar=$REGISTRY/lagscope-sidecar:$OLD") < upgrade.index(
+        "lagscope-worker=$REGISTRY/lagscope-worker:$OLD"
+    )  # and back in the reverse order
+    text = (DEPLOY / "README.md").read_text()
+    # the dated benchmark diary lives with the benchmarks
+    assert not re.search(r"20\d\d-\d\d-\d\d", text)
+    notes = (REPO / "tests" / "bench" / "NOTES.md").read_text()
+    assert (
+        "tests/bench/NOTES.md" in text and "tests/bench/NOTES.md" in (REPO / "Makefile").read_text()
+    )
+    assert len(re.findall(r"20\d\d-\d\d-\d\d", notes)) > 10
