@@ -24,6 +24,8 @@ from lagscope.dashboards.panels import (
 PIPELINE_HEALTH_UID = "lagscope-pipeline"
 #: The dashboard's Prometheus data source variable, and its consumer lag panel.
 PROMETHEUS_VARIABLE = "prometheus"
+#: The Prometheus data source lagscope provisions (dashboards/provisioning/datasources).
+PROMETHEUS_DATASOURCE_UID = "lagscope-prometheus"
 CONSUMER_LAG_TITLE = "Kafka consumer lag per partition"
 CONSUMER_LAG_EXPR = "sum by (topic, partition) (lagscope_worker_consumer_lag_records)"
 #: Missing ranks an incomplete step lists by number; the rest are counted.
@@ -334,7 +336,16 @@ def _sink_latency(q: Collector) -> timeseries.Panel:
 def prometheus_variable() -> dash.DatasourceVariable:
     """The Prometheus that scrapes the workers (`${prometheus}`): the consumer lag is a
     metric of theirs, not a row of the store."""
-    return dash.DatasourceVariable(PROMETHEUS_VARIABLE).label("Prometheus").type("prometheus")
+    return (
+        dash.DatasourceVariable(PROMETHEUS_VARIABLE)
+        .label("Prometheus")
+        .type("prometheus")
+        .current(
+            model.VariableOption(
+                selected=True, text="lagscope Prometheus", value=PROMETHEUS_DATASOURCE_UID
+            )
+        )
+    )
 
 
 def _consumer_lag() -> timeseries.Panel:

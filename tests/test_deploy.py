@@ -602,3 +602,27 @@ def test_the_runbook_says_how_to_upgrade_and_roll_back_and_keeps_no_diary() -> N
         "tests/bench/NOTES.md" in text and "tests/bench/NOTES.md" in (REPO / "Makefile").read_text()
     )
     assert len(re.findall(r"20\d\d-\d\d-\d\d", notes)) > 10
+
+
+def test_compose_prometheus_scrapes_the_workers_the_lag_panel_and_rules_expect(
+    compose: dict[str, Any],
+) -> None:
+    from lagscope.dashboards.pipeline_health import PROMETHEUS_DATASOURCE_UID
+    from lagscope.dashboards.prometheus_rules import WORKER_JOB
+
+    services = compose["services"]
+    (config_mount,) = [v for v in services["prometheus"]["volumes"] if "prometheus.yml" in v]
+    config = yaml.safe_load((DEPLOY / config_mount.split(":")[0]).read_text())
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == WORKER_JOB
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["worker"] and "worker" in services
+    assert str(sd["port"]) == _flag(services["worker"]["command"], "--metrics-port")
+    # Grafana provisions a Prometheus data source on it, the one the lag panel starts on
+    provisioned = yaml.safe_load(
+        (REPO / "dashboards/provisioning/datasources/lagscope-prometheus.yaml").read_text()
+    )["datasources"][0]
+    assert provisioned["uid"] == PROMETHEUS_DATASOURCE_UID
+    grafana_env = services["grafana"]["environment"]
+    url = re.sub(r"\$\{(\w+)\}", lambda m: str(grafana_env[m.group(1)]), provisioned["url"])
+    assert url == f"http://prometheus:{services['prometheus']['ports'][0].split(':')[1]}"
