@@ -515,7 +515,7 @@ class FaustWorker:
             # open for good, unanalysed, the job never concluded, the worker never idle.
             await self._core(self.core.set_behind, number, False)
         await self._core(self.core.tick)
-        self.health.loop.beat()
+        self.health.tick()
         self._note_fetch_answers()
         self._say_when_kafka_is_back()
         await self._rewind()
@@ -647,6 +647,7 @@ class FaustWorker:
         attempt = 0
         while True:
             attempt += 1
+            self.health.loop.beat()  # waiting for a broker is what the worker does now
             try:
                 admin.list_topics(timeout=retry_s)
                 if attempt > 1:

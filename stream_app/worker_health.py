@@ -10,9 +10,11 @@ server's thread, which answers as long as the process lives:
   records waiting (consumer lag, a pass in flight) and the core takes none, it ages: a
   consumer that fetches nothing any more.
 
-A worker is dead (restart it) when either is older than `worker.stall_s`. A store that
-refuses writes holds the worker back on purpose (what is closed waits in memory, the rest
-in Kafka): that is readiness' business, not a reason to restart.
+A worker is dead (restart it) when either is older than `worker.stall_s`. Before its loop's
+first tick (waiting for Kafka, which beats the loop at each attempt, then joining the
+group) it has `STARTUP_STALLS` times as long. A store that refuses writes holds the worker
+back on purpose (what is closed waits in memory, the rest in Kafka): that is readiness'
+business, not a reason to restart.
 
 Readiness asks the two things the worker cannot work without, now: Kafka (a metadata
 request) and the store (ClickHouse's `/ping`, and whether its last write failed).
@@ -34,6 +36,9 @@ from lagscope.store.dsn import parse_dsn
 
 #: Seconds a readiness check waits for Kafka or the store.
 CHECK_TIMEOUT_S = 3.0
+#: Before the loop's first tick, a worker may go this many times `stall_s` without a beat
+#: (faust's start and the group's first rebalance, after the wait for a broker).
+STARTUP_STALLS = 5
 
 
 class WorkerHealth:
@@ -48,10 +53,17 @@ class WorkerHealth:
     ) -> None:
         self.loop = Heartbeat(stall_s, clock)
         self.progress = Heartbeat(stall_s, clock)
+        #: Whether the loop has ticked once (`tick`): its start is over.
+        self.started = False
         self._kafka = kafka
         self._store = parse_dsn(dsn)
         self._admin: Any = None
         self._admin_lock = threading.Lock()
+
+    def tick(self) -> None:
+        """The loop went round (its tick's first call into the core returned)."""
+        self.started = True
+        self.loop.beat()
 
     def live(self, *, has_work: bool) -> Verdict:
         """Dead once the loop stalled, or records wait and the core took none for
@@ -59,10 +71,12 @@ class WorkerHealth:
 
         >>> now = [0.0]
         >>> health = WorkerHealth(60, KafkaSettings(), "chdb://", clock=lambda: now[0])
-        >>> now[0] = 30.0; health.loop.beat()
+        >>> now[0] = 250.0; health.live(has_work=True)[0]  # starting: 5 x 60 s allowed
+        True
+        >>> now[0] = 30.0; health.tick()
         >>> health.live(has_work=True)
         (True, 'the loop went round 0 s ago; records taken 30 s ago')
-        >>> now[0] = 90.0; health.loop.beat()
+        >>> now[0] = 90.0; health.tick()
         >>> health.live(has_work=True)
         (False, 'records wait and the core has taken none for 90 s')
         >>> health.live(has_work=False)[0]  # nothing waits: nothing to take
@@ -71,6 +85,11 @@ class WorkerHealth:
         >>> health.live(has_work=False)
         (False, "the worker's loop has not gone round for 110 s (a call into the core that never returned, or a blocked event loop)")
         """  # noqa: E501
+        if not self.started:
+            limit = STARTUP_STALLS * self.loop.stall_s
+            if self.loop.age() > limit:
+                return False, f"the worker's loop has not started in {self.loop.age():.0f} s"
+            return True, "starting: waiting for Kafka or the group's first assignment"
         if self.loop.stale():
             return False, (
                 f"the worker's loop has not gone round for {self.loop.age():.0f} s (a call "
