@@ -7,9 +7,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install bytecode chromium demo test test-fast lint bench clean
+# The kustomize the manifests' tests render deploy/k8s with (tests/test_deploy.py): the
+# one kubectl 1.32 embeds, built from the Go module proxy into .venv/bin (~35 s, once).
+KUSTOMIZE_VERSION := v5.5.0
+KUSTOMIZE := $(BIN)/kustomize
 
-install: $(STAMP) chromium
+.PHONY: install bytecode chromium kustomize demo test test-fast lint bench clean
+
+install: $(STAMP) chromium kustomize
 
 # The HTML report is checked in a real headless Chromium: Debian's package, installed here
 # when missing (CI and the dev machines run as root; elsewhere install it yourself).
@@ -18,6 +23,16 @@ chromium:
 		if [ "$$(id -u)" = 0 ]; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 		else echo "chromium is missing: install Debian's chromium package (apt-get install chromium)" >&2; exit 1; fi; }
+
+kustomize: $(VENV)/.kustomize-$(KUSTOMIZE_VERSION)
+
+$(VENV)/.kustomize-$(KUSTOMIZE_VERSION): | $(STAMP)
+	@command -v go >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go >/dev/null; \
+		else echo "go is missing: install Debian's golang-go package to build kustomize" >&2; exit 1; fi; }
+	GOBIN=$(abspath $(BIN)) GOFLAGS=-mod=mod go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+	touch $@
 
 # Re-installs only when the project's declared dependencies change.
 $(STAMP): pyproject.toml
@@ -56,6 +71,8 @@ test: install lint
 test-fast: install lint
 	$(BIN)/python -m pytest -m "not slow" --durations=10
 
+# The benchmarks (tests/bench/*_bench.py) as a table and bench-results/bench.json; the
+# dated measurements behind the sizing rules of deploy/README.md are in tests/bench/NOTES.md.
 bench: install bytecode
 	$(BIN)/python -m tests.bench
 

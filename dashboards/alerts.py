@@ -17,7 +17,10 @@ and by data made to fire or to stay quiet, and apply the same threshold as Grafa
 
 Rules are built with grafana-foundation-sdk's alerting types and written two ways: the
 file Grafana provisions at start-up (`provisioning/alerting/lagscope-alerts.yaml`, JSON
-being YAML) and the rule group `lagscope dashboards push` puts through the HTTP API.
+being YAML) and the rule group `lagscope dashboards push` puts through the HTTP API. Each
+carries a `summary`, a `description` (what it means, which panels to read) and a
+`runbook_url`: its panel of the runbook dashboard (`runbook.py`), relative to the Grafana
+that shows it in the provisioned file, absolute (the Grafana pushed to) from `push`.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import alerting as alerting_model
 from grafana_foundation_sdk.models import expr as expr_model
 
-from lagscope.dashboards.clickhouse_query import ClickHouseQueryBuilder, datasource_ref
+from lagscope.dashboards.clickhouse_query import DATASOURCE_UID, ClickHouseQueryBuilder
 from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
 from lagscope.dashboards.panels import ENDED_JOBS
 from lagscope.dashboards.pipeline_health import PIPELINE_HEALTH_UID
+from lagscope.dashboards.runbook import runbook_url
 from lagscope.store.schema import EPISODES_TABLE
 
 FOLDER_UID = "lagscope"
@@ -79,6 +83,10 @@ class AlertRule:
     #: What to look at next: the dashboard, and its panels (titles) in the order to read.
     dashboard_uid: str
     next_panels: tuple[str, ...]
+    #: When it fires, in words; what it means (likely causes); what to do, in order.
+    fires_when: str
+    description: str
+    actions: tuple[str, ...]
     severity: Literal["page", "ticket"] = "page"
 
     def fires(self, value: float) -> bool:
@@ -89,15 +97,15 @@ class AlertRule:
         """The rows of the query result for which the rule fires."""
         return [row for row in rows if row["value"] is not None and self.fires(row["value"])]
 
-    def runbook(self) -> str:
+    def next_steps(self) -> str:
         dashboard = DASHBOARD_TITLES[self.dashboard_uid]
         return f"Open '{dashboard}': " + ", then ".join(f"'{p}'" for p in self.next_panels)
 
-    def builder(self) -> alerting.Rule:
+    def builder(self, grafana_url: str = "") -> alerting.Rule:
         query = ClickHouseQueryBuilder(_dedent(self.sql)).ref_id("A").table()
         source = (
             alerting.Query("A")
-            .datasource_uid(datasource_ref().uid or "")
+            .datasource_uid(DATASOURCE_UID)
             .relative_time_range(alerting_model.RelativeTimeRange(from_val=3600, to=0))
             .model(query)
         )
@@ -138,7 +146,8 @@ class AlertRule:
             .annotations(
                 {
                     "summary": self.summary,
-                    "runbook": self.runbook(),
+                    "description": f"{self.description} {self.next_steps()}.",
+                    "runbook_url": runbook_url(self.uid, grafana_url),
                     "__dashboardUid__": self.dashboard_uid,
                 }
             )
@@ -194,6 +203,20 @@ RULES: tuple[AlertRule, ...] = (
         f"{SUSTAINED_MINUTES} minutes (best minute: {{{{ $values.A }}}}x the floor).",
         dashboard_uid=JOB_OVERVIEW_UID,
         next_panels=("Straggler episodes", "Slowdown S per step", "Top stragglers in range"),
+        fires_when=f"every minute of the last {SUSTAINED_MINUTES} ran {SLOWDOWN_THRESHOLD:.2f}x "
+        "above the job's own noise floor",
+        description="The job's steps take longer than they would without their slowest "
+        "workers, beyond the job's own jitter, for ten minutes: GPU-hours are being lost "
+        "now.",
+        actions=(
+            "Read the open episode: which worker, node and GPU, slow in which op, since "
+            "when, and the diagnosis' advice (its predicted speed-up).",
+            "A node to blame (a slow GPU, a throttled link): drain it and restart the job "
+            "from its last checkpoint without it, if the advice's saving is worth the "
+            "restart.",
+            "No single worker (imbalance, the input pipeline): the job's owners, with "
+            "the diagnosis.",
+        ),
     ),
     AlertRule(
         uid="lagscope-episode-open",
@@ -223,6 +246,16 @@ RULES: tuple[AlertRule, ...] = (
         "so far.",
         dashboard_uid=JOB_OVERVIEW_UID,
         next_panels=("Straggler episodes", "Current diagnosis and advice"),
+        fires_when="a verified straggler episode of a running job is open",
+        description="A worker is verified slower than its peers now (its value: the "
+        "GPU-hours it has cost so far). It resolves when the worker recovers or the job "
+        "ends.",
+        actions=(
+            "Note the worker's node and GPU: the Nodes dashboard says whether that "
+            "machine straggles in other jobs too.",
+            "Act on the diagnosis' advice when its saving outweighs a restart; else let it "
+            "run and watch the cost grow.",
+        ),
         severity="ticket",
     ),
     AlertRule(
@@ -245,13 +278,24 @@ RULES: tuple[AlertRule, ...] = (
         "crashed, or its data stopped arriving.",
         dashboard_uid=PIPELINE_HEALTH_UID,
         # Panels with data only: ops still arriving (the job runs, the analysis is stuck),
-        # steps still closing, and how far behind the stored steps are. Kafka consumer lag
-        # is no panel yet (not in the store): the workers' metric
-        # lagscope_worker_consumer_lag_records has it.
+        # steps still closing, how far behind the stored steps are, and whether the
+        # workers fall behind Kafka (their metric, through Prometheus).
         next_panels=(
             "Ingest rate: ops per minute",
             "Steps analysed per minute",
             "Sink latency (processed_at - ts)",
+            "Kafka consumer lag per partition",
+        ),
+        fires_when=f"a job that reported in the last hour has sent no step for "
+        f"{SILENT_AFTER_S // 60} minutes, and not every rank of it said it ended",
+        description="The job hung, was killed, or its data stopped arriving (the sidecar, "
+        "Kafka, the workers). A job that finished stays quiet: its ranks' monitors say "
+        "so.",
+        actions=(
+            "Ops still arriving but no steps: the analysis is stuck; 'Kafka consumer lag "
+            "per partition' and the workers' pods (LagscopeWorkerDown, liveness restarts).",
+            "Nothing arriving: the job itself (its scheduler's status, its logs), then its "
+            "streamer (`kubectl logs` of the sidecar or the node's DaemonSet pod).",
         ),
     ),
     AlertRule(
@@ -271,6 +315,14 @@ RULES: tuple[AlertRule, ...] = (
         "{{ $values.A }} steps in 10 minutes.",
         dashboard_uid=PIPELINE_HEALTH_UID,
         next_panels=("Incomplete steps and their missing ranks", "Late or incomplete steps"),
+        fires_when=f"one rank was missing from {RANK_MISSING_STEPS} or more steps in 10 minutes",
+        description="That rank's batches stop arriving while the others' do: its sidecar "
+        "or log stopped, or the rank itself is stuck while the others wait.",
+        actions=(
+            "Find the rank's node (the job overview's worker panels, or the rank identity) "
+            "and its streamer's log there.",
+            "The streamer ships and the rank writes nothing: the rank is stuck; the job's owners.",
+        ),
     ),
     AlertRule(
         uid="lagscope-mfu-below-baseline",
@@ -291,6 +343,15 @@ RULES: tuple[AlertRule, ...] = (
         "attempt reaches on a good stretch (its 90th percentile).",
         dashboard_uid=JOB_OVERVIEW_UID,
         next_panels=("MFU: actual vs straggler-free", "Slowdown S per step"),
+        fires_when=f"MFU of the last 10 minutes is below {MFU_FRACTION_OF_BASELINE:.0%} of "
+        "the attempt's own 90th percentile",
+        description="The job runs well below what it reached earlier, straggler or not "
+        "(a slower phase of training, the input pipeline, a degraded machine).",
+        actions=(
+            "Straggler-free MFU low too: the whole job slowed (data, network, a phase of "
+            "training); the job's owners.",
+            "Only the actual MFU low: a straggler; read its episode.",
+        ),
         severity="ticket",
     ),
     AlertRule(
@@ -310,25 +371,34 @@ RULES: tuple[AlertRule, ...] = (
         "(source {{ $labels.source }}, job {{ $labels.job_id }}).",
         dashboard_uid=PIPELINE_HEALTH_UID,
         next_panels=("Dead letters by reason", "Latest dead letters"),
+        fires_when="more input was rejected in the last 10 minutes than in the 10 before",
+        description="A producer writes bad records or a log is being corrupted: data is "
+        "being set aside (each dead letter names its node, file and offset).",
+        actions=(
+            "Group by reason: a newer record version (upgrade the workers, deploy/README.md "
+            "'Upgrade and rollback'), torn records (a disk or a killed writer), "
+            "undecodable batches.",
+        ),
         severity="ticket",
     ),
 )
 
 
-def rule_group() -> alerting_model.RuleGroup:
-    """Every rule, in one group evaluated every minute."""
+def rule_group(grafana_url: str = "") -> alerting_model.RuleGroup:
+    """Every rule, in one group evaluated every minute (`grafana_url`: where the runbook
+    links point; "" links relative to the Grafana that shows the alert)."""
     group = (
         alerting.RuleGroup(RULE_GROUP)
         .folder_uid(FOLDER_UID)
         .interval(EVALUATION_INTERVAL)
-        .rules([rule.builder() for rule in RULES])
+        .rules([rule.builder(grafana_url) for rule in RULES])
     )
     return group.build()
 
 
-def rule_group_dict() -> dict[str, Any]:
+def rule_group_dict(grafana_url: str = "") -> dict[str, Any]:
     """The rule group as the alerting provisioning API takes it (PUT .../rule-groups/...)."""
-    return json.loads(json.dumps(rule_group(), cls=JSONEncoder))
+    return json.loads(json.dumps(rule_group(grafana_url), cls=JSONEncoder))
 
 
 def provisioning_file() -> str:

@@ -1,6 +1,7 @@
 """What `lagscope dashboards build` writes: one JSON file per dashboard (the fleet-wide
-ones, which have no job variable, in a folder of their own that Grafana's file provider
-reads with the rest) and the alert rules' provisioning file."""
+ones and the runbook, which have no job variable, in a folder of their own that Grafana's
+file provider reads with the rest), the alert rules' provisioning file and, in a checkout,
+the pipeline's PrometheusRule (deploy/k8s/monitoring)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ def built_files(out: Path = GENERATED_DIR, alerts_out: Path | None = None) -> di
     from lagscope.dashboards.alerts import ALERTS_FILE, provisioning_file
     from lagscope.dashboards.definitions import build_all
     from lagscope.dashboards.fleet import build_fleet
+    from lagscope.dashboards.prometheus_rules import PROMETHEUS_RULE_FILE, prometheus_rule_file
 
     built = {out / f"{name}.json": item.to_json() for name, item in build_all().items()}
     built.update(
         {out / "fleet" / f"{name}.json": item.to_json() for name, item in build_fleet().items()}
     )
     built[alerts_out or ALERTS_FILE] = provisioning_file()
+    # The PrometheusRule goes with the repository's manifests: a checkout's own build.
+    if out == GENERATED_DIR and PROMETHEUS_RULE_FILE.parent.is_dir():
+        built[PROMETHEUS_RULE_FILE] = prometheus_rule_file()
     return built

@@ -21,12 +21,18 @@ from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.models import dashboard
 
 PLUGIN_ID = "grafana-clickhouse-datasource"
-#: Fixed uid of the provisioned data source: the dashboards reference it directly.
+#: The uid of the data source lagscope provisions (file or `dashboards push`): the alert
+#: rules name it (a rule has no variables), and the dashboards' variable starts on it.
 DATASOURCE_UID = "lagscope-clickhouse"
+#: The dashboards' data source variable: every query reads `${datasource}`, so a Grafana
+#: with another ClickHouse data source (another store, another name) shows the same
+#: dashboards by picking it.
+DATASOURCE_VARIABLE = "datasource"
 
 
 def datasource_ref() -> dashboard.DataSourceRef:
-    return dashboard.DataSourceRef(type_val=PLUGIN_ID, uid=DATASOURCE_UID)
+    """What every dashboard query and variable reads from: the selected data source."""
+    return dashboard.DataSourceRef(type_val=PLUGIN_ID, uid=f"${{{DATASOURCE_VARIABLE}}}")
 
 
 class Format(enum.IntEnum):

@@ -11,9 +11,11 @@
   machine that is slow in several jobs ranks first even when each job blames a different
   rank.
 
-Neither has template variables: the time range is the only input, so no user-supplied
-text reaches the SQL. Built with the helpers of `panels.py` (same query collector,
-same expectations, same SDK round trip), so the tests run these queries like the others.
+Their variables: the ClickHouse data source, and the jobs to show (all at first: a
+team's jobs, or one job's machines), read through `panels.any_selected` like the job
+dashboards' (percent-encoded: no text a user picks reaches the SQL as SQL). Built with
+the helpers of `panels.py` (same query collector, same expectations, same SDK round
+trip), so the tests run these queries like the others.
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ from lagscope.dashboards.panels import (
     BuiltDashboard,
     Collector,
     Expect,
+    any_selected,
+    datasource_variable,
+    job_variable,
     slowdown_thresholds,
 )
+from lagscope.dashboards.runbook import runbook
 from lagscope.store.schema import RANK_IDENTITY_TABLE
 
 FLEET_UID = "lagscope-fleet"
+#: The jobs the fleet and node views read: the `job` variable's selection ("All" at first),
+#: through the same percent-encoded reading as the job dashboards (`panels.selected`).
+ANY_JOB = any_selected("job", "job_id")
 NODES_UID = "lagscope-nodes"
 #: A worker-step with S_w at or above this counts as straggling (the alerts' threshold).
 STRAGGLING_S_W = 1.10
@@ -89,7 +98,7 @@ JOBS_SQL = f"""
                  / 3600 AS wasted_gpu_h_today,
                dateDiff('second', max(ts), now()) AS last_step_age_s
         FROM steps FINAL
-        WHERE $__timeFilter(ts)
+        WHERE $__timeFilter(ts) AND {ANY_JOB}
         GROUP BY job_id, attempt
     ) AS s
     LEFT JOIN (
@@ -148,7 +157,7 @@ WORKER_TOTALS_SQL = f"""
                countIf(slowdown >= {STRAGGLING_S_W}) AS straggling_steps,
                sum(greatest(slowdown - 1, 0)) AS excess, max(slowdown) AS max_S_w
         FROM worker_slowdown FINAL
-        WHERE $__timeFilter(ts) AND isFinite(slowdown)
+        WHERE $__timeFilter(ts) AND isFinite(slowdown) AND {ANY_JOB}
         GROUP BY job_id, attempt, dp_rank, pp_rank
     ) AS w
     INNER JOIN ({IDENTITY_SQL}) AS i
@@ -168,6 +177,13 @@ def fleet() -> BuiltDashboard:
     return BuiltDashboard(FLEET_UID, builder.build(), q.expectations)
 
 
+def _jobs_variable() -> dash.QueryVariable:
+    """The jobs to show, all of them at first."""
+    return job_variable(multi=True).current(
+        model.VariableOption(selected=True, text="All", value="$__all")
+    )
+
+
 def _fleet_dashboard() -> dash.Dashboard:
     return (
         dash.Dashboard("lagscope: fleet")
@@ -179,6 +195,8 @@ def _fleet_dashboard() -> dash.Dashboard:
         .tags(["lagscope", "stragglers", "fleet"])
         .time("now-6h", "now")
         .refresh("1m")
+        .with_variable(datasource_variable())
+        .with_variable(_jobs_variable())
         .link(
             dash.DashboardLink("lagscope dashboards")
             .type(model.DashboardLinkType.DASHBOARDS)
@@ -259,14 +277,15 @@ def _wasted_today(q: Collector) -> stat.Panel:
     return (
         stat.Panel()
         .title(title)
+        .unit("suffix: GPU-h")
         .description("GPU-hours lost to stragglers since midnight, summed over jobs.")
         .with_target(
             q.query(
                 title,
-                """
+                f"""
                 SELECT sum(gpu_seconds_wasted) / 3600 AS `GPU-hours wasted`
                 FROM steps_1m
-                WHERE minute >= toStartOfDay(now())
+                WHERE minute >= toStartOfDay(now()) AND {ANY_JOB}
                 """,
                 Expect({"GPU-hours wasted": "number"}),
                 time_series=False,
@@ -283,15 +302,16 @@ def _slowdown_per_job(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix:x")
         .description("Mean slowdown S of each job attempt per minute.")
         .with_target(
             q.query(
                 title,
-                """
+                f"""
                 SELECT minute AS time, concat(job_id, '/', toString(attempt)) AS job,
                        sum(slowdown_sum) / sum(slowdown_count) AS S
                 FROM steps_1m
-                WHERE $__timeFilter(minute)
+                WHERE $__timeFilter(minute) AND {ANY_JOB}
                 GROUP BY job_id, attempt, minute
                 HAVING sum(slowdown_count) > 0
                 ORDER BY time
@@ -325,6 +345,8 @@ def _nodes_dashboard() -> dash.Dashboard:
         .tags(["lagscope", "stragglers", "fleet"])
         .time("now-24h", "now")
         .refresh("5m")
+        .with_variable(datasource_variable())
+        .with_variable(_jobs_variable())
         .link(
             dash.DashboardLink("lagscope dashboards")
             .type(model.DashboardLinkType.DASHBOARDS)
@@ -409,6 +431,7 @@ def _straggling_nodes_over_time(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("percentunit")
         .description("Mean excess worker slowdown per node over time (the 10 worst).")
         .with_target(
             q.query(
@@ -443,7 +466,7 @@ def _straggling_nodes_over_time(q: Collector) -> timeseries.Panel:
 
 
 #: The fleet-wide dashboards, by file name stem (written to generated/fleet/).
-FLEET_DASHBOARDS = {"fleet": fleet, "nodes": nodes}
+FLEET_DASHBOARDS = {"fleet": fleet, "nodes": nodes, "runbook": runbook}
 
 
 def build_fleet() -> dict[str, BuiltDashboard]:

@@ -31,6 +31,7 @@ from lagscope.dashboards.panels import (
     Collector,
     Expect,
     attempt_variable,
+    datasource_variable,
     dedent_sql,
     job_variable,
     one_selected,
@@ -68,6 +69,7 @@ def _dashboard() -> dash.Dashboard:
         .time("now-6h", "now")
         .refresh("30s")
         .tooltip(model.DashboardCursorSync.CROSSHAIR)
+        .with_variable(datasource_variable())
         .with_variable(job_variable(multi=False))
         .with_variable(attempt_variable(multi=False))
         .with_variable(
@@ -210,6 +212,7 @@ def _attributed_slowdown(title: str, kind: str, label: str, q: Collector) -> tim
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix:x")
         .description(
             f"Slowdown left if only this {label}'s durations were real and everything "
             "else idealised: the largest line is the main cause."
@@ -242,6 +245,7 @@ def _latest_slowdown(q: Collector) -> stat.Panel:
     return (
         stat.Panel()
         .title(title)
+        .unit("suffix:x")
         .description("S = simulated step time / straggler-free step time (1 = no loss).")
         .with_target(
             q.query(
@@ -341,6 +345,7 @@ def _gpu_hours_wasted(q: Collector) -> stat.Panel:
     return (
         stat.Panel()
         .title(title)
+        .unit("suffix: GPU-h")
         .description(
             "GPU-hours lost to stragglers: what the verified episodes that overlap the "
             "range cost (their whole cost so far). Above the straggler-free steps: sum "
@@ -511,6 +516,7 @@ def _slowdown_series(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix:x")
         .description(
             "What-if slowdown of every step, without and with launch (CPU) delays; 1 = "
             "as fast as the straggler-free job. Red/green marks: verified onset/recovery."
@@ -542,6 +548,7 @@ def _waste_rate(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix: GPU-h")
         .description(
             "Rate of waste from the minute rollup: GPU-hours wasted per hour, i.e. the "
             "number of GPUs the stragglers effectively idle."

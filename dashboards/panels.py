@@ -22,6 +22,9 @@ from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models import dashboard as model
 
 from lagscope.dashboards.clickhouse_query import (
+    DATASOURCE_UID,
+    DATASOURCE_VARIABLE,
+    PLUGIN_ID,
     ClickHouseQueryBuilder,
     datasource_ref,
     register_clickhouse_query,
@@ -155,6 +158,19 @@ JOB_OVERVIEW_UID = "lagscope-job"
 SELECTED_ATTEMPTS = (
     f"{any_selected('job', 'job_id')} AND {any_selected('attempt', 'toString(attempt)')}"
 )
+
+
+def datasource_variable() -> dash.DatasourceVariable:
+    """The ClickHouse data source every query of the dashboard reads (`${datasource}`),
+    starting on the one lagscope provisions."""
+    return (
+        dash.DatasourceVariable(DATASOURCE_VARIABLE)
+        .label("ClickHouse")
+        .type(PLUGIN_ID)
+        .current(
+            model.VariableOption(selected=True, text="lagscope ClickHouse", value=DATASOURCE_UID)
+        )
+    )
 
 
 def job_variable(*, multi: bool) -> dash.QueryVariable:

@@ -1,15 +1,15 @@
 """The pipeline health dashboard (uid `lagscope-pipeline`): is the pipeline keeping up, and is
 it losing or rejecting anything? `job` and `attempt` variables (several of each) filled
 from the `jobs` table. Rows, top to bottom: Throughput, Completeness, Rejected input,
-Latency and lag; one function per row and per panel.
+Latency and lag; one function per row and per panel. Every panel reads the store but the
+consumer lag, which reads the workers' metric from Prometheus (`${prometheus}`).
 """
 
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import table, text, timeseries
+from grafana_foundation_sdk.builders import prometheus, table, timeseries
 from grafana_foundation_sdk.models import dashboard as model
-from grafana_foundation_sdk.models import text as text_model
 
 from lagscope.dashboards.panels import (
     SELECTED_ATTEMPTS,
@@ -17,10 +17,17 @@ from lagscope.dashboards.panels import (
     Collector,
     Expect,
     attempt_variable,
+    datasource_variable,
     job_variable,
 )
 
 PIPELINE_HEALTH_UID = "lagscope-pipeline"
+#: The dashboard's Prometheus data source variable, and its consumer lag panel.
+PROMETHEUS_VARIABLE = "prometheus"
+#: The Prometheus data source lagscope provisions (dashboards/provisioning/datasources).
+PROMETHEUS_DATASOURCE_UID = "lagscope-prometheus"
+CONSUMER_LAG_TITLE = "Kafka consumer lag per partition"
+CONSUMER_LAG_EXPR = "sum by (topic, partition) (lagscope_worker_consumer_lag_records)"
 #: Missing ranks an incomplete step lists by number; the rest are counted.
 MISSING_RANKS_SHOWN = 32
 
@@ -42,6 +49,8 @@ def _dashboard() -> dash.Dashboard:
         .tags(["lagscope", "pipeline"])
         .time("now-6h", "now")
         .refresh("1m")
+        .with_variable(datasource_variable())
+        .with_variable(prometheus_variable())
         .with_variable(job_variable(multi=True))
         .with_variable(attempt_variable(multi=True))
         .link(
@@ -82,7 +91,7 @@ def _latency_and_lag(builder: dash.Dashboard, q: Collector) -> dash.Dashboard:
     return (
         builder.with_row(dash.Row("Latency and lag"))
         .with_panel(_sink_latency(q))
-        .with_panel(_kafka_lag_note())
+        .with_panel(_consumer_lag())
     )
 
 
@@ -94,6 +103,7 @@ def _ingest_rate(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("opm")
         .description(
             "Raw ops stored per minute, by op start time (the store keeps one TP/CP rank "
             "per (dp, pp) worker, so this is ops analysed, not ops timed)."
@@ -124,6 +134,7 @@ def _steps_rate(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix: steps/min")
         .description("Closed steps per minute (complete or not), from the minute rollup.")
         .with_target(
             q.query(
@@ -151,6 +162,7 @@ def _incomplete_rate(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix: steps")
         .description(
             "Steps closed by the lateness timeout before every (dp, pp) worker reported: "
             "a dead or lagging rank, or a streamer that stopped."
@@ -225,6 +237,7 @@ def _dead_letter_rate(q: Collector) -> timeseries.Panel:
     return (
         timeseries.Panel()
         .title(title)
+        .unit("suffix: records")
         .description(
             "Input kept aside with its reason (torn or garbage log records, undecodable "
             "batches, bad metadata). Not filtered by job: a record that cannot be decoded "
@@ -320,22 +333,46 @@ def _sink_latency(q: Collector) -> timeseries.Panel:
     )
 
 
-def _kafka_lag_note() -> text.Panel:
-    """Where the consumer lag is to be read: it is not in the store."""
+def prometheus_variable() -> dash.DatasourceVariable:
+    """The Prometheus that scrapes the workers (`${prometheus}`): the consumer lag is a
+    metric of theirs, not a row of the store."""
     return (
-        text.Panel()
-        .title("Kafka consumer lag per job")
+        dash.DatasourceVariable(PROMETHEUS_VARIABLE)
+        .label("Prometheus")
+        .type("prometheus")
+        .current(
+            model.VariableOption(
+                selected=True, text="lagscope Prometheus", value=PROMETHEUS_DATASOURCE_UID
+            )
+        )
+    )
+
+
+def _consumer_lag() -> timeseries.Panel:
+    """The workers' consumer lag, per partition of the ops topic (one job or a few each)."""
+    return (
+        timeseries.Panel()
+        .title(CONSUMER_LAG_TITLE)
         .description(
-            "Not available from the store: consumer-group offsets are not written to ClickHouse."
+            "Records in Kafka past the last one a worker processed, per partition of the ops "
+            "topic (keyed by job: a partition is one job or a few), from the workers' "
+            "lagscope_worker_consumer_lag_records metric. A line that keeps rising: that "
+            "partition's worker is too slow for its jobs or stuck (alert "
+            "LagscopeConsumerLagGrowing)."
         )
-        .mode(text_model.TextMode.MARKDOWN)
-        .content(
-            "**Kafka lag is not in the store yet.** The workers' consumer-group lag on "
-            "`lagscope.ops` (partitioned by job id) is not written to ClickHouse, so this "
-            "dashboard cannot chart it. Read it from the broker "
-            "(`kafka-consumer-groups.sh --describe --group <workers' group>`) or a Kafka "
-            "exporter; a job whose partition lags shows here as rising sink latency."
+        .datasource(_prometheus_ref())
+        .with_target(
+            prometheus.Dataquery()
+            .expr(CONSUMER_LAG_EXPR)
+            .legend_format("{{topic}}[{{partition}}]")
+            .ref_id("A")
+            .datasource(_prometheus_ref())
         )
+        .unit("suffix: records")
         .span(12)
         .height(8)
     )
+
+
+def _prometheus_ref() -> model.DataSourceRef:
+    return model.DataSourceRef(type_val="prometheus", uid=f"${{{PROMETHEUS_VARIABLE}}}")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
@@ -119,7 +119,11 @@ def push(
     datasource_state = _upsert_datasource(call, api, datasource)
     folder_state = _ensure_folder(call, api)
     urls = {item.uid: _put_dashboard(call, api, item) for item in built.values()}
-    group = alert_rule_group if alert_rule_group is not None else rule_group_dict()
+    # The runbook links of the rules point at this Grafana (without any login in its URL).
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    public = urlunsplit((parts.scheme, host, parts.path, "", ""))
+    group = alert_rule_group if alert_rule_group is not None else rule_group_dict(public)
     # One PUT replaces the whole group: rules removed from the code disappear too.
     call(
         f"PUT alert rule group {RULE_GROUP}",

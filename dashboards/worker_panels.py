@@ -140,6 +140,7 @@ def worker_slowdown_per_step(q: Collector) -> heatmap.Panel:
     return (
         heatmap.Panel()
         .title(title)
+        .unit("suffix:x")
         .description(
             f"S_w over time of at most {MAX_WORKER_SERIES} workers (rows, pp/dp) of the "
             "selected DP ranks: those an episode verified first, then the highest mean "

@@ -131,6 +131,14 @@ class StreamerSettings(BaseModel):
     #: Exit after this many seconds with nothing new and nothing unconfirmed (backfills,
     #: tests); None = run until stopped.
     idle_exit_s: float | None = Field(default=None, ge=0)
+    #: A job's sidecar: exit after this many seconds with nothing new once every rank log
+    #: under `log_dir` holds its rank's end record (the monitor closed) and Kafka confirmed
+    #: it all; a quiet job (model load, checkpoint) never counts. None = off.
+    exit_after_job_end_s: float | None = Field(default=None, ge=0)
+    #: On SIGTERM, keep shipping until Kafka confirmed everything the logs hold, for at
+    #: most this many seconds (keep it below the pod's grace period); 0 = stop at once,
+    #: what is unconfirmed stays in the logs for the next run.
+    drain_s: float = Field(default=0.0, ge=0)
     #: Delete a rank's log files once everything in them is confirmed by Kafka (and the
     #: checkpoint says so). Off by default: the logs are also the local record of the run.
     delete_shipped: bool = False
@@ -138,6 +146,9 @@ class StreamerSettings(BaseModel):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     #: Address the metrics endpoint listens on.
     metrics_addr: str = "0.0.0.0"
+    #: The endpoint's /healthz fails once the shipping loop has not gone round for this
+    #: long (seconds): a wedged streamer is restarted, not left holding the node's logs.
+    stall_s: float = Field(default=120.0, gt=0)
 
     def resolved_checkpoint_path(self) -> Path:
         if self.checkpoint_path is not None:

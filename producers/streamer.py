@@ -56,7 +56,7 @@ from lagscope.producers.log import (
     list_log_files,
     list_rank_dirs,
 )
-from lagscope.producers.metrics import MetricsServer
+from lagscope.producers.metrics import Heartbeat, MetricsServer, Probes, Verdict
 from lagscope.producers.redact import redact_url
 
 log = logging.getLogger("lagscope.streamer")
@@ -144,9 +144,18 @@ class Streamer:
         self.stats = StreamerStats()
         self._stop = threading.Event()
         self._ranks: dict[str, _RankState] = {}
-        #: This node, named in its dead letters (a path alone does not say which node).
-        self._host = socket.gethostname()
+        #: This node, named in its dead letters (a path alone does not say which node). In
+        #: a pod the host name is the pod's: Kubernetes gives the node as NODE_NAME.
+        self._host = os.environ.get("NODE_NAME") or socket.gethostname()
         self._jobs_sent: set[str] = set()
+        #: Rank log directories whose last record shipped is their rank's end (its monitor
+        #: closed): what `exit_after_job_end_s` waits for. Kept in the checkpoint, so a
+        #: restarted sidecar knows it too.
+        self._ended_ranks: set[str] = set()
+        #: Rank directories whose shipped files this user may not delete (said once each).
+        self._undeletable: set[str] = set()
+        #: When SIGTERM asked for a drain (`drain_s`), monotonic; None: not draining.
+        self._draining_since: float | None = None
         #: Jobs whose records carry fields this build does not know, said once each.
         self._told_unknown: set[str] = set()
         self._in_flight_bytes = 0
@@ -164,10 +173,14 @@ class Streamer:
         self._waiting_for_log_dir = False
         #: Whether a broker answered in this run (created topics or confirmed a delivery).
         self._kafka_answered = False
-        #: Wall-clock time of the last confirmed delivery (the metrics endpoint's).
+        #: Wall-clock time of the last confirmed delivery and of the last checkpoint
+        #: written (the metrics endpoint's).
         self._last_delivery_s: float | None = None
+        self._last_checkpoint_s: float | None = None
         #: The Prometheus endpoint (`serve_metrics`), when `streamer.metrics_port` is set.
         self.metrics: MetricsServer | None = None
+        #: Beaten by the shipping loop (and its waits for Kafka): /healthz reads it.
+        self.heartbeat = Heartbeat(config.streamer.stall_s)
         self._owns_producer = producer is None
         if producer is None:
             # A rejected login is one line, not a retry loop; no broker yet is waited for.
@@ -286,6 +299,7 @@ class Streamer:
             position = Position(pos["file"], int(pos["offset"]))
             self._ranks[name] = _RankState(self._reader(self.log_dir / name, position), position)
         self._jobs_sent = set(raw.get("jobs_sent", []))
+        self._ended_ranks = set(raw.get("ended_ranks", []))
 
     def _set_aside_checkpoint(self) -> Path:
         """Move a checkpoint this build cannot read out of the way (it may be a newer
@@ -309,6 +323,8 @@ class Streamer:
                 if state.confirmed is not None
             },
             "jobs_sent": sorted(self._jobs_sent),
+            # A key older streamers ignore (the checkpoint's version stays 1).
+            "ended_ranks": sorted(self._ended_ranks),
         }
         self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         temp = self.checkpoint_path.with_name(self.checkpoint_path.name + ".tmp")
@@ -324,11 +340,14 @@ class Streamer:
             os.close(dir_fd)
         self._checkpoint_dirty = False
         self._last_checkpoint = time.monotonic()
+        self._last_checkpoint_s = time.time()
         if self.settings.delete_shipped:
             self._delete_shipped()
 
     def _delete_shipped(self) -> None:
-        """Remove files wholly before each rank's checkpointed position (already durable)."""
+        """Remove files wholly before each rank's checkpointed position (already durable).
+        A file this user may not delete (a rank directory of another owner) is said once
+        per directory and kept: shipping goes on, the disk fills."""
         for name, state in self._ranks.items():
             if state.confirmed is None:
                 continue
@@ -336,16 +355,39 @@ class Streamer:
             for file in list_log_files(directory):
                 if file >= state.confirmed.file:
                     break
-                (directory / file).unlink(missing_ok=True)
+                try:
+                    (directory / file).unlink(missing_ok=True)
+                except OSError as exc:
+                    if name not in self._undeletable:
+                        self._undeletable.add(name)
+                        log.warning(
+                            "cannot delete shipped log files in %s (%s): they stay on the "
+                            "disk; make the directory writable by uid %d",
+                            directory, exc.strerror or exc, os.getuid(),
+                        )  # fmt: skip
+                    break
 
     # -- main loop ------------------------------------------------------------------------
 
     def stop(self) -> None:
         self._stop.set()
 
+    def terminate(self) -> None:
+        """What SIGTERM does: with `drain_s`, ship what the logs hold to its end first (a
+        job's sidecar, stopped once the trainer exited), else stop as `stop()` does. A
+        second SIGTERM while draining stops at once."""
+        if self.settings.drain_s > 0 and self._draining_since is None:
+            self._draining_since = time.monotonic()
+        else:
+            self.stop()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining_since is not None
+
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+        signal.signal(signal.SIGTERM, lambda *_: self.terminate())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
 
     def serve_metrics(self) -> MetricsServer | None:
         """Start the Prometheus endpoint when `streamer.metrics_port` is set (once; `run()`
@@ -359,8 +401,26 @@ class Streamer:
                 self.settings.metrics_port,
                 self.settings.metrics_addr,
                 what="streamer",
+                probes=Probes(live=self._live, ready=self._ready),
             )
         return self.metrics
+
+    def _live(self) -> Verdict:
+        """Liveness: the shipping loop goes round (an outage is ridden out in the loop)."""
+        age = self.heartbeat.age()
+        if self.heartbeat.stale():
+            return False, f"the shipping loop has not gone round for {age:.0f} s"
+        return True, f"the shipping loop went round {age:.1f} s ago"
+
+    def _ready(self) -> Verdict:
+        """Readiness: Kafka answers (the logs keep everything while it does not)."""
+        outage = self._outage
+        where = redact_url(self.config.kafka.bootstrap_servers)
+        if outage is not None:
+            return False, (
+                f"Kafka at {where} has not answered for {time.monotonic() - outage.since:.0f} s"
+            )
+        return True, f"Kafka at {where} answers"
 
     def close_metrics(self) -> None:
         if self.metrics is not None:
@@ -410,6 +470,9 @@ class Streamer:
             gauge("lagscope_streamer_last_delivery_timestamp_seconds",
                   "Unix time of the last delivery Kafka confirmed (0: none yet).",
                   self._last_delivery_s or 0.0),
+            gauge("lagscope_streamer_last_checkpoint_timestamp_seconds",
+                  "Unix time the checkpoint (what Kafka confirmed) was last written (0: "
+                  "not yet).", self._last_checkpoint_s or 0.0),
         ]  # fmt: skip
 
     def run(self) -> StreamerStats:
@@ -417,6 +480,7 @@ class Streamer:
         idle_since = time.monotonic()
         settings = self.settings
         while not self._stop.is_set():
+            self.heartbeat.beat()
             did_work = self.step()
             now = time.monotonic()
             # A Kafka that has never answered this run (a wrong address, a backfill with no
@@ -427,10 +491,49 @@ class Streamer:
                 idle_since = now
             if settings.idle_exit_s is not None and now - idle_since >= settings.idle_exit_s:
                 break
+            if (
+                settings.exit_after_job_end_s is not None
+                and now - idle_since >= settings.exit_after_job_end_s
+                and self.job_ended()
+            ):
+                log.info("every rank's end is shipped and nothing new came for %g s: exiting",
+                         settings.exit_after_job_end_s)  # fmt: skip
+                break
+            if self._draining_since is not None and self._drained(did_work, now):
+                break
             if not did_work:
                 self._producer.poll(settings.poll_interval_s)
         self.close()
         return self.stats
+
+    def job_ended(self) -> bool:
+        """Whether every rank log under the log directory has shipped its rank's end record
+        and Kafka confirmed everything read (False while there is no rank log at all)."""
+        names = [directory.name for directory in list_rank_dirs(self.log_dir)]
+        return (
+            bool(names)
+            and not self._in_flight_bytes
+            and all(name in self._ended_ranks for name in names)
+        )
+
+    def _drained(self, did_work: bool, now: float) -> bool:
+        """While draining: True once every rank log was read to its end and Kafka confirmed
+        it all (a torn record at a log's end becomes a dead letter after `torn_grace_s`,
+        and is shipped as one), or once `drain_s` has passed."""
+        assert self._draining_since is not None
+        if now - self._draining_since >= self.settings.drain_s:
+            log.warning("SIGTERM: stopping after draining for %g s (streamer.drain_s)",
+                        self.settings.drain_s)  # fmt: skip
+            return True
+        if did_work or self._in_flight_bytes:
+            return False
+        for directory in list_rank_dirs(self.log_dir):
+            state = self._ranks.get(directory.name)
+            if state is None or not state.reader.at_end():
+                return False
+        log.info("SIGTERM: the logs are shipped to their end after %.1f s of draining",
+                 now - self._draining_since)  # fmt: skip
+        return True
 
     def close(self, timeout_s: float = 30.0) -> None:
         # No broker answers: waiting for confirmations that cannot come only delays the exit.
@@ -627,6 +730,10 @@ class Streamer:
                 item.payload[:64],
             )
             return
+        if info.ended_ns is None:
+            self._ended_ranks.discard(rank_name)  # a new attempt in the same log
+        else:
+            self._ended_ranks.add(rank_name)
         sent_key = info.record_key if info.ended_ns is None else f"{info.record_key}/ended"
         if sent_key in self._jobs_sent:
             self._track(state, _Pending(item.position_after, 0, delivered=True))
@@ -732,6 +839,7 @@ class Streamer:
         deadline = time.monotonic() + self.settings.delivery_timeout_ms / 1000 + 30
         while any(not (p.delivered or p.failed) for s in self._ranks.values()
                   for p in s.pending) and time.monotonic() < deadline:  # fmt: skip
+            self.heartbeat.beat()  # waiting for Kafka's answers is the loop's work
             self._producer.poll(0.1)
         self._advance()  # deliveries confirmed before the failure reset the count first
         self._rewinds_in_a_row += 1

@@ -42,7 +42,7 @@ from lagscope.producers.config import ConfigError, KafkaSettings
 from lagscope.producers.dead_letters import from_streamer
 from lagscope.producers.events import SchemaError, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
-from lagscope.producers.metrics import MetricsServer
+from lagscope.producers.metrics import MetricsServer, Probes, Verdict
 from lagscope.producers.redact import scrub, secret_values
 from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
@@ -54,6 +54,7 @@ from lagscope.stream_app.repeated_lines import (
 )
 from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
+from lagscope.stream_app.worker_health import WorkerHealth
 from lagscope.stream_app.worker_metrics import worker_metric_families
 
 log = logging.getLogger("lagscope.worker")
@@ -119,6 +120,8 @@ class FaustWorker:
         self._lag: dict[int, int] = {}
         #: The Prometheus endpoint (`serve_metrics`), when `worker.metrics_port` is set.
         self.metrics: MetricsServer | None = None
+        #: The heartbeats the loop beats, and what the endpoint's probes answer.
+        self.health = WorkerHealth(config.worker.stall_s, config.kafka, config.store.resolved_dsn())
         self.app = self._build_app()
 
     # -- metrics ----------------------------------------------------------------------------
@@ -131,9 +134,19 @@ class FaustWorker:
 
             self.metrics = metrics.serve(
                 self._metric_families, settings.metrics_port, settings.metrics_addr,
-                what="worker",
+                what="worker", probes=Probes(live=self._live, ready=self._ready),
             )  # fmt: skip
         return self.metrics
+
+    def _live(self) -> Verdict:
+        """/healthz (the endpoint's thread): records wait unless none is lagging, no pass
+        runs, or the store or a rebalance is what holds the worker back."""
+        waiting = self._passes_in_flight > 0 or any(dict(self._lag).values())
+        held = self.core.store_failing or self._rebalancing or self._restores_in_flight > 0
+        return self.health.live(has_work=waiting and not held)
+
+    def _ready(self) -> Verdict:
+        return self.health.ready(store_failing=self.core.store_failing)
 
     def _metric_families(self) -> list[Any]:
         """The metric families of a scrape (the endpoint's thread)."""
@@ -441,6 +454,7 @@ class FaustWorker:
         if len(current) < len(runs):
             runs, messages = current, _ops_messages(current)
         await self._core(self.core.on_messages, messages)
+        self.health.progress.beat()
         if messages:
             self._kafka_answered_at = time.monotonic()
         await self._rewind()
@@ -501,6 +515,7 @@ class FaustWorker:
             # open for good, unanalysed, the job never concluded, the worker never idle.
             await self._core(self.core.set_behind, number, False)
         await self._core(self.core.tick)
+        self.health.tick()
         self._note_fetch_answers()
         self._say_when_kafka_is_back()
         await self._rewind()
@@ -632,6 +647,7 @@ class FaustWorker:
         attempt = 0
         while True:
             attempt += 1
+            self.health.loop.beat()  # waiting for a broker is what the worker does now
             try:
                 admin.list_topics(timeout=retry_s)
                 if attempt > 1:

@@ -96,6 +96,9 @@ class WorkerSettings(BaseModel):
     metrics_addr: str = "0.0.0.0"
     #: Seconds between two tries to reach a Kafka broker that does not answer at start-up.
     broker_retry_s: float = Field(default=5.0, gt=0)
+    #: The metrics endpoint's /healthz fails once the worker's loop has not gone round for
+    #: this long, or its consumer has had records waiting and taken none (seconds).
+    stall_s: float = Field(default=120.0, gt=0)
 
 
 class WorkerConfig(LagscopeConfig):

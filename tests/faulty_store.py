@@ -6,6 +6,9 @@ OperationalError), as `LAGSCOPE_TEST_STORE_FAULT` says:
 
     table=steps,after=0,count=2     the 1st and 2nd inserts into steps fail
     table=steps,after=0,seconds=6   every insert into steps fails for 6 s from the 1st on
+    table=steps,after=2,hang=1      the 3rd insert into steps never returns (a store that
+                                    took the connection and never answers): the worker's
+                                    loop is wedged, its metrics thread is not
 
 Run as `python -m tests.faulty_store worker ...` (the arguments of `lagscope worker`).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -34,6 +38,7 @@ class InsertFault:
         self.after = int(fields.get("after", 0))
         self.count = int(fields["count"]) if "count" in fields else None
         self.seconds = float(fields["seconds"]) if "seconds" in fields else None
+        self.hang = fields.get("hang") == "1"
         self.seen = 0
         self.failed = 0
         self.down_since: float | None = None
@@ -52,6 +57,9 @@ class InsertFault:
         if self.seconds is not None and now - self.down_since >= self.seconds:
             return
         self.failed += 1
+        if self.hang:
+            print(f"injected store hang: insert into {table}", file=sys.stderr, flush=True)
+            threading.Event().wait()
         print(f"injected store fault #{self.failed}: insert into {table}", file=sys.stderr)
         raise OperationalError(f"injected fault: connection to the store lost ({table})")
 

@@ -5,6 +5,7 @@ output, and on stores made to make each rule fire or stay quiet."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -82,6 +83,64 @@ def test_no_runbook_sends_the_reader_to_a_text_panel() -> None:
     for rule in RULES:
         for panel in rule.next_panels:
             assert kinds[rule.dashboard_uid][panel] != "text", f"{rule.uid}: {panel!r} is text"
+
+
+def test_every_rule_has_a_description_and_a_runbook_link_to_its_own_panel() -> None:
+    """What Grafana shows and sends with an alert: a description (what it means, where to
+    look) and runbook_url, which opens the rule's panel of the runbook dashboard."""
+    from lagscope.dashboards.fleet import build_fleet
+    from lagscope.dashboards.prometheus_rules import ALERTS
+    from lagscope.dashboards.runbook import RUNBOOK_UID, panel_id
+
+    runbook = build_fleet()["runbook"].to_dict()
+    assert runbook["uid"] == RUNBOOK_UID
+    panels = {p["id"]: p for p in runbook["panels"] if p["type"] == "text"}
+    assert len(panels) == len(RULES) + len(ALERTS)  # one each, no two on one id
+    for rule in rule_group_dict()["rules"]:
+        annotations = rule["annotations"]
+        assert "runbook" not in annotations
+        assert len(annotations["description"]) > 40, rule["uid"]
+        url = annotations["runbook_url"]
+        assert url == f"/d/{RUNBOOK_UID}/lagscope-runbook?viewPanel=panel-{panel_id(rule['uid'])}"
+        panel = panels[panel_id(rule["uid"])]
+        assert panel["title"] == rule["title"]
+        assert BY_UID[rule["uid"]].actions[0] in panel["options"]["content"]
+    # pushed to a Grafana, the links are that Grafana's (never with a login in them)
+    pushed = rule_group_dict("https://grafana.corp:3000")["rules"][0]["annotations"]
+    assert pushed["runbook_url"].startswith("https://grafana.corp:3000/d/lagscope-runbook/")
+
+
+def test_the_prometheus_rule_is_what_the_code_builds_and_names_real_metrics() -> None:
+    import inspect
+
+    from lagscope.dashboards.prometheus_rules import (
+        ALERTS,
+        PROMETHEUS_RULE_FILE,
+        prometheus_rule_file,
+    )
+    from lagscope.producers import metrics, streamer
+    from lagscope.stream_app import worker_metrics
+
+    assert PROMETHEUS_RULE_FILE.read_text() == prometheus_rule_file(), (
+        f"{PROMETHEUS_RULE_FILE} is stale: run `lagscope dashboards build`"
+    )
+    document = yaml.safe_load(PROMETHEUS_RULE_FILE.read_text())
+    assert (document["apiVersion"], document["kind"]) == (
+        "monitoring.coreos.com/v1",
+        "PrometheusRule",
+    )
+    (group,) = document["spec"]["groups"]
+    assert [r["alert"] for r in group["rules"]] == [a.name for a in ALERTS]
+    exported = "".join(inspect.getsource(m) for m in (metrics, streamer, worker_metrics))
+    for rule in group["rules"]:
+        assert {"summary", "description", "runbook_url"} <= set(rule["annotations"])
+        assert rule["labels"]["severity"] in ("page", "ticket")
+        for name in set(re.findall(r"\blagscope_\w+", rule["expr"])):
+            assert f'"{name}"' in exported, f"{rule['alert']}: nothing exports {name}"
+    # what the issue asks to be watched
+    names = {a.name for a in ALERTS}
+    assert {"LagscopeWorkerDown", "LagscopeConsumerLagGrowing", "LagscopeStoreFailing",
+            "LagscopeCheckpointsStale"} <= names  # fmt: skip
 
 
 def _rows(sink, rule: AlertRule) -> list[dict]:

@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from grafana_foundation_sdk.models import prometheus as prometheus_model
 
 from lagscope.cli import main
 from lagscope.dashboards.build import GENERATED_DIR
 from lagscope.dashboards.clickhouse_query import (
+    DATASOURCE_UID,
     PLUGIN_ID,
     ClickHouseQuery,
     Format,
@@ -72,7 +74,9 @@ def test_json_is_a_fixed_point_of_the_sdk_model() -> None:
         assert sdk_round_trip(data) == data, f"{path.name} changes through the SDK model"
         decoded = Dashboard.from_json(data)
         targets = [t for p in decoded.panels or [] for t in getattr(p, "targets", None) or []]
-        assert targets and all(isinstance(t, ClickHouseQuery) for t in targets), path.name
+        # the store's queries, and the one panel that reads the workers' metric
+        kinds = (ClickHouseQuery, prometheus_model.Dataquery)
+        assert targets and all(isinstance(t, kinds) for t in targets), path.name
         # annotation targets (which the SDK models for Grafana's own source only) go
         # through the ClickHouse query model unchanged
         for annotation in data["annotations"].get("list", []):
@@ -84,10 +88,16 @@ def test_json_is_a_fixed_point_of_the_sdk_model() -> None:
 def test_every_query_targets_the_clickhouse_datasource(built: dict[str, BuiltDashboard]) -> None:
     for item in built.values():
         data = item.to_dict()
-        names = [v["name"] for v in data["templating"]["list"]]
-        assert names[:2] == ["job", "attempt"]
+        variables = {v["name"]: v for v in data["templating"]["list"]}
+        names = [name for name in variables if name != "prometheus"]
+        assert names[:3] == ["datasource", "job", "attempt"]
+        # a data source variable, not a fixed uid: it starts on the provisioned one
+        source = variables["datasource"]
+        assert (source["type"], source["query"]) == ("datasource", PLUGIN_ID)
+        assert source["current"]["value"] == DATASOURCE_UID
+        assert datasource_ref().uid == "${datasource}"
         for _, query, datasource in _queries(data):
-            assert datasource == {"type": PLUGIN_ID, "uid": datasource_ref().uid}
+            assert datasource == {"type": PLUGIN_ID, "uid": "${datasource}"}
             assert query.get("editorType", "sql") == "sql"
         # every SQL in the JSON has a declared expectation and the reverse
         declared = {key for key in item.expectations}
@@ -146,10 +156,13 @@ def demo_store(chdb_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _targets(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    """(panel title or "annotation: NAME", refId, query) of every query of a dashboard."""
+    """(panel title or "annotation: NAME", refId, query) of every query of the store in a
+    dashboard (the Prometheus panel's are checked by `test_the_consumer_lag_panel_...`)."""
     out = []
     for panel in data.get("panels", []):
         for target in panel.get("targets", []):
+            if target.get("datasource", {}).get("type") == "prometheus":
+                continue
             out.append((panel["title"], target["refId"], target))
     for annotation in data["annotations"].get("list", []):
         out.append((f"annotation: {annotation['name']}", "Anno", annotation["target"]))
@@ -382,3 +395,43 @@ def test_a_step_missing_many_ranks_lists_the_first_and_counts_the_rest(
     shown = ", ".join(str(rank) for rank in missing[:MISSING_RANKS_SHOWN])
     assert row["missing"] == 100
     assert row["missing_global_ranks"] == f"{shown} and {100 - MISSING_RANKS_SHOWN} more"
+
+
+# -- what operators expect of a Grafana dashboard -----------------------------------------
+
+
+def _all_built() -> dict[str, BuiltDashboard]:
+    from lagscope.dashboards.fleet import build_fleet
+
+    return {**build_all(), **build_fleet()}
+
+
+def test_every_panel_of_one_measure_has_a_unit() -> None:
+    """A number without its unit is a guess at 3 a.m.: every chart and stat says what it
+    counts (tables mix columns of several kinds, text panels have none)."""
+    for name, item in _all_built().items():
+        for panel in item.to_dict()["panels"]:
+            if panel["type"] in ("row", "text", "table"):
+                continue
+            unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+            assert unit, f"{name}: panel {panel['title']!r} has no unit"
+
+
+def test_the_consumer_lag_panel_reads_the_workers_metric() -> None:
+    """The lag is not in the store: the panel asks Prometheus for the metric the workers
+    export (its name and labels as worker_metrics.py writes them)."""
+    import inspect
+
+    from lagscope.dashboards.pipeline_health import CONSUMER_LAG_TITLE
+    from lagscope.stream_app import worker_metrics
+
+    data = build_all()["pipeline-health"].to_dict()
+    (panel,) = [p for p in data["panels"] if p["title"] == CONSUMER_LAG_TITLE]
+    (target,) = panel["targets"]
+    assert target["datasource"] == {"type": "prometheus", "uid": "${prometheus}"}
+    (variable,) = [v for v in data["templating"]["list"] if v["name"] == "prometheus"]
+    assert (variable["type"], variable["query"]) == ("datasource", "prometheus")
+    metric = re.search(r"lagscope_\w+", target["expr"]).group(0)
+    source = inspect.getsource(worker_metrics)
+    assert f'"{metric}"' in source
+    assert '["topic", "partition"]' in source and "by (topic, partition)" in target["expr"]

@@ -12,6 +12,7 @@ from lagscope.dashboards.fleet import FLEET_UID, NODES_UID
 from lagscope.dashboards.job_overview import JOB_OVERVIEW_UID
 from lagscope.dashboards.pipeline_health import PIPELINE_HEALTH_UID
 from lagscope.dashboards.push import datasource_definition
+from lagscope.dashboards.runbook import RUNBOOK_UID
 from tests.grafana_stub import GrafanaStub
 
 TOKEN = "glsa_test"
@@ -33,7 +34,9 @@ def test_push_creates_then_updates_without_duplicates(
     assert _push(grafana.url, "--clickhouse-password", "s3cret") == 0
     state = grafana.state
     assert list(state.datasources) == ["lagscope-clickhouse"]
-    assert set(state.dashboards) == {JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID, FLEET_UID, NODES_UID}
+    assert set(state.dashboards) == {
+        JOB_OVERVIEW_UID, PIPELINE_HEALTH_UID, FLEET_UID, NODES_UID, RUNBOOK_UID
+    }  # fmt: skip
     assert list(state.folders) == ["lagscope"]
     first = capsys.readouterr().out
     assert "data source created, folder created" in first
@@ -41,6 +44,9 @@ def test_push_creates_then_updates_without_duplicates(
     (group,) = state.rule_groups.values()
     assert list(state.rule_groups) == [("lagscope", "lagscope")]
     assert {rule["uid"] for rule in group["rules"]} >= {"lagscope-slowdown-sustained"}
+    # the runbook links point at the Grafana pushed to
+    runbook = group["rules"][0]["annotations"]["runbook_url"]
+    assert runbook.startswith(f"{grafana.url}/d/{RUNBOOK_UID}/")
     assert f"{grafana.url}/d/{JOB_OVERVIEW_UID}/" in first
 
     datasource = state.datasources["lagscope-clickhouse"]
@@ -58,6 +64,7 @@ def test_push_creates_then_updates_without_duplicates(
         PIPELINE_HEALTH_UID: 2,
         FLEET_UID: 2,
         NODES_UID: 2,
+        RUNBOOK_UID: 2,
     }
     saves = [r for r in state.requests if r.path == "/api/dashboards/db"]
     assert all(r.body["overwrite"] is True and r.body["folderUid"] == "lagscope" for r in saves)

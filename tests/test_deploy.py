@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,12 @@ def _k8s_documents() -> list[tuple[str, dict[str, Any]]]:
             continue
         docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
+
+
+def _images() -> dict[str, dict[str, str]]:
+    """The kustomization's images, by the name the manifests use."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return {image["name"]: image for image in kustomization["images"]}
 
 
 def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -81,12 +89,13 @@ def test_kustomization_lists_existing_files() -> None:
     for resource in kustomization["resources"]:
         assert (K8S / resource).is_file(), resource
     assert kustomization["namespace"] == "lagscope"
-    # the image name the manifests use is the one kustomize rewrites
-    (image,) = kustomization["images"]
+    # the image names the manifests use are the ones kustomize rewrites
+    images = _images()
+    assert set(images) == {"lagscope-worker", "lagscope-sidecar"}
     for name, doc in _k8s_documents():
         if name in kustomization["resources"]:
             for container in _containers(doc):
-                assert container["image"] == image["name"], (name, container["name"])
+                assert container["image"] in images, (name, container["name"])
 
 
 # -- cross-checks against the code ---------------------------------------------------------
@@ -206,11 +215,12 @@ def test_images_exist_and_match_pinned_versions(compose: dict[str, Any]) -> None
     assert (
         "grafana-clickhouse-datasource" in services["grafana"]["environment"]["GF_INSTALL_PLUGINS"]
     )
-    for name in ("worker", "replay"):
+    for name, target in (("worker", "worker"), ("replay", "tools")):
         build = services[name]["build"]
         dockerfile = (DEPLOY / build["context"] / build["dockerfile"]).resolve()
         assert dockerfile.is_file()
-        assert services[name]["image"] == f"lagscope:{__version__}"
+        assert f" AS {target}\n" in dockerfile.read_text()
+        assert build["target"] == target
     dockerfile_text = (DEPLOY / "Dockerfile").read_text()
     for source in re.findall(r"^COPY (.+) \S+$", dockerfile_text, flags=re.M):
         for item in source.split():
@@ -296,19 +306,19 @@ def _flag(argv: list[str], flag: str) -> str:
 
 
 def test_image_and_manifests_are_on_the_package_version(compose: dict[str, Any]) -> None:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    (image,) = kustomization["images"]
-    assert image["newTag"] == __version__
-    for service in ("worker", "replay"):
-        assert compose["services"][service]["image"] == f"lagscope:{__version__}"
+    for image in _images().values():
+        assert image["newTag"] == __version__
+    assert compose["services"]["worker"]["image"] == f"lagscope-worker:{__version__}"
+    assert compose["services"]["replay"]["image"] == f"lagscope:{__version__}"
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     label = re.search(r'org\.opencontainers\.image\.version="([^"]+)"', dockerfile)
     assert label is not None and label.group(1) == __version__
     # an image named outside the kustomization (the sidecar example) carries the tag itself
     for name, doc in _k8s_documents():
         for container in _containers(doc):
-            if container["image"].rpartition("/")[2].startswith("lagscope:"):
-                assert container["image"].endswith(f":{__version__}"), (name, container)
+            image = container["image"]
+            if image not in _images() and image.rpartition("/")[2].startswith("lagscope"):
+                assert image.endswith(f":{__version__}"), (name, container)
 
 
 @pytest.mark.parametrize(
@@ -322,7 +332,7 @@ def test_image_and_manifests_are_on_the_package_version(compose: dict[str, Any])
 def test_worker_and_streamer_expose_metrics_and_are_probed(name: str, kind: str) -> None:
     doc = _workload(name, kind)
     pod = doc["spec"].get("template", doc)
-    (container,) = [c for c in pod["spec"]["containers"] if c.get("command", [""])[0] == "lagscope"]
+    (container,) = [c for c in _containers(pod) if c.get("command", [""])[0] == "lagscope"]
     port = int(_flag(container["command"], "--metrics-port"))
     (declared,) = [p for p in container["ports"] if p["name"] == "metrics"]
     assert declared["containerPort"] == port
@@ -334,8 +344,10 @@ def test_worker_and_streamer_expose_metrics_and_are_probed(name: str, kind: str)
     assert "livenessProbe" in probes
     if kind != "Pod":  # a long-running service is also taken out of rotation when unready
         assert "readinessProbe" in probes
+    # the component's own verdicts, not the metrics thread's answer (producers/metrics.py)
+    paths = {"livenessProbe": "/healthz", "startupProbe": "/healthz", "readinessProbe": "/readyz"}
     for probe in probes:
-        assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        assert container[probe]["httpGet"] == {"path": paths[probe], "port": "metrics"}
 
 
 def test_metrics_service_and_service_monitor_select_the_workers() -> None:
@@ -409,7 +421,7 @@ def test_the_sidecar_example_keeps_its_logs_beyond_the_pod() -> None:
     docs = _k8s("streamer-sidecar-example.yaml")
     (pod,) = [d for d in docs if d["kind"] == "Pod"]
     claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    (streamer,) = [c for c in pod["spec"]["containers"] if c["name"] == "streamer"]
+    (streamer,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "lagscope-streamer"]
     log_dir = _flag(streamer["command"], "--log-dir")
     (mount,) = [m for m in streamer["volumeMounts"] if m["mountPath"] == log_dir]
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
@@ -418,3 +430,199 @@ def test_the_sidecar_example_keeps_its_logs_beyond_the_pod() -> None:
     # the example says what happens to the logs when Kafka is down at the end
     text = (K8S / "streamer-sidecar-example.yaml").read_text()
     assert "exits 1" in text and "outlives the pod" in text
+
+
+# -- issue 67: the manifests as kustomize renders them, run against the real CLI ----------
+
+
+def _kustomize() -> Path:
+    """The kustomize the project pins (Makefile: KUSTOMIZE_VERSION, built by `make
+    install` into the virtual environment); its absence fails, never skips."""
+    version = re.search(r"^KUSTOMIZE_VERSION := (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert version is not None
+    binary = Path(sys.executable).parent / "kustomize"
+    stamp = Path(sys.executable).parent.parent / f".kustomize-{version.group(1)}"
+    assert binary.is_file() and stamp.is_file(), (
+        f"kustomize {version.group(1)} is not built: run `make kustomize`"
+    )
+    return binary
+
+
+def _render(folder: Path) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [str(_kustomize()), "build", str(folder)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    spec = doc["spec"]
+    return spec["template"]["spec"] if "template" in spec else spec
+
+
+def _parsed(parser: Any, argv: list[str], where: str) -> Any:
+    """argv through the real CLI parser: every flag must exist and take its value."""
+    assert argv[0] == "lagscope", where
+    try:
+        return parser.parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"{where}: `{shlex.join(argv)}` is rejected by the CLI parser")
+
+
+def _node_name_env(container: dict[str, Any]) -> dict[str, Any] | None:
+    found = [e for e in container.get("env", []) if e["name"] == "NODE_NAME"]
+    return found[0]["valueFrom"] if found else None
+
+
+def test_the_rendered_manifests_run_the_real_cli() -> None:
+    """What `kubectl apply -k deploy/k8s` creates, as the pinned kustomize renders it:
+    namespaced, on the package's images, each lagscope container's command a command line
+    the CLI accepts, and the streamers set up to keep every record."""
+    parser = build_parser()
+    rendered = _render(K8S)
+    kinds = [d["kind"] for d in rendered]
+    # the namespace first: everything else lives in it
+    assert kinds[0] == "Namespace" and rendered[0]["metadata"]["name"] == "lagscope"
+    commands = {}
+    for doc in rendered:
+        if doc["kind"] not in ("Namespace", "PriorityClass"):
+            assert doc["metadata"]["namespace"] == "lagscope", doc["metadata"]["name"]
+        if doc["kind"] not in ("Deployment", "DaemonSet"):
+            continue
+        for container in _containers(doc):
+            registry, _, tag = container["image"].rpartition(":")
+            assert registry.startswith("registry.example.com/lagscope-") and tag == __version__
+            argv = container["command"] + container.get("args", [])
+            if argv[0] == "lagscope":
+                where = f"{doc['kind']} {doc['metadata']['name']}"
+                commands[doc["kind"]] = (_parsed(parser, argv, where), container, doc)
+    worker_args, _, _ = commands["Deployment"]
+    assert worker_args.command == "worker" and worker_args.log_level == "info"
+    stream_args, streamer, daemonset = commands["DaemonSet"]
+    # the node's disk: what Kafka confirmed is deleted, so the logs must be writable
+    assert stream_args.delete_shipped is True
+    log_mount = [m for m in streamer["volumeMounts"] if m["mountPath"] == stream_args.log_dir]
+    assert not log_mount[0].get("readOnly", False)
+    assert _node_name_env(streamer) == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert stream_args.idle_exit_s is None and stream_args.exit_after_job_end_s is None
+    assert daemonset["spec"]["template"]["spec"]["priorityClassName"] == "lagscope-node-agent"
+
+
+def test_the_sidecar_example_is_a_native_sidecar_that_drains_before_it_exits() -> None:
+    parser = build_parser()
+    (pod,) = [d for d in _k8s("streamer-sidecar-example.yaml") if d["kind"] == "Pod"]
+    spec = _pod_spec(pod)
+    (sidecar,) = spec["initContainers"]
+    # a native sidecar: started before the trainer, stopped (SIGTERM) after it exited
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["startupProbe"]["httpGet"]["path"] == "/healthz"
+    args = _parsed(parser, sidecar["command"], "sidecar")
+    assert args.command == "stream"
+    # SIGTERM ships to the end, inside the pod's grace period
+    assert 0 < args.drain_s < spec["terminationGracePeriodSeconds"]
+    # no self-exit on a native sidecar (it would be restarted), and none on a quiet job
+    assert args.idle_exit_s is None and args.exit_after_job_end_s is None
+    for container in [sidecar, *spec["containers"]]:
+        assert _node_name_env(container) == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    text = (K8S / "streamer-sidecar-example.yaml").read_text()
+    # the fallback for clusters without native sidecars is a command the CLI takes too
+    assert "--exit-after-job-end-s 60" in text
+    _parsed(parser, [*sidecar["command"][:-2], "--exit-after-job-end-s", "60"], "fallback")
+
+
+def test_the_monitoring_kustomization_renders() -> None:
+    rendered = _render(K8S / "monitoring")
+    assert sorted(d["kind"] for d in rendered) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    assert all(d["metadata"]["namespace"] == "lagscope" for d in rendered)
+
+
+# -- the runbook, as an operator follows it on an empty cluster ----------------------------
+
+
+def _runbook_section(title: str) -> str:
+    text = (DEPLOY / "README.md").read_text()
+    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_runbook_works_in_order_from_an_empty_cluster() -> None:
+    steps = _runbook_section("Kubernetes from an empty cluster")
+    order = [
+        "docker push $REGISTRY/lagscope-sidecar",
+        "kubectl apply -f deploy/k8s/namespace.yaml",
+        "kafka-topics.sh",
+        "CREATE USER IF NOT EXISTS grafana",
+        "kubectl -n lagscope create secret generic lagscope-clickhouse",
+        "kubectl apply -k deploy/k8s\n",
+        "kubectl apply -k deploy/k8s/monitoring",
+        "lagscope dashboards push",
+    ]
+    images = _runbook_section("Images")
+    positions = [(images + steps).index(what) for what in order]
+    assert positions == sorted(positions), "the runbook's steps are out of order"
+    # every image the manifests name is built and pushed, every path it applies exists
+    for name in _images():
+        assert f"--target {name.removeprefix('lagscope-')} -t $REGISTRY/{name}:" in images
+        assert f"docker push $REGISTRY/{name}:" in images
+    for path in re.findall(r"kubectl apply -[fk] (deploy/\S+)", steps):
+        assert (REPO / path).exists(), path
+    # the topics the workers and streamers use, each with its partitions
+    config = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]
+    topics = [config[k] for k in config if k.startswith("LAGSCOPE_KAFKA__TOPIC_")]
+    for topic in [*topics, "lagscope.results"]:
+        assert re.search(rf"--topic {re.escape(topic)} \\\s+--partitions \d+", steps), topic
+    assert "cleanup.policy=compact" in steps.split("--topic lagscope.jobs", 1)[1][:120]
+    # Grafana's user is the read-only one compose defines, and the secret is the one the
+    # workers read
+    users = ET.parse(DEPLOY / "clickhouse/users.d/grafana-readonly.xml").getroot()
+    readonly = users.findtext("profiles/grafana_readonly/readonly")
+    assert f"readonly = {readonly}" in steps and "GRANT SELECT ON lagscope.* TO grafana" in steps
+    deployment = _workload("worker-deployment.yaml", "Deployment")
+    (ref,) = [
+        e["valueFrom"]["secretKeyRef"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "valueFrom" in e
+    ]
+    assert f"secret generic {ref['name']} \\\n       --from-literal={ref['key']}=" in steps
+
+
+def test_the_runbook_says_how_to_upgrade_and_roll_back_and_keeps_no_diary() -> None:
+    upgrade = _runbook_section("Upgrade and rollback")
+    assert upgrade.index("lagscope-worker=$REGISTRY/lagscope-worker:$NEW") < upgrade.index(
+        "lagscope-sidecar=$REGISTRY/lagscope-sidecar:$NEW"
+    )  # readers first
+    assert upgrade.index("lagscope-sidecar=$REGISTRY/lagscope-sidecar:$OLD") < upgrade.index(
+        "lagscope-worker=$REGISTRY/lagscope-worker:$OLD"
+    )  # and back in the reverse order
+    text = (DEPLOY / "README.md").read_text()
+    # the dated benchmark diary lives with the benchmarks
+    assert not re.search(r"20\d\d-\d\d-\d\d", text)
+    notes = (REPO / "tests" / "bench" / "NOTES.md").read_text()
+    assert (
+        "tests/bench/NOTES.md" in text and "tests/bench/NOTES.md" in (REPO / "Makefile").read_text()
+    )
+    assert len(re.findall(r"20\d\d-\d\d-\d\d", notes)) > 10
+
+
+def test_compose_prometheus_scrapes_the_workers_the_lag_panel_and_rules_expect(
+    compose: dict[str, Any],
+) -> None:
+    from lagscope.dashboards.pipeline_health import PROMETHEUS_DATASOURCE_UID
+    from lagscope.dashboards.prometheus_rules import WORKER_JOB
+
+    services = compose["services"]
+    (config_mount,) = [v for v in services["prometheus"]["volumes"] if "prometheus.yml" in v]
+    config = yaml.safe_load((DEPLOY / config_mount.split(":")[0]).read_text())
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == WORKER_JOB
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["worker"] and "worker" in services
+    assert str(sd["port"]) == _flag(services["worker"]["command"], "--metrics-port")
+    # Grafana provisions a Prometheus data source on it, the one the lag panel starts on
+    provisioned = yaml.safe_load(
+        (REPO / "dashboards/provisioning/datasources/lagscope-prometheus.yaml").read_text()
+    )["datasources"][0]
+    assert provisioned["uid"] == PROMETHEUS_DATASOURCE_UID
+    grafana_env = services["grafana"]["environment"]
+    url = re.sub(r"\$\{(\w+)\}", lambda m: str(grafana_env[m.group(1)]), provisioned["url"])
+    assert url == f"http://prometheus:{services['prometheus']['ports'][0].split(':')[1]}"

@@ -42,8 +42,13 @@ def test_generated_json_matches_the_code(built: dict[str, BuiltDashboard]) -> No
         assert text == item.to_json(), f"{folder / name}.json is stale: run dashboards build"
         data = json.loads(text)
         assert sdk_round_trip(data) == data
-        # No template variable: nothing a user types reaches the SQL.
-        assert data["templating"].get("list", []) == []
+        # The data source and the jobs to show, all at first (the runbook has none).
+        variables = data["templating"].get("list", [])
+        expected = [] if name == "runbook" else [("datasource", "datasource"), ("job", "query")]
+        assert [(v["name"], v["type"]) for v in variables] == expected
+        if variables:
+            assert variables[1]["multi"] and variables[1]["includeAll"]
+            assert variables[1]["current"]["value"] == "$__all"
 
 
 def test_job_column_links_to_the_job_overview(built: dict[str, BuiltDashboard]) -> None:
@@ -58,16 +63,19 @@ def test_job_column_links_to_the_job_overview(built: dict[str, BuiltDashboard]) 
     assert links and "var-job=${__data.fields.job_id:percentencode}" in links[0][0]["url"]
 
 
-def _context() -> QueryContext:
+def _context(jobs: tuple[str, ...] = ("$__all",)) -> QueryContext:
+    """The last six hours, with `jobs` selected in the `job` variable ("All" by default)."""
     now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
-    return QueryContext(now - dt.timedelta(hours=6), now + dt.timedelta(minutes=1), 10.0)
+    return QueryContext(
+        now - dt.timedelta(hours=6), now + dt.timedelta(minutes=1), 10.0, {"job": list(jobs)}
+    )
 
 
-def _run(sink, item: BuiltDashboard, title: str) -> list[dict]:
+def _run(sink, item: BuiltDashboard, title: str, jobs: tuple[str, ...] = ("$__all",)) -> list[dict]:
     (target,) = [
         t for p in item.to_dict()["panels"] if p["title"] == title for t in p.get("targets", [])
     ]
-    sql = render_sql(target["rawSql"], _context())
+    sql = render_sql(target["rawSql"], _context(jobs))
     assert "$" not in sql, sql
     return list(sink.client.query(sql).named_results())
 
@@ -233,3 +241,17 @@ def test_a_finished_job_reads_ended_not_silent(chdb_dir: Path, built) -> None:
         (row,) = sink.client.query(render_sql(panel["targets"][0]["rawSql"], context)).result_rows
         ages[job] = row[0]
     assert ages["done"] is None and 10 <= ages["live"] < 60 and ages["hung"] >= 480, ages
+
+
+def test_the_job_variable_narrows_every_panel(demo_sink, built) -> None:
+    """All jobs at first; one picked, only its rows; a name no job has, none (and a
+    name that is SQL stays a name)."""
+    for name in ("fleet", "nodes"):
+        item = built[name]
+        for title, _ in item.expectations:
+            everything = _run(demo_sink, item, title)
+            assert _run(demo_sink, item, title, (DEMO_JOB,)) == everything, title
+            for other in ("no-such-job", "x') OR 1=1 --"):
+                narrowed = _run(demo_sink, item, title, (other,))
+                values = [v for row in narrowed for v in row.values() if v not in (None, 0)]
+                assert not narrowed or not values, (title, other, narrowed)

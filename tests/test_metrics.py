@@ -101,6 +101,47 @@ def test_streamer_endpoint_counts_what_it_shipped(
         scrape(server.port)
 
 
+def _probe(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_streamer_probes_judge_its_loop_and_kafka(tmp_path: Path) -> None:
+    """/readyz fails while Kafka does not answer (the logs keep everything meanwhile),
+    /healthz once the shipping loop stopped going round; /metrics carries the build."""
+    from lagscope.deploy.kafka_local import free_port
+    from lagscope.producers.config import KafkaSettings, LagscopeConfig, StreamerSettings
+
+    config = LagscopeConfig(
+        kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}"),
+        streamer=StreamerSettings(
+            log_dir=tmp_path, metrics_port=0, metrics_addr="127.0.0.1", stall_s=30
+        ),
+    )
+    streamer = Streamer(config)
+    server = streamer.serve_metrics()
+    assert server is not None
+    try:
+        assert _probe(server.port, "/readyz")[0] == 200
+        streamer.ensure_topics(timeout_s=0.5)  # no broker: an outage begins
+        status, reason = _probe(server.port, "/readyz")
+        assert status == 503 and "has not answered for" in reason, reason
+        assert _probe(server.port, "/healthz")[0] == 200
+        streamer.heartbeat.at -= 31  # the loop stopped going round 31 s ago
+        status, reason = _probe(server.port, "/healthz")
+        assert status == 503 and "has not gone round for 3" in reason, reason
+        samples = scrape(server.port)
+        (build,) = [labels for name, labels in samples if name == "lagscope_build_info"]
+        assert dict(build)["component"] == "streamer"
+        assert ("process_start_time_seconds", frozenset()) in samples
+    finally:
+        streamer.close_metrics()
+        streamer.close(timeout_s=0)
+
+
 def test_streamer_without_a_port_serves_nothing_and_never_imports_prometheus(
     tmp_path: Path,
 ) -> None:

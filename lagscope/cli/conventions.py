@@ -66,14 +66,47 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        # `is`, not `in`: 0 == False, and a default of 0 is one to show.
         if (
             "%(default)" in text
-            or action.default in (None, False, argparse.SUPPRESS)
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default is argparse.SUPPRESS
             or action.default == []
             or not action.option_strings
         ):
             return text
         return f"{text} (default: %(default)s)"
+
+
+#: The levels `--log-level` offers, on every command that runs for long.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level(parser: argparse.ArgumentParser, *, service: bool = True) -> None:
+    """`--log-level`, the same on every long-running command: the services (worker,
+    stream) log at info by default, timestamped; the commands a person runs (run, replay,
+    demo) show warnings only, as plain lines, unless a level is asked for."""
+    parser.add_argument(
+        "--log-level",
+        default="info" if service else None,
+        choices=LOG_LEVELS,
+        help="how much the command logs on stderr"
+        + ("" if service else " (default: warning, as plain lines)"),
+    )
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """Log lines on stderr at the level `--log-level` chose, in one format for every
+    command (nothing to do where no level was chosen and none is the default)."""
+    import logging
+
+    if args.log_level is None:
+        return
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def examples(*lines: str) -> str:

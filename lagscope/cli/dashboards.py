@@ -155,7 +155,8 @@ def build_command(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"{len(built) - 1} dashboards in {out} and the alert rules are up to date")
+        dashboards = sum(1 for path in built if path.suffix == ".json")
+        print(f"{dashboards} dashboards in {out} and the alert rules are up to date")
         return 0
     # A file of the same name that is not this build's (another dashboard, another set
     # of alert rules) is never overwritten: nothing is written then.
@@ -199,6 +200,8 @@ def _of(text: str) -> tuple[str, ...] | None:
         return None
     if isinstance(data.get("uid"), str):
         return ("dashboard", data["uid"])
+    if data.get("kind") == "PrometheusRule":
+        return ("prometheus rule", str(data.get("metadata", {}).get("name")))
     groups = data.get("groups")
     if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
         return ("alerts", *sorted(f"{g.get('folder')}/{g.get('name')}" for g in groups))

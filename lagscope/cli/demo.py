@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lagscope.cli.conventions import claim_output_dir, examples
+from lagscope.cli.conventions import add_log_level, claim_output_dir, configure_logging, examples
 from lagscope.cli.job_summary import print_job_summary
 from lagscope.cli.progress import pipeline_progress
 
@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--steps", type=int, default=120, help="training steps to generate")
     demo.add_argument("--seed", type=int, default=7, help="random seed of the generated job")
+    add_log_level(demo, service=False)
     demo.set_defaults(handler=demo_command, extra="demo")
 
 
@@ -200,6 +201,7 @@ def demo_spec(steps: int, seed: int) -> JobSpec:
 
 
 def demo_command(args: argparse.Namespace) -> int:
+    configure_logging(args)
     from lagscope.cli.job_page import render_job_page
     from lagscope.simulator.generate import generate_job
     from lagscope.store.sink import ClickHouseSink

@@ -18,6 +18,13 @@ GENERATED_FILES = ("trace.parquet", "meta.yaml", "truth.json", "spec.json")
 if TYPE_CHECKING:
     from lagscope.simulator.generate import Injection
 
+#: JobSpec's defaults, shown in --help without importing the generator (its module needs
+#: numpy); tests/test_cli_consistency.py keeps them equal to the model's.
+SPEC_DEFAULTS: dict[str, int | float] = {
+    "dp": 4, "pp": 4, "vpp": 1, "tp": 1, "microbatches": 8, "steps": 20, "seed": 0,
+    "noise_cv": 0.02,
+}  # fmt: skip
+
 # The generator, pydantic and yaml are imported when the command runs, not when it is
 # registered: `lagscope --help` must stay cheap.
 
@@ -83,8 +90,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("steps", "training steps"),
         ("seed", "random seed"),
     ):
-        parser.add_argument(f"--{name}", type=int, help=meaning)
-    parser.add_argument("--noise-cv", type=float, help="coefficient of variation of costs")
+        parser.add_argument(
+            f"--{name}",
+            type=int,
+            help=f"{meaning} (default: the --spec's, else {SPEC_DEFAULTS[name]})",
+        )
+    parser.add_argument(
+        "--noise-cv",
+        type=float,
+        help="coefficient of variation of costs (default: the --spec's, else "
+        f"{SPEC_DEFAULTS['noise_cv']})",
+    )
     parser.add_argument(
         "--overlapped-dp",
         action="store_true",
@@ -98,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="KIND:k=v,...",
         help="a straggler, e.g. slow_worker:dp=1,stage=2,factor=1.5,start_step=10,end_step=30 "
         "(kinds: slow_worker, last_stage_imbalance, sequence_imbalance, gc_pauses, "
-        "slow_link, launch_delay); repeatable",
+        "slow_link, launch_delay); repeatable (default: the --spec's, else none)",
     )
     parser.set_defaults(handler=run, extra="analyze")
 

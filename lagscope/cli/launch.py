@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lagscope.cli.conventions import UsageError, examples
+from lagscope.cli.conventions import UsageError, add_log_level, examples
 from lagscope.store.dsn import DSN_HELP
 
 #: After the command ended, how long the host may take to read what its ranks wrote last
@@ -114,6 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="-- COMMAND ...",
         help="the training command, as you would run it",
     )
+    add_log_level(launch, service=False)
     launch.set_defaults(handler=launch_command)
 
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from lagscope.cli.conventions import examples
+from lagscope.cli.conventions import add_log_level, configure_logging, examples
 from lagscope.cli.kafka_options import add_kafka_options, kafka_config
 
 # The trace readers, the settings model and Kafka are imported when the command runs:
@@ -60,10 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     replay.add_argument("--repeat", type=int, default=1, help="replay the trace N times")
     replay.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    add_log_level(replay, service=False)
     replay.set_defaults(handler=run_replay, extra="analyze")
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    configure_logging(args)
     from lagscope.cli.progress import Progress
     from lagscope.producers.config import ConfigError
     from lagscope.producers.kafka_login import check_kafka_settings

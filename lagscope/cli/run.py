@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 from lagscope.cli.conventions import (
     STDOUT,
     UsageError,
+    add_log_level,
     add_old_name,
     check_one_stdout,
+    configure_logging,
     examples,
     write_output,
 )
@@ -104,6 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --report PATH: rewrite the live report at most this often while steps "
         "close, and have the page refresh itself as often",
     )
+    add_log_level(run, service=False)
     run.set_defaults(handler=run_logs_command, extra="demo")
 
 
@@ -144,6 +147,7 @@ def embedded_host(
     from lagscope.store.sink import ClickHouseSink
     from lagscope.stream_app.embedded import EmbeddedRunner
 
+    configure_logging(args)
     config = _worker_config(args)
     dsn = config.store.resolved_dsn()
     parse_dsn(dsn)  # a DSN that cannot work is named before anything else is looked at

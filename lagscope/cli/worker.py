@@ -10,12 +10,12 @@ flags. The store, when none of them names one, is the shared default of
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 from pathlib import Path
 
-from lagscope.cli.conventions import add_old_name, examples
+from lagscope.cli.conventions import add_log_level, add_old_name, configure_logging, examples
+from lagscope.cli.kafka_options import add_kafka_options, kafka_overrides
 from lagscope.store.dsn import DSN_HELP
 
 
@@ -34,20 +34,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "lagscope worker --config worker.yaml --idle-exit-s 60   # a backfill that ends",
         ),
     )
-    parser.add_argument("--config", type=Path, metavar="PATH", help="yaml/json config file")
-    bootstrap = parser.add_argument(
-        "--bootstrap-servers",
-        metavar="HOST:PORT,...",
-        help="Kafka bootstrap servers (default 127.0.0.1:9092)",
+    add_kafka_options(
+        parser,
+        kafka_option_help="extra librdkafka property of the worker's confluent-kafka clients "
+        "(repeatable; its faust consumer takes the kafka.security_protocol, sasl_ and ssl_ "
+        "settings)",
     )
-    add_old_name(parser, "--bootstrap", bootstrap)
     parser.add_argument("--dsn", help=DSN_HELP)
-    parser.add_argument("--group", help="consumer group / faust app id (default lagscope-worker)")
+    parser.add_argument("--group", help="consumer group / faust app id (default: lagscope-worker)")
     parser.add_argument(
         "--lateness-s",
         type=float,
         metavar="SECONDS",
-        help="close a step this long after its first batch even if ranks are missing",
+        help="close a step this long after its first batch even if ranks are missing "
+        "(default: 30, or the settings' processor.lateness_s)",
     )
     idle = parser.add_argument(
         "--idle-exit-s",
@@ -70,12 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (address: "
         "worker.metrics_addr; default: no endpoint)",
     )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=("debug", "info", "warning"),
-        help="how much the worker logs",
-    )
+    add_log_level(parser)
     parser.set_defaults(handler=run, extra="stream")
 
 
@@ -85,15 +80,13 @@ def run(args: argparse.Namespace) -> int:
     from lagscope.stream_app.worker import FaustWorker
     from lagscope.stream_app.worker_config import WorkerConfig
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args)
     try:
         config = load_config(
             WorkerConfig,
             file=args.config,
             overrides={
-                "kafka": {"bootstrap_servers": args.bootstrap_servers},
+                "kafka": kafka_overrides(args),
                 "store": {"dsn": args.dsn},
                 "processor": {"lateness_s": args.lateness_s},
                 "worker": {
