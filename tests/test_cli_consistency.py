@@ -27,6 +27,7 @@ NO_DEFAULT = {
     "generate": {"--out", "--spec"},
     "changepoints": {"--input", "--json"},
     "run": {"--log-dir", "--config", "--report"},
+    "launch": {"--config", "--report"},
     "stream": {"--log-dir"},
     "replay": {"--trace", "--profiler-trace", "--meta", "--log-dir"},
 }  # fmt: skip

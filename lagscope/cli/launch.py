@@ -87,13 +87,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     host.add_argument(
         "--report-every-s", type=float, default=10.0, metavar="SECONDS",
-        help="rewrite the live report at most this often",
+        help="rewrite the live report at most this often (default: 10.0)",
     )  # fmt: skip
     host.add_argument(
         "--lateness-s",
         type=float,
         metavar="SECONDS",
-        help="close a step this long after its first batch even if ranks miss",
+        help="close a step this long after its first batch even if ranks miss (default: 30, "
+        "or the settings' processor.lateness_s)",
     )
     launch.add_argument(
         "--config",
@@ -103,10 +104,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sidecar's (with --stream, as `lagscope stream --config`)",
     )
     kafka = launch.add_argument_group("with --stream")
-    kafka.add_argument("--bootstrap-servers", metavar="HOST:PORT,...", help="Kafka brokers")
+    kafka.add_argument(
+        "--bootstrap-servers",
+        metavar="HOST:PORT,...",
+        help="Kafka bootstrap servers (default: 127.0.0.1:9092)",
+    )
     kafka.add_argument(
         "--kafka-option", action="append", default=[], metavar="KEY=VALUE",
-        help="extra librdkafka property (repeatable)",
+        help="extra librdkafka property (repeatable; default: none)",
     )  # fmt: skip
     launch.add_argument(
         "command",
