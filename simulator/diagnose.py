@@ -325,7 +325,8 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     without their launch delays) alone, so it is asked first. Named when the launch delays
     cost the job a margin of its ideal step, the worker's host gaps (`prepare.host_gaps`:
     not the work it did before an op) are persistently above its peers' (in the median
-    step, as a straggler's own work must be), they are not the wait for its input (a rank
+    step, as a straggler's own work must be) by a margin of the step, they are not the
+    wait for its input (a rank
     starved of input also starts its next forward late), and replaying the job with only
     its launch delays explains most of what the launch delays add. Where the GC pauses
     recorded in those gaps (beyond its peers') explain most of them, its host stalls for
@@ -349,7 +350,10 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
     extra = float(np.median(own[:, stage, dp] - peers[:, stage, dp]))
     waited = float(np.median(waits[:, stage, dp] - peer_waits[:, stage, dp]))
     starved = waited >= cfg.host_input_wait_share * extra
-    if ratio[stage, dp] < cfg.host_launch_ratio or extra <= 0 or starved:
+    # Twice next to nothing is no stall: a healthy rank's gaps are a few ms, and one that
+    # gets less of a busy machine's cores than its peers reads 2x theirs.
+    small = extra < cfg.floor_margin * float(result.t_actual.mean())
+    if ratio[stage, dp] < cfg.host_launch_ratio or extra <= 0 or starved or small:
         return None
     beyond = np.clip(own[:, stage, dp] - peers[:, stage, dp], 0.0, None)
     paused = gc_beyond_peers(prepared, (int(dp), int(stage)), HOST)

@@ -115,6 +115,42 @@ def costs_the_job(cost: EpisodeCost, settings: DiagnosisSettings | None = None) 
     return cost.share >= cfg.explains_share or cost.saved_share >= cfg.floor_margin
 
 
+def rise_is_shared(
+    steps: np.ndarray, values: np.ndarray, episode: WorkerEpisode, *, baseline_steps: int = 40
+) -> bool:
+    """Whether the episode's worker rose together with half or more of the job's workers
+    (`values`: [step, stage, dp], the episode's kind, over `steps`): a machine whose
+    ranks share loaded cores slows several of them at once, and none of them is a
+    straggler. A worker counts as rising with it when its own median over the episode's
+    steps rose over its median before by at least half the episode worker's rise (a busy
+    straggler that takes its peers' cores raises them by far less than itself).
+
+    >>> from lagscope.simulator.online_episodes import WorkerEpisode
+    >>> steps = np.arange(40)
+    >>> values = np.full((40, 1, 4), 0.01)
+    >>> values[20:, 0, 3] = values[20:, 0, 2] = 0.02      # two of four ranks, together
+    >>> episode = WorkerEpisode(1, 3, 0, "forward-compute", 20, 28, None, 0.01, 0.02, 2.0,
+    ...     1.0, 39)
+    >>> rise_is_shared(steps, values, episode)
+    True
+    >>> values[20:, 0, 2] = 0.011                          # one rank alone
+    >>> rise_is_shared(steps, values, episode)
+    False
+    """
+    before = np.flatnonzero(steps < episode.onset)[-baseline_steps:]
+    inside = np.flatnonzero(steps >= episode.onset)
+    if before.size < 2 or inside.size < 2:
+        return False
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rise = np.median(values[inside], axis=0) / np.median(values[before], axis=0)
+    rise = np.nan_to_num(rise, nan=1.0, posinf=1.0)
+    own = rise[episode.stage, episode.dp]
+    if own <= 1.0 or rise.size < 2:
+        return False
+    along = rise - 1.0 >= 0.5 * (own - 1.0)
+    return int(along.sum()) * 2 >= rise.size
+
+
 def episode_diagnosis(
     episode: WorkerEpisode,
     cost: EpisodeCost,
@@ -154,6 +190,7 @@ def episode_diagnosis(
         model_lost_s=cost.lost_s,
         job_lost_s=cost.job_lost_s if cost.measured_known else None,
         model_explains=cost.explained,
+        step_share=cost.saved_share,
     )
     refuted = ("re-split micro-batches",) if cause == Cause.SLOW_WORKERS and resplit is None else ()
     finding = Finding(

@@ -152,6 +152,8 @@ class EpisodeFacts:
     model_lost_s: float | None = None
     job_lost_s: float | None = None
     model_explains: float | None = None
+    #: Share of its steps' time the job would have saved without it.
+    step_share: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))

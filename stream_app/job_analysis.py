@@ -48,6 +48,7 @@ from lagscope.simulator.episode_diagnosis import (
     costs_the_job,
     episode_diagnosis,
     refined_bounds,
+    rise_is_shared,
 )
 from lagscope.simulator.measures import gc_beyond_peers
 from lagscope.simulator.online_episodes import (
@@ -294,7 +295,9 @@ class LiveJob:
             if change.change == "closed":
                 self._without_recovered(episode)
             if key not in self.named:
-                if not costs_the_job(self.costs[key], self.diagnosis_settings):
+                if not costs_the_job(self.costs[key], self.diagnosis_settings) or (
+                    self._rise_is_shared(episode)
+                ):
                     if change.change == "closed":  # never named: nothing to keep
                         self.costs.pop(key, None)
                         self.resplit.pop(key, None)
@@ -305,6 +308,15 @@ class LiveJob:
                 self.story_changed = True
             changed.append(self._state(episode, step))
         return changed
+
+    def _rise_is_shared(self, episode: WorkerEpisode) -> bool:
+        """Whether half the job's workers rose with the episode's (`rise_is_shared`):
+        then none of them is named."""
+        assert self.detector is not None
+        steps, values, _ = self.detector.history(episode.kind)
+        return rise_is_shared(
+            steps, values, episode, baseline_steps=self.episode_settings.baseline_steps
+        )
 
     def _with_baseline(self, episode: WorkerEpisode) -> EpisodeCost:
         """A new episode's cost, with what the job paid for its steps before the onset

@@ -220,3 +220,47 @@ def test_an_episode_reads_its_levels_in_a_unit_that_fits_the_steps(before_s, ins
                             2.3, 1.0, 40)  # fmt: skip
     cost = EpisodeCost(lost_s=30.0, excess_s=40.0, measured_s=400.0, steps=24)
     assert reads in episode_diagnosis(episode, cost, n_gpus=64).summary
+
+
+def test_half_the_workers_slow_together_name_no_worker():
+    """Two of four DP ranks 2x slower in the same steps, as two ranks that lost their
+    cores on a busy machine are: each rose far above its peers' median, and no one of
+    them is the straggler; no episode is named. One of them alone is."""
+    window = {"start_step": 15, "end_step": 30}
+    both = (SlowWorker(dp=2, stage=0, factor=2.0, **window),
+            SlowWorker(dp=3, stage=0, factor=2.0, **window))  # fmt: skip
+    outputs, conclusion = streamed(both, 40, 0, dp=4, pp=1)
+    assert [s for out in outputs for s in out.episodes] == [] and conclusion.episodes == ()
+    outputs, conclusion = streamed(both[1:], 40, 0, dp=4, pp=1)
+    assert [(e.episode.dp, e.episode.stage) for e in conclusion.episodes] == [(3, 0)]
+
+
+def test_an_episode_priced_by_the_job_says_what_the_model_explains():
+    """A worker 2x slower: its price is what the job's step times lost against its steps
+    before the episode, and the model's own price is kept beside it in the evidence."""
+    slow = SlowWorker(dp=1, stage=0, factor=2.0, start_step=15, end_step=30)
+    _, conclusion = streamed((slow,), 40, 0)
+    (state,) = conclusion.episodes
+    cost, facts = state.cost, state.diagnosis.evidence.finding.episode
+    assert cost.measured_known and cost.price_s == max(cost.job_lost_s, 0.0)
+    assert facts.lost_s == cost.price_s and facts.model_lost_s == cost.lost_s
+    assert facts.job_lost_s == cost.job_lost_s
+    assert state.gpu_seconds_lost == cost.price_s * 4
+
+
+def test_the_verdict_is_the_open_episode_and_at_the_end_names_both():
+    """A heavier last stage all along, and a worker 2x slower for steps 15-29: while its
+    episode is open it costs the job's steps more than the heavier stage does, and it is
+    the job's verdict; the finished run's verdict names both, the costlier over the run
+    (the stage) first."""
+    from lagscope.simulator.generate import LastStageImbalance
+
+    slow = SlowWorker(dp=1, stage=0, factor=2.0, start_step=15, end_step=30)
+    outputs, conclusion = streamed((LastStageImbalance(factor=1.5), slow), 40, 0)
+    verdicts = [(out.step, out.diagnosis.verdict) for out in outputs if out.diagnosis]
+    assert [v.cause for step, v in verdicts if step < 15] == ["last_stage_imbalance"]
+    during = [v for step, v in verdicts if 15 <= step < 30]
+    assert during and all(v.cause == "slow_workers" for v in during), during
+    final = conclusion.diagnosis.verdict
+    assert final.cause == "last_stage_imbalance", final.summary
+    assert "; and worker (dp 1, pp 0) was slow in backward-compute" in final.summary

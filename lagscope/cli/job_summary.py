@@ -19,7 +19,7 @@ _SERIES_CHANGES_SHOWN = 8
 
 def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
     """Print what the run found for one job."""
-    from lagscope.simulator.run_story import noise_headline
+    from lagscope.simulator.run_story import gpu_time, noise_headline
     from lagscope.simulator.verdict import MEANINGS
 
     info = job.info
@@ -37,8 +37,8 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
         f" - S: {MEANINGS['S']}"
     )
     say(
-        f"    GPU-hours {job.gpu_seconds / 3600:,.2f} in all; "
-        f"{job.straggler_gpu_seconds / 3600:,.2f} lost to stragglers' episodes"
+        f"    GPU time {gpu_time(job.gpu_seconds)} in all; "
+        f"{gpu_time(job.straggler_gpu_seconds)} lost to stragglers' episodes"
     )
     totals = job.totals
     if totals.mfu_actual is not None and totals.mfu_ideal is not None:
