@@ -12,47 +12,31 @@ them must not (module docstring of `online_episodes.py` has the counts)."""
 
 from __future__ import annotations
 
-import json
-import tarfile
 from pathlib import Path
 
 import pytest
 
+from tests.recorded_truth import truth_of
 from tests.torch_jobs.harness import analyse_archive
 
 RECORDED = Path(__file__).parent / "data" / "recorded"
-SLOW_OP = {"forward": "forward-compute", "backward": "backward-compute", "input": "input-wait"}
 NAMES = sorted(p.name.split(".")[0] for p in RECORDED.glob("*.tar.xz"))
 #: Of the straggler recordings, at least this share is named with its bounds.
 FOUND_AT_LEAST = 0.6
-#: The slow steps [first, end) of each straggler recording: 15-29 unless named here.
-WINDOWS = {"1f1b-forward-1": (15, 45), "1f1b-forward-2": (15, 45), "1f1b-backward-0": (15, 45)}
 
 
 def _analysed(name: str, tmp_path: Path) -> object:
     return analyse_archive(RECORDED / f"{name}.tar.xz", tmp_path)
 
 
-def _truth(name: str) -> dict | None:
-    """The truth a recording carries (`truth.json`: its worker, cause and slow steps), if
-    any."""
-    with tarfile.open(RECORDED / f"{name}.tar.xz") as packed:
-        if "truth.json" not in packed.getnames():
-            return None
-        return json.load(packed.extractfile("truth.json"))  # type: ignore[arg-type]
-
-
 def _found(job: object, name: str) -> bool:
     """Whether the straggler's episode is there, with its bounds within 3 steps; raises
     when an episode names anything else (another worker, another op, before the onset)."""
-    truth = _truth(name)
-    if truth is None:
-        who, what = "(dp 1, pp 0)", SLOW_OP[name.split("-")[1]]
-        onset, end = WINDOWS.get(name, (15, 30))
-    else:
-        who = "(dp {}, pp {})".format(*truth["worker"])
-        what = "stalls between its ops" if truth["cause"] == "host" else truth["cause"]
-        onset, end = truth["slow_steps"]
+    truth = truth_of(RECORDED / f"{name}.tar.xz")
+    assert truth.worker is not None and truth.slow_steps is not None
+    who = "(dp {}, pp {})".format(*truth.worker)
+    what = "stalls between its ops" if truth.kind == "host" else truth.kind
+    onset, end = truth.slow_steps
     found = False
     for episode in job.episodes:
         summary = episode.diagnosis.summary
