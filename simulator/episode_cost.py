@@ -29,6 +29,8 @@ from lagscope.simulator.step_without import step_times_without
 
 #: Per-step costs an `EpisodeCost` keeps for a picture (the latest ones).
 _STEPS_KEPT = 64
+#: Steps whose paid time an `EpisodeCost` keeps for its median (the latest ones).
+_PAID_KEPT = 512
 #: The model's price and the job's own measure agree while neither is more than this
 #: many times the other: on a busy machine the model is off by up to a fifth where the
 #: straggler's peers got its core (or lost theirs to it), and by 2x or more where it
@@ -112,6 +114,9 @@ class EpisodeCost:
     #: shares summed (the steps it stands for: `with_baseline_moved`).
     job_lost_s: float = 0.0
     job_steps: float = 0.0
+    #: What the job paid for each of its latest steps (`_PAID_KEPT`): their median over
+    #: the baseline is the speed-up the job measured.
+    paid: tuple[float, ...] = field(default=())
 
     @property
     def job_noise_s(self) -> float:
@@ -214,11 +219,18 @@ class EpisodeCost:
 
     @property
     def speedup(self) -> float:
-        """How much faster those steps would have run without the episode.
+        """How much faster those steps would have run without the episode: where the job
+        measured steps before it, its median step inside over its median step before (a
+        straggler's pauses make some steps far longer than others, and the median step is
+        what the job runs at); else the model's time saved.
 
         >>> EpisodeCost(lost_s=1.0, measured_s=4.0).speedup
         1.3333333333333333
+        >>> EpisodeCost(paid=(2.0, 2.1, 5.0), steps=3, baseline_s=1.0, baseline_steps=8).speedup
+        2.1
         """
+        if self.measured_known and self.paid and self.baseline_s > 0:
+            return max(float(np.median(self.paid)) / self.baseline_s, 1.0)
         if self.measured_s <= self.price_s:
             return 1.0
         return self.measured_s / (self.measured_s - self.price_s)
@@ -252,6 +264,7 @@ class EpisodeCost:
             rise_s=self.rise_s + max(rise_s, 0.0),
             gc_s=self.gc_s + max(gc_s, 0.0),
             job_lost_s=self.job_lost_s + job,
+            paid=(*self.paid, float(measured_s))[-_PAID_KEPT:],
             job_steps=self.job_steps + (job_share if self.baseline_steps else 0.0),
         )
 
@@ -274,6 +287,7 @@ class EpisodeCost:
             measured_s=self.measured_s - (later.measured_s - earlier.measured_s),
             steps=self.steps - dropped,
             recent=self.recent[: max(len(self.recent) - dropped, 0)],
+            paid=self.paid[: max(len(self.paid) - dropped, 0)],
             rise_s=self.rise_s - (later.rise_s - earlier.rise_s),
             gc_s=self.gc_s - (later.gc_s - earlier.gc_s),
             job_lost_s=self.job_lost_s - (later.job_lost_s - earlier.job_lost_s),
@@ -340,6 +354,7 @@ class EpisodeCost:
             lost_s=self.lost_s + estimated,
             job_lost_s=self.job_lost_s + job,
             job_steps=self.job_steps + (int(rises.size) if self.baseline_steps else 0),
+            paid=(*self.paid, *(float(m) for m in measured))[-_PAID_KEPT:],
             measured_s=self.measured_s + float(measured.sum()),
             steps=self.steps + int(rises.size),
             estimated_s=self.estimated_s + estimated,

@@ -194,6 +194,18 @@ def verdict_of(diagnosis: Diagnosis, recovered_at: int | None = None) -> Verdict
     )
 
 
+def _seconds(value: float) -> str:
+    """Seconds as the ladder speaks of them: whole ones, and a loss under 10 s with the
+    decimal it needs (a small job's straggler lost 0.4 s, never "0 s").
+
+    >>> _seconds(1005.2), _seconds(10.5), _seconds(0.43), _seconds(0.0)
+    ('1,005 s', '10 s', '0.43 s', '0 s')
+    """
+    if 0 < value < 10:
+        return f"{value:.2g} s"
+    return f"{value:,.0f} s"
+
+
 def escalation_text(escalation: Escalation) -> str:
     """The escalation ladder's step in one line: where the loss so far puts it (past the
     cost of that step), and the next step with the loss at which to take it.
@@ -210,7 +222,7 @@ def escalation_text(escalation: Escalation) -> str:
     action = escalation.action
     upcoming = escalation.next_action
     now = f"{action} for now" if action == "ignore" and upcoming else action
-    text = f"{now}: {escalation.accumulated_loss_s:,.0f} s of job time lost so far"
+    text = f"{now}: {_seconds(escalation.accumulated_loss_s)} of job time lost so far"
     cost = next((s.at_loss_s for s in escalation.ladder if s.action == action), 0.0)
     if cost > 0:
         text += f", past the {cost:,.0f} s it costs"

@@ -767,7 +767,9 @@ def trace_story(
 
 
 def _cost_from_state(saved: dict[str, Any]) -> EpisodeCost:
-    return EpisodeCost(**{**saved, "recent": tuple(saved["recent"])})
+    return EpisodeCost(
+        **{**saved, "recent": tuple(saved["recent"]), "paid": tuple(saved.get("paid", ()))}
+    )
 
 
 def paid_times(prepared: PreparedTrace, actual: np.ndarray) -> np.ndarray:

@@ -51,7 +51,7 @@ def _found(job: object, name: str) -> bool:
     return found
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if "-clean-" in n])
+@pytest.mark.parametrize("name", [n for n in NAMES if truth_of(RECORDED / f"{n}.tar.xz").healthy])
 def test_a_recorded_healthy_job_stays_quiet(name: str, tmp_path: Path) -> None:
     job = _analysed(name, tmp_path)
     assert job.episodes == [], [(e.onset, e.recovery, e.diagnosis.summary) for e in job.episodes]
@@ -82,6 +82,10 @@ def test_a_rank_a_third_slower_on_a_quiet_job_is_named_with_its_bounds(
 
 @pytest.mark.slow  # every recorded real job analysed (~12 s)
 def test_recorded_stragglers_are_named_right_or_not_at_all(tmp_path: Path) -> None:
-    stragglers = [n for n in NAMES if "-clean-" not in n and n != "1f1b-hoststart-0"]
+    stragglers = [
+        n
+        for n in NAMES
+        if not (truth := truth_of(RECORDED / f"{n}.tar.xz")).healthy and not truth.standing
+    ]
     found = [name for name in stragglers if _found(_analysed(name, tmp_path / name), name)]
     assert len(found) >= FOUND_AT_LEAST * len(stragglers), (found, stragglers)
