@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lagscope.producers.torch_hooks import INPUT_WAIT
+from lagscope.producers.torch_hooks import INPUT_WAIT, record_input_wait
 
 _perf_ns = time.perf_counter_ns
 
@@ -49,12 +49,7 @@ class InputWaits:
                 return original(iterator)
             start = _perf_ns()
             item = original(iterator)
-            end = _perf_ns()
-            step = monitor.step_id
-            if step != state._step:
-                state._step, state._count = step, 0
-            monitor.timer.add(state._code, step, state._count, 0, start, end)
-            state._count += 1
+            record_input_wait(state, monitor, start, _perf_ns())
             return item
 
         __next__.__wrapped__ = original  # type: ignore[attr-defined]

@@ -458,6 +458,17 @@ def _timed_job_hook(
     return timed_hook
 
 
+def record_input_wait(counter: Any, monitor: Monitor, start: int, end: int) -> None:
+    """One wait for the next batch, from `start` to `end` (ns), as the `input-wait` op of
+    the step being recorded: `counter` holds its op code and the step's waits so far
+    (`_code`, `_step`, `_count`), the explicit monitor's iterator or the launcher's hook."""
+    step = monitor.step_id
+    if step != counter._step:
+        counter._step, counter._count = step, 0
+    monitor.timer.add(counter._code, step, counter._count, 0, start, end)
+    counter._count += 1
+
+
 class TimedIterator:
     """An iterator whose `next()` is recorded as an `input-wait` op."""
 
@@ -479,12 +490,7 @@ class TimedIterator:
             return next(self._inner)
         start = _perf_ns()
         item = next(self._inner)
-        end = _perf_ns()
-        step = monitor.step_id
-        if step != self._step:
-            self._step, self._count = step, 0
-        monitor.timer.add(self._code, step, self._count, 0, start, end)
-        self._count += 1
+        record_input_wait(self, monitor, start, _perf_ns())
         return item
 
     def __len__(self) -> int:
