@@ -136,6 +136,9 @@ def rise_is_shared(
     >>> values[20:, 0, 2] = 0.011                          # one rank alone
     >>> rise_is_shared(steps, values, episode)
     False
+    >>> rise_is_shared(steps, values[:, :, 2:], WorkerEpisode(1, 1, 0, "forward-compute",
+    ...     20, 28, None, 0.01, 0.02, 2.0, 1.0, 39))           # one of two, alone
+    False
     """
     before = np.flatnonzero(steps < episode.onset)[-baseline_steps:]
     inside = np.flatnonzero(steps >= episode.onset)
@@ -148,7 +151,8 @@ def rise_is_shared(
     if own <= 1.0 or rise.size < 2:
         return False
     along = rise - 1.0 >= 0.5 * (own - 1.0)
-    return int(along.sum()) * 2 >= rise.size
+    others = int(along.sum()) - 1
+    return others >= 1 and (others + 1) * 2 >= rise.size
 
 
 def episode_diagnosis(
