@@ -114,6 +114,9 @@ class EpisodeCost:
     #: shares summed (the steps it stands for: `with_baseline_moved`).
     job_lost_s: float = 0.0
     job_steps: float = 0.0
+    #: Of `job_lost_s`, the part over the steps `with_estimated` added (measured, but not
+    #: priced by the model: their excess over the ideal is not known).
+    job_estimated_s: float = 0.0
     #: What the job paid for each of its latest steps (`_PAID_KEPT`): their median over
     #: the baseline is the speed-up the job measured.
     paid: tuple[float, ...] = field(default=())
@@ -203,7 +206,15 @@ class EpisodeCost:
         """
         if self.excess_s <= 0:
             return 0.0
-        return float(min(max((self.price_s - self.estimated_s) / self.excess_s, 0.0), 1.0))
+        priced = self.price_s - (self.job_estimated_s if self.measured_known else self.estimated_s)
+        return float(min(max(priced / self.excess_s, 0.0), 1.0))
+
+    @property
+    def price_estimated_s(self) -> float:
+        """Of `price_s`, the part estimated rather than measured or priced: the model's
+        extrapolation to steps no longer held when the episode was found (`with_estimated`),
+        none where the job's own step times measured them."""
+        return 0.0 if self.measured_known else self.estimated_s
 
     @property
     def saved_share(self) -> float:
@@ -353,6 +364,7 @@ class EpisodeCost:
             self,
             lost_s=self.lost_s + estimated,
             job_lost_s=self.job_lost_s + job,
+            job_estimated_s=self.job_estimated_s + job,
             job_steps=self.job_steps + (int(rises.size) if self.baseline_steps else 0),
             paid=(*self.paid, *(float(m) for m in measured))[-_PAID_KEPT:],
             measured_s=self.measured_s + float(measured.sum()),

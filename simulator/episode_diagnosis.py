@@ -232,9 +232,9 @@ def _summary(episode: WorkerEpisode, cause: Cause, cost: EpisodeCost, n_gpus: in
         costs += ", as the job's own step times measured it" + (
             f" (the model explains {explains:.0%} of it)" if explains is not None else ""
         )
-    if cost.estimated_steps:
+    if cost.price_estimated_s > 0:
         costs += (
-            f", {cost.estimated_s:.2f} s of it estimated for its first "
+            f", {cost.price_estimated_s:.2f} s of it estimated for its first "
             f"{cost.estimated_steps} step(s), no longer held when it was found"
         )
     if cause == Cause.SLOW_HOST:
