@@ -83,7 +83,9 @@ class LogWriter:
     in one `write` call, on the thread that calls it. The timer's sealer thread, which
     encodes the records, writes them itself: a second thread would cost a second wake per
     seal, and a thread wake is most of what the monitor spends (~20-80 us of CPU each on
-    the shared 2-core box of `make bench`, against ~1 us to write a record).
+    the shared 2-core box of `make bench`, against ~1 us to write a record). Such a writer
+    can also let go of its file between writes (`release`): one process writing the logs
+    of thousands of ranks (a replay) keeps a bounded number of them open.
     """
 
     def __init__(
@@ -109,6 +111,8 @@ class LogWriter:
         self._pending = 0
         self._closed = False
         self._fd: int | None = None
+        #: The file written now (kept while released: the next write appends to it).
+        self._file_name: str | None = None
         self._file_size = 0
         self._file_counter = 0
         self.error: BaseException | None = None
@@ -162,6 +166,24 @@ class LogWriter:
                 self._queue.clear()
                 raise RuntimeError(f"log writer for {self.directory} failed") from self.error
 
+    def release(self) -> None:
+        """Write what is queued and close the file; the next write reopens it and appends
+        (it is still this rank's newest file, so readers see one file growing). Only for a
+        writer without its thread."""
+        if self._thread is not None:
+            raise RuntimeError("release() is for a writer without its flusher thread")
+        self._flush_here()
+        if self._fd is not None:
+            if self.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def holds_file(self) -> bool:
+        """Whether the writer has a file open now."""
+        return self._fd is not None
+
     def close(self) -> None:
         if self._closed:
             return
@@ -207,6 +229,12 @@ class LogWriter:
                     and (self._file_size + size + len(record) > self.max_file_bytes)
                 ):
                     break
+                if (
+                    self._fd is None
+                    and self._file_name is not None
+                    and (self._file_size + size + len(record) <= self.max_file_bytes)
+                ):
+                    self._reopen()
                 if self._fd is None or (
                     not chunk
                     and self._file_size > 0
@@ -242,7 +270,17 @@ class LogWriter:
         self._fd = os.open(
             self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o644
         )
+        self._file_name = name
         self._file_size = 0
+
+    def _reopen(self) -> None:
+        """The released file again, to append to it (a file that vanished meanwhile, a
+        retention sweep's, is not made again: the writer rotates to a new one)."""
+        assert self._file_name is not None
+        try:
+            self._fd = os.open(self.directory / self._file_name, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            self._file_name = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,19 @@ from lagscope.producers.events import (
     JobInfo,
     RankIdentity,
     RankStepBatch,
+    SchemaError,
     batch_id_of,
+    peek_header,
 )
 from lagscope.producers.kafka_login import kafka_client
-from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter, Record, list_rank_dirs, read_all
+from lagscope.producers.log import (
+    KIND_BATCH,
+    KIND_JOB,
+    LogWriter,
+    RankLogReader,
+    Record,
+    list_rank_dirs,
+)
 from lagscope.producers.redact import redact_url
 from lagscope.simulator.trace import JobMeta, Trace
 
@@ -262,7 +272,17 @@ def _wait_until(due: float, sleep: Callable[[float], None]) -> None:
 
 class _LogDestination:
     """Per-rank local logs, as the ranks' timers write them; the job record goes into the
-    first log written."""
+    first log written.
+
+    One process writes every rank's log, on its own thread: a thread per log stalled a
+    12,544-rank replay at ~1.5 logs a second once thousands were alive. Each batch is
+    written as it comes (a step's batches exist once the step ended, as a live rank's
+    timer seals them), and at most `MAX_OPEN_FILES` logs hold an open file: the least
+    recently written lets go of its own, and appends to it again on its next batch.
+    """
+
+    #: Logs holding an open file at once.
+    MAX_OPEN_FILES = 256
 
     def __init__(self, log_dir: str | Path, info: JobInfo, max_file_bytes: int | None) -> None:
         holder = _holder_of(Path(log_dir), info)
@@ -277,27 +297,50 @@ class _LogDestination:
         self.info = info
         self.options = {} if max_file_bytes is None else {"max_file_bytes": max_file_bytes}
         self.writers: dict[int, LogWriter] = {}
+        #: Ranks whose writer holds an open file, least recently written first.
+        self._open: OrderedDict[int, None] = OrderedDict()
         self.sent = 0
 
     def send(self, batch: RankStepBatch, payload: bytes) -> None:
-        writer = self.writers.get(batch.rank)
-        if writer is None:
-            writer = self.writers[batch.rank] = LogWriter(self.log_dir, batch.rank, **self.options)
-            if not self.sent:
-                writer.append(KIND_JOB, self.info.model_dump_json().encode())
+        writer = self._writer(batch.rank)
+        if not self.sent:
+            writer.append(KIND_JOB, self.info.model_dump_json().encode())
         writer.append(KIND_BATCH, payload)
+        self._write(batch.rank, writer)
         self.sent += 1
+
+    def _writer(self, rank: int) -> LogWriter:
+        writer = self.writers.get(rank)
+        if writer is None:
+            writer = self.writers[rank] = LogWriter(
+                self.log_dir, rank, background=False, **self.options
+            )
+        return writer
+
+    def _write(self, rank: int, writer: LogWriter) -> None:
+        """Write what `rank`'s writer holds, and keep the open files within the bound."""
+        writer.flush()
+        self._open[rank] = None
+        self._open.move_to_end(rank)
+        while len(self._open) > self.MAX_OPEN_FILES:
+            oldest, _ = self._open.popitem(last=False)
+            self.writers[oldest].release()
 
     def end(self, records: list[JobInfo]) -> None:
         """Each rank's record of its end after its last batch, in its own log; those of the
         ranks the trace does not hold, in the log that holds the job's record."""
         if not self.writers:
             return  # nothing replayed: no job to end
-        first = next(iter(self.writers.values()))
+        first_rank = next(iter(self.writers))
+        written = set()
         for record in records:
             assert record.rank_identity is not None
-            writer = self.writers.get(record.rank_identity.rank, first)
-            writer.append(KIND_JOB, record.model_dump_json().encode())
+            rank = record.rank_identity.rank
+            rank = rank if rank in self.writers else first_rank
+            self.writers[rank].append(KIND_JOB, record.model_dump_json().encode())
+            written.add(rank)
+        for rank in sorted(written):
+            self._write(rank, self.writers[rank])
 
     def close(self) -> None:
         for writer in self.writers.values():
@@ -305,17 +348,30 @@ class _LogDestination:
 
 
 def _holder_of(log_dir: Path, info: JobInfo) -> Path | None:
-    """The first rank log under `log_dir` with a job record of `info`'s job attempt."""
+    """The first rank log under `log_dir` that begins with a record of `info`'s job
+    attempt: its job record (a timer writes it first, a replay into its first log) or a
+    batch of it (the other logs of a replay). Only each log's first record is read: a
+    directory of 12,544 logs is checked in a moment."""
     for directory in list_rank_dirs(log_dir):
-        for item in read_all(directory):
-            if not isinstance(item, Record) or item.kind != KIND_JOB:
-                continue
-            try:
-                other = JobInfo.model_validate_json(item.payload)
-            except ValueError:
-                continue  # the analysis sets it aside; not this replay's concern
-            if (other.job_id, other.attempt) == (info.job_id, info.attempt):
-                return directory
+        for item in RankLogReader(directory, torn_grace_s=0.0).read(max_bytes=1):
+            if isinstance(item, Record):
+                if _record_job(item) == (info.job_id, info.attempt):
+                    return directory
+                break
+    return None
+
+
+def _record_job(record: Record) -> tuple[str, int] | None:
+    """The (job, attempt) a log record belongs to (None: it does not say)."""
+    try:
+        if record.kind == KIND_JOB:
+            other = JobInfo.model_validate_json(record.payload)
+            return other.job_id, other.attempt
+        if record.kind == KIND_BATCH:
+            header = peek_header(record.payload)
+            return header["job_id"], header["attempt"]
+    except (ValueError, SchemaError):
+        pass  # the analysis sets it aside; not this replay's concern
     return None
 
 

@@ -97,6 +97,36 @@ def test_a_writer_without_its_thread_writes_on_flush_in_one_write(
     writer._fd = None
 
 
+def test_a_released_writer_appends_to_its_newest_file_and_still_rotates(tmp_path: Path) -> None:
+    """A writer that let go of its file (a replay of thousands of ranks keeps few open)
+    appends to the same file on its next write, until that one is full; a file removed
+    meanwhile (retention) is not made again."""
+    writer = LogWriter(tmp_path, rank=2, background=False, max_file_bytes=3_000)
+    payloads = _payloads(12, 500)
+    for p in payloads[:4]:
+        writer.append(KIND_BATCH, p)
+        writer.release()
+        assert not writer.holds_file
+    assert len(list_log_files(rank_dir(tmp_path, 2))) == 1
+    for p in payloads[4:10]:
+        writer.append(KIND_BATCH, p)
+        writer.release()
+    files = list_log_files(rank_dir(tmp_path, 2))
+    assert len(files) == 2
+    assert all(os.path.getsize(rank_dir(tmp_path, 2) / f) <= 3_000 for f in files)
+    (rank_dir(tmp_path, 2) / files[-1]).unlink()
+    for p in payloads[10:]:
+        writer.append(KIND_BATCH, p)
+    writer.close()
+    kept = [p for p in payloads[:10] if p in _records(list(read_all(rank_dir(tmp_path, 2))))]
+    assert _records(list(read_all(rank_dir(tmp_path, 2)))) == [*kept, *payloads[10:]]
+    assert len(list_log_files(rank_dir(tmp_path, 2))) == 2
+    threaded = LogWriter(tmp_path, rank=3)
+    with pytest.raises(RuntimeError, match="without its flusher thread"):
+        threaded.release()
+    threaded.close()
+
+
 def test_tailing_sees_records_as_they_are_appended(tmp_path: Path) -> None:
     writer = LogWriter(tmp_path, rank=1, flush_interval_s=0.01)
     reader = RankLogReader(rank_dir(tmp_path, 1))
