@@ -17,16 +17,18 @@ like is not the host's business: the command that starts the host passes the ren
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lagscope.producers.dead_letters import DeadLetter
+from lagscope.producers.events import SchemaError, peek_start_ns
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
@@ -89,6 +91,58 @@ _REPORT_TIME_SHARE = 0.2
 _IDLE_POLL_S = 0.1
 
 
+#: Bytes a round of reading takes from all the logs together (a 100,000-GPU job's 12,480
+#: logs at 64 KB each were 800 MB a round; a round now reads a step or a few of each).
+READ_ROUND_BYTES = 16 << 20
+
+
+class _LogsClock(LatenessClock):
+    """The embedded host's lateness clock. While some logs have data to read, it stands
+    where every one of them has got: the least of the starts of their newest batches
+    (`advance`, after each round of reading), so neither a backlog's reading nor a log
+    read ahead of another makes a rank late; a window opens at its first batch's first
+    op (`opening`), not at the clock's. So a step times out once every log with data
+    has delivered a batch that began the lateness after it began, which a log that has
+    not delivered it yet never has: a rank's step began before any rank's next step
+    began (the step's collectives and optimizer hold them together; the ends of two
+    ranks' steps overlap by a fraction of a step). Caught up, it is wall-clock time, as
+    a worker's: a rank that went silent times out."""
+
+    def __init__(self, wall: Callable[[], float]) -> None:
+        super().__init__(wall=wall)
+        self._opening: float | None = None
+
+    def __call__(self) -> float:
+        # While a log with data has not said how far it got (one that begins with
+        # garbage), no time has passed, wall-clock time least of all.
+        unknown = self.behind and self.newest_record_s is None
+        now = float("-inf") if unknown else super().__call__()
+        return now if self._opening is None else max(now, self._opening)
+
+    @contextlib.contextmanager
+    def opening(self, at_s: float | None) -> Iterator[None]:
+        """Windows opened inside open no earlier than `at_s` (None: the clock's time)."""
+        self._opening = at_s
+        try:
+            yield
+        finally:
+            self._opening = None
+
+    def advance(self, log_times: dict[str, float], behind: set[str]) -> None:
+        """After a round: up to where every log with data to read (`behind`) has got (one
+        that delivered nothing yet holds the clock where it is); when none has, the
+        newest op read."""
+        if behind:
+            if not behind <= log_times.keys():
+                return
+            newest = min(log_times[name] for name in behind)
+        elif log_times:
+            newest = max(log_times.values())
+        else:
+            return
+        self.observe(newest)
+
+
 class EmbeddedRunner:
     """Feeds per-rank logs through a `HostCore` into a `ClickHouseSink`."""
 
@@ -111,7 +165,7 @@ class EmbeddedRunner:
         #: Per job, the closed steps its last live report covered; when the next may be due.
         self._reported_steps: dict[tuple[str, int], int] = {}
         self._next_report = 0.0
-        self.clock = LatenessClock(wall=clock)
+        self.clock = _LogsClock(wall=clock)
         self.core = HostCore(
             self.settings,
             JobRecords(self.settings.max_world_size),
@@ -127,6 +181,8 @@ class EmbeddedRunner:
         self._progress: dict[tuple[str, int], dict[str, int]] = {}
         #: Per job attempt, the (dp, pp) coordinates whose batches have been read.
         self._coordinates: dict[tuple[str, int], set[tuple[int, int]]] = {}
+        #: Per log, the start of the newest batch it delivered (epoch seconds).
+        self._log_times: dict[str, float] = {}
 
     # -- input --------------------------------------------------------------------------
     def run_logs(
@@ -137,6 +193,7 @@ class EmbeddedRunner:
         idle_exit_s: float = 0.0,
         progress: Callable[[RunReport], None] | None = None,
         read_chunk_bytes: int = 64 << 10,
+        read_round_bytes: int = READ_ROUND_BYTES,
         read_ahead_steps: int = 4,
     ) -> RunReport:
         """Read every rank's log under `log_dir` until it is exhausted (or, with `follow`,
@@ -147,35 +204,40 @@ class EmbeddedRunner:
 
         Windows follow the logs' own progress, so a backlog of any size closes complete
         steps complete: a step closes once every rank's log has delivered a later step,
-        and the lateness timeout runs on the records' own times while a log still has
-        data (time spent reading a backlog is not time a rank was late).
+        and while a log still has data to read, a step's lateness is counted on the
+        records' own times, from its first record, up to where every log with data to
+        read has got (`_LogsClock`): time spent reading a backlog is not time a rank was
+        late, nor is a log read ahead of another.
 
-        A backlog is read no faster than its steps close (backpressure): each round reads at
-        most `read_chunk_bytes` of each log, and a log more than `read_ahead_steps` steps
-        ahead of another log of the same job that still has unread data waits a round. So
-        open windows hold a few steps of every rank whatever the backlog's size, and a
-        burst costs time, not memory."""
+        A backlog is read no faster than its steps close (backpressure): each round reads
+        about `read_round_bytes` in all, at most `read_chunk_bytes` of each log (and one
+        record at least), and a log more than `read_ahead_steps` steps ahead of another
+        log of the same job that still has unread data waits a round. So open windows hold
+        a few steps of every rank whatever the backlog's size or the job's, and a burst
+        costs time, not memory."""
         started = time.monotonic()
         readers: dict[Path, RankLogReader] = {}
         last_data: float | None = None
         while True:
             for directory in list_rank_dirs(log_dir):
-                readers.setdefault(
-                    directory, RankLogReader(directory, torn_grace_s=0.0 if not follow else 5.0)
-                )
+                if directory not in readers:
+                    readers[directory] = RankLogReader(
+                        directory, torn_grace_s=0.0 if not follow else 5.0
+                    )
             got_any = False
             unread = {d.name for d, reader in readers.items() if not reader.at_end()}
             held = self._held_back(unread, read_ahead_steps)
             if unread and unread <= held:
                 held = set()  # jobs holding each other back: nobody waits
-            for directory, reader in readers.items():
-                if directory.name in held:
-                    continue
-                for item in reader.read(read_chunk_bytes):
+            reading = [(d, r) for d, r in readers.items() if d.name in unread - held]
+            chunk = min(read_chunk_bytes, read_round_bytes // max(len(reading), 1))
+            for directory, reader in reading:
+                for item in reader.read(max(chunk, 1)):
                     got_any = True
                     self._consume(directory.name, item)
             behind = {d.name for d, reader in readers.items() if not reader.at_end()}
             self.clock.behind = bool(behind)
+            self.clock.advance(self._log_times, behind)
             self._close_passed_steps(behind)
             self.core.tick()
             self._write()
@@ -219,10 +281,13 @@ class EmbeddedRunner:
             reason = f"unknown record kind {item.kind}"
             self.core.dead_letter(DeadLetter(where, reason, item.payload, "", now), "undecodable")
             return
-        (kept,) = self.core.on_batches([(item.payload, where, now)])
+        start_s = _start_s(item.payload)
+        with self.clock.opening(start_s):
+            (kept,) = self.core.on_batches([(item.payload, where, now)])
         if kept is None:
             return
-        self.clock.observe(float(kept.start_ns.max() + kept.duration_ns.max()) / 1e9)
+        if start_s is not None:
+            self._log_times[source] = max(start_s, self._log_times.get(source, start_s))
         job_progress = self._progress.setdefault((kept.job_id, kept.attempt), {})
         job_progress[source] = max(job_progress.get(source, kept.step), kept.step)
         self._coordinates.setdefault((kept.job_id, kept.attempt), set()).add(
@@ -370,3 +435,13 @@ class EmbeddedRunner:
             Path(temporary).unlink(missing_ok=True)
             raise
         return path
+
+
+def _start_s(payload: bytes) -> float | None:
+    """When a batch's first op began (epoch seconds): a window it opens opens then. None
+    for a batch without ops, or one the host will set aside."""
+    try:
+        start_ns = peek_start_ns(payload)
+    except SchemaError:
+        return None
+    return start_ns / 1e9 if start_ns is not None else None

@@ -113,3 +113,34 @@ def test_a_backlog_is_read_no_faster_than_its_steps_close(chdb_dir, tmp_path):
     assert report.jobs["burst", 0].incomplete_steps == []
     assert len(open_windows) > 10
     assert max(open_windows) <= 12
+
+
+def test_a_log_read_behind_the_others_makes_no_step_late(chdb_dir, tmp_path):
+    """A middle pipeline stage's records are larger (its sends and receives both ways), so
+    a round's bytes take it through fewer steps than the other logs: it is behind, not
+    late. Steps of 1.3 s, a lateness of 3 s, and logs laid from now on (a replay just
+    written lies ahead of the clock): every step closes complete. Counted on the newest
+    record read, steps 3 rounds ahead of the middle stage's log timed out without it."""
+    from lagscope.producers.log import KIND_BATCH, KIND_JOB, LogWriter
+    from lagscope.store.sink import ClickHouseSink
+    from lagscope.stream_app.embedded import EmbeddedRunner
+
+    job = generate_job(JobSpec(dp=2, pp=3, microbatches=4, steps=30, seed=1))
+    info = JobInfo.from_meta(job.meta, job_id="behind")
+    writers = {}
+    for _, _, batches in iter_step_batches(
+        job.trace, job.meta, job_id="behind", start_wall_ns=time.time_ns()
+    ):
+        for batch in batches:
+            if batch.rank not in writers:
+                writers[batch.rank] = LogWriter(tmp_path / "logs", batch.rank, background=False)
+                writers[batch.rank].append(KIND_JOB, info.model_dump_json().encode())
+            writers[batch.rank].append(KIND_BATCH, batch.encode())
+    for writer in writers.values():
+        writer.close()
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=behind")
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, ProcessorSettings(lateness_s=3.0), store_raw_ops=False)
+    report = runner.run_logs(tmp_path / "logs", read_chunk_bytes=3_500, read_ahead_steps=4)
+    assert report.jobs["behind", 0].steps == 30
+    assert report.jobs["behind", 0].incomplete_steps == []
