@@ -54,6 +54,8 @@ RANK_DIR_PREFIX = "rank-"
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
 DEFAULT_MAX_FILE_BYTES = 64 << 20
 _READ_CHUNK = 4 << 20
+#: A directory listing is reused only once the directory is this much older than now.
+_LISTING_SETTLE_NS = 1_000_000_000
 
 
 _FIELDS = struct.Struct("<BBHI")
@@ -335,6 +337,29 @@ def list_rank_dirs(log_dir: str | os.PathLike[str]) -> list[Path]:
         )
 
 
+class RankDirs:
+    """The rank directories under a log directory (`list_rank_dirs`), listed again only
+    when the directory changed (its mtime; trusted once `_LISTING_SETTLE_NS` old): a
+    follower of a 100,000-GPU job's 12,544 logs looks for new ones every round."""
+
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        self.log_dir = os.fspath(log_dir)
+        self._dirs: list[Path] = []
+        self._listed_mtime_ns: int | None = None
+
+    def current(self) -> list[Path]:
+        try:
+            mtime_ns = os.stat(self.log_dir).st_mtime_ns
+        except FileNotFoundError:
+            self._listed_mtime_ns = None
+            return []
+        if mtime_ns != self._listed_mtime_ns:
+            self._dirs = list_rank_dirs(self.log_dir)
+            settled = time.time_ns() - mtime_ns > _LISTING_SETTLE_NS
+            self._listed_mtime_ns = mtime_ns if settled else None
+        return self._dirs
+
+
 def rank_logs_nearby(log_dir: str | os.PathLike[str], levels: int = 2) -> list[Path]:
     """Directories up to `levels` below `log_dir` that hold rank logs, for the hint of a
     command given a directory too high up (`lagscope run --log-dir jobs` for
@@ -371,7 +396,14 @@ class RankLogReader:
 
     A call returns about `max_bytes` of records: a seal record holds up to ~40 steps of a
     rank, and a backlog's reader must not open all of them at once (backpressure), so the
-    batches of a seal beyond the budget are kept for the next calls.
+    batches of a seal beyond the budget are kept for the next calls; records a caller
+    does not want yet go back with `put_back`.
+
+    The directory's listing is read again only when the directory changed (its mtime),
+    so a reader with nothing new costs two `stat` calls: one host follows the 12,544
+    logs of a 100,000-GPU job. A listing is trusted only once the directory has not
+    changed for `_LISTING_SETTLE_NS`: a file system's coarse timestamps can give two
+    changes within a tick one mtime.
     """
 
     def __init__(
@@ -389,26 +421,53 @@ class RankLogReader:
         #: Records read from the file and not yet returned (a seal's batches past a call's
         #: budget), in order.
         self._held: list[Record | DeadLetter] = []
+        #: The directory's log files as last listed, and its mtime then (None: list it).
+        self._files_cache: list[str] = []
+        self._listed_mtime_ns: int | None = None
+        self._dir_name = os.fspath(self.directory)
+
+    def _files(self) -> list[str]:
+        """The rank's log files, oldest first: listed again only when the directory
+        changed since (or changed too recently to tell)."""
+        try:
+            mtime_ns = os.stat(self._dir_name).st_mtime_ns
+        except FileNotFoundError:
+            self._listed_mtime_ns = None
+            return []
+        if mtime_ns != self._listed_mtime_ns:
+            self._files_cache = list_log_files(self.directory)
+            settled = time.time_ns() - mtime_ns > _LISTING_SETTLE_NS
+            self._listed_mtime_ns = mtime_ns if settled else None
+        return self._files_cache
+
+    def put_back(self, items: list[Record | DeadLetter]) -> None:
+        """Items `read` returned that the caller does not take yet: the next `read`
+        returns them first, in order."""
+        self._held = [*items, *self._held]
 
     def at_end(self) -> bool:
-        """True when everything written to the rank's log so far has been read."""
+        """True when everything written to the rank's log so far has been read (a file
+        now shorter than where reading stands is read again: not at its end)."""
         if self._held:
             return False
-        files = list_log_files(self.directory)
+        files = self._files()
         if not files:
             return True
         if self.position is None or self.position.file != files[-1]:
             return False
         try:
-            return os.stat(self.directory / files[-1]).st_size <= self.position.offset
+            size = os.stat(os.path.join(self._dir_name, files[-1])).st_size
         except FileNotFoundError:
             return True
+        return size == self.position.offset
 
     def read(self, max_bytes: int = _READ_CHUNK) -> list[Record | DeadLetter]:
+        if not self._held and self.position is not None and self.at_end():
+            return []
         out, self._held = self._held, []
         budget = max_bytes - sum(_size(item) for item in out)
         while budget > 0:
-            files = list_log_files(self.directory)
+            files = self._files()
             if not files:
                 return out
             if self.position is None:

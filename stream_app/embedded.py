@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lagscope.producers.dead_letters import DeadLetter
-from lagscope.producers.events import SchemaError, peek_start_ns
+from lagscope.producers.events import SchemaError, peek_header, peek_start_ns
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
+    RankDirs,
     RankLogReader,
-    list_rank_dirs,
+    Record,
 )
 from lagscope.producers.log import DeadLetter as SkippedSpan
 from lagscope.simulator.prepare import PreparedTrace
@@ -183,6 +184,8 @@ class EmbeddedRunner:
         self._coordinates: dict[tuple[str, int], set[tuple[int, int]]] = {}
         #: Per log, the start of the newest batch it delivered (epoch seconds).
         self._log_times: dict[str, float] = {}
+        #: Per log, the job attempt of the batches it delivered last.
+        self._job_of_log: dict[str, tuple[str, int]] = {}
 
     # -- input --------------------------------------------------------------------------
     def run_logs(
@@ -209,32 +212,45 @@ class EmbeddedRunner:
         read has got (`_LogsClock`): time spent reading a backlog is not time a rank was
         late, nor is a log read ahead of another.
 
-        A backlog is read no faster than its steps close (backpressure): each round reads
-        about `read_round_bytes` in all, at most `read_chunk_bytes` of each log (and one
-        record at least), and a log more than `read_ahead_steps` steps ahead of another
-        log of the same job that still has unread data waits a round. So open windows hold
-        a few steps of every rank whatever the backlog's size or the job's, and a burst
-        costs time, not memory."""
+        A backlog is read no faster than its steps close (backpressure): in a round, each
+        log with data is read up to `read_ahead_steps` steps past the least step delivered
+        by a log of its job that still has data (its batches beyond wait for a later
+        round), and at most `read_chunk_bytes` of batches of it; a round reads about
+        `read_round_bytes` of batches in all (the next one goes on where it stopped). So
+        open windows hold a few steps of every rank whatever the backlog's size or the
+        job's, and a burst costs time, not memory; a round's cost beyond what it reads is
+        two `stat` calls a log."""
         started = time.monotonic()
+        rank_dirs = RankDirs(log_dir)
         readers: dict[Path, RankLogReader] = {}
         last_data: float | None = None
+        #: Where the next round starts (a round cut short by its bytes goes on there), and
+        #: whether it reads past the horizons (the last one took nothing they allowed).
+        resume_at, unbounded = 0, False
         while True:
-            for directory in list_rank_dirs(log_dir):
+            for directory in rank_dirs.current():
                 if directory not in readers:
                     readers[directory] = RankLogReader(
                         directory, torn_grace_s=0.0 if not follow else 5.0
                     )
-            got_any = False
-            unread = {d.name for d, reader in readers.items() if not reader.at_end()}
-            held = self._held_back(unread, read_ahead_steps)
-            if unread and unread <= held:
-                held = set()  # jobs holding each other back: nobody waits
-            reading = [(d, r) for d, r in readers.items() if d.name in unread - held]
-            chunk = min(read_chunk_bytes, read_round_bytes // max(len(reading), 1))
-            for directory, reader in reading:
-                for item in reader.read(max(chunk, 1)):
-                    got_any = True
-                    self._consume(directory.name, item)
+            unread = [(d, r) for d, r in readers.items() if not r.at_end()]
+            horizons = {} if unbounded else self._horizons({d.name for d, _ in unread},
+                                                           read_ahead_steps)  # fmt: skip
+            share = max(min(read_chunk_bytes, read_round_bytes // max(len(unread), 1)), 1)
+            resume_at %= max(len(unread), 1)
+            left, took, got_any = read_round_bytes, 0, False
+            for index, (directory, reader) in enumerate(unread[resume_at:] + unread[:resume_at]):
+                if left <= 0:
+                    resume_at += index
+                    break
+                taken, got = self._read_log(directory.name, reader, horizons, read_chunk_bytes,
+                                            share)  # fmt: skip
+                left -= taken
+                took += taken
+                got_any |= got
+            else:
+                resume_at = 0
+            unbounded = bool(unread) and not took and not unbounded
             behind = {d.name for d, reader in readers.items() if not reader.at_end()}
             self.clock.behind = bool(behind)
             self.clock.advance(self._log_times, behind)
@@ -244,8 +260,8 @@ class EmbeddedRunner:
             self._update_live_reports()
             if progress is not None:
                 progress(self._progress_report())
-            if got_any:
-                last_data = time.monotonic()
+            if got_any or unbounded:
+                last_data = time.monotonic() if got_any else last_data
                 continue
             if not follow or (
                 last_data is not None and time.monotonic() - last_data >= idle_exit_s
@@ -257,6 +273,42 @@ class EmbeddedRunner:
         self.close_open_steps()
         self.report.seconds = time.monotonic() - started
         return self.report
+
+    def _read_log(
+        self,
+        source: str,
+        reader: RankLogReader,
+        horizons: dict[tuple[str, int], int],
+        most: int,
+        unknown: int,
+    ) -> tuple[int, bool]:
+        """Read one log this round: each batch up to its job's horizon (`horizons`: the
+        last step a log of the job may deliver now), at most `most` bytes of batches
+        (`unknown` while the log's job has no horizon yet). Returns the batches' bytes and
+        whether it took anything."""
+        taken, got = 0, False
+        while True:
+            horizon = self._horizon_of(source, horizons)
+            cap = unknown if horizon is None else most
+            if taken >= cap:
+                return taken, got
+            items = reader.read(cap - taken)
+            if not items:
+                return taken, got
+            for index, item in enumerate(items):
+                key = _batch_key(item)
+                if key is not None and key[2] > horizons.get(key[:2], key[2]):
+                    reader.put_back(items[index:])
+                    return taken, got
+                got = True
+                self._consume(source, item)
+                if key is not None:
+                    taken += len(item.payload)  # type: ignore[union-attr]
+
+    def _horizon_of(self, source: str, horizons: dict[tuple[str, int], int]) -> int | None:
+        """The horizon of the job `source` delivers batches of (None: not known yet)."""
+        job = self._job_of_log.get(source)
+        return horizons.get(job) if job is not None else None
 
     def close_open_steps(self) -> RunReport:
         """Analyse and write every step still open and conclude every job (the end of the
@@ -288,23 +340,23 @@ class EmbeddedRunner:
             return
         if start_s is not None:
             self._log_times[source] = max(start_s, self._log_times.get(source, start_s))
+        self._job_of_log[source] = (kept.job_id, kept.attempt)
         job_progress = self._progress.setdefault((kept.job_id, kept.attempt), {})
         job_progress[source] = max(job_progress.get(source, kept.step), kept.step)
         self._coordinates.setdefault((kept.job_id, kept.attempt), set()).add(
             (kept.dp_rank, kept.pp_rank)
         )
 
-    def _held_back(self, unread: set[str], ahead_steps: int) -> set[str]:
-        """Logs to skip this round: those more than `ahead_steps` past a log of the same job
-        that still has data to read (reading them on would only open windows)."""
-        held: set[str] = set()
-        for by_source in self._progress.values():
+    def _horizons(self, unread: set[str], ahead_steps: int) -> dict[tuple[str, int], int]:
+        """Per job, the last step its logs may deliver this round: `ahead_steps` past the
+        least step delivered by a log of it that still has data to read (reading further
+        would only open windows); a job none of whose logs has data has none."""
+        horizons = {}
+        for job, by_source in self._progress.items():
             lagging = [step for source, step in by_source.items() if source in unread]
-            if not lagging:
-                continue
-            horizon = min(lagging) + ahead_steps
-            held.update(source for source, step in by_source.items() if step > horizon)
-        return held
+            if lagging:
+                horizons[job] = min(lagging) + ahead_steps
+        return horizons
 
     def _close_passed_steps(self, behind: set[str]) -> None:
         """Close the steps every rank's log has moved past: nothing more comes for them.
@@ -445,3 +497,15 @@ def _start_s(payload: bytes) -> float | None:
     except SchemaError:
         return None
     return start_ns / 1e9 if start_ns is not None else None
+
+
+def _batch_key(item: Record | SkippedSpan) -> tuple[str, int, int] | None:
+    """The job, attempt and step of a log's batch record (None: another record, or one
+    the host will set aside)."""
+    if not isinstance(item, Record) or item.kind != KIND_BATCH:
+        return None
+    try:
+        head = peek_header(item.payload)
+    except SchemaError:
+        return None
+    return head["job_id"], head["attempt"], head["step"]

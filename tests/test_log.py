@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,39 @@ def test_a_released_writer_appends_to_its_newest_file_and_still_rotates(tmp_path
     with pytest.raises(RuntimeError, match="without its flusher thread"):
         threaded.release()
     threaded.close()
+
+
+def test_a_reader_with_nothing_new_lists_nothing_and_still_sees_a_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower of 12,544 logs asks each of them every round: with nothing new, a reader
+    costs two `stat` calls, not a directory listing; a file made since is still seen (the
+    directory's mtime moved), and so is one made within a coarse timestamp's tick of the
+    last listing (a listing is trusted only once the directory is a second old)."""
+    directory = rank_dir(tmp_path, 0)
+    with LogWriter(tmp_path, rank=0, background=False) as writer:
+        writer.append(KIND_BATCH, b"first")
+    reader = RankLogReader(directory, torn_grace_s=0)
+    assert _records(reader.read()) == [b"first"]
+    settled = time.time_ns() - 5_000_000_000
+    os.utime(directory, ns=(settled, settled))
+    listings = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: (listings.append(path), real_listdir(path))[1])
+    assert reader.at_end() and reader.read() == []
+    listings.clear()
+    for _ in range(5):
+        assert reader.at_end() and reader.read() == []
+    assert listings == []
+    fresh = time.time_ns()
+    _write_file(directory, "99999999999999999999-0001.lglog", frame_record(KIND_BATCH, b"new"))
+    os.utime(directory, ns=(fresh, fresh))
+    assert not reader.at_end()
+    assert _records(reader.read()) == [b"new"]
+    # Another file within the same timestamp tick: the directory's mtime did not move.
+    _write_file(directory, "99999999999999999999-0002.lglog", frame_record(KIND_BATCH, b"tick"))
+    os.utime(directory, ns=(fresh, fresh))
+    assert _records(reader.read()) == [b"tick"]
 
 
 def test_tailing_sees_records_as_they_are_appended(tmp_path: Path) -> None:

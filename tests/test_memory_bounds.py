@@ -144,3 +144,32 @@ def test_a_log_read_behind_the_others_makes_no_step_late(chdb_dir, tmp_path):
     report = runner.run_logs(tmp_path / "logs", read_chunk_bytes=3_500, read_ahead_steps=4)
     assert report.jobs["behind", 0].steps == 30
     assert report.jobs["behind", 0].incomplete_steps == []
+
+
+def test_a_round_reads_every_log_to_its_horizon_whatever_its_records(chdb_dir, tmp_path):
+    """A replay writes the end of every rank its trace does not hold (the TP ranks: 504
+    of 512 here, 87,808 at 100,000 GPUs) into its first log. Those records open no
+    window, and a round reads each log up to the read-ahead's step, whatever its share of
+    the round's bytes: a round a record made a 100,000-GPU job's 4 steps take 6 minutes.
+    Here a round's 4 KB take 4 of the 8 logs 2 steps on."""
+    from lagscope.producers.replay import replay
+    from lagscope.store.sink import ClickHouseSink
+    from lagscope.stream_app.embedded import EmbeddedRunner
+
+    job = generate_job(JobSpec(dp=4, pp=2, tp=64, microbatches=2, steps=12, seed=4))
+    replay(job.trace, job.meta, log_dir=tmp_path / "logs", job_id="ends", start_wall_ns=0)
+    sink = ClickHouseSink(f"chdb://{chdb_dir}?database=ends")
+    sink.ensure_schema()
+    runner = EmbeddedRunner(sink, store_raw_ops=False)
+    open_windows = []
+    report = runner.run_logs(
+        tmp_path / "logs",
+        progress=lambda _: open_windows.append(len(runner.processor.windows)),
+        read_round_bytes=4096,
+        read_ahead_steps=2,
+    )
+    assert report.jobs["ends", 0].steps == 12
+    assert report.jobs["ends", 0].incomplete_steps == []
+    assert runner.core.records.has_ended(("ends", 0))
+    assert max(open_windows) <= 3
+    assert len(open_windows) <= 16
