@@ -724,22 +724,6 @@ def peek_header(data: bytes | memoryview, where: str = "batch") -> dict[str, Any
     }
 
 
-def peek_start_ns(data: bytes | memoryview, where: str = "batch") -> int | None:
-    """The earliest op start (ns) of an encoded batch, read from its start column without
-    decoding or checking the rest (None when it holds no op); raises `SchemaError` where
-    the header or the dictionary does not fit."""
-    view = memoryview(data)
-    head = peek_header(view, where)
-    _, pos = _decode_names(view, head["_names_at"], head["_n_names"], len(view), where)
-    pos += -pos % 8
-    n_ops = head["n_ops"]
-    if not n_ops:
-        return None
-    if pos + n_ops * _BYTES_PER_OP > len(view) - _TRAILER.size:
-        raise SchemaError(f"{where}: {n_ops} ops do not fit the batch")
-    return int(np.frombuffer(view, dtype=_COLUMNS[0][1], count=n_ops, offset=pos).min())
-
-
 def decode_batch(data: bytes | memoryview, where: str = "batch") -> RankStepBatch:
     """Decode and validate an encoded batch; raises `SchemaError` naming `where` and why."""
     view = memoryview(data)

@@ -523,7 +523,7 @@ class RankLogReader:
         """Up to `budget` bytes of file `name` from `start` (one whole record when the next
         record is larger than the budget); a file now shorter than `start` is re-read from
         its beginning, with a dead letter saying so."""
-        path = self.directory / name
+        path = os.path.join(self._dir_name, name)
         items: list[Record | DeadLetter] = []
         with open(path, "rb") as handle:
             stat = os.fstat(handle.fileno())
@@ -531,7 +531,7 @@ class RankLogReader:
             if size < start:
                 items.append(
                     DeadLetter(
-                        str(path),
+                        path,
                         size,
                         0,
                         f"file truncated from at least {start} to {size} bytes; "
@@ -548,7 +548,7 @@ class RankLogReader:
             if whole:
                 handle.seek(start)
                 data = handle.read(whole)
-        return _Chunk(name, str(path), data, start, size, stat.st_mtime, items)
+        return _Chunk(name, path, data, start, size, stat.st_mtime, items)
 
     def _cut_record_size(self, data: bytes, available: int) -> int:
         """One record larger than the read budget: the size of the record `data` begins

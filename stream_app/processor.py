@@ -525,7 +525,7 @@ class StepProcessor:
         key = (batch.job_id, batch.attempt, batch.step)
         window = self.windows.get(key)
         if window is None:
-            window = self.windows[key] = _Window(first_seen=self.clock())
+            window = self.windows[key] = _Window(first_seen=self._opened_at(batch))
         fingerprint = _fingerprint(batch)
         if fingerprint in window.fingerprints:
             self.counters["duplicate_batches"] += 1
@@ -536,6 +536,12 @@ class StepProcessor:
         if job is not None and len(window.batches) == job.info.dp_size * job.info.pp_size:
             return key
         return None
+
+    def _opened_at(self, batch: RankStepBatch) -> float:
+        """When the window `batch` opens opened: the clock's time, or what a clock that
+        knows better says (the embedded host's: the batch's own time, in a backlog)."""
+        opened_at = getattr(self.clock, "opened_at", None)
+        return opened_at(batch) if opened_at is not None else self.clock()
 
     def tick(self) -> list[StepOutput]:
         """Close every window whose lateness timeout has passed (oldest step first)."""
