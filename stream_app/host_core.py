@@ -79,6 +79,15 @@ WRITE_EVERY_STEPS = 256
 #: writes a few steps in tens of ms and keeps the interval.
 WRITE_MAX_SHARE = 0.1
 
+#: ... or as soon as the raw ops waiting (`store_raw_ops`) came in this many bytes: a
+#: 12,288-GPU job's 256 steps of them held ~3 GB as rows (`lagscope run` of a backlog).
+RAW_OPS_PENDING_BYTES = 16 << 20
+#: Raw ops are written in parts of this many batches (~190,000 ops of a 12,288-GPU job;
+#: a 100,000-GPU job's step has 12,544): the store's insert of a part holds several
+#: times its rows (40 steps of that job through `lagscope run`, peak RSS: 8,192 batches
+#: a part and 32 MB waiting 1.46 GB, 2,048 and 16 MB 1.13 GB, as fast).
+RAW_OPS_WRITE_BATCHES = 2048
+
 #: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
 #: that is no batch, a batch the admission or the windows set aside, a batch a windowing
 #: bug dropped, a job record that is invalid or conflicts with a known one, and what a
@@ -361,7 +370,10 @@ class HostCore:
         self.pending: list[StepOutput] = []
         self.conclusions: list[JobConclusion] = []
         self.dead: list[DeadLetter] = []
-        self._raw_ops: list[dict[str, Any]] = []
+        #: Raw ops waiting for the next write: their batches (with their ids), and the
+        #: bytes they came in (`RAW_OPS_PENDING_BYTES` makes a write due).
+        self._raw_ops: list[tuple[RankStepBatch, str]] = []
+        self._raw_ops_bytes = 0
         #: Seconds the last write that stored steps took (`write_due` spaces writes by it).
         self.write_seconds = 0.0
         #: Whether the store may hold rows of steps whose write was cut short: at the start
@@ -413,7 +425,8 @@ class HostCore:
             if batch is not None:
                 windowed.append(batch)
                 if self.store_raw_ops and batch.tp_rank == 0 and batch.cp_rank == 0:
-                    self._raw_ops.append(raw_op_rows(batch, batch_id_of(payload)))
+                    self._raw_ops.append((batch, batch_id_of(payload)))
+                    self._raw_ops_bytes += len(payload)
         if windowed:
             try:
                 outputs = self.processor.on_batches(windowed, admitted=True)
@@ -591,6 +604,7 @@ class HostCore:
         return (
             self.news_due
             or len(self.pending) >= every_steps
+            or self._raw_ops_bytes >= RAW_OPS_PENDING_BYTES
             or bool(self.conclusions)
             or now - last_write >= max(interval_s, self.write_seconds / WRITE_MAX_SHARE)
         )
@@ -766,15 +780,19 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
             # Re-processed steps (stored ones among them) may still be followed by those of
             # the write that was cut short.
             host._cut_short_possible = was_checked and (replaced > 0 or len(outputs) < pending)
-    raw_ops = [rows for host in hosts for rows in host._raw_ops]
-    if raw_ops:
-        # A batch of their own, after the steps, named by their content: a write that
-        # failed after storing them, retried, stores them once.
-        batch = SinkBatch(raw_ops_token(raw_ops))
-        batch.add("ops", joined_rows(raw_ops))
+    raw_ops = [part for host in hosts for part in host._raw_ops]
+    for first in range(0, len(raw_ops), RAW_OPS_WRITE_BATCHES):
+        # Batches of their own, after the steps, named by their content: a write that
+        # failed after storing them, retried, stores them once. Their rows are made
+        # here, a part at a time (a row of raw ops takes ~4x its bytes on the wire).
+        rows = [raw_op_rows(batch, batch_id) for batch, batch_id in
+                raw_ops[first : first + RAW_OPS_WRITE_BATCHES]]  # fmt: skip
+        batch = SinkBatch(raw_ops_token(rows))
+        batch.add("ops", joined_rows(rows))
         sink.write(batch)
+    if raw_ops:
         for host in hosts:
-            host._raw_ops = []
+            host._raw_ops, host._raw_ops_bytes = [], 0
     if any(host.conclusions for host in hosts):
         # One batch for every job concluded (a worker's idle exit concludes all it follows).
         sink.write(_conclusions_batch(hosts))

@@ -396,6 +396,43 @@ def test_raw_ops_are_stored_once_across_a_failed_write_and_a_restart(chdb_dsn, m
     sink.close()
 
 
+def test_raw_ops_waiting_for_a_write_are_bounded_by_their_bytes(chdb_dsn, monkeypatch):
+    """A backlog's raw ops waited for the write of 256 steps: a 12,288-GPU job's took the
+    embedded host to 3.6 GB. Their bytes make a write due, and it stores them in parts,
+    each op once."""
+    from lagscope.producers.events import JobInfo
+    from lagscope.producers.replay import iter_step_batches
+    from lagscope.stream_app import host_core
+
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=6, seed=4))
+    info = JobInfo.from_meta(job.meta, job_id="rawbytes")
+    steps = [b for _, _, b in iter_step_batches(job.trace, job.meta, job_id="rawbytes",
+                                                start_wall_ns=time.time_ns())]  # fmt: skip
+    step_bytes = sum(len(b.encode()) for b in steps[0])
+    monkeypatch.setattr(host_core, "RAW_OPS_PENDING_BYTES", 2 * step_bytes, raising=False)
+    monkeypatch.setattr(host_core, "RAW_OPS_WRITE_BATCHES", 3, raising=False)
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+    core = HostCore(settings, JobRecords(settings.max_world_size), store_raw_ops=True)
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    writes = 0
+    for batches in steps:
+        core.on_batches([(b.encode(), "ops@0", 0.0) for b in batches])
+        # Neither the steps waiting nor the time since the last write make one due.
+        if core.write_due(0.0, 0.0, every_steps=1_000, interval_s=1e9):
+            core.write(sink)
+            writes += 1
+    assert writes == 3
+    assert sink.query("SELECT count() FROM ops")[1][0][0] == sum(
+        b.n_ops for batches in steps for b in batches
+    )
+    assert sink.query("SELECT count() FROM (SELECT DISTINCT * FROM ops)")[1][0][0] == sum(
+        b.n_ops for batches in steps for b in batches
+    )
+    sink.close()
+
+
 @pytest.mark.parametrize("cut_at", ["DELETE FROM attribution", "INSERT"])
 def test_a_replacement_cut_short_is_replaced_again(chdb_dsn, monkeypatch, cut_at):
     """The write that replaces a cut-short write's rows is itself cut short after it
