@@ -17,6 +17,7 @@ like is not the host's business: the command that starts the host passes the ren
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lagscope.producers.dead_letters import DeadLetter
-from lagscope.producers.events import RankStepBatch, SchemaError, peek_header
+from lagscope.producers.events import JobInfo, RankStepBatch, SchemaError, peek_header
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
@@ -91,6 +92,8 @@ _REPORT_TIME_SHARE = 0.2
 _IDLE_POLL_S = 0.1
 
 
+log = logging.getLogger("lagscope.embedded")
+
 #: Bytes a round of reading takes from all the logs together (a 100,000-GPU job's 12,480
 #: logs at 64 KB each were 800 MB a round; a round now reads a step or a few of each).
 READ_ROUND_BYTES = 16 << 20
@@ -145,10 +148,14 @@ class EmbeddedRunner:
         write_every_steps: int = WRITE_EVERY_STEPS,
         write_interval_s: float = WRITE_INTERVAL_S,
         store_raw_ops: bool = True,
+        raw_ops_max_workers: int | None = None,
         clock: Callable[[], float] = time.time,
         live_report: LiveReport | None = None,
     ) -> None:
         self.sink = sink
+        #: With `store_raw_ops`, the largest job (its dp x pp workers) whose raw ops are
+        #: kept (None: every job's).
+        self.raw_ops_max_workers = raw_ops_max_workers
         self.settings = settings or ProcessorSettings()
         self.live_report = live_report
         #: Per job, the file its report is written to (with `live_report`).
@@ -327,12 +334,29 @@ class EmbeddedRunner:
             return
         where = f"{source}/{item.file}@{item.offset}"
         if item.kind == KIND_JOB:
-            self.core.on_job_record(item.payload, where, now)
+            info = self.core.on_job_record(item.payload, where, now)
+            if info is not None:
+                self._limit_raw_ops(info)
         elif item.kind == KIND_BATCH:
             self._take_batches(source, [item])  # the host names what is wrong with it
         else:
             reason = f"unknown record kind {item.kind}"
             self.core.dead_letter(DeadLetter(where, reason, item.payload, "", now), "undecodable")
+
+    def _limit_raw_ops(self, info: JobInfo) -> None:
+        """Leave out the raw ops of a job beyond `raw_ops_max_workers`, saying so once."""
+        workers = info.dp_size * info.pp_size
+        limit = self.raw_ops_max_workers
+        if not self.core.store_raw_ops or limit is None or workers <= limit:
+            return
+        if (info.job_id, info.attempt) not in self.core.raw_ops_left_out:
+            self.core.raw_ops_left_out.add((info.job_id, info.attempt))
+            log.warning(
+                "job %s/%d: its raw ops are not stored: %d workers (dp %d x pp %d) are more "
+                "than %d, whose raw ops cost more to write than their steps to analyse; "
+                "set store.raw_ops (LAGSCOPE_STORE__RAW_OPS=true) to keep them",
+                info.job_id, info.attempt, workers, info.dp_size, info.pp_size, limit,
+            )  # fmt: skip
 
     def _take_batches(self, source: str, records: list[Record]) -> None:
         """A log's batch records, in order, handed to the host in one call (one a call

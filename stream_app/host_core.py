@@ -374,6 +374,8 @@ class HostCore:
         #: bytes they came in (`RAW_OPS_PENDING_BYTES` makes a write due).
         self._raw_ops: list[tuple[RankStepBatch, str]] = []
         self._raw_ops_bytes = 0
+        #: Job attempts whose raw ops are not stored (too large for its host to write).
+        self.raw_ops_left_out: set[tuple[str, int]] = set()
         #: Seconds the last write that stored steps took (`write_due` spaces writes by it).
         self.write_seconds = 0.0
         #: Whether the store may hold rows of steps whose write was cut short: at the start
@@ -424,7 +426,12 @@ class HostCore:
             kept.append(batch)
             if batch is not None:
                 windowed.append(batch)
-                if self.store_raw_ops and batch.tp_rank == 0 and batch.cp_rank == 0:
+                if (
+                    self.store_raw_ops
+                    and batch.tp_rank == 0
+                    and batch.cp_rank == 0
+                    and (batch.job_id, batch.attempt) not in self.raw_ops_left_out
+                ):
                     self._raw_ops.append((batch, batch_id_of(payload)))
                     self._raw_ops_bytes += len(payload)
         if windowed:

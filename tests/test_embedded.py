@@ -168,3 +168,25 @@ def test_a_rank_whose_log_comes_late_still_makes_complete_steps(chdb_dir, tmp_pa
     assert report.jobs["late-rank", 0].incomplete_steps == []
     _, rows = sink.query("SELECT count(), countIf(complete) FROM steps FINAL")
     assert rows == [(spec.steps, spec.steps)]
+
+
+def test_raw_ops_of_a_job_beyond_the_size_are_left_out_saying_so(chdb_dir, tmp_path, caplog):
+    """`lagscope run` keeps raw ops unless told, up to a size: a 100,000-GPU job's cost
+    ~2.5 s a step to write, against ~0.9 s to analyse. A job beyond it is analysed and
+    stored as any, without its raw ops, and a line says why and how to keep them."""
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=3, seed=1))
+    counts = {}
+    for limit in (3, 4):
+        logs = tmp_path / f"logs-{limit}"
+        info = JobInfo.from_meta(job.meta, job_id=f"limit{limit}")
+        write_logs_with_timers(job.trace, info, logs, time.time_ns() - 3_600_000_000_000)
+        sink = ClickHouseSink(f"chdb://{chdb_dir}?database=raw_limit_{limit}")
+        sink.ensure_schema()
+        caplog.clear()
+        report = EmbeddedRunner(sink, raw_ops_max_workers=limit).run_logs(logs)
+        assert report.jobs[info.job_id, 0].steps == 3
+        counts[limit] = scalar(sink, "SELECT count() FROM ops")
+        if limit == 3:
+            assert "job limit3/0: its raw ops are not stored: 4 workers" in caplog.text
+            assert "LAGSCOPE_STORE__RAW_OPS=true" in caplog.text
+    assert counts == {3: 0, 4: job.trace.n_rows}
