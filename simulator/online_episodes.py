@@ -232,11 +232,12 @@ def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
     all its ops (time its host took to start an op once the op could start and the worker
     had done the work before it, `prepare.host_gaps`)."""
     out = np.zeros((prepared.n_steps, len(kinds), prepared.n_stages, prepared.n_dp))
+    own = own_durations(prepared) if any(kind != HOST for kind in kinds) else None
     for index, kind in enumerate(kinds):
         if kind == HOST:
             out[:, index] = prepared.stage_sums(host_gaps(prepared))
         else:
-            out[:, index] = prepared.stage_sums(own_durations(prepared), kind)
+            out[:, index] = prepared.stage_sums(own, kind)
     return out
 
 
