@@ -44,6 +44,7 @@ from lagscope.producers.events import SchemaError, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.metrics import MetricsServer
 from lagscope.producers.redact import scrub, secret_values
+from lagscope.producers.topics import make_topics, topic_ready
 from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
@@ -264,7 +265,7 @@ class FaustWorker:
         )
         assigned = threading.Event()
         try:
-            while not _topic_exists(consumer, topic):
+            while not topic_ready(consumer, topic):
                 self._dead_letters_idle.set()  # nothing to read (yet)
                 _serve_client_log(consumer)
                 if self._stop.wait(2.0):
@@ -654,11 +655,55 @@ class FaustWorker:
             )  # fmt: skip
             time.sleep(retry_s)
 
+    def wait_for_topics(self) -> None:
+        """Return once the ops topic exists, made here when it was missing (with the jobs
+        and dead-letter topics, as the streamer makes them: `producers/topics.py`), or,
+        where this worker may not make topics, once someone else did. One line says which.
+        A worker subscribed to a topic that does not exist yet is assigned nothing and
+        looks for it again only minutes later: on a fresh cluster, whose workers start
+        before any streamer, it consumed nothing of the job that ran meanwhile. With
+        `exit_when_idle_s`, a topic that has not appeared within it is a ConfigError."""
+        from confluent_kafka.admin import AdminClient
+
+        kafka = self.config.kafka
+        config = kafka.client_config()
+        admin = kafka_client(AdminClient, {**config, "log_level": 0})
+        # Made before anything asks for their metadata: a broker that creates topics on
+        # demand would make them at that request, without the jobs topic's compaction.
+        made = make_topics(admin, kafka)
+        if not made.created and topic_ready(admin, kafka.topic_ops):
+            return  # the common case: a cluster that ran before
+        began = time.monotonic()
+        if not made.created:
+            failed = made.failed.get(kafka.topic_ops) or next(iter(made.failed.values()), None)
+            reason = scrub(str(failed), secret_values(config)) if failed else "not made yet"
+            log.warning("topic %s does not exist and this worker could not create it (%s): "
+                        "waiting for it, subscribing once it appears", kafka.topic_ops,
+                        reason)  # fmt: skip
+        give_up_s = self.config.worker.exit_when_idle_s
+        while not topic_ready(admin, kafka.topic_ops):
+            waited = time.monotonic() - began
+            if give_up_s is not None and waited >= give_up_s:
+                raise ConfigError(
+                    f"topic {kafka.topic_ops} did not appear in {waited:.0f} s and could not "
+                    "be created; nothing was consumed"
+                )
+            time.sleep(1.0)
+            if not made.created:  # a refusal may pass (a broker still starting)
+                made = make_topics(admin, kafka)
+        if made.created:
+            log.info("topic(s) %s were missing: created them; subscribing",
+                     made.describe_created(kafka))  # fmt: skip
+        else:
+            log.info("topic %s appeared after %.0f s (made by another client): subscribing",
+                     kafka.topic_ops, time.monotonic() - began)  # fmt: skip
+
     def run(self) -> None:
         from faust.worker import Worker
 
         self.serve_metrics()
         self.wait_for_broker()
+        self.wait_for_topics()
         self._producer = self._make_producer()
         quiet_repeats("aiokafka")  # its loggers exist: faust's driver imported them
         logging.getLogger("mode.timers").addFilter(_overlap_as_info)
@@ -719,16 +764,6 @@ def _serve_client_log(consumer: Any) -> None:
     poll) kept an outage's connection errors queued until its close(), which logged them
     as fresh ERRORs while the worker exited, long after Kafka had come back."""
     consumer.poll(0)
-
-
-def _topic_exists(consumer: Any, topic: str) -> bool:
-    from confluent_kafka import KafkaException
-
-    try:
-        found = consumer.list_topics(topic, timeout=5).topics.get(topic)
-    except KafkaException:
-        return False
-    return found is not None and found.error is None and bool(found.partitions)
 
 
 def _caught_up(consumer: Any) -> bool:
