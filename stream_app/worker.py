@@ -706,7 +706,7 @@ class FaustWorker:
         self.wait_for_topics()
         self._producer = self._make_producer()
         quiet_repeats("aiokafka")  # its loggers exist: faust's driver imported them
-        logging.getLogger("mode.timers").addFilter(_overlap_as_info)
+        logging.getLogger("mode.timers").addFilter(_overlap_as_debug)
         # Left out: faust logs what is printed as WARNING lines, and the idle exit's
         # summary (one JSON line on stdout, for scripts) is no warning.
         Worker(
@@ -723,18 +723,22 @@ class FaustWorker:
             shutil.rmtree(self._made_store, ignore_errors=True)
 
 
-def _overlap_as_info(record: logging.LogRecord) -> bool:
+def _overlap_as_debug(record: logging.LogRecord) -> bool:
     """faust's timers warn when a tick ran longer than its interval; the worker's tick
     waits for the core's one thread while a pass runs there (the first pass infers the
-    job's model: a second or more), so for it that is the design, told at INFO.
+    job's model, a catch-up's passes hold many steps: a second or more), so for it that
+    is the design, not news: a DEBUG line, shown only when the worker logs at DEBUG.
 
     >>> record = logging.LogRecord("mode.timers", logging.WARNING, "", 0,
     ...     "Timer %s is overlapping (interval=%r runtime=%r)", ("periodic", 0.5, 1.8), None)
-    >>> _overlap_as_info(record), record.levelname
-    (True, 'INFO')
+    >>> _overlap_as_debug(record) == logging.getLogger("mode.timers").isEnabledFor(10)
+    True
+    >>> record.levelname
+    'DEBUG'
     """
     if record.levelno == logging.WARNING and str(record.msg).startswith("Timer %s is overlapping"):
-        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
     return True
 
 
