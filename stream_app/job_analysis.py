@@ -26,12 +26,15 @@ episodes at the same steps and store the same rows:
   with each episode's bounds refined on the steps around it.
 
 State (`state_dict` / `from_state`) is plain data; the retained steps it needs after a
-restore are the processor's own (looked up by step id).
+restore are the processor's own (looked up by step id), and so are the steps of its last
+diagnosis, which a restore makes again from them (the same roll-up and run, bit for bit):
+the story is told again on it when an episode opens or closes before the next one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,6 +70,8 @@ if TYPE_CHECKING:
     # story with this module and starts without the validation framework.
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.trace import JobMeta
+
+log = logging.getLogger("lagscope.processor")
 
 #: The kind of own time a run's worker cause is about (None: the op its worker is slow in).
 _KIND_OF_CAUSE: dict[Cause, str | None] = {
@@ -202,6 +207,14 @@ class LiveJob:
             maxlen=self.episode_settings.confirm_steps
         )
         self.last_diagnosis: JobDiagnosis | None = None
+        #: How the last diagnosis was made, so that a snapshot can make it again: its
+        #: roll-up's steps, the decompose threshold, and the losses its escalation read
+        #: (the episodes' GPU-seconds, the job's above its straggler-free steps). A
+        #: resumed job without it told no story again when an episode opened or closed
+        #: before its next roll-up (the `diagnoses` rows of a rebalance differed).
+        self.last_made: dict[str, Any] | None = None
+        #: The losses the last `_diagnosed` read.
+        self._losses_read = (0.0, 0.0)
         #: (episode id, step) -> its (lost seconds, own seconds, GC beyond peers) in a
         #: step about to come (`price_ahead`).
         self._priced: dict[tuple[int, int], tuple[float, float, float]] = {}
@@ -398,6 +411,11 @@ class LiveJob:
             int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final, tuple(adopted)
         )
         self.last_diagnosis = found
+        self.last_made = {
+            "steps": [int(step) for step in prepared.steps],
+            "decompose_threshold": decompose_threshold,
+            "losses": list(self._losses_read),
+        }
         self.story_changed = False
         return found
 
@@ -420,20 +438,28 @@ class LiveJob:
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
         return prepared, rollup, self._diagnosed(rollup, prepared)
 
-    def _diagnosed(self, rollup: WhatIfResult, prepared: PreparedTrace) -> Diagnosis:
+    def _diagnosed(
+        self,
+        rollup: WhatIfResult,
+        prepared: PreparedTrace,
+        losses: tuple[float, float] | None = None,
+    ) -> Diagnosis:
         """The diagnosis of the retained steps, its escalation on what the job has lost
         so far to its cause: to stragglers, their episodes' cost; to a cause of the job's
         own make (a heavier last stage, unequal sequences, GC, slow links), which no
         episode prices, everything its steps lost above their straggler-free time, as
-        `lagscope analyze` counts it (a heavier stage read "0 s lost" live)."""
+        `lagscope analyze` counts it (a heavier stage read "0 s lost" live). `losses`:
+        those two GPU-second figures as a snapshot kept them, else the job's now."""
         cfg = self.diagnosis_settings
-        run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
+        if losses is None:
+            losses = (self.straggler_gpu_seconds(), self.totals.gpu_seconds_above_ideal)
+        self._losses_read = losses
+        run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=losses[0])
         if run.cause in WORKER_CAUSES or run.cause in (Cause.NONE, Cause.UNATTRIBUTED):
             return run
         ladder = escalation(
-            self.totals.gpu_seconds_above_ideal, self.info.world_size, cfg, run.cause,
-            run.evidence.finding.refuted_actions,
-        )  # fmt: skip
+            losses[1], self.info.world_size, cfg, run.cause, run.evidence.finding.refuted_actions
+        )
         return dataclasses.replace(run, escalation=ladder)
 
     def adopt_verified(
@@ -573,10 +599,32 @@ class LiveJob:
             "diagnosis_interval": self.diagnosis_interval,
             "step_start_ns": [[k, v] for k, v in self.step_start_ns.items()],
             "named": [[k, *v] for k, v in self.named.items()],
+            "last_diagnosis": self._last_diagnosis_made(),
         }
 
-    def restore(self, state: dict[str, Any], retained: Sequence[PreparedTrace]) -> None:
-        """Resume from `state_dict()`; the recent steps come back from `retained`."""
+    def _last_diagnosis_made(self) -> dict[str, Any] | None:
+        """How to make the last diagnosis again (`_diagnose_again`); None before one."""
+        if self.last_diagnosis is None or self.last_made is None:
+            return None
+        found = self.last_diagnosis
+        return {**self.last_made, "step": found.step, "final": found.final}
+
+    @property
+    def diagnosis_steps(self) -> list[int]:
+        """The steps of the last diagnosis' roll-up: a snapshot needs them to make it
+        again (`restore`)."""
+        return list(self.last_made["steps"]) if self.last_made is not None else []
+
+    def restore(
+        self,
+        state: dict[str, Any],
+        retained: Sequence[PreparedTrace],
+        diagnosed: Sequence[PreparedTrace] = (),
+    ) -> None:
+        """Resume from `state_dict()`; the recent steps come back from `retained`, and the
+        last diagnosis is made again from its steps among `retained` and `diagnosed`
+        (those the window no longer holds); without all of them, there is none until the
+        next (logged)."""
         self.totals = JobTotals(**state["totals"])
         if state["detector"] is not None:
             self.detector = OnlineEpisodes.from_state(state["detector"])
@@ -599,6 +647,31 @@ class LiveJob:
         self.named = {int(k): (int(step), int(shown)) for k, step, shown in named}
         for episode in self._named_episodes():
             self._state(episode, self.totals.last_step)
+        made = state.get("last_diagnosis")
+        if made is not None:
+            self._diagnose_again(made, [*retained, *diagnosed])
+
+    def _diagnose_again(self, made: dict[str, Any], steps: Sequence[PreparedTrace]) -> None:
+        """The last diagnosis as `diagnose` made it (the same steps, threshold and losses:
+        the same roll-up and run, bit for bit), the story told with the episodes now."""
+        by_step = {int(p.steps[0]): p for p in steps}
+        wanted = [int(step) for step in made["steps"]]
+        missing = [step for step in wanted if step not in by_step]
+        if missing:
+            log.warning(
+                "job %s/%d: %d step(s) of its last diagnosis are not in the checkpoint store "
+                "(%s...); its story is told again from its next diagnosis on",
+                self.info.job_id, getattr(self.info, "attempt", 0), len(missing), missing[:5],
+            )  # fmt: skip
+            return
+        prepared = concat_steps([by_step[step] for step in wanted])
+        rollup = analyze(prepared, decompose_threshold=made["decompose_threshold"])
+        losses = (float(made["losses"][0]), float(made["losses"][1]))
+        run = self._diagnosed(rollup, prepared, losses)
+        self.last_made = {**made, "steps": wanted}
+        self.last_diagnosis = JobDiagnosis(
+            int(made["step"]), rollup, run, self.story(run, rollup), bool(made["final"])
+        )
 
 
 def trace_story(

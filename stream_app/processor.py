@@ -239,6 +239,7 @@ _STEP_INPUTS = (
 )  # fmt: skip
 #: ... less those a snapshot of an earlier version lacks (none recorded, as then).
 _STEP_INPUTS_ADDED = ("gc_gap_pause",)
+_ADDED_NONE = dict.fromkeys(_STEP_INPUTS_ADDED)
 
 
 def encode_step_inputs(prepared: PreparedTrace) -> bytes:
@@ -284,6 +285,9 @@ class _JobState:
         self.live = LiveJob(
             info, settings.diagnose_every_steps, settings.episodes, settings.diagnosis
         )
+        #: The steps of its last diagnosis, held while a snapshot may need them
+        #: (`StepProcessor.keep_diagnosed`).
+        self.diagnosed: tuple[PreparedTrace, ...] = ()
 
     def _fit_window(self) -> None:
         """The retained window as long as the compute half's (sized by the byte budget
@@ -320,6 +324,11 @@ class _JobState:
             retained = retained[-self.compute.capacity :]
         self.retained.extend(retained)
         self.compute.ideal.restore(ideal_state, retained)
+
+    def diagnosed_beyond_window(self) -> list[PreparedTrace]:
+        """The held steps of the last diagnosis that the retained window no longer holds."""
+        retained = {int(p.steps[0]) for p in self.retained}
+        return [p for p in self.diagnosed if int(p.steps[0]) not in retained]
 
     @property
     def retained_capacity(self) -> int:
@@ -372,6 +381,15 @@ class StepProcessor:
         self._finished: list[StepOutput] = []
         #: Outcomes polled before their call's other jobs came back, by (executor, ticket).
         self._outcomes: dict[tuple[int, int], Outcome] = {}
+        #: Hold each job's last diagnosis' steps (`_JobState.diagnosed`) until the host
+        #: drops them (`forget_diagnosed`): a worker snapshots them, so that a resumed job
+        #: makes that diagnosis again; its window no longer holds the oldest of them.
+        self.keep_diagnosed = False
+
+    def forget_diagnosed(self) -> None:
+        """Let go of the diagnosed steps held (a snapshot stored them)."""
+        for job in self.jobs.values():
+            job.diagnosed = ()
 
     @property
     def in_flight(self) -> int:
@@ -722,6 +740,8 @@ class StepProcessor:
                     decompose_threshold=self.settings.decompose_threshold,
                     capacity=job.retained_capacity,
                 )
+                if self.keep_diagnosed:
+                    job.diagnosed = window
                 if diagnosis is not None:
                     episodes = [*episodes, *diagnosis.episodes]
             elif job.live.story_changed:
@@ -827,6 +847,8 @@ class StepProcessor:
             tuple(job.retained), decompose_threshold=self.settings.decompose_threshold,
             ended=ended,
         )  # fmt: skip
+        if self.keep_diagnosed:
+            job.diagnosed = tuple(job.retained)
         return JobConclusion(job_id, attempt, job.info, diagnosis, tuple(episodes))
 
     def live_job(self, job_id: str, attempt: int = 0) -> LiveJob | None:
@@ -858,6 +880,11 @@ class StepProcessor:
                     "retained": [_step_inputs(p) for p in job.retained]
                     if with_retained_inputs
                     else [int(p.steps[0]) for p in job.retained],
+                    # Its last diagnosis' steps the window no longer holds (ids: in its
+                    # live state; the host persists them as it does the retained ones).
+                    "diagnosed": [_step_inputs(p) for p in job.diagnosed_beyond_window()]
+                    if with_retained_inputs
+                    else [],
                     "detector": job.detector.state_dict() if job.detector else None,
                     "series_names": job.series_names,
                     "fed_steps": list(job.fed_steps),
@@ -917,9 +944,31 @@ class StepProcessor:
             job.series_names = list(saved["series_names"])
             job.fed_steps.extend(tuple(x) for x in saved["fed_steps"])
             job.series_baseline = dict(saved["series_baseline"])
-            job.live.restore(saved["live"], list(job.retained))
+            job.live.restore(
+                saved["live"], list(job.retained),
+                _diagnosed_steps(job, key, saved, retained_inputs),
+            )  # fmt: skip
             processor.jobs[key] = job
         return processor
+
+
+def _diagnosed_steps(
+    job: _JobState,
+    key: tuple[str, int],
+    saved: dict[str, Any],
+    retained_inputs: Callable[[tuple[str, int], list[int]], dict[int, bytes]] | None,
+) -> list[PreparedTrace]:
+    """The steps of the job's last diagnosis its retained window no longer holds: in the
+    state itself, or (a state without inputs) from `retained_inputs`."""
+    meta = job.info.to_meta()
+    kept = [PreparedTrace(model=job.compute.model, meta=meta, **{**_ADDED_NONE, **inputs})
+            for inputs in saved.get("diagnosed", [])]  # fmt: skip
+    made = saved["live"].get("last_diagnosis") or {}
+    held = {int(p.steps[0]) for p in (*job.retained, *kept)}
+    wanted = [int(step) for step in made.get("steps", []) if int(step) not in held]
+    if wanted and retained_inputs is not None and job.compute.model is not None:
+        kept += _load_retained(job, key, wanted, retained_inputs)
+    return kept
 
 
 def _load_retained(

@@ -512,6 +512,8 @@ class WorkerCore:
         self.flush_results()
         retained = {part.number: self._new_retained(part) for part in parts}
         self.checkpoints.write_retained([step for steps, _ in retained.values() for step in steps])
+        for part in parts:
+            part.core.processor.forget_diagnosed()  # stored: a resume reads them there
         snapshots, encoding = [], []
         for part in parts:
             started = time.perf_counter()
@@ -539,7 +541,8 @@ class WorkerCore:
         steps = []
         current: set[tuple[str, int, int]] = set()
         for (job_id, attempt), job in part.core.processor.jobs.items():
-            for prepared in job.retained:
+            # The steps of its last diagnosis too: a resumed job makes it again from them.
+            for prepared in (*job.retained, *job.diagnosed_beyond_window()):
                 key = (job_id, attempt, int(prepared.steps[0]))
                 current.add(key)
                 if key not in part.persisted:
@@ -583,13 +586,16 @@ class WorkerCore:
     def _new_core(self, clock: LatenessClock | None = None,
                   processor: StepProcessor | None = None) -> HostCore:  # fmt: skip
         clock = clock or LatenessClock()
-        return HostCore(
+        core = HostCore(
             self.config.processor,
             self.records,
             clock=clock,
             processor=processor,
             store_raw_ops=self.config.store.raw_ops,
         )
+        # Snapshots store each job's last diagnosis' steps, so a resume makes it again.
+        core.processor.keep_diagnosed = True
+        return core
 
     def _from_snapshot(self, number: int, blob: bytes, where: str) -> _Partition:
         """A partition resumed from a snapshot payload; SnapshotError when it is not one."""

@@ -435,3 +435,25 @@ def test_a_backlog_prices_its_open_episodes_as_steps_one_at_a_time():
     assert [(s.at_step, s.cost, s.episode.recovery) for s in at_once] == [
         (s.at_step, s.cost, s.episode.recovery) for s in one_by_one
     ]
+
+
+def test_a_resumed_job_tells_its_story_again_where_an_uninterrupted_one_does():
+    """An episode that opens or closes after a resume is told in a diagnosis of its step,
+    composed on the job's last roll-up, as an uninterrupted run tells it: the roll-up is
+    part of the state. Before, a resumed job had none and stored no diagnosis at those
+    steps (a rebalance changed the `diagnoses` rows)."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.8, start_step=25, end_step=45)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=60, name="story", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    info, steps = stream_of(generate_job(spec))
+    straight, resumed = straight_and_resumed(info, steps, ProcessorSettings(), cut=35)[:2]
+
+    def diagnoses(outputs: list) -> list[tuple[int, int, str, str]]:
+        return [(o.step, int(o.diagnosis.rollup.steps[-1]), o.diagnosis.verdict.summary,
+                 o.diagnosis.run.summary) for o in outputs if o.diagnosis is not None]  # fmt: skip
+
+    want = diagnoses(straight)
+    # Diagnosed at steps 9 and 29 (the episode opened there), resumed at 35, the episode
+    # closed at 47: told there on the roll-up of step 29.
+    assert [(step, rolled_up) for step, rolled_up, *_ in want] == [(9, 9), (29, 29), (47, 29)]
+    assert diagnoses(resumed) == want
