@@ -182,7 +182,9 @@ def _incomplete_steps(q: Collector) -> table.Panel:
         .title(title)
         .description(
             "Global ranks that never delivered their batch for the step (the first "
-            f"{MISSING_RANKS_SHOWN}, and how many more: a rack of a large job can be hundreds)."
+            f"{MISSING_RANKS_SHOWN}, and how many more: a rack of a large job can be hundreds), "
+            "and why: a rank that sent a later step but not this one, or sent nothing for "
+            "longer than the job's lateness (its own pace; a dead or stopped rank or streamer)."
         )
         .with_target(
             q.query(
@@ -197,7 +199,8 @@ def _incomplete_steps(q: Collector) -> table.Panel:
                               if(missing > {MISSING_RANKS_SHOWN},
                                  concat(' and ', toString(missing - {MISSING_RANKS_SHOWN}),
                                         ' more'), ''))
-                           AS missing_global_ranks
+                           AS missing_global_ranks,
+                       missing_reason AS why
                 FROM steps FINAL
                 WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(ts) AND NOT complete
                 ORDER BY time DESC
@@ -210,6 +213,7 @@ def _incomplete_steps(q: Collector) -> table.Panel:
                         "step": "number",
                         "missing": "number",
                         "missing_global_ranks": "string",
+                        "why": "string",
                     }
                 ),
                 time_series=False,

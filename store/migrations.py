@@ -292,6 +292,21 @@ def _episodes_estimated(ops_ttl_days: int) -> Migration:
     )
 
 
+# -- 9: why a step closed without some of its ranks --------------------------------------
+def _steps_missing_reason(ops_ttl_days: int) -> Migration:
+    return Migration(
+        9,
+        "steps: why each missing rank was missing when the step closed",
+        (
+            # "(dp 1, pp 0) sent step 46 but not this one", "... sent nothing for 7.1 s
+            # (it may be silent 6.2 s: ...)": a rank that died, one that skipped the step,
+            # or the end of the input (stream_app/lateness.py).
+            "ALTER TABLE steps ADD COLUMN IF NOT EXISTS missing_reason String DEFAULT '' "
+            "CODEC(ZSTD(3)) AFTER missing_ranks",
+        ),
+    )
+
+
 #: Every migration, in order; each takes the retention `ops` is created with.
 _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _tables,
@@ -302,6 +317,7 @@ _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _episodes,
     _jobs_ended,
     _episodes_estimated,
+    _steps_missing_reason,
 )
 
 

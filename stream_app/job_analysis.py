@@ -116,25 +116,43 @@ class JobTotals:
         self.steps += 1
         if step >= self.last_step:
             self.last_step, self.last_step_start_ns = step, start_ns
+        figures = None
+        if result is not None:
+            figures = (
+                float(result.t_actual[0]), float(result.t_ideal[0]),
+                float(result.step_slowdown[0]),
+            )  # fmt: skip
+        self.count(figures, info, complete=complete)
+        if figures is not None:
+            self.step_ids = [*self.step_ids, step][-_STEP_SERIES_KEPT:]
+            self.step_slowdown = [*self.step_slowdown, figures[2]][-_STEP_SERIES_KEPT:]
+
+    def count(
+        self,
+        figures: tuple[float, float, float] | None,
+        info: JobInfo | JobMeta,
+        *,
+        complete: bool,
+        sign: int = 1,
+    ) -> None:
+        """Count a step's (actual, ideal, slowdown) in (`sign` -1: take them back, when a
+        step closed again replaces them)."""
         if complete:
-            self.complete_steps += 1
+            self.complete_steps += sign
         else:
-            self.incomplete_steps += 1
-        if result is None:
+            self.incomplete_steps += sign
+        if figures is None:
             return
-        self.analysed_steps += 1
-        actual, ideal = float(result.t_actual[0]), float(result.t_ideal[0])
-        slowdown = float(result.step_slowdown[0])
+        self.analysed_steps += sign
+        actual, ideal, slowdown = figures
         gpu_seconds = actual * info.world_size
-        self.gpu_seconds += gpu_seconds
-        self.gpu_seconds_above_ideal += gpu_seconds * (1 - 1 / slowdown)
+        self.gpu_seconds += sign * gpu_seconds
+        self.gpu_seconds_above_ideal += sign * gpu_seconds * (1 - 1 / slowdown)
         if info.model_flops_per_step and info.gpu_peak_flops:
             peak = info.world_size * info.gpu_peak_flops
-            self.mfu_actual_sum += info.model_flops_per_step / (actual * peak)
-            self.mfu_ideal_sum += info.model_flops_per_step / (ideal * peak)
-            self.mfu_steps += 1
-        self.step_ids = [*self.step_ids, step][-_STEP_SERIES_KEPT:]
-        self.step_slowdown = [*self.step_slowdown, slowdown][-_STEP_SERIES_KEPT:]
+            self.mfu_actual_sum += sign * info.model_flops_per_step / (actual * peak)
+            self.mfu_ideal_sum += sign * info.model_flops_per_step / (ideal * peak)
+            self.mfu_steps += sign
 
 
 @dataclass(frozen=True)
@@ -520,6 +538,18 @@ class LiveJob:
             self.story_changed = True
             states.append(self._state(episode, step, final=final))
         return states
+
+    def retake(
+        self,
+        before: tuple[float, float, float] | None,
+        after: tuple[float, float, float] | None,
+        *,
+        complete: bool,
+    ) -> None:
+        """A step that closed incomplete closed again (late batches came): its figures
+        `before` leave the totals, `after` replace them."""
+        self.totals.count(before, self.info, complete=False, sign=-1)
+        self.totals.count(after, self.info, complete=complete)
 
     def recompose(self, step: int) -> JobDiagnosis | None:
         """The run's story at `step` told again with the episodes as they are now, on the

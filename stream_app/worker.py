@@ -65,6 +65,9 @@ _CLIENT_LOG = "lagscope.worker.librdkafka"
 _KAFKA_QUIET_S = 3.0
 #: Job records the jobs reader hands the core in one call, at most.
 _JOB_RECORDS_PER_CALL = 1000
+#: A partition is caught up when the worker has taken every record up to a high watermark
+#: Kafka told it at most this long ago (it answers a waiting fetch every ~0.5 s).
+_FRESH_ANSWER_S = 1.5
 
 
 # -- the faust host -------------------------------------------------------------------------
@@ -153,9 +156,22 @@ class FaustWorker:
             if highwater is None or part is None:
                 continue
             self._lag[tp.partition] = max(0, highwater - part.next_offset)
-            if part.next_offset >= highwater and part.clock.behind:
+            if part.next_offset >= highwater and part.clock.behind and self._answered_lately(tp):
                 caught_up.append(tp.partition)
         return caught_up
+
+    def _answered_lately(self, tp: Any) -> bool:
+        """Whether Kafka answered a fetch of `tp` within `_FRESH_ANSWER_S`: only then does
+        its high watermark say there is nothing more. Between the last buffered record's
+        hand-over and the next fetch, a stale one read "caught up" mid-backlog, and the
+        clock jumped from the records' times to now: every step still waiting for a
+        coordinate whose batches were next in Kafka closed without it."""
+        try:
+            consumer = self.app.consumer._thread._ensure_consumer()  # faust's aiokafka client
+            stamp = consumer.last_poll_timestamp(tp)
+        except Exception:  # not started, or a rebalance under way
+            return False
+        return stamp is not None and time.time() - stamp / 1000 <= _FRESH_ANSWER_S
 
     # -- kafka clients --------------------------------------------------------------------
     def _make_producer(self) -> Any:
@@ -468,7 +484,7 @@ class FaustWorker:
             if message.partition not in self._owned:
                 continue  # revoked while the pass waited: aiokafka asserts on its highwater
             highwater = consumer.highwater(message.tp)
-            behind = highwater is not None and message.offset + 1 < highwater
+            behind = highwater is None or message.offset + 1 < highwater
             if highwater is not None:
                 self._lag[message.partition] = max(0, highwater - message.offset - 1)
             await self._core(self.core.set_behind, message.partition, behind)

@@ -298,8 +298,8 @@ def test_a_successor_tells_the_story_on_its_predecessors_last_diagnosis(chdb_dsn
                                stragglers=(slow,)))  # fmt: skip
     info = JobInfo.from_meta(job.meta, job_id="story")
     start_ns = time.time_ns() - 3600 * 10**9
-    steps = [batches for _, _, batches in
-             iter_step_batches(job.trace, job.meta, job_id="story", start_wall_ns=start_ns)]  # fmt: skip
+    stream = iter_step_batches(job.trace, job.meta, job_id="story", start_wall_ns=start_ns)
+    steps = [batches for _, _, batches in stream]
     # A window of 8 steps: at the hand-over (step 42) the last diagnosis' (39: steps
     # 32-39) oldest steps have left it.
     config = WorkerConfig(processor=ProcessorSettings(lateness_s=1_000.0, rollup_window_steps=8))
