@@ -113,11 +113,6 @@ class JobArrivals:
         paced = 3 * gap + 2 * self.step_time_s() + self._recent(self.delays, now)
         return min(self.ceiling_s, max(FLOOR_S, paced))
 
-    def overdue(self, coordinate: Coordinate, now: float) -> bool:
-        """Whether `coordinate` has been silent past its lateness: a step missing it no
-        longer waits for it."""
-        return self.silent_s(coordinate, now) >= self.wait_s(coordinate, now)
-
     def silent_s(self, coordinate: Coordinate, now: float) -> float:
         since = self.last_at.get(coordinate, self.first_at)
         return max(0.0, now - since) if since is not None else 0.0

@@ -709,30 +709,44 @@ class StepProcessor:
         record waits `lateness_s` from its first batch. Oldest step first. A held step
         that took late batches closes again once the coordinates it still lacks are."""
         now = self.clock()
-        due = sorted(k for k, w in self.windows.items() if self._overdue(k, w.batches, now))
+        overdue = {key: self._overdue_coordinates(job, now) for key, job in self.jobs.items()}
+        due = sorted(k for k, w in self.windows.items() if self._overdue(k, w, overdue, now))
         closing = [self._close(k) for k in due]
         for key, job in self.jobs.items():
-            for step, held in list(job.held.items()):
-                if held.fresh and self._overdue((*key, step), held.batches, now):
+            for held in list(job.held.values()):
+                if held.fresh and _lacks_only(held.batches, job.coordinates, overdue[key]):
                     closing.append(self._reclose(job, held))
         return self._analyse_closed(closing)
 
-    def _overdue(self, key: tuple[str, int, int], batches: dict, now: float) -> bool:
-        job = self.jobs.get(key[:2])
-        if job is None:
-            window = self.windows[key]
-            return now - window.first_seen >= self.settings.lateness_s
-        info = job.info
-        lateness = job.arrivals.lateness_s(now)
+    def _overdue_coordinates(self, job: _JobState, now: float) -> list[tuple[int, int]]:
+        """The job's coordinates that have been silent past their wait (one pass a tick,
+        whatever the number of its windows: a 100,000-GPU job has 12,480)."""
+        arrivals, info = job.arrivals, job.info
+        lateness = arrivals.lateness_s(now)
+        since_first = now - arrivals.first_at if arrivals.first_at is not None else 0.0
+        never = since_first >= self.settings.lateness_s
+        overdue = []
         for dp in range(info.dp_size):
             for pp in range(info.pp_size):
-                if (dp, pp) in batches:
-                    continue
-                known = (dp, pp) in job.arrivals.last_at
-                waits = lateness if known else self.settings.lateness_s
-                if job.arrivals.silent_s((dp, pp), now) < waits:
-                    return False
-        return True
+                at = arrivals.last_at.get((dp, pp))
+                if at is None:
+                    if never:
+                        overdue.append((dp, pp))
+                elif now - at >= lateness:
+                    overdue.append((dp, pp))
+        return overdue
+
+    def _overdue(
+        self,
+        key: tuple[str, int, int],
+        window: _Window,
+        overdue: dict[tuple[str, int], list[tuple[int, int]]],
+        now: float,
+    ) -> bool:
+        job = self.jobs.get(key[:2])
+        if job is None:
+            return now - window.first_seen >= self.settings.lateness_s
+        return _lacks_only(window.batches, job.coordinates, overdue[key[:2]])
 
     # -- late batches -------------------------------------------------------------------
     def _late(self, job: _JobState, batch: RankStepBatch, closing: list) -> None:
@@ -1319,6 +1333,15 @@ def _load_retained(
             continue
         retained.append(PreparedTrace(model=job.compute.model, meta=meta, **inputs))
     return retained
+
+
+def _lacks_only(batches: dict, coordinates: int, overdue: list[tuple[int, int]]) -> bool:
+    """Whether a step with `batches` (per coordinate) of a job of `coordinates` lacks only
+    `overdue` ones."""
+    missing = coordinates - len(batches)
+    if missing > len(overdue):
+        return False
+    return sum(1 for c in overdue if c not in batches) == missing
 
 
 def _figures(result: WhatIfResult | None) -> tuple[float, float, float] | None:
