@@ -79,6 +79,8 @@ class ClosedStepRecord(Protocol):
     @property
     def version(self) -> int: ...
     @property
+    def received_at(self) -> float: ...
+    @property
     def result(self) -> WhatIfResult | None: ...
     @property
     def info(self) -> JobInfo: ...
@@ -237,6 +239,7 @@ def _steps_rows(
         "sim_discrepancy": np.asarray(result.discrepancy, dtype=np.float64),
         "trusted": np.asarray(result.trusted, dtype=bool),
         "processed_at": np.full(n_steps, time.time() if processed_at is None else processed_at),
+        "received_at": [None] * n_steps,
         "version": np.full(n_steps, version, dtype=np.uint64),
     }
 
@@ -372,6 +375,7 @@ def rows_from_outputs(outputs: Sequence[ClosedStepRecord], *, version: int = 0) 
         tp_cp = meta.tp_size * meta.dsp_size
         steps["missing_ranks"] = [[(pp * meta.dp_size + dp) * tp_cp for dp, pp in out.missing]]
         steps["missing_reason"] = [out.missing_reason]
+        steps["received_at"] = [out.received_at or None]
         if out.changes:
             part.add(
                 "changepoints",
@@ -462,6 +466,7 @@ def _unanalysed_step(out: ClosedStepRecord, ts: np.ndarray, version: int) -> dic
         "sim_discrepancy": nan,
         "trusted": [False],
         "processed_at": [time.time()],
+        "received_at": [None],
         "version": [version],
     }
 

@@ -29,6 +29,7 @@ others are counted and dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -192,6 +193,8 @@ class StepOutput:
     #: 0, or how many times the step closed again after late batches came for it (its
     #: rows replace the stored ones of a lower version).
     version: int = 0
+    #: When the host had the step's last batch (wall-clock seconds; 0: not known).
+    received_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,8 @@ class JobConclusion:
 @dataclass
 class _Window:
     first_seen: float
+    #: When its latest batch came (wall-clock time: the steps' `received_at`).
+    received_at: float = 0.0
     #: Batches per (dp, pp) coordinate: a rank-step may arrive in several parts (a huge
     #: step, or ops recorded after the step was sealed).
     batches: dict[tuple[int, int], list[RankStepBatch]] = field(default_factory=dict)
@@ -236,6 +241,8 @@ class _Closed:
     #: > 0: the step closed again, with late batches, and what it held.
     version: int = 0
     held: _Held | None = None
+    #: When the host had its last batch (wall clock).
+    received_at: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -699,6 +706,7 @@ class StepProcessor:
             return
         window.fingerprints.add(fingerprint)
         window.batches.setdefault(coordinate, []).append(batch)
+        window.received_at = time.time()
         self.counters["ops"] += batch.n_ops
         if job is not None and len(window.batches) == job.coordinates:
             closing.append(self._close(key))
@@ -853,12 +861,14 @@ class StepProcessor:
             # Its output comes in closing order with the others (its job's live state).
             return _Closed(job, step, start_ns, missing, [], [],
                            reason="no pipeline replica reported all its stages",
-                           missing_reason=missing_reason)  # fmt: skip
+                           missing_reason=missing_reason,
+                           received_at=window.received_at)  # fmt: skip
         batches = [
             b for dp in complete_dp for pp in range(info.pp_size) for b in window.batches[dp, pp]
         ]
         return _Closed(job, step, start_ns, missing, complete_dp, batches,
-                       missing_reason=missing_reason)  # fmt: skip
+                       missing_reason=missing_reason,
+                       received_at=window.received_at)  # fmt: skip
 
     def _why_missing(
         self, job: _JobState, step: int, missing: tuple[tuple[int, int], ...], ended: bool
@@ -1024,6 +1034,7 @@ class StepProcessor:
                 episodes=tuple(episodes),
                 diagnosis=diagnosis,
                 missing_reason=closed.missing_reason,
+                received_at=closed.received_at,
             )
         return outputs
 
@@ -1051,7 +1062,7 @@ class StepProcessor:
             analysed_dp_ranks=() if closed.complete else tuple(closed.dp_ranks),
             reason=step.failure if result is None else "",
             episodes=tuple(episodes), missing_reason=closed.missing_reason,
-            version=closed.version,
+            version=closed.version, received_at=time.time(),
         )  # fmt: skip
 
     def _unanalysed(
@@ -1075,10 +1086,11 @@ class StepProcessor:
         )  # fmt: skip
 
     def _failed(self, closed: _Closed, reason: str) -> StepOutput:
-        return self._unanalysed(
+        out = self._unanalysed(
             closed.job.info, closed.step, closed.start_ns, closed.complete, closed.missing, reason,
             closed.missing_reason,
         )  # fmt: skip
+        return dataclasses.replace(out, received_at=closed.received_at)
 
     def _detect(
         self,
