@@ -79,6 +79,11 @@ WRITE_EVERY_STEPS = 256
 #: a backlog drained at the interval spent a sixth of its time writing; a job followed live
 #: writes a few steps in tens of ms and keeps the interval.
 WRITE_MAX_SHARE = 0.1
+#: A host that has read all there is writes what it closed at once, as long as writing
+#: takes at most this share of its time: it has nothing else to do, and every step is
+#: news to the on-call (a step's end to its rows in the store has a 1 s budget; waiting
+#: for the interval took 0.25 s of it on average, up to 2 s behind a slow write).
+WRITE_MAX_SHARE_CAUGHT_UP = 0.5
 
 #: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
 #: that is no batch, a batch the admission or the windows set aside, a batch a windowing
@@ -605,17 +610,19 @@ class HostCore:
     def write_due(self, now: float, last_write: float, every_steps: int, interval_s: float) -> bool:
         """Whether what is pending is to be written now: at once when a step opened or
         closed an episode (`news_due`) or a job was concluded; when `every_steps` steps wait
-        (a backlog is written in batches); else `interval_s` after the last write (a job
-        followed live shows in the store within that), or later when writes are slow, so
-        they take at most `WRITE_MAX_SHARE` of the host's time. `now` and `last_write` on
-        one clock."""
+        (a backlog is written in batches); once the host has read all there is, at once
+        unless writes would take more than `WRITE_MAX_SHARE_CAUGHT_UP` of its time; else
+        `interval_s` after the last write, or later when writes are slow, so they take at
+        most `WRITE_MAX_SHARE` of the host's time. `now` and `last_write` on one clock."""
         if not self.has_pending:
             return False
+        since = now - last_write
         return (
             self.news_due
             or len(self.pending) >= every_steps
             or bool(self.conclusions)
-            or now - last_write >= max(interval_s, self.write_seconds / WRITE_MAX_SHARE)
+            or (not self.clock.behind and since >= self.write_seconds / WRITE_MAX_SHARE_CAUGHT_UP)
+            or since >= max(interval_s, self.write_seconds / WRITE_MAX_SHARE)
         )
 
     @property

@@ -29,9 +29,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The least lateness: the longest a timer holds a rank's steps while every core of its
-#: node is busy (`producers/timer.py`: 3 s, twice that when saturated), so a job observed
-#: sealing often (short steps, 40 at a time) does not cut a rank whose node turns busy.
+#: The least lateness: the longest a timer of lagscope 0.4 held a rank's steps while every
+#: core of its node was busy (3 s, twice that when saturated; now 0.5 s at most: readers
+#: are upgraded first, and a job's timers may be older), so a job observed sealing often
+#: does not cut a rank whose node turns busy.
 FLOOR_S = 6.0
 #: Gaps and delays observed within this many seconds (of the lateness clock) make the
 #: lateness; older ones are let go (a burst of backlog long ago says nothing of now).

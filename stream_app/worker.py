@@ -343,7 +343,9 @@ class FaustWorker:
 
         @app.agent(topic, name="lagscope-ops")
         async def ops(stream: Any) -> None:
-            async for runs in stream.noack_take(settings.take_max_runs, within=0.2):
+            async for runs in stream.noack_take(
+                settings.take_max_runs, within=settings.take_within_s
+            ):
                 await self._on_runs(runs)
 
         @app.timer(interval=settings.tick_interval_s)

@@ -67,8 +67,12 @@ class WorkerSettings(BaseModel):
     #: a 100,000-GPU job's snapshot is 84 MB and takes ~0.9 s to encode and write, so it
     #: comes every ~18 s (a restart re-reads a little more of Kafka).
     checkpoint_max_share: float = Field(default=0.05, gt=0, le=1)
-    #: Fetched runs (one partition's records from one fetch) handed to the processor at once.
+    #: Fetched runs (one partition's records from one fetch) handed to the processor at once
+    #: ...
     take_max_runs: int = Field(default=4, ge=1)
+    #: ... or those that came within this long of the first (a backlog fills them at once;
+    #: a job followed live has one, which waited 0.2 s, a fifth of the latency budget).
+    take_within_s: float = Field(default=0.05, gt=0)
     #: Most bytes fetched per partition at once (the size of a run): larger runs amortise the
     #: per-run cost; a run is at most this much memory per partition.
     fetch_max_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
