@@ -78,8 +78,10 @@ class WorkerSettings(BaseModel):
     fetch_max_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: How long a batch of a job without metadata waits for `lagscope.jobs`.
     job_wait_s: float = Field(default=5.0, ge=0)
-    #: How often lateness timeouts, writes and snapshots are checked.
-    tick_interval_s: float = Field(default=0.5, gt=0)
+    #: How often lateness timeouts, writes and snapshots are checked: a live job's steps
+    #: not yet due at the end of their pass (writes are spaced by their own cost) wait
+    #: for the next tick, 0.25 s at most, a quarter of a step's 1 s budget to the store.
+    tick_interval_s: float = Field(default=0.25, gt=0)
     #: Conclude a job (episodes refined, final diagnosis) once it has received no batch
     #: and closed no step for this long (a job every rank of which said it ended is
     #: concluded at once; an idle job may only have paused, so its open episodes keep
