@@ -295,7 +295,10 @@ def _sink_latency(q: Collector) -> timeseries.Panel:
         .title(title)
         .description(
             "From the step's start (ts) to its row being written (processed_at): the step "
-            "itself, the wait for the last rank (lateness), analysis and the write."
+            "itself, the wait for the last rank (lateness), analysis and the write. Its "
+            "medians part at the host's having the step's last batch (received_at): "
+            "delivery, from the step's end (the ranks' timers, the streamers, Kafka), and "
+            "the host (windows, analysis, the write cadence)."
         )
         .with_target(
             q.query(
@@ -303,18 +306,36 @@ def _sink_latency(q: Collector) -> timeseries.Panel:
                 f"""
                 SELECT $__timeInterval(processed_at) AS time,
                        quantile(0.5)(latency_s) AS p50, quantile(0.99)(latency_s) AS p99,
-                       max(latency_s) AS max
+                       max(latency_s) AS max,
+                       quantile(0.5)(delivery_s) AS delivery_p50,
+                       quantile(0.5)(host_s) AS host_p50
                 FROM (
                     SELECT processed_at,
                            (toUnixTimestamp64Milli(processed_at)
-                            - toUnixTimestamp64Milli(ts)) / 1000 AS latency_s
+                            - toUnixTimestamp64Milli(ts)) / 1000 AS latency_s,
+                           if(received_at IS NULL OR NOT isFinite(actual_s), NULL,
+                              (toUnixTimestamp64Milli(assumeNotNull(received_at))
+                               - toUnixTimestamp64Milli(ts)) / 1000 - actual_s) AS delivery_s,
+                           if(received_at IS NULL, NULL,
+                              (toUnixTimestamp64Milli(processed_at)
+                               - toUnixTimestamp64Milli(assumeNotNull(received_at))) / 1000)
+                               AS host_s
                     FROM steps FINAL
                     WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(processed_at)
                 )
                 GROUP BY time
                 ORDER BY time
                 """,
-                Expect({"time": "time", "p50": "number", "p99": "number", "max": "number"}),
+                Expect(
+                    {
+                        "time": "time",
+                        "p50": "number",
+                        "p99": "number",
+                        "max": "number",
+                        "delivery_p50": "number",
+                        "host_p50": "number",
+                    }
+                ),
                 time_series=True,
             )
         )
