@@ -230,8 +230,12 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
                 for name, sink in sinks.items():
                     seen[name].concluded = seen[name].concluded or _concluded(sink, job, steps)
                 if all(found.concluded for found in seen.values()):
+                    # Not the follower: it ends by itself once every rank said it ended,
+                    # its final answer the last thing it stores (stopped while it prints
+                    # its summary, it died of the signal).
                     for process in processes:
-                        process.process.terminate()
+                        if process.process is not following:
+                            process.process.terminate()
                     stopping = True
             assert time.monotonic() < deadline + 300, "the live run did not end"
             time.sleep(poll_s)
