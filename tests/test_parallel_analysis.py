@@ -27,11 +27,15 @@ from lagscope.stream_app.processor import (
     StepProcessor,
 )
 
+#: Fields that say when this host did something, not what it found.
+HOST_TIMES = frozenset({"received_at"})
+
 
 def canonical(value: Any) -> Any:
-    """`value` as plain data that compares equal only when every number is bit-equal."""
+    """`value` as plain data that compares equal only when every number is bit-equal (the
+    host's own times left out)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = dataclasses.fields(value)
+        fields = [f for f in dataclasses.fields(value) if f.name not in HOST_TIMES]
         return (type(value).__name__, {f.name: canonical(getattr(value, f.name)) for f in fields})
     if isinstance(value, BaseModel):
         return canonical(value.model_dump())
