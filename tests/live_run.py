@@ -159,10 +159,11 @@ def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
 def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str,
                 knobs: list[str], *, module: str = "tests.torch_jobs.pipeline_1f1b",
                 steps: int = 60, arrivals: LogArrivals | None = None,
-                poll_s: float = 0.25) -> dict[str, Seen]:  # fmt: skip
+                poll_s: float = 0.25, watch_stored: bool = False) -> dict[str, Seen]:  # fmt: skip
     """Run the job, both hosts following it, polling the store every `poll_s`; returns
     what each host's database showed. With `arrivals`, the logs are read as well, to note
-    when each step reached them."""
+    when each step reached them; with `watch_stored`, each store's stored steps and first
+    episode every 50 ms (`Seen.stored`, `Seen.first_episode`)."""
     server = start_store_server(tmp_path / "store")
     processes: list[WorkerProcess] = []
     stop = threading.Event()
@@ -215,7 +216,7 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
                 stdout=job_log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         seen = {name: Seen() for name in databases}
-        if arrivals is not None:
+        if watch_stored:
             for name, dsn in databases.items():
                 threading.Thread(target=_watch_store, args=(dsn, job, seen[name], stop),
                                  daemon=True).start()  # fmt: skip

@@ -148,7 +148,7 @@ def _live(bootstrap: str, work: Path, repeat: int) -> list[dict]:
                 work / job, bootstrap, topics, job,
                 [*knobs, "--slow-rank", str(rank), "--slow-phase", "forward",
                  "--slow-steps", f"{SLOW_START}-{SLOW_END - 1}"],
-                module=module, arrivals=arrivals, poll_s=POLL_S,
+                module=module, arrivals=arrivals, poll_s=POLL_S, watch_stored=True,
             )  # fmt: skip
             produced = _produced(bootstrap, topics["topic_ops"])
             for host, found in seen.items():
