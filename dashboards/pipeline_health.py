@@ -194,7 +194,9 @@ def _incomplete_steps(q: Collector) -> table.Panel:
         .title(title)
         .description(
             "Global ranks that never delivered their batch for the step (the first "
-            f"{MISSING_RANKS_SHOWN}, and how many more: a rack of a large job can be hundreds)."
+            f"{MISSING_RANKS_SHOWN}, and how many more: a rack of a large job can be hundreds), "
+            "and why: a rank that sent a later step but not this one, or sent nothing for "
+            "longer than the job's lateness (its own pace; a dead or stopped rank or streamer)."
         )
         .with_target(
             q.query(
@@ -209,7 +211,8 @@ def _incomplete_steps(q: Collector) -> table.Panel:
                               if(missing > {MISSING_RANKS_SHOWN},
                                  concat(' and ', toString(missing - {MISSING_RANKS_SHOWN}),
                                         ' more'), ''))
-                           AS missing_global_ranks
+                           AS missing_global_ranks,
+                       missing_reason AS why
                 FROM steps FINAL
                 WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(ts) AND NOT complete
                 ORDER BY time DESC
@@ -222,6 +225,7 @@ def _incomplete_steps(q: Collector) -> table.Panel:
                         "step": "number",
                         "missing": "number",
                         "missing_global_ranks": "string",
+                        "why": "string",
                     }
                 ),
                 time_series=False,
@@ -304,7 +308,10 @@ def _sink_latency(q: Collector) -> timeseries.Panel:
         .title(title)
         .description(
             "From the step's start (ts) to its row being written (processed_at): the step "
-            "itself, the wait for the last rank (lateness), analysis and the write."
+            "itself, the wait for the last rank (lateness), analysis and the write. Its "
+            "medians part at the host's having the step's last batch (received_at): "
+            "delivery, from the step's end (the ranks' timers, the streamers, Kafka), and "
+            "the host (windows, analysis, the write cadence)."
         )
         .with_target(
             q.query(
@@ -312,18 +319,36 @@ def _sink_latency(q: Collector) -> timeseries.Panel:
                 f"""
                 SELECT $__timeInterval(processed_at) AS time,
                        quantile(0.5)(latency_s) AS p50, quantile(0.99)(latency_s) AS p99,
-                       max(latency_s) AS max
+                       max(latency_s) AS max,
+                       quantile(0.5)(delivery_s) AS delivery_p50,
+                       quantile(0.5)(host_s) AS host_p50
                 FROM (
                     SELECT processed_at,
                            (toUnixTimestamp64Milli(processed_at)
-                            - toUnixTimestamp64Milli(ts)) / 1000 AS latency_s
+                            - toUnixTimestamp64Milli(ts)) / 1000 AS latency_s,
+                           if(received_at IS NULL OR NOT isFinite(actual_s), NULL,
+                              (toUnixTimestamp64Milli(assumeNotNull(received_at))
+                               - toUnixTimestamp64Milli(ts)) / 1000 - actual_s) AS delivery_s,
+                           if(received_at IS NULL, NULL,
+                              (toUnixTimestamp64Milli(processed_at)
+                               - toUnixTimestamp64Milli(assumeNotNull(received_at))) / 1000)
+                               AS host_s
                     FROM steps FINAL
                     WHERE {SELECTED_ATTEMPTS} AND $__timeFilter(processed_at)
                 )
                 GROUP BY time
                 ORDER BY time
                 """,
-                Expect({"time": "time", "p50": "number", "p99": "number", "max": "number"}),
+                Expect(
+                    {
+                        "time": "time",
+                        "p50": "number",
+                        "p99": "number",
+                        "max": "number",
+                        "delivery_p50": "number",
+                        "host_p50": "number",
+                    }
+                ),
                 time_series=True,
             )
         )

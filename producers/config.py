@@ -88,6 +88,10 @@ class KafkaSettings(BaseModel):
     topic_ops: str = "lagscope.ops"
     topic_deadletter: str = "lagscope.deadletter"
     topic_jobs: str = "lagscope.jobs"
+    #: Partitions of `topic_ops` and `topic_deadletter` when a streamer or a worker makes
+    #: them (a topic that exists is left as it is); None: the broker's `num.partitions`.
+    #: One job's batches go to one partition: give at least the jobs run at once, twice.
+    ops_partitions: int | None = Field(default=None, ge=1)
 
     def client_config(self) -> dict[str, Any]:
         """librdkafka properties for connection and security (shared by all clients)."""

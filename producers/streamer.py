@@ -58,6 +58,7 @@ from lagscope.producers.log import (
 )
 from lagscope.producers.metrics import Heartbeat, MetricsServer, Probes, Verdict
 from lagscope.producers.redact import redact_url
+from lagscope.producers.topics import make_topics
 
 log = logging.getLogger("lagscope.streamer")
 #: librdkafka's own log lines (one per failed connection attempt, every back-off period).
@@ -229,48 +230,27 @@ class Streamer:
             log.warning("Kafka: %s", redact_url(str(err)))
 
     def ensure_topics(self, timeout_s: float = 10.0) -> None:
-        """Create the topics if missing (jobs compacted); best effort, the broker may be down."""
-        from confluent_kafka import KafkaException
-        from confluent_kafka.admin import AdminClient, NewTopic
+        """Create the topics if missing (`producers/topics.py`); best effort, the broker
+        may be down."""
+        from confluent_kafka.admin import AdminClient
 
         kafka = self.config.kafka
         admin = kafka_client(
             AdminClient,
             {**kafka.client_config(), "error_cb": self._on_client_error, "logger": _client_log},
         )
-        topics = [
-            NewTopic(kafka.topic_ops, num_partitions=-1, replication_factor=-1),
-            NewTopic(kafka.topic_deadletter, num_partitions=-1, replication_factor=-1),
-            NewTopic(
-                kafka.topic_jobs,
-                num_partitions=1,
-                replication_factor=-1,
-                config={"cleanup.policy": "compact"},
-            ),
-        ]
-        failed: dict[str, BaseException] = {}
         asked = time.monotonic()
-        try:
-            futures = admin.create_topics(topics, request_timeout=timeout_s)
-        except KafkaException as exc:
-            failed = {topic.topic: exc for topic in topics}
-            futures = {}
-        for name, future in futures.items():
-            try:
-                future.result(timeout=timeout_s)
-            except Exception as exc:
-                if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                    failed[name] = exc
-        if len(failed) < len(topics):
+        made = make_topics(admin, kafka, timeout_s)
+        if made.created or made.existed:
             self._kafka_answered = True
-        if not failed:
+        if not made.failed:
             return
-        first = next(iter(failed.values()))
-        if all(_means_unreachable(exc) for exc in failed.values()):
+        first = next(iter(made.failed.values()))
+        if all(_means_unreachable(exc) for exc in made.failed.values()):
             reason = str(first) or f"no answer in {timeout_s:g} s"
             self._begin_outage(f"could not create topics: {reason}", since=asked)
         else:
-            log.warning("could not create topic(s) %s: %s", ", ".join(failed),
+            log.warning("could not create topic(s) %s: %s", ", ".join(made.failed),
                         redact_url(str(first)))  # fmt: skip
 
     def _load_checkpoint(self) -> None:

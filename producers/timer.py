@@ -35,8 +35,9 @@ reports like any other).
 The sealer's CPU is the monitor's cost beyond the hot path, so it is kept to a wake and a
 write per seal plus one pass over the steps' ops into a seal record
 (`producers/seal_record.py`: the ops pickled; whoever reads the log encodes the batches,
-in its own process): short steps are handed over ~40 at a time (the log lags the job by at
-most 3 s, twice that while the node's cores are all busy), but as they end for a few steps
+in its own process): short steps are handed over ~40 at a time (80 while the node's cores
+are all busy), but at most 0.5 s apart (the live analysis' budget is 1 s from a step's end
+to the store), and as they end for a few steps
 once the rank's step time changed (a straggler appeared or recovered,
 `producers/step_change.py`: the live analysis needs those steps within a step or two), no
 two hand-overs closer than the log's readers poll. `make bench` on a shared 2-core box, the
@@ -62,7 +63,7 @@ CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is impor
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
 and exit (the current stream, or `stream=`); nothing on the hot path waits on the device.
 A resolver thread reads completed ops at the pace host-clock ops are handed over (every ~40
-steps, from `flush_interval_s` to 3 s apart): the start as the time elapsed after a
+steps, from `flush_interval_s` to 0.5 s apart): the start as the time elapsed after a
 reference event whose wall-clock time is known, the duration as the time between the op's
 two events (through the CUDA runtime torch loaded, `cuda_runtime.py`: half the CPU of
 torch's `query` and `elapsed_time`, which flush() uses), and returns events to the pool.
@@ -249,10 +250,15 @@ _STALL_SEAL_S = 1.0
 #: drops and retakes it around every torch op) and 30-80 us for the write, against
 #: 12-20 us per 22-op step to encode and frame its batch.
 _STEPS_PER_SEAL = 40
-#: ... but the log never lags the job by more than this (the live analysis reads it; its
-#: lateness timeout is 30 s, and a worker concludes a job idle after 10 s without input).
-#: A straggler's steps do not wait for it: they are handed over as they end (below).
-_MAX_SEAL_INTERVAL_S = 3.0
+#: ... but the log never lags the job by more than this, busy node or not: the live
+#: analysis has a budget of 1 s from a step's end to its rows in the store, of which the
+#: streamer, Kafka, the host and its store take ~0.5 s (`make bench`, latency module).
+#: At 3 s a step reached the store 1.5-1.8 s after its end (median; 2.7-2.9 s p95). On
+#: this shared box, interleaved pairs of 120-step runs (3 each), 0.5 s cost the sealer
+#: 59 us a rank-step on 1F1B (35-72; 47, 39-57, at 3 s) and 31 on DDP (20-39; 32, 23-74):
+#: its prompt spells already sealed every 5-7 steps there. A straggler's steps do not wait
+#: for it: they are handed over as they end (below).
+_MAX_SEAL_INTERVAL_S = 0.5
 #: While every core of the node is busy, seals are rarer still (this many times fewer
 #: wakes, and as many times the lag), and so are the hand-overs of a prompt spell (below):
 #: each wake is a thread the scheduler has to fit between the job's. A busy node's step
@@ -608,7 +614,7 @@ class OpTimer:
 
     def step(self, step: int) -> None:
         """Start step `step`: ops recorded so far go to the sealer thread (every ~40 steps,
-        from `flush_interval_s` to 3 s apart: `_pace`; every step for a few steps after
+        from `flush_interval_s` to 0.5 s apart: `_pace`; every step for a few steps after
         the step time changed: `step_change.py`), which encodes them into their steps'
         batches and writes those to the log."""
         if type(step) is not int:
@@ -642,14 +648,14 @@ class OpTimer:
 
     def _pace(self, step: int, elapsed: float) -> None:
         """The next hand-over's interval: `_STEPS_PER_SEAL` steps at the pace of the steps
-        since the last one, at least `flush_interval_s`, at most `_MAX_SEAL_INTERVAL_S`;
-        `_SATURATED_STRETCH` times both, and the prompt spells' least gap, while the node's
-        cores are all busy."""
+        since the last one (`_SATURATED_STRETCH` times as many, and the prompt spells'
+        least gap as long, while the node's cores are all busy), at least
+        `flush_interval_s`, at most `_MAX_SEAL_INTERVAL_S`."""
         steps = max(1, step - self._paced_step)
         self._paced_step = step
         stretch = _SATURATED_STRETCH if self.saturated else 1
         self._prompt_gap_s = _PROMPT_MIN_GAP_S * stretch
-        interval = min(_MAX_SEAL_INTERVAL_S, elapsed / steps * _STEPS_PER_SEAL) * stretch
+        interval = min(_MAX_SEAL_INTERVAL_S, elapsed / steps * _STEPS_PER_SEAL * stretch)
         self._seal_interval_s = self._paced_interval_s = max(self._min_seal_interval_s, interval)
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -343,11 +343,20 @@ class _Builder:
         self.chain(sorted(gathers + scatters, key=lambda o: o.order))
         forwards = by_type[ot.FORWARD_COMPUTE]
         for chunk in sorted({o.mc for o in gathers}):
-            chunk_gathers = [o for o in gathers if o.mc == chunk]
             chunk_forwards = [o for o in forwards if o.mc == chunk]
-            if chunk_forwards:
-                gather = max(chunk_gathers, key=lambda o: o.seq)
-                self.add_edge(gather, min(chunk_forwards, key=lambda o: o.order))
+            if not chunk_forwards:
+                continue
+            first_forward = min(chunk_forwards, key=lambda o: o.order)
+            # The parameters gathered before the chunk's forward began (Megatron's
+            # distributed optimizer); FSDP gathers each block's inside the forward and the
+            # backward, from their hooks, which hold up nothing the model places before them.
+            before = [
+                o
+                for o in gathers
+                if o.mc == chunk and o.end <= first_forward.start + LAUNCH_TOLERANCE_S
+            ]
+            if before:
+                self.add_edge(max(before, key=lambda o: o.seq), first_forward)
         if self.overlapped_dp:
             backwards = by_type[ot.BACKWARD_COMPUTE]
             for chunk in sorted({o.mc for o in scatters}):

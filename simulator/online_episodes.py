@@ -88,7 +88,7 @@ from lagscope.simulator.episodes import StretchFit
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
 from lagscope.simulator.medians import median_along, median_of_others
 from lagscope.simulator.noise import own_work_mask
-from lagscope.simulator.prepare import PreparedTrace, host_gaps
+from lagscope.simulator.prepare import PreparedTrace, host_gaps, own_durations
 
 #: The kind of a worker's time spent between its ops (the host gaps of its ops).
 HOST = "host"
@@ -227,15 +227,17 @@ def signal_kinds(prepared: PreparedTrace) -> tuple[str, ...]:
 
 def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
     """[step, kind, stage, dp] seconds of each worker's own time of each kind: the summed
-    durations of its own-work ops of that op type, and for `host` the summed host gaps of
+    durations of its own-work ops of that op type (less the parameter all-gathers they
+    waited for inside them, `prepare.own_durations`), and for `host` the summed host gaps of
     all its ops (time its host took to start an op once the op could start and the worker
     had done the work before it, `prepare.host_gaps`)."""
     out = np.zeros((prepared.n_steps, len(kinds), prepared.n_stages, prepared.n_dp))
+    own = own_durations(prepared) if any(kind != HOST for kind in kinds) else None
     for index, kind in enumerate(kinds):
         if kind == HOST:
             out[:, index] = prepared.stage_sums(host_gaps(prepared))
         else:
-            out[:, index] = prepared.stage_sums(prepared.duration, kind)
+            out[:, index] = prepared.stage_sums(own, kind)
     return out
 
 

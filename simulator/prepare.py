@@ -670,6 +670,32 @@ def own_gaps_of_roots(prepared: PreparedTrace) -> np.ndarray:
     return prepared.start[roots].astype(np.float64) - entry[:, stages].transpose(1, 0, 2)
 
 
+def own_durations(prepared: PreparedTrace) -> np.ndarray:
+    """[node, step, dp] each op's duration less the parameter all-gathers it launched and
+    waited for inside it (`launched_inside`: FSDP gathers each block's parameters from its
+    hooks, in the forward and the backward, which then wait for them): the work the worker
+    did itself. A rank that waits on a slow peer's gathers grows in its forward as much
+    as the slow peer does, and is no straggler.
+
+    >>> from lagscope.simulator.generate import JobSpec, generate_job
+    >>> job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=2, seed=1))
+    >>> prepared = prepare(job.trace, job.meta)
+    >>> bool((own_durations(prepared) == prepared.duration).all())  # nothing nested
+    True
+    """
+    (nodes, steps, dps), passed = launched_inside(prepared)
+    gathers = np.array(prepared.node_optype)[nodes] == ot.PARAMS_ALL_GATHER
+    if not gathers.any():
+        return prepared.duration
+    nodes, steps, dps, passed = nodes[gathers], steps[gathers], dps[gathers], passed[gathers]
+    containers = prepared.model.host_container[nodes]
+    left = prepared.duration[containers, steps, dps] - passed
+    waited = np.clip(np.minimum(prepared.duration[nodes, steps, dps], left), 0.0, None)
+    own = prepared.duration.astype(np.float64).copy()
+    np.subtract.at(own, (containers, steps, dps), waited)
+    return np.maximum(own, 0.0).astype(prepared.duration.dtype)
+
+
 def launched_inside(prepared: PreparedTrace) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """The ops a worker launched while its own op that began before them still ran
     (`DependencyModel.host_container`: DDP's gradient buckets launched from the

@@ -292,6 +292,25 @@ def _episodes_estimated(ops_ttl_days: int) -> Migration:
     )
 
 
+# -- 9: why a step closed without some of its ranks, and when its last batch came -------
+def _steps_missing_reason(ops_ttl_days: int) -> Migration:
+    return Migration(
+        9,
+        "steps: why each missing rank was missing; when the host had the step's last batch",
+        (
+            # "(dp 1, pp 0) sent step 46 but not this one", "... sent nothing for 7.1 s
+            # (it may be silent 6.2 s: ...)": a rank that died, one that skipped the step,
+            # or the end of the input (stream_app/lateness.py).
+            "ALTER TABLE steps ADD COLUMN IF NOT EXISTS missing_reason String DEFAULT '' "
+            "CODEC(ZSTD(3)) AFTER missing_ranks",
+            # Where a step's latency goes: delivery (the rank's timer, the streamer, Kafka)
+            # up to `received_at`, the host's windows, analysis and write after it.
+            "ALTER TABLE steps ADD COLUMN IF NOT EXISTS received_at Nullable(DateTime64(3)) "
+            "DEFAULT NULL CODEC(ZSTD(1)) AFTER processed_at",
+        ),
+    )
+
+
 #: Every migration, in order; each takes the retention `ops` is created with.
 _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _tables,
@@ -302,6 +321,7 @@ _MIGRATIONS: tuple[Callable[[int], Migration], ...] = (
     _episodes,
     _jobs_ended,
     _episodes_estimated,
+    _steps_missing_reason,
 )
 
 

@@ -75,6 +75,12 @@ class ClosedStepRecord(Protocol):
     @property
     def missing(self) -> tuple[tuple[int, int], ...]: ...
     @property
+    def missing_reason(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def received_at(self) -> float: ...
+    @property
     def result(self) -> WhatIfResult | None: ...
     @property
     def info(self) -> JobInfo: ...
@@ -216,6 +222,7 @@ def _steps_rows(
         "ts": step_start_ts,
         "complete": np.ones(n_steps, dtype=bool),
         "missing_ranks": [[] for _ in range(n_steps)],
+        "missing_reason": [""] * n_steps,
         "actual_s": actual,
         "simulated_s": np.asarray(result.t_nodelay, dtype=np.float64),
         "ideal_s": ideal,
@@ -232,6 +239,7 @@ def _steps_rows(
         "sim_discrepancy": np.asarray(result.discrepancy, dtype=np.float64),
         "trusted": np.asarray(result.trusted, dtype=bool),
         "processed_at": np.full(n_steps, time.time() if processed_at is None else processed_at),
+        "received_at": [None] * n_steps,
         "version": np.full(n_steps, version, dtype=np.uint64),
     }
 
@@ -336,16 +344,20 @@ def rows_from_outputs(outputs: Sequence[ClosedStepRecord], *, version: int = 0) 
     Incomplete steps are stored with `complete = false` and the global ranks that never
     reported; their figures cover the DP replicas that were whole (renumbered back to their
     real DP ranks), or are NaN when nothing could be analysed. Change points become
-    `changepoints` rows.
+    `changepoints` rows. Each step's rows carry `version`, or its own when higher (a step
+    closed again after late batches came: its rows replace the stored ones).
     """
     if not outputs:
         raise ValueError("rows_from_outputs: no outputs")
     tables: dict[str, list[dict[str, Any]]] = {}
     for out in outputs:
+        step_version = max(version, getattr(out, "version", 0))
         ts = np.array([out.start_ns / 1e9])
         meta = out.info.to_meta()
         if out.result is not None:
-            part = rows_from_result(out.job_id, out.attempt, out.result, ts, meta, version=version)
+            part = rows_from_result(
+                out.job_id, out.attempt, out.result, ts, meta, version=step_version
+            )
             if out.analysed_dp_ranks:
                 real = np.asarray(out.analysed_dp_ranks, dtype=np.uint32)
                 part.tables["worker_slowdown"]["dp_rank"] = real[
@@ -357,11 +369,13 @@ def rows_from_outputs(outputs: Sequence[ClosedStepRecord], *, version: int = 0) 
                 part.tables["attribution"]["name"] = names
         else:
             part = SinkBatch("")
-            part.add("steps", _unanalysed_step(out, ts, version))
+            part.add("steps", _unanalysed_step(out, ts, step_version))
         steps = part.tables["steps"]
         steps["complete"] = np.array([out.complete])
         tp_cp = meta.tp_size * meta.dsp_size
         steps["missing_ranks"] = [[(pp * meta.dp_size + dp) * tp_cp for dp, pp in out.missing]]
+        steps["missing_reason"] = [out.missing_reason]
+        steps["received_at"] = [out.received_at or None]
         if out.changes:
             part.add(
                 "changepoints",
@@ -375,7 +389,7 @@ def rows_from_outputs(outputs: Sequence[ClosedStepRecord], *, version: int = 0) 
                     "before_mean": [c.before_mean for c in out.changes],
                     "after_mean": [c.after_mean for c in out.changes],
                     "probability": [c.probability for c in out.changes],
-                    "version": [version] * len(out.changes),
+                    "version": [step_version] * len(out.changes),
                 },
             )
         for table, columns in part.tables.items():
@@ -399,6 +413,9 @@ def _outputs_token(outputs: Sequence[ClosedStepRecord], version: int) -> str:
     """
     first, last = outputs[0], outputs[-1]
     token = f"{first.job_id}/{first.attempt}/{first.step}-{last.step}/{len(outputs)}/{version}"
+    again = [f"{out.step}@{out.version}" for out in outputs if getattr(out, "version", 0)]
+    if again:  # steps closed again: their rows differ from the first version's
+        token += f"/again/{digest_of(again)}"
     jobs = {(out.job_id, out.attempt) for out in outputs}
     if len(jobs) == 1:
         return token
@@ -432,6 +449,7 @@ def _unanalysed_step(out: ClosedStepRecord, ts: np.ndarray, version: int) -> dic
         "ts": ts,
         "complete": [False],
         "missing_ranks": [[]],
+        "missing_reason": [""],
         "actual_s": nan,
         "simulated_s": nan,
         "ideal_s": nan,
@@ -448,6 +466,7 @@ def _unanalysed_step(out: ClosedStepRecord, ts: np.ndarray, version: int) -> dic
         "sim_discrepancy": nan,
         "trusted": [False],
         "processed_at": [time.time()],
+        "received_at": [None],
         "version": [version],
     }
 

@@ -58,6 +58,7 @@ from lagscope.stream_app.analysis_process import AnalysisProcessError
 from lagscope.stream_app.identity import MachineBook, name_machines
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, JobTotals
 from lagscope.stream_app.processor import (
+    LATE_REASON,
     DetectedChange,
     JobConclusion,
     ProcessorSettings,
@@ -78,6 +79,11 @@ WRITE_EVERY_STEPS = 256
 #: a backlog drained at the interval spent a sixth of its time writing; a job followed live
 #: writes a few steps in tens of ms and keeps the interval.
 WRITE_MAX_SHARE = 0.1
+#: A host that has read all there is writes what it closed at once, as long as writing
+#: takes at most this share of its time: it has nothing else to do, and every step is
+#: news to the on-call (a step's end to its rows in the store has a 1 s budget; waiting
+#: for the interval took 0.25 s of it on average, up to 2 s behind a slow write).
+WRITE_MAX_SHARE_CAUGHT_UP = 0.5
 
 #: ... or as soon as the raw ops waiting (`store_raw_ops`) came in this many bytes: a
 #: 12,288-GPU job's 256 steps of them held ~3 GB as rows (`lagscope run` of a backlog).
@@ -90,9 +96,10 @@ RAW_OPS_WRITE_BATCHES = 2048
 
 #: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
 #: that is no batch, a batch the admission or the windows set aside, a batch a windowing
-#: bug dropped, a job record that is invalid or conflicts with a known one, and what a
-#: streamer set aside on a training node (the dead-letter topic, read by the workers).
-DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata", "streamer")
+#: bug dropped, a job record that is invalid or conflicts with a known one, what a
+#: streamer set aside on a training node (the dead-letter topic, read by the workers),
+#: and a batch that came after its step closed without it, too late to close it again.
+DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata", "streamer", "late")
 _WINDOWING_FAILED = "windowing failed"
 #: Changes of the change-point detectors kept per job for summaries and reports.
 _CHANGES_KEPT = 10_000
@@ -106,12 +113,23 @@ class LatenessClock:
     still times out. Never goes backwards."""
 
     def __init__(
-        self, newest_record_s: float | None = None, wall: Callable[[], float] = time.time
+        self,
+        newest_record_s: float | None = None,
+        wall: Callable[[], float] = time.time,
+        *,
+        reading_s: float | None = None,
     ) -> None:
+        """`reading_s`: the reading of the clock this one goes on from (a snapshot's)."""
         self._wall = wall
         self.newest_record_s = newest_record_s
-        self._now = float("-inf")
+        self._now = float("-inf") if reading_s is None else reading_s
         self.behind = True
+
+    @property
+    def reading_s(self) -> float | None:
+        """Its last reading (None before the first): a resumed host's clock goes on from
+        it, so the windows and arrivals it restores keep their ages."""
+        return None if self._now == float("-inf") else self._now
 
     def __call__(self) -> float:
         if self.newest_record_s is None:
@@ -418,14 +436,19 @@ class HostCore:
     def on_batches(self, records: Iterable[tuple[bytes, str, float]]) -> list[RankStepBatch | None]:
         """Decode, admit and window rank-step batches (payload, origin, time of each);
         analyse the steps they close. Returns each record's windowed batch (None: set
-        aside, or of a TP/CP rank other than 0)."""
+        aside, or of a TP/CP rank other than 0). Each batch arrives at the lateness
+        clock's reading when it is read from `records` (a driver may move the clock to
+        each record's own time as it hands it over), `time of each` before that."""
         kept: list[RankStepBatch | None] = []
         windowed: list[RankStepBatch] = []
+        arrivals: list[tuple[float, float]] = []
         for payload, source, at_s in records:
             batch = self._admit(payload, source, at_s)
             kept.append(batch)
             if batch is not None:
                 windowed.append(batch)
+                now = self.clock()
+                arrivals.append((now, now - at_s))
                 if (
                     self.store_raw_ops
                     and batch.tp_rank == 0
@@ -436,7 +459,7 @@ class HostCore:
                     self._raw_ops_bytes += len(payload)
         if windowed:
             try:
-                outputs = self.processor.on_batches(windowed, admitted=True)
+                outputs = self.processor.on_batches(windowed, admitted=True, arrivals=arrivals)
             except AnalysisProcessError:
                 raise  # not the batches' fault: the host stops and resumes from a snapshot
             except Exception as exc:
@@ -484,6 +507,8 @@ class HostCore:
         for batch, reason in self.processor.take_rejected():
             where = f"{batch.job_id}/{batch.attempt} step {batch.step} rank {batch.rank}"
             kind = "windowing" if reason.startswith(_WINDOWING_FAILED) else "rejected"
+            if reason.startswith(LATE_REASON):
+                kind = "late"
             # The batch's own time, so a replay writes the same row.
             at = float(batch.start_ns.min()) / 1e9 if batch.n_ops else 0.0
             self.dead_letter(DeadLetter(where, reason, batch.encode(), batch.job_id, at), kind)
@@ -517,6 +542,9 @@ class HostCore:
                 changes = self.changes.setdefault(key, [])
                 changes.extend(out.changes)
                 del changes[:-_CHANGES_KEPT]
+            if out.version:  # closed again: it replaces the step's earlier closing
+                kept = self.incomplete.get(key, [])
+                self.incomplete[key] = [entry for entry in kept if entry[0] != out.step]
             if not out.complete:
                 self.incomplete.setdefault(key, []).append((out.step, out.missing))
             if out.reason and key not in self.first_failure:
@@ -602,18 +630,20 @@ class HostCore:
     def write_due(self, now: float, last_write: float, every_steps: int, interval_s: float) -> bool:
         """Whether what is pending is to be written now: at once when a step opened or
         closed an episode (`news_due`) or a job was concluded; when `every_steps` steps wait
-        (a backlog is written in batches); else `interval_s` after the last write (a job
-        followed live shows in the store within that), or later when writes are slow, so
-        they take at most `WRITE_MAX_SHARE` of the host's time. `now` and `last_write` on
-        one clock."""
+        (a backlog is written in batches); once the host has read all there is, at once
+        unless writes would take more than `WRITE_MAX_SHARE_CAUGHT_UP` of its time; else
+        `interval_s` after the last write, or later when writes are slow, so they take at
+        most `WRITE_MAX_SHARE` of the host's time. `now` and `last_write` on one clock."""
         if not self.has_pending:
             return False
+        since = now - last_write
         return (
             self.news_due
             or len(self.pending) >= every_steps
             or self._raw_ops_bytes >= RAW_OPS_PENDING_BYTES
             or bool(self.conclusions)
-            or now - last_write >= max(interval_s, self.write_seconds / WRITE_MAX_SHARE)
+            or (not self.clock.behind and since >= self.write_seconds / WRITE_MAX_SHARE_CAUGHT_UP)
+            or since >= max(interval_s, self.write_seconds / WRITE_MAX_SHARE)
         )
 
     @property
@@ -730,6 +760,7 @@ class HostCore:
             "processor": self.processor.state_dict(with_retained_inputs=False),
             "concluded_step": [[*key, step] for key, step in self.concluded_step.items()],
             "event_time_s": self.clock.newest_record_s,
+            "clock_reading_s": self.clock.reading_s,
         }
 
 
@@ -755,8 +786,9 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
         started = time.perf_counter()
         keys = sorted({(o.job_id, o.attempt, o.step) for h in hosts for o in h.pending})
         stored = sink.retry.call(sink.stored_versions, keys, what="steps lookup")
+        # A step closed again (late batches came) is a newer version of a stored one.
         fresh = [
-            [o for o in host.pending if (o.job_id, o.attempt, o.step) not in stored]
+            [o for o in host.pending if stored.get((o.job_id, o.attempt, o.step), -1) < o.version]
             for host in hosts
         ]
         checked = [host._cut_short_possible for host in hosts]

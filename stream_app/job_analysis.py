@@ -26,12 +26,15 @@ episodes at the same steps and store the same rows:
   with each episode's bounds refined on the steps around it.
 
 State (`state_dict` / `from_state`) is plain data; the retained steps it needs after a
-restore are the processor's own (looked up by step id).
+restore are the processor's own (looked up by step id), and so are the steps of its last
+diagnosis, which a restore makes again from them (the same roll-up and run, bit for bit):
+the story is told again on it when an episode opens or closes before the next one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -68,6 +71,8 @@ if TYPE_CHECKING:
     # story with this module and starts without the validation framework.
     from lagscope.producers.events import JobInfo
     from lagscope.simulator.trace import JobMeta
+
+log = logging.getLogger("lagscope.processor")
 
 #: The kind of own time a run's worker cause is about (None: the op its worker is slow in).
 _KIND_OF_CAUSE: dict[Cause, str | None] = {
@@ -112,25 +117,43 @@ class JobTotals:
         self.steps += 1
         if step >= self.last_step:
             self.last_step, self.last_step_start_ns = step, start_ns
+        figures = None
+        if result is not None:
+            figures = (
+                float(result.t_actual[0]), float(result.t_ideal[0]),
+                float(result.step_slowdown[0]),
+            )  # fmt: skip
+        self.count(figures, info, complete=complete)
+        if figures is not None:
+            self.step_ids = [*self.step_ids, step][-_STEP_SERIES_KEPT:]
+            self.step_slowdown = [*self.step_slowdown, figures[2]][-_STEP_SERIES_KEPT:]
+
+    def count(
+        self,
+        figures: tuple[float, float, float] | None,
+        info: JobInfo | JobMeta,
+        *,
+        complete: bool,
+        sign: int = 1,
+    ) -> None:
+        """Count a step's (actual, ideal, slowdown) in (`sign` -1: take them back, when a
+        step closed again replaces them)."""
         if complete:
-            self.complete_steps += 1
+            self.complete_steps += sign
         else:
-            self.incomplete_steps += 1
-        if result is None:
+            self.incomplete_steps += sign
+        if figures is None:
             return
-        self.analysed_steps += 1
-        actual, ideal = float(result.t_actual[0]), float(result.t_ideal[0])
-        slowdown = float(result.step_slowdown[0])
+        self.analysed_steps += sign
+        actual, ideal, slowdown = figures
         gpu_seconds = actual * info.world_size
-        self.gpu_seconds += gpu_seconds
-        self.gpu_seconds_above_ideal += gpu_seconds * (1 - 1 / slowdown)
+        self.gpu_seconds += sign * gpu_seconds
+        self.gpu_seconds_above_ideal += sign * gpu_seconds * (1 - 1 / slowdown)
         if info.model_flops_per_step and info.gpu_peak_flops:
             peak = info.world_size * info.gpu_peak_flops
-            self.mfu_actual_sum += info.model_flops_per_step / (actual * peak)
-            self.mfu_ideal_sum += info.model_flops_per_step / (ideal * peak)
-            self.mfu_steps += 1
-        self.step_ids = [*self.step_ids, step][-_STEP_SERIES_KEPT:]
-        self.step_slowdown = [*self.step_slowdown, slowdown][-_STEP_SERIES_KEPT:]
+            self.mfu_actual_sum += sign * info.model_flops_per_step / (actual * peak)
+            self.mfu_ideal_sum += sign * info.model_flops_per_step / (ideal * peak)
+            self.mfu_steps += sign
 
 
 #: Steps whose episodes' model prices are kept, to share the job's loss between them.
@@ -223,6 +246,14 @@ class LiveJob:
             maxlen=self.episode_settings.confirm_steps
         )
         self.last_diagnosis: JobDiagnosis | None = None
+        #: How the last diagnosis was made, so that a snapshot can make it again: its
+        #: roll-up's steps, the decompose threshold, and the losses its escalation read
+        #: (the episodes' GPU-seconds, the job's above its straggler-free steps). A
+        #: resumed job without it told no story again when an episode opened or closed
+        #: before its next roll-up (the `diagnoses` rows of a rebalance differed).
+        self.last_made: dict[str, Any] | None = None
+        #: The losses the last `_diagnosed` read.
+        self._losses_read = (0.0, 0.0)
         #: (episode id, step) -> its (lost seconds, own seconds, GC beyond peers) in a
         #: step about to come (`price_ahead`).
         self._priced: dict[tuple[int, int], tuple[float, float, float]] = {}
@@ -489,6 +520,11 @@ class LiveJob:
             int(prepared.steps[-1]), rollup, run, self.story(run, rollup), final, tuple(adopted)
         )
         self.last_diagnosis = found
+        self.last_made = {
+            "steps": [int(step) for step in prepared.steps],
+            "decompose_threshold": decompose_threshold,
+            "losses": list(self._losses_read),
+        }
         self.story_changed = False
         return found
 
@@ -511,20 +547,28 @@ class LiveJob:
         rollup = analyze(prepared, decompose_threshold=decompose_threshold)
         return prepared, rollup, self._diagnosed(rollup, prepared)
 
-    def _diagnosed(self, rollup: WhatIfResult, prepared: PreparedTrace) -> Diagnosis:
+    def _diagnosed(
+        self,
+        rollup: WhatIfResult,
+        prepared: PreparedTrace,
+        losses: tuple[float, float] | None = None,
+    ) -> Diagnosis:
         """The diagnosis of the retained steps, its escalation on what the job has lost
         so far to its cause: to stragglers, their episodes' cost; to a cause of the job's
         own make (a heavier last stage, unequal sequences, GC, slow links), which no
         episode prices, everything its steps lost above their straggler-free time, as
-        `lagscope analyze` counts it (a heavier stage read "0 s lost" live)."""
+        `lagscope analyze` counts it (a heavier stage read "0 s lost" live). `losses`:
+        those two GPU-second figures as a snapshot kept them, else the job's now."""
         cfg = self.diagnosis_settings
-        run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=self.straggler_gpu_seconds())
+        if losses is None:
+            losses = (self.straggler_gpu_seconds(), self.totals.gpu_seconds_above_ideal)
+        self._losses_read = losses
+        run = diagnose(rollup, prepared, settings=cfg, wasted_gpu_s=losses[0])
         if run.cause in WORKER_CAUSES or run.cause in (Cause.NONE, Cause.UNATTRIBUTED):
             return run
         ladder = escalation(
-            self.totals.gpu_seconds_above_ideal, self.info.world_size, cfg, run.cause,
-            run.evidence.finding.refuted_actions,
-        )  # fmt: skip
+            losses[1], self.info.world_size, cfg, run.cause, run.evidence.finding.refuted_actions
+        )
         return dataclasses.replace(run, escalation=ladder)
 
     def adopt_verified(
@@ -586,6 +630,18 @@ class LiveJob:
             self.story_changed = True
             states.append(self._state(episode, step, final=final))
         return states
+
+    def retake(
+        self,
+        before: tuple[float, float, float] | None,
+        after: tuple[float, float, float] | None,
+        *,
+        complete: bool,
+    ) -> None:
+        """A step that closed incomplete closed again (late batches came): its figures
+        `before` leave the totals, `after` replace them."""
+        self.totals.count(before, self.info, complete=False, sign=-1)
+        self.totals.count(after, self.info, complete=complete)
 
     def recompose(self, step: int) -> JobDiagnosis | None:
         """The run's story at `step` told again with the episodes as they are now, on the
@@ -691,10 +747,32 @@ class LiveJob:
                 for k, tail in self._tails.items()
             ],
             "first_step": self.first_step,
+            "last_diagnosis": self._last_diagnosis_made(),
         }
 
-    def restore(self, state: dict[str, Any], retained: Sequence[PreparedTrace]) -> None:
-        """Resume from `state_dict()`; the recent steps come back from `retained`."""
+    def _last_diagnosis_made(self) -> dict[str, Any] | None:
+        """How to make the last diagnosis again (`_diagnose_again`); None before one."""
+        if self.last_diagnosis is None or self.last_made is None:
+            return None
+        found = self.last_diagnosis
+        return {**self.last_made, "step": found.step, "final": found.final}
+
+    @property
+    def diagnosis_steps(self) -> list[int]:
+        """The steps of the last diagnosis' roll-up: a snapshot needs them to make it
+        again (`restore`)."""
+        return list(self.last_made["steps"]) if self.last_made is not None else []
+
+    def restore(
+        self,
+        state: dict[str, Any],
+        retained: Sequence[PreparedTrace],
+        diagnosed: Sequence[PreparedTrace] = (),
+    ) -> None:
+        """Resume from `state_dict()`; the recent steps come back from `retained`, and the
+        last diagnosis is made again from its steps among `retained` and `diagnosed`
+        (those the window no longer holds); without all of them, there is none until the
+        next (logged)."""
         self.totals = JobTotals(**state["totals"])
         if state["detector"] is not None:
             self.detector = OnlineEpisodes.from_state(state["detector"])
@@ -724,6 +802,31 @@ class LiveJob:
         self.first_step = state.get("first_step")
         for episode in self._named_episodes():
             self._state(episode, self.totals.last_step)
+        made = state.get("last_diagnosis")
+        if made is not None:
+            self._diagnose_again(made, [*retained, *diagnosed])
+
+    def _diagnose_again(self, made: dict[str, Any], steps: Sequence[PreparedTrace]) -> None:
+        """The last diagnosis as `diagnose` made it (the same steps, threshold and losses:
+        the same roll-up and run, bit for bit), the story told with the episodes now."""
+        by_step = {int(p.steps[0]): p for p in steps}
+        wanted = [int(step) for step in made["steps"]]
+        missing = [step for step in wanted if step not in by_step]
+        if missing:
+            log.warning(
+                "job %s/%d: %d step(s) of its last diagnosis are not in the checkpoint store "
+                "(%s...); its story is told again from its next diagnosis on",
+                self.info.job_id, getattr(self.info, "attempt", 0), len(missing), missing[:5],
+            )  # fmt: skip
+            return
+        prepared = concat_steps([by_step[step] for step in wanted])
+        rollup = analyze(prepared, decompose_threshold=made["decompose_threshold"])
+        losses = (float(made["losses"][0]), float(made["losses"][1]))
+        run = self._diagnosed(rollup, prepared, losses)
+        self.last_made = {**made, "steps": wanted}
+        self.last_diagnosis = JobDiagnosis(
+            int(made["step"]), rollup, run, self.story(run, rollup), bool(made["final"])
+        )
 
 
 def trace_story(

@@ -3,10 +3,12 @@
 One engine-agnostic class serves both hosts (the faust worker and the embedded runner):
 
 - **Windows per (job, attempt, step)**, kept by hand. A step closes when every expected
-  (dp, pp) coordinate has reported, or when its lateness timeout passes: then it is marked
-  incomplete with the missing ranks listed, and the pipeline replicas (DP ranks) that are
-  complete are still analysed. Batches for a step that already closed are counted as late,
-  never silently merged into a finished result.
+  (dp, pp) coordinate has reported, when every coordinate has sent a later step, or when
+  its missing coordinates have been silent for the job's lateness
+  (`stream_app/lateness.py`): then it is marked incomplete with the missing ranks and why,
+  and the pipeline replicas (DP ranks) that are complete are still analysed. A late batch
+  for a step closed without it closes the step again while the job holds its batches (a
+  newer version of its rows), else it is set aside as a dead letter saying so.
 - **Incremental what-if.** The job's dependency model is inferred once, from its first
   closed step. Each closed step is simulated with *running* ideal costs: the mean of every
   compute op type over all steps so far, and for communication the exact median over a
@@ -27,6 +29,7 @@ others are counted and dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -53,6 +56,7 @@ from lagscope.stream_app.analysis_process import (
     shared_children,
 )
 from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, LiveJob
+from lagscope.stream_app.lateness import JobArrivals
 from lagscope.stream_app.step_compute import JobCompute, StepComputed
 
 log = logging.getLogger("lagscope.processor")
@@ -69,7 +73,9 @@ class ProcessorSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    #: Seconds after a step's first batch before it closes without its missing ranks.
+    #: The most a step waits for a missing (dp, pp) coordinate: how long that one may send
+    #: nothing before its steps close without it. A job's own lateness follows its pace
+    #: below this (`stream_app/lateness.py`); a coordinate that never sent waits this.
     lateness_s: float = Field(default=30.0, gt=0)
     #: Steps whose inputs are kept for the job-level roll-up (and the comm medians).
     rollup_window_steps: int = Field(default=256, ge=1)
@@ -131,6 +137,17 @@ HOST_SETTINGS = (
     "lateness_s", "analysis_processes", "analysis_process_min_ops", "analysis_in_flight",
     "analysis_in_flight_bytes",
 )  # fmt: skip
+#: How the reason of a late batch set aside begins (its dead letter's kind: `late`).
+LATE_REASON = "late:"
+#: Missing coordinates a step's `missing_reason` names one by one (the rest are counted).
+_MISSING_NAMED = 4
+#: Steps closed without some coordinates whose batches a job holds for late ones, and the
+#: ops they may hold in all (~30 bytes each: 60 MB; a 100,000-GPU job's step alone is
+#: more, and is not held).
+_HELD_STEPS = 64
+_HELD_OPS = 2_000_000
+#: Steps closed without some coordinates remembered per job with those coordinates.
+_CLOSED_WITHOUT_KEPT = 4096
 #: Memory an op in flight to a child holds on the host: its batch (~30 bytes an op on
 #: the wire and in the decoded columns' buffer) and its packed copy until the child
 #: reads it (27).
@@ -171,6 +188,13 @@ class StepOutput:
     episodes: tuple[EpisodeState, ...] = ()
     #: The job's diagnosis, when this step made one due.
     diagnosis: JobDiagnosis | None = None
+    #: Why each missing coordinate's batch was not there when the step closed.
+    missing_reason: str = ""
+    #: 0, or how many times the step closed again after late batches came for it (its
+    #: rows replace the stored ones of a lower version).
+    version: int = 0
+    #: When the host had the step's last batch (wall-clock seconds; 0: not known).
+    received_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -188,6 +212,8 @@ class JobConclusion:
 @dataclass
 class _Window:
     first_seen: float
+    #: When its latest batch came (wall-clock time: the steps' `received_at`).
+    received_at: float = 0.0
     #: Batches per (dp, pp) coordinate: a rank-step may arrive in several parts (a huge
     #: step, or ops recorded after the step was sealed).
     batches: dict[tuple[int, int], list[RankStepBatch]] = field(default_factory=dict)
@@ -210,10 +236,35 @@ class _Closed:
     batches: list[RankStepBatch]
     #: Why the step cannot be analysed ("": it can).
     reason: str = ""
+    #: Why its missing coordinates were missing.
+    missing_reason: str = ""
+    #: > 0: the step closed again, with late batches, and what it held.
+    version: int = 0
+    held: _Held | None = None
+    #: When the host had its last batch (wall clock).
+    received_at: float = 0.0
 
     @property
     def complete(self) -> bool:
         return not self.missing
+
+
+@dataclass
+class _Held:
+    """A step closed without some coordinates, its batches held for theirs: a late batch
+    closes it again (`StepProcessor._reclose`), its rows replacing the stored ones."""
+
+    step: int
+    start_ns: int
+    batches: dict[tuple[int, int], list[RankStepBatch]]
+    missing: set[tuple[int, int]]
+    ops: int
+    version: int = 0
+    #: The stored result's (actual, ideal, slowdown), taken back from the job's totals
+    #: when it closes again (None: it had none).
+    figures: tuple[float, float, float] | None = None
+    #: Late batches came since it last closed.
+    fresh: bool = False
 
 
 @dataclass
@@ -240,6 +291,7 @@ _STEP_INPUTS = (
 #: ... less those a snapshot of an earlier version lacks (none recorded, or not known,
 #: as then).
 _STEP_INPUTS_ADDED = ("gc_gap_pause", "entry")
+_ADDED_NONE = dict.fromkeys(_STEP_INPUTS_ADDED)
 
 
 def encode_step_inputs(prepared: PreparedTrace) -> bytes:
@@ -285,6 +337,24 @@ class _JobState:
         self.live = LiveJob(
             info, settings.diagnose_every_steps, settings.episodes, settings.diagnosis
         )
+        #: The steps of its last diagnosis, held while a snapshot may need them
+        #: (`StepProcessor.keep_diagnosed`).
+        self.diagnosed: tuple[PreparedTrace, ...] = ()
+        #: What its coordinates delivered and when: how long its steps wait for one.
+        self.arrivals = JobArrivals(settings.lateness_s)
+        #: Its open windows' steps.
+        self.open_steps: set[int] = set()
+        #: Its (dp, pp) coordinates, and per step how many of them delivered it last (the
+        #: lowest such step, once each delivered one, is the one all have reached).
+        self.coordinates = info.dp_size * info.pp_size
+        self._reached: dict[int, int] = {}
+        self.passed_by_all: int | None = None
+        #: Its latest steps closed without some coordinates, their batches held (at most
+        #: `_HELD_STEPS`, `_HELD_OPS` ops in all), and the coordinates each closed without
+        #: (more of them: a late batch beyond those held is a dead letter saying so).
+        self.held: dict[int, _Held] = {}
+        self.held_ops = 0
+        self.closed_without: dict[int, frozenset[tuple[int, int]]] = {}
 
     def _fit_window(self) -> None:
         """The retained window as long as the compute half's (sized by the byte budget
@@ -313,6 +383,18 @@ class _JobState:
         self._fit_window()
         self.retained.append(prepared)
 
+    def retain_at(self, prepared: PreparedTrace, *, mirror: bool) -> None:
+        """Keep a step that became complete late among the retained ones, in step order
+        (not when it is older than all of a full window)."""
+        if mirror:
+            self.compute.add_complete_step(prepared)
+        self._fit_window()
+        step = int(prepared.steps[0])
+        kept = sorted([*self.retained, prepared], key=lambda p: int(p.steps[0]))
+        if len(kept) > (self.retained.maxlen or len(kept)) and int(kept[0].steps[0]) == step:
+            return
+        self.retained = deque(kept, maxlen=self.retained.maxlen)
+
     def restore_retained(self, ideal_state: dict[str, Any], retained: list[PreparedTrace]) -> None:
         if retained:
             self.compute.size_window(retained[0])
@@ -321,6 +403,59 @@ class _JobState:
             retained = retained[-self.compute.capacity :]
         self.retained.extend(retained)
         self.compute.ideal.restore(ideal_state, retained)
+
+    def delivered(self, coordinate: tuple[int, int], step: int, at: float, delay_s: float) -> bool:
+        """Note a batch of `coordinate` for `step`; True when it moved the step that every
+        coordinate has reached (the steps before it will get no more batches)."""
+        arrivals = self.arrivals
+        before = arrivals.latest_step.get(coordinate)
+        arrivals.on_batch(coordinate, step, at, delay_s)
+        after = arrivals.latest_step[coordinate]
+        if before == after:
+            return False
+        reached = self._reached
+        if before is not None:
+            reached[before] -= 1
+            if not reached[before]:
+                del reached[before]
+        reached[after] = reached.get(after, 0) + 1
+        if len(arrivals.latest_step) < self.coordinates:
+            return False
+        lowest = self.passed_by_all
+        if lowest is None or lowest not in reached:
+            lowest = min(reached)
+        if lowest != self.passed_by_all:
+            self.passed_by_all = lowest
+            return True
+        return False
+
+    def hold(self, held: _Held) -> None:
+        """Hold a step closed without some coordinates, letting go of the oldest held."""
+        self.closed_without[held.step] = frozenset(held.missing)
+        while len(self.closed_without) > _CLOSED_WITHOUT_KEPT:
+            del self.closed_without[next(iter(self.closed_without))]
+        self.held[held.step] = held
+        self.held_ops += held.ops
+        while self.held and (len(self.held) > _HELD_STEPS or self.held_ops > _HELD_OPS):
+            self.release(next(iter(self.held)))
+
+    def release(self, step: int) -> None:
+        held = self.held.pop(step, None)
+        if held is not None:
+            self.held_ops -= held.ops
+
+    def restore_reached(self) -> None:
+        """The steps reached, counted again from the arrivals (after a restore)."""
+        self._reached = {}
+        for step in self.arrivals.latest_step.values():
+            self._reached[step] = self._reached.get(step, 0) + 1
+        if len(self.arrivals.latest_step) >= self.coordinates and self._reached:
+            self.passed_by_all = min(self._reached)
+
+    def diagnosed_beyond_window(self) -> list[PreparedTrace]:
+        """The held steps of the last diagnosis that the retained window no longer holds."""
+        retained = {int(p.steps[0]) for p in self.retained}
+        return [p for p in self.diagnosed if int(p.steps[0]) not in retained]
 
     @property
     def retained_capacity(self) -> int:
@@ -361,6 +496,8 @@ class StepProcessor:
             "steps_closed": 0,
             "steps_incomplete": 0,
             "steps_unanalysed": 0,
+            "steps_closed_again": 0,
+            "late_batches_set_aside": 0,
         }
         #: The analysis processes, started for the first job large enough to go to one.
         self._children: ChildProcesses | None = None
@@ -373,6 +510,15 @@ class StepProcessor:
         self._finished: list[StepOutput] = []
         #: Outcomes polled before their call's other jobs came back, by (executor, ticket).
         self._outcomes: dict[tuple[int, int], Outcome] = {}
+        #: Hold each job's last diagnosis' steps (`_JobState.diagnosed`) until the host
+        #: drops them (`forget_diagnosed`): a worker snapshots them, so that a resumed job
+        #: makes that diagnosis again; its window no longer holds the oldest of them.
+        self.keep_diagnosed = False
+
+    def forget_diagnosed(self) -> None:
+        """Let go of the diagnosed steps held (a snapshot stored them)."""
+        for job in self.jobs.values():
+            job.diagnosed = ()
 
     @property
     def in_flight(self) -> int:
@@ -422,10 +568,11 @@ class StepProcessor:
         if problem:
             self.rejected_jobs[key] = problem
             return problem
-        self.jobs[key] = _JobState(info, self.settings)
+        job = self.jobs[key] = _JobState(info, self.settings)
         for window_key, window in self.windows.items():
             if window_key[:2] == key:
                 self._evict_off_grid(window, info)
+                job.open_steps.add(window_key[2])
         return ""
 
     def admit(self, batch: RankStepBatch) -> tuple[RankStepBatch | None, str]:
@@ -483,28 +630,42 @@ class StepProcessor:
         return self.on_batches((batch,))
 
     def on_batches(
-        self, batches: Iterable[RankStepBatch], *, admitted: bool = False
+        self,
+        batches: Iterable[RankStepBatch],
+        *,
+        admitted: bool = False,
+        arrivals: Iterable[tuple[float, float]] | None = None,
     ) -> list[StepOutput]:
-        """Add batches; returns the steps they completed, in the order they completed.
-        `admitted`: every batch came back from `admit` (a host's): not checked again.
+        """Add batches; returns the steps they closed, in the order they closed: a step
+        closes when its last coordinate's batch comes, or when every coordinate has sent
+        a later step (`stream_app/lateness.py`). `admitted`: every batch came back from
+        `admit` (a host's): not checked again. `arrivals`: per batch, when it came (the
+        lateness clock) and how long after it was produced; default: now, at once.
 
         The closed steps are analysed together (one engine pass per job), each with the
         running estimates it would have had alone, so the numbers do not depend on how the
         input was cut into calls: a crash replay that regroups it gives the same rows.
         """
-        closing = []
+        closing: list[_Closed | StepOutput] = []
+        times = iter(arrivals) if arrivals is not None else None
         for batch in batches:
-            key = self._add(batch, admitted)
-            if key is not None:
-                closing.append(self._close(key))
+            at, delay = next(times) if times is not None else (self.clock(), 0.0)
+            self._add(batch, closing, admitted, at, delay)
         return self._analyse_closed(closing)
 
-    def _add(self, batch: RankStepBatch, admitted: bool = False) -> tuple[str, int, int] | None:
-        """Window one batch; returns its window's key when that completed the step."""
+    def _add(
+        self,
+        batch: RankStepBatch,
+        closing: list[_Closed | StepOutput],
+        admitted: bool = False,
+        at: float | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        """Window one batch, appending to `closing` the steps it closed."""
         self.counters["batches"] += 1
         if batch.tp_rank != 0 or batch.cp_rank != 0:
             self.counters["non_representative_batches"] += 1
-            return None
+            return
         job_key = (batch.job_id, batch.attempt)
         job = self.jobs.get(job_key)
         problem = (
@@ -518,24 +679,38 @@ class StepProcessor:
             # a batch that breaks its step).
             self.counters["batches_rejected"] += 1
             self.rejected.append((batch, problem))
-            return None
+            return
+        if at is None:
+            at = self.clock()
+        coordinate = (batch.dp_rank, batch.pp_rank)
+        if job is not None and job.delivered(coordinate, batch.step, at, delay_s):
+            # Every coordinate has sent this step or a later one: the steps before it
+            # have all they will get (in step order, before this batch's own step).
+            passed = job.passed_by_all
+            assert passed is not None
+            for step in sorted(s for s in job.open_steps if s < passed):
+                closing.append(self._close((*job_key, step)))
         if batch.step in self._closed_sets.get(job_key, ()):
             self.counters["late_batches"] += 1
-            return None
+            if job is not None:
+                self._late(job, batch, closing)
+            return
         key = (batch.job_id, batch.attempt, batch.step)
         window = self.windows.get(key)
         if window is None:
             window = self.windows[key] = _Window(first_seen=self._opened_at(batch))
+            if job is not None:
+                job.open_steps.add(batch.step)
         fingerprint = _fingerprint(batch)
         if fingerprint in window.fingerprints:
             self.counters["duplicate_batches"] += 1
-            return None
+            return
         window.fingerprints.add(fingerprint)
-        window.batches.setdefault((batch.dp_rank, batch.pp_rank), []).append(batch)
+        window.batches.setdefault(coordinate, []).append(batch)
+        window.received_at = time.time()
         self.counters["ops"] += batch.n_ops
-        if job is not None and len(window.batches) == job.info.dp_size * job.info.pp_size:
-            return key
-        return None
+        if job is not None and len(window.batches) == job.coordinates:
+            closing.append(self._close(key))
 
     def _opened_at(self, batch: RankStepBatch) -> float:
         """When the window `batch` opens opened: the clock's time, or what a clock that
@@ -544,13 +719,97 @@ class StepProcessor:
         return opened_at(batch) if opened_at is not None else self.clock()
 
     def tick(self) -> list[StepOutput]:
-        """Close every window whose lateness timeout has passed (oldest step first)."""
+        """Close every window whose missing coordinates are all overdue: each sent nothing
+        for its job's lateness (`stream_app/lateness.py`); a window of a job without its
+        record waits `lateness_s` from its first batch. Oldest step first. A held step
+        that took late batches closes again once the coordinates it still lacks are."""
         now = self.clock()
-        due = sorted(
-            (k for k, w in self.windows.items() if now - w.first_seen >= self.settings.lateness_s),
-            key=lambda k: (k[0], k[1], k[2]),
-        )
-        return self._analyse_closed([self._close(k) for k in due])
+        overdue = {key: self._overdue_coordinates(job, now) for key, job in self.jobs.items()}
+        due = sorted(k for k, w in self.windows.items() if self._overdue(k, w, overdue, now))
+        closing = [self._close(k) for k in due]
+        for key, job in self.jobs.items():
+            for held in list(job.held.values()):
+                if held.fresh and _lacks_only(held.batches, job.coordinates, overdue[key]):
+                    closing.append(self._reclose(job, held))
+        return self._analyse_closed(closing)
+
+    def _overdue_coordinates(self, job: _JobState, now: float) -> list[tuple[int, int]]:
+        """The job's coordinates that have been silent past their wait (one pass a tick,
+        whatever the number of its windows: a 100,000-GPU job has 12,480)."""
+        arrivals, info = job.arrivals, job.info
+        lateness = arrivals.lateness_s(now)
+        since_first = now - arrivals.first_at if arrivals.first_at is not None else 0.0
+        never = since_first >= self.settings.lateness_s
+        overdue = []
+        for dp in range(info.dp_size):
+            for pp in range(info.pp_size):
+                at = arrivals.last_at.get((dp, pp))
+                if at is None:
+                    if never:
+                        overdue.append((dp, pp))
+                elif now - at >= lateness:
+                    overdue.append((dp, pp))
+        return overdue
+
+    def _overdue(
+        self,
+        key: tuple[str, int, int],
+        window: _Window,
+        overdue: dict[tuple[str, int], list[tuple[int, int]]],
+        now: float,
+    ) -> bool:
+        job = self.jobs.get(key[:2])
+        if job is None:
+            return now - window.first_seen >= self.settings.lateness_s
+        return _lacks_only(window.batches, job.coordinates, overdue[key[:2]])
+
+    # -- late batches -------------------------------------------------------------------
+    def _late(self, job: _JobState, batch: RankStepBatch, closing: list) -> None:
+        """A batch of a step that closed already. One of a coordinate the step closed
+        without joins it while the job holds its batches, and closes it again once it
+        lacks no other (or the others are overdue: `tick`); one whose step's batches are
+        let go is a dead letter saying so (the step stands as stored). Anything else is
+        a re-sent part of a step that closed whole: counted."""
+        coordinate = (batch.dp_rank, batch.pp_rank)
+        held = job.held.get(batch.step)
+        if held is not None and coordinate in held.missing:
+            held.missing.discard(coordinate)
+            held.batches.setdefault(coordinate, []).append(batch)
+            held.fresh = True
+            if not held.missing:
+                closing.append(self._reclose(job, held))
+            return
+        if coordinate in job.closed_without.get(batch.step, ()):
+            self.counters["late_batches_set_aside"] += 1
+            self.rejected.append((batch, (
+                f"{LATE_REASON} step {batch.step} of {job.info.job_id}/{job.info.attempt} closed "
+                f"without (dp {coordinate[0]}, pp {coordinate[1]}) and its batches are no "
+                "longer held (too many steps closed incomplete since): it stands incomplete"
+            )))  # fmt: skip
+
+    def _reclose(self, job: _JobState, held: _Held) -> _Closed:
+        """Close a held step again with the batches it has now (a new version of it)."""
+        info = job.info
+        held.version += 1
+        held.fresh = False
+        missing = tuple(sorted(held.missing))
+        if not missing:
+            job.release(held.step)
+            job.closed_without.pop(held.step, None)
+        self.counters["steps_closed_again"] += 1
+        now = self.clock()
+        reason = "; ".join(job.arrivals.why_missing(c, held.step, now)
+                           for c in missing[:_MISSING_NAMED])  # fmt: skip
+        complete_dp = [dp for dp in range(info.dp_size)
+                       if all((dp, pp) in held.batches for pp in range(info.pp_size))]  # fmt: skip
+        if not complete_dp:
+            return _Closed(job, held.step, held.start_ns, missing, [], [],
+                           reason="no pipeline replica reported all its stages",
+                           missing_reason=reason, version=held.version, held=held)  # fmt: skip
+        batches = [b for dp in complete_dp for pp in range(info.pp_size)
+                   for b in held.batches[dp, pp]]  # fmt: skip
+        return _Closed(job, held.step, held.start_ns, missing, complete_dp, batches,
+                       missing_reason=reason, version=held.version, held=held)  # fmt: skip
 
     def close_through(self, job_id: str, attempt: int, step: int) -> list[StepOutput]:
         """Close the job's open windows up to `step`: its input has moved past them (every
@@ -560,11 +819,13 @@ class StepProcessor:
 
     def flush(self) -> list[StepOutput]:
         """Close every open window now (end of input) and wait for their analysis."""
-        return self._analyse_closed([self._close(k) for k in sorted(self.windows)], wait=True)
+        closing = [self._close(k, ended=True) for k in sorted(self.windows)]
+        return self._analyse_closed(closing, wait=True)
 
     # -- closing a step -----------------------------------------------------------------
-    def _close(self, key: tuple[str, int, int]) -> _Closed | StepOutput:
-        """Close a window: a step to analyse, or its final output when nothing can be."""
+    def _close(self, key: tuple[str, int, int], *, ended: bool = False) -> _Closed | StepOutput:
+        """Close a window: a step to analyse, or its final output when nothing can be
+        (`ended`: the input ended with it open)."""
         window = self.windows.pop(key)
         job_id, attempt, step = key
         job_key = (job_id, attempt)
@@ -585,8 +846,17 @@ class StepProcessor:
                 info, step, start_ns, False, (), "no job metadata arrived for this job"
             )
         info = job.info
-        expected = {(dp, pp) for dp in range(info.dp_size) for pp in range(info.pp_size)}
-        missing = tuple(sorted(expected - set(window.batches)))
+        job.open_steps.discard(step)
+        if start_ns:
+            job.arrivals.on_step_start(step, start_ns)
+        missing: tuple[tuple[int, int], ...] = ()
+        missing_reason = ""
+        if len(window.batches) < job.coordinates:
+            expected = {(dp, pp) for dp in range(info.dp_size) for pp in range(info.pp_size)}
+            missing = tuple(sorted(expected - set(window.batches)))
+            missing_reason = self._why_missing(job, step, missing, ended)
+            ops = sum(b.n_ops for b in window.all_batches())
+            job.hold(_Held(step, start_ns, dict(window.batches), set(missing), ops))
         complete_dp = [
             dp
             for dp in range(info.dp_size)
@@ -597,11 +867,27 @@ class StepProcessor:
         if not complete_dp:
             # Its output comes in closing order with the others (its job's live state).
             return _Closed(job, step, start_ns, missing, [], [],
-                           reason="no pipeline replica reported all its stages")  # fmt: skip
+                           reason="no pipeline replica reported all its stages",
+                           missing_reason=missing_reason,
+                           received_at=window.received_at)  # fmt: skip
         batches = [
             b for dp in complete_dp for pp in range(info.pp_size) for b in window.batches[dp, pp]
         ]
-        return _Closed(job, step, start_ns, missing, complete_dp, batches)
+        return _Closed(job, step, start_ns, missing, complete_dp, batches,
+                       missing_reason=missing_reason,
+                       received_at=window.received_at)  # fmt: skip
+
+    def _why_missing(
+        self, job: _JobState, step: int, missing: tuple[tuple[int, int], ...], ended: bool
+    ) -> str:
+        """Why the step closed without `missing` (the first few named, the rest counted)."""
+        now = self.clock()
+        shown = [
+            job.arrivals.why_missing(c, step, now, ended=ended) for c in missing[:_MISSING_NAMED]
+        ]
+        if len(missing) > _MISSING_NAMED:
+            shown.append(f"and {len(missing) - _MISSING_NAMED} more")
+        return "; ".join(shown)
 
     def _analyse_closed(self, closing: list[_Closed | StepOutput], *, wait: bool = False
                         ) -> list[StepOutput]:  # fmt: skip
@@ -706,6 +992,12 @@ class StepProcessor:
             step = StepComputed(failure=closed.reason) if closed.reason else None
             if step is None:
                 step = StepComputed(failure=outcome) if isinstance(outcome, str) else next(computed)
+            if closed.version:
+                outputs[index] = self._closed_again(job, closed, step, mirror)
+                continue
+            held = job.held.get(closed.step) if not closed.complete else None
+            if held is not None and held.version == 0:
+                held.figures = _figures(step.result)
             if step.failure or step.alone is None:
                 outputs[index] = self._failed(closed, step.failure)
                 continue
@@ -730,6 +1022,8 @@ class StepProcessor:
                     decompose_threshold=self.settings.decompose_threshold,
                     capacity=job.retained_capacity,
                 )
+                if self.keep_diagnosed:
+                    job.diagnosed = window
                 if diagnosis is not None:
                     episodes = [*episodes, *diagnosis.episodes]
             elif job.live.story_changed:
@@ -747,8 +1041,37 @@ class StepProcessor:
                 analysed_dp_ranks=() if closed.complete else tuple(closed.dp_ranks),
                 episodes=tuple(episodes),
                 diagnosis=diagnosis,
+                missing_reason=closed.missing_reason,
+                received_at=closed.received_at,
             )
         return outputs
+
+    def _closed_again(
+        self, job: _JobState, closed: _Closed, step: StepComputed, mirror: bool
+    ) -> StepOutput:
+        """The output of a held step closed again with late batches: the job's totals
+        take its old figures back and its new ones; complete now, it joins the retained
+        steps (in step order) and every closed episode's bounds are fitted again on them.
+        Its change points and the episodes' live detector stay as they were: they read
+        the job's steps in order, and this one's place has passed."""
+        held = closed.held
+        assert held is not None
+        old = held.figures
+        result = None if step.failure or step.alone is None else step.result
+        held.figures = _figures(result)
+        episodes: list[EpisodeState] = []
+        if closed.complete and result is not None and step.alone is not None:
+            job.retain_at(step.alone, mirror=mirror)
+            episodes = job.live.refine(tuple(job.retained), open_ones=False)
+        job.live.retake(old, _figures(result), complete=closed.complete)
+        return StepOutput(
+            job.info.job_id, job.info.attempt, closed.step, closed.start_ns, closed.complete,
+            closed.missing, result, job.info,
+            analysed_dp_ranks=() if closed.complete else tuple(closed.dp_ranks),
+            reason=step.failure if result is None else "",
+            episodes=tuple(episodes), missing_reason=closed.missing_reason,
+            version=closed.version, received_at=time.time(),
+        )  # fmt: skip
 
     def _unanalysed(
         self,
@@ -758,6 +1081,7 @@ class StepProcessor:
         complete: bool,
         missing: tuple[tuple[int, int], ...],
         reason: str,
+        missing_reason: str = "",
     ) -> StepOutput:
         """The output of a step that closed but could not be analysed, and why."""
         self.counters["steps_unanalysed"] += 1
@@ -765,13 +1089,16 @@ class StepProcessor:
         if job is not None:
             job.live.on_step(step, start_ns, None, None, complete=complete)
         return StepOutput(
-            info.job_id, info.attempt, step, start_ns, complete, missing, None, info, reason=reason
-        )
+            info.job_id, info.attempt, step, start_ns, complete, missing, None, info,
+            reason=reason, missing_reason=missing_reason,
+        )  # fmt: skip
 
     def _failed(self, closed: _Closed, reason: str) -> StepOutput:
-        return self._unanalysed(
-            closed.job.info, closed.step, closed.start_ns, closed.complete, closed.missing, reason
-        )
+        out = self._unanalysed(
+            closed.job.info, closed.step, closed.start_ns, closed.complete, closed.missing, reason,
+            closed.missing_reason,
+        )  # fmt: skip
+        return dataclasses.replace(out, received_at=closed.received_at)
 
     def _detect(
         self,
@@ -835,6 +1162,8 @@ class StepProcessor:
             tuple(job.retained), decompose_threshold=self.settings.decompose_threshold,
             ended=ended,
         )  # fmt: skip
+        if self.keep_diagnosed:
+            job.diagnosed = tuple(job.retained)
         return JobConclusion(job_id, attempt, job.info, diagnosis, tuple(episodes))
 
     def live_job(self, job_id: str, attempt: int = 0) -> LiveJob | None:
@@ -866,11 +1195,33 @@ class StepProcessor:
                     "retained": [_step_inputs(p) for p in job.retained]
                     if with_retained_inputs
                     else [int(p.steps[0]) for p in job.retained],
+                    # Its last diagnosis' steps the window no longer holds (ids: in its
+                    # live state; the host persists them as it does the retained ones).
+                    "diagnosed": [_step_inputs(p) for p in job.diagnosed_beyond_window()]
+                    if with_retained_inputs
+                    else [],
                     "detector": job.detector.state_dict() if job.detector else None,
                     "series_names": job.series_names,
                     "fed_steps": list(job.fed_steps),
                     "series_baseline": dict(job.series_baseline),
                     "live": job.live.state_dict(),
+                    "arrivals": job.arrivals.state_dict(self.clock()),
+                    "held": [
+                        {
+                            "step": h.step,
+                            "start_ns": h.start_ns,
+                            "batches": [b for parts in h.batches.values() for b in parts],
+                            "missing": [list(c) for c in sorted(h.missing)],
+                            "version": h.version,
+                            "figures": list(h.figures) if h.figures else None,
+                            "fresh": h.fresh,
+                        }
+                        for h in job.held.values()
+                    ],
+                    "closed_without": [
+                        [step, [list(c) for c in sorted(without)]]
+                        for step, without in job.closed_without.items()
+                    ],
                 }
                 for key, job in self.jobs.items()
             },
@@ -925,9 +1276,51 @@ class StepProcessor:
             job.series_names = list(saved["series_names"])
             job.fed_steps.extend(tuple(x) for x in saved["fed_steps"])
             job.series_baseline = dict(saved["series_baseline"])
-            job.live.restore(saved["live"], list(job.retained))
+            if "arrivals" in saved:
+                job.arrivals = JobArrivals.from_state(
+                    saved["arrivals"], processor.settings.lateness_s, now
+                )
+                job.restore_reached()
+            job.open_steps = {step for j, a, step in processor.windows if (j, a) == key}
+            for step, without in saved.get("closed_without", []):
+                job.closed_without[int(step)] = frozenset((int(d), int(p)) for d, p in without)
+            for h in saved.get("held", []):
+                batches: dict[tuple[int, int], list[RankStepBatch]] = {}
+                for batch in h["batches"]:
+                    batches.setdefault((batch.dp_rank, batch.pp_rank), []).append(batch)
+                held = _Held(
+                    int(h["step"]), int(h["start_ns"]), batches,
+                    {(int(d), int(p)) for d, p in h["missing"]},
+                    sum(b.n_ops for b in h["batches"]), int(h["version"]),
+                    tuple(h["figures"]) if h["figures"] else None, bool(h["fresh"]),
+                )  # fmt: skip
+                job.held[held.step] = held
+                job.held_ops += held.ops
+            job.live.restore(
+                saved["live"], list(job.retained),
+                _diagnosed_steps(job, key, saved, retained_inputs),
+            )  # fmt: skip
             processor.jobs[key] = job
         return processor
+
+
+def _diagnosed_steps(
+    job: _JobState,
+    key: tuple[str, int],
+    saved: dict[str, Any],
+    retained_inputs: Callable[[tuple[str, int], list[int]], dict[int, bytes]] | None,
+) -> list[PreparedTrace]:
+    """The steps of the job's last diagnosis its retained window no longer holds: in the
+    state itself, or (a state without inputs) from `retained_inputs`."""
+    meta = job.info.to_meta()
+    kept = [PreparedTrace(model=job.compute.model, meta=meta, **{**_ADDED_NONE, **inputs})
+            for inputs in saved.get("diagnosed", [])]  # fmt: skip
+    made = saved["live"].get("last_diagnosis") or {}
+    held = {int(p.steps[0]) for p in (*job.retained, *kept)}
+    wanted = [int(step) for step in made.get("steps", []) if int(step) not in held]
+    if wanted and retained_inputs is not None and job.compute.model is not None:
+        kept += _load_retained(job, key, wanted, retained_inputs)
+    return kept
 
 
 def _load_retained(
@@ -971,6 +1364,10 @@ def _chain_entries(job: _JobState, results: list[StepComputed], closed: list[_Cl
         if computed.alone is None or not step.complete:
             previous = None
             continue
+        if step.version:  # closed again, late: its step before is among the retained
+            previous = next(
+                (p for p in reversed(job.retained) if int(p.steps[0]) == step.step - 1), None
+            )
         if previous is not None and int(previous.steps[0]) == step.step - 1:
             began = job.live.step_start_ns.get(step.step - 1)
             if began is not None:
@@ -979,6 +1376,22 @@ def _chain_entries(job: _JobState, results: list[StepComputed], closed: list[_Cl
                 )
         previous = computed.alone
         job.live.step_start_ns.setdefault(step.step, step.start_ns)
+
+
+def _lacks_only(batches: dict, coordinates: int, overdue: list[tuple[int, int]]) -> bool:
+    """Whether a step with `batches` (per coordinate) of a job of `coordinates` lacks only
+    `overdue` ones."""
+    missing = coordinates - len(batches)
+    if missing > len(overdue):
+        return False
+    return sum(1 for c in overdue if c not in batches) == missing
+
+
+def _figures(result: WhatIfResult | None) -> tuple[float, float, float] | None:
+    """What a step's result added to its job's totals (`JobTotals.add`)."""
+    if result is None:
+        return None
+    return (float(result.t_actual[0]), float(result.t_ideal[0]), float(result.step_slowdown[0]))
 
 
 def change_kind(kind: str, before: float, after: float, baseline: float, min_rise: float) -> str:

@@ -44,6 +44,7 @@ from lagscope.producers.events import SchemaError, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.metrics import MetricsServer, Probes, Verdict
 from lagscope.producers.redact import scrub, secret_values
+from lagscope.producers.topics import make_topics, topic_ready
 from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
@@ -65,6 +66,9 @@ _CLIENT_LOG = "lagscope.worker.librdkafka"
 _KAFKA_QUIET_S = 3.0
 #: Job records the jobs reader hands the core in one call, at most.
 _JOB_RECORDS_PER_CALL = 1000
+#: A partition is caught up when the worker has taken every record up to a high watermark
+#: Kafka told it at most this long ago (it answers a waiting fetch every ~0.5 s).
+_FRESH_ANSWER_S = 1.5
 
 
 # -- the faust host -------------------------------------------------------------------------
@@ -165,9 +169,22 @@ class FaustWorker:
             if highwater is None or part is None:
                 continue
             self._lag[tp.partition] = max(0, highwater - part.next_offset)
-            if part.next_offset >= highwater and part.clock.behind:
+            if part.next_offset >= highwater and part.clock.behind and self._answered_lately(tp):
                 caught_up.append(tp.partition)
         return caught_up
+
+    def _answered_lately(self, tp: Any) -> bool:
+        """Whether Kafka answered a fetch of `tp` within `_FRESH_ANSWER_S`: only then does
+        its high watermark say there is nothing more. Between the last buffered record's
+        hand-over and the next fetch, a stale one read "caught up" mid-backlog, and the
+        clock jumped from the records' times to now: every step still waiting for a
+        coordinate whose batches were next in Kafka closed without it."""
+        try:
+            consumer = self.app.consumer._thread._ensure_consumer()  # faust's aiokafka client
+            stamp = consumer.last_poll_timestamp(tp)
+        except Exception:  # not started, or a rebalance under way
+            return False
+        return stamp is not None and time.time() - stamp / 1000 <= _FRESH_ANSWER_S
 
     # -- kafka clients --------------------------------------------------------------------
     def _make_producer(self) -> Any:
@@ -277,7 +294,7 @@ class FaustWorker:
         )
         assigned = threading.Event()
         try:
-            while not _topic_exists(consumer, topic):
+            while not topic_ready(consumer, topic):
                 self._dead_letters_idle.set()  # nothing to read (yet)
                 _serve_client_log(consumer)
                 if self._stop.wait(2.0):
@@ -339,7 +356,9 @@ class FaustWorker:
 
         @app.agent(topic, name="lagscope-ops")
         async def ops(stream: Any) -> None:
-            async for runs in stream.noack_take(settings.take_max_runs, within=0.2):
+            async for runs in stream.noack_take(
+                settings.take_max_runs, within=settings.take_within_s
+            ):
                 await self._on_runs(runs)
 
         @app.timer(interval=settings.tick_interval_s)
@@ -481,7 +500,7 @@ class FaustWorker:
             if message.partition not in self._owned:
                 continue  # revoked while the pass waited: aiokafka asserts on its highwater
             highwater = consumer.highwater(message.tp)
-            behind = highwater is not None and message.offset + 1 < highwater
+            behind = highwater is None or message.offset + 1 < highwater
             if highwater is not None:
                 self._lag[message.partition] = max(0, highwater - message.offset - 1)
             await self._core(self.core.set_behind, message.partition, behind)
@@ -670,14 +689,58 @@ class FaustWorker:
             )  # fmt: skip
             time.sleep(retry_s)
 
+    def wait_for_topics(self) -> None:
+        """Return once the ops topic exists, made here when it was missing (with the jobs
+        and dead-letter topics, as the streamer makes them: `producers/topics.py`), or,
+        where this worker may not make topics, once someone else did. One line says which.
+        A worker subscribed to a topic that does not exist yet is assigned nothing and
+        looks for it again only minutes later: on a fresh cluster, whose workers start
+        before any streamer, it consumed nothing of the job that ran meanwhile. With
+        `exit_when_idle_s`, a topic that has not appeared within it is a ConfigError."""
+        from confluent_kafka.admin import AdminClient
+
+        kafka = self.config.kafka
+        config = kafka.client_config()
+        admin = kafka_client(AdminClient, {**config, "log_level": 0})
+        # Made before anything asks for their metadata: a broker that creates topics on
+        # demand would make them at that request, without the jobs topic's compaction.
+        made = make_topics(admin, kafka)
+        if not made.created and topic_ready(admin, kafka.topic_ops):
+            return  # the common case: a cluster that ran before
+        began = time.monotonic()
+        if not made.created:
+            failed = made.failed.get(kafka.topic_ops) or next(iter(made.failed.values()), None)
+            reason = scrub(str(failed), secret_values(config)) if failed else "not made yet"
+            log.warning("topic %s does not exist and this worker could not create it (%s): "
+                        "waiting for it, subscribing once it appears", kafka.topic_ops,
+                        reason)  # fmt: skip
+        give_up_s = self.config.worker.exit_when_idle_s
+        while not topic_ready(admin, kafka.topic_ops):
+            waited = time.monotonic() - began
+            if give_up_s is not None and waited >= give_up_s:
+                raise ConfigError(
+                    f"topic {kafka.topic_ops} did not appear in {waited:.0f} s and could not "
+                    "be created; nothing was consumed"
+                )
+            time.sleep(1.0)
+            if not made.created:  # a refusal may pass (a broker still starting)
+                made = make_topics(admin, kafka)
+        if made.created:
+            log.info("topic(s) %s were missing: created them; subscribing",
+                     made.describe_created(kafka))  # fmt: skip
+        else:
+            log.info("topic %s appeared after %.0f s (made by another client): subscribing",
+                     kafka.topic_ops, time.monotonic() - began)  # fmt: skip
+
     def run(self) -> None:
         from faust.worker import Worker
 
         self.serve_metrics()
         self.wait_for_broker()
+        self.wait_for_topics()
         self._producer = self._make_producer()
         quiet_repeats("aiokafka")  # its loggers exist: faust's driver imported them
-        logging.getLogger("mode.timers").addFilter(_overlap_as_info)
+        logging.getLogger("mode.timers").addFilter(_overlap_as_debug)
         # Left out: faust logs what is printed as WARNING lines, and the idle exit's
         # summary (one JSON line on stdout, for scripts) is no warning.
         Worker(
@@ -694,18 +757,22 @@ class FaustWorker:
             shutil.rmtree(self._made_store, ignore_errors=True)
 
 
-def _overlap_as_info(record: logging.LogRecord) -> bool:
+def _overlap_as_debug(record: logging.LogRecord) -> bool:
     """faust's timers warn when a tick ran longer than its interval; the worker's tick
     waits for the core's one thread while a pass runs there (the first pass infers the
-    job's model: a second or more), so for it that is the design, told at INFO.
+    job's model, a catch-up's passes hold many steps: a second or more), so for it that
+    is the design, not news: a DEBUG line, shown only when the worker logs at DEBUG.
 
     >>> record = logging.LogRecord("mode.timers", logging.WARNING, "", 0,
     ...     "Timer %s is overlapping (interval=%r runtime=%r)", ("periodic", 0.5, 1.8), None)
-    >>> _overlap_as_info(record), record.levelname
-    (True, 'INFO')
+    >>> _overlap_as_debug(record) == logging.getLogger("mode.timers").isEnabledFor(10)
+    True
+    >>> record.levelname
+    'DEBUG'
     """
     if record.levelno == logging.WARNING and str(record.msg).startswith("Timer %s is overlapping"):
-        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
     return True
 
 
@@ -735,16 +802,6 @@ def _serve_client_log(consumer: Any) -> None:
     poll) kept an outage's connection errors queued until its close(), which logged them
     as fresh ERRORs while the worker exited, long after Kafka had come back."""
     consumer.poll(0)
-
-
-def _topic_exists(consumer: Any, topic: str) -> bool:
-    from confluent_kafka import KafkaException
-
-    try:
-        found = consumer.list_topics(topic, timeout=5).topics.get(topic)
-    except KafkaException:
-        return False
-    return found is not None and found.error is None and bool(found.partitions)
 
 
 def _caught_up(consumer: Any) -> bool:

@@ -67,15 +67,21 @@ class WorkerSettings(BaseModel):
     #: a 100,000-GPU job's snapshot is 84 MB and takes ~0.9 s to encode and write, so it
     #: comes every ~18 s (a restart re-reads a little more of Kafka).
     checkpoint_max_share: float = Field(default=0.05, gt=0, le=1)
-    #: Fetched runs (one partition's records from one fetch) handed to the processor at once.
+    #: Fetched runs (one partition's records from one fetch) handed to the processor at once
+    #: ...
     take_max_runs: int = Field(default=4, ge=1)
+    #: ... or those that came within this long of the first (a backlog fills them at once;
+    #: a job followed live has one, which waited 0.2 s, a fifth of the latency budget).
+    take_within_s: float = Field(default=0.05, gt=0)
     #: Most bytes fetched per partition at once (the size of a run): larger runs amortise the
     #: per-run cost; a run is at most this much memory per partition.
     fetch_max_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: How long a batch of a job without metadata waits for `lagscope.jobs`.
     job_wait_s: float = Field(default=5.0, ge=0)
-    #: How often lateness timeouts, writes and snapshots are checked.
-    tick_interval_s: float = Field(default=0.5, gt=0)
+    #: How often lateness timeouts, writes and snapshots are checked: a live job's steps
+    #: not yet due at the end of their pass (writes are spaced by their own cost) wait
+    #: for the next tick, 0.25 s at most, a quarter of a step's 1 s budget to the store.
+    tick_interval_s: float = Field(default=0.25, gt=0)
     #: Conclude a job (episodes refined, final diagnosis) once it has received no batch
     #: and closed no step for this long (a job every rank of which said it ended is
     #: concluded at once; an idle job may only have paused, so its open episodes keep

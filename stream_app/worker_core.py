@@ -35,16 +35,16 @@ same numbers as an uninterrupted run):
    more messages until a retried write succeeds.
 
 Windows follow event time (`LatenessClock`): while Kafka holds more of a partition, its
-lateness clock is the newest record timestamp delivered, so a backlog of any size (or a
-worker held back by a store outage) closes complete steps complete; once caught up it is
-wall-clock time, so a silent rank still times out.
+lateness clock is the newest record timestamp delivered (each batch arrives at its own
+record's time), so a backlog of any size (or a worker held back by a store outage) closes
+complete steps complete; once caught up it is wall-clock time, so a silent rank still
+times out (`stream_app/lateness.py`). The clock's reading is in the snapshot: a successor
+goes on from it, and the restored windows keep their ages.
 
 Limits: snapshots hand a partition over only between workers that share one store (one
 ClickHouse server). Workers with stores of their own (a chDB directory each) cannot read
-each other's snapshots: a partition that moves is read again from Kafka's start. A
-step closed by the lateness timeout depends on wall-clock time, so a step closed
-incomplete before a crash may re-close complete after it; the first stored version
-stands. Retained inputs are kept 30 days (table TTL).
+each other's snapshots: a partition that moves is read again from Kafka's start.
+Retained inputs are kept 30 days (table TTL).
 """
 
 from __future__ import annotations
@@ -169,6 +169,7 @@ class WorkerCore:
             "ops": 0,
             "steps_written": 0,
             "steps_already_stored": 0,
+            "steps_closed_again": 0,
             "dead_letters": 0,
             "snapshots": 0,
             "rollups": 0,
@@ -278,17 +279,23 @@ class WorkerCore:
             self.counters["messages"] += len(fresh)
             if self.first_message_at is None:
                 self.first_message_at = time.time()
-            # The windows these batches open start no later than the run's first record.
-            part.clock.observe(min(m.timestamp_s for m in fresh))
             closed_before = len(part.core.pending)
             started = time.perf_counter()
-            part.core.on_batches(
-                (m.value or b"", f"{self.topic}[{number}]@{m.offset}", m.timestamp_s) for m in fresh
-            )
+            part.core.on_batches(self._arriving(part, fresh))
             self._observe_steps(part, closed_before, time.perf_counter() - started)
-            part.clock.observe(max(m.timestamp_s for m in fresh))
         self._count_totals()
         self.write_due()
+
+    def _arriving(
+        self, part: _Partition, messages: list[OpsMessage]
+    ) -> Iterable[tuple[bytes, str, float]]:
+        """The records for the core, the partition's clock at each one's own time as the
+        core takes it: behind its input, a batch arrives when it was produced, so a
+        coordinate's silences and a step's wait read as they were, however fast the
+        backlog is read."""
+        for m in messages:
+            part.clock.observe(m.timestamp_s)
+            yield m.value or b"", f"{self.topic}[{part.number}]@{m.offset}", m.timestamp_s
 
     def take_seeks(self) -> dict[int, int]:
         """The offsets the host must move the consumer of these partitions back to: those
@@ -488,7 +495,10 @@ class WorkerCore:
         """Count what a write stored and publish it on the results topic."""
         self.counters["steps_written"] += len(written.outputs)
         for out in written.outputs:
-            self.steps_stored[out.complete] += 1
+            if out.version:  # a step closed again with late batches: stored before
+                self.counters["steps_closed_again"] += 1
+            else:
+                self.steps_stored[out.complete] += 1
         if written.outputs:
             self.last_write_at = time.time()
         for out in written.outputs:
@@ -512,6 +522,8 @@ class WorkerCore:
         self.flush_results()
         retained = {part.number: self._new_retained(part) for part in parts}
         self.checkpoints.write_retained([step for steps, _ in retained.values() for step in steps])
+        for part in parts:
+            part.core.processor.forget_diagnosed()  # stored: a resume reads them there
         snapshots, encoding = [], []
         for part in parts:
             started = time.perf_counter()
@@ -539,7 +551,8 @@ class WorkerCore:
         steps = []
         current: set[tuple[str, int, int]] = set()
         for (job_id, attempt), job in part.core.processor.jobs.items():
-            for prepared in job.retained:
+            # The steps of its last diagnosis too: a resumed job makes it again from them.
+            for prepared in (*job.retained, *job.diagnosed_beyond_window()):
                 key = (job_id, attempt, int(prepared.steps[0]))
                 current.add(key)
                 if key not in part.persisted:
@@ -583,13 +596,16 @@ class WorkerCore:
     def _new_core(self, clock: LatenessClock | None = None,
                   processor: StepProcessor | None = None) -> HostCore:  # fmt: skip
         clock = clock or LatenessClock()
-        return HostCore(
+        core = HostCore(
             self.config.processor,
             self.records,
             clock=clock,
             processor=processor,
             store_raw_ops=self.config.store.raw_ops,
         )
+        # Snapshots store each job's last diagnosis' steps, so a resume makes it again.
+        core.processor.keep_diagnosed = True
+        return core
 
     def _from_snapshot(self, number: int, blob: bytes, where: str) -> _Partition:
         """A partition resumed from a snapshot payload; SnapshotError when it is not one."""
@@ -601,7 +617,7 @@ class WorkerCore:
             )
         try:
             saved = payload["core"]
-            clock = LatenessClock(saved["event_time_s"])
+            clock = LatenessClock(saved["event_time_s"], reading_s=saved.get("clock_reading_s"))
             processor = StepProcessor.from_state(
                 saved["processor"],
                 clock,
@@ -640,6 +656,7 @@ def step_result(out: StepOutput, top: int = 3) -> dict[str, Any]:
         "start_ns": out.start_ns,
         "complete": out.complete,
         "missing": [{"dp": dp, "pp": pp} for dp, pp in out.missing],
+        "missing_reason": out.missing_reason,
         "reason": out.reason,
         "changepoints": [
             {

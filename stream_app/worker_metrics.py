@@ -48,6 +48,9 @@ def worker_metric_families(
         counter("lagscope_worker_steps_already_stored_total",
                 "Re-closed steps (after a crash or rebalance) found already stored.",
                 counters["steps_already_stored"]),
+        counter("lagscope_worker_steps_closed_again_total",
+                "Steps closed without a rank whose late batches closed them again (their "
+                "rows replaced).", counters["steps_closed_again"]),
         labelled_counter("lagscope_worker_dead_letters_total",
                          "Records set aside in the store's dead_letters table, by kind.",
                          ["reason"],

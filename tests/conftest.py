@@ -168,6 +168,7 @@ def straight_and_resumed(
     straight.on_job(info)
     want = feed(straight, steps)
     resumed = StepProcessor(settings)
+    resumed.keep_diagnosed = True  # as a worker, which snapshots
     resumed.on_job(info)
     got = feed(resumed, steps[:cut])
     resumed = StepProcessor.from_state(decode_state(encode_state(resumed.state_dict())))

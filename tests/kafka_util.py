@@ -14,6 +14,8 @@ class Message:
     key: bytes | None
     value: bytes
     headers: dict[str, bytes]
+    #: When its producer made it (epoch seconds: the record's CreateTime).
+    timestamp_s: float = 0.0
 
 
 def consume_all(bootstrap: str, topic: str, *, timeout_s: float = 60.0) -> list[Message]:
@@ -48,7 +50,8 @@ def consume_all(bootstrap: str, topic: str, *, timeout_s: float = 60.0) -> list[
                     continue
                 raise RuntimeError(f"consuming {topic}: {msg.error()}")
             at_end.discard(msg.partition())
-            out.append(Message(msg.key(), msg.value(), dict(msg.headers() or [])))
+            out.append(Message(msg.key(), msg.value(), dict(msg.headers() or []),
+                               msg.timestamp()[1] / 1000))  # fmt: skip
         return out
     finally:
         consumer.close()

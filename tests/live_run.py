@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from lagscope.dashboards.alerts import RULES
-from lagscope.producers.events import peek_header
+from lagscope.producers.events import decode_batch
 from lagscope.producers.log import KIND_BATCH, RankLogReader, Record, list_rank_dirs
+from lagscope.store.errors import StoreError
 from lagscope.store.rows import episode_version
 from lagscope.store.sink import ClickHouseSink
 from tests.worker_util import (
@@ -56,15 +57,25 @@ class Seen:
     ended: tuple[int, bool] = (0, False)
     #: Whether the job's final diagnosis was in the store while the hosts still ran.
     concluded: bool = False
+    #: step -> when the host had its last batch and when it made its rows (epoch s).
+    received: dict[int, float] = field(default_factory=dict)
+    processed: dict[int, float] = field(default_factory=dict)
+    #: step -> when the store first held it (with `arrivals`: watched every 50 ms), and
+    #: when it first held an episode, with that episode's first_seen step.
+    stored: dict[int, float] = field(default_factory=dict)
+    first_episode: tuple[float, int] | None = None
 
 
 @dataclass
 class LogArrivals:
-    """When each rank's steps reached its log (epoch seconds, read every 0.1 s): how long
-    the timer held them, apart from how long the hosts took."""
+    """When each rank's steps reached its log (epoch seconds, read every `period_s`): how
+    long the timer held them, apart from how long the hosts took."""
 
     #: rank -> step -> when it was first readable.
     at: dict[int, dict[int, float]] = field(default_factory=dict)
+    #: rank -> step -> when it ended on the rank (its last op's end, epoch seconds).
+    ended: dict[int, dict[int, float]] = field(default_factory=dict)
+    period_s: float = 0.1
 
     def step_in_log(self, step: int) -> float | None:
         """When the last rank's batch of `step` reached its log; None if one never did."""
@@ -74,15 +85,44 @@ class LogArrivals:
 
 def _watch_logs(logs: Path, arrivals: LogArrivals, stop: threading.Event) -> None:
     readers: dict[Path, RankLogReader] = {}
-    while not stop.wait(0.1):
+    while not stop.wait(arrivals.period_s):
         for directory in list_rank_dirs(logs):
             readers.setdefault(directory, RankLogReader(directory, torn_grace_s=60.0))
         now = time.time()
         for reader in readers.values():
             for item in reader.read(1 << 30):
                 if isinstance(item, Record) and item.kind == KIND_BATCH:
-                    header = peek_header(item.payload)
-                    arrivals.at.setdefault(header["rank"], {}).setdefault(header["step"], now)
+                    batch = decode_batch(item.payload)
+                    arrivals.at.setdefault(batch.rank, {}).setdefault(batch.step, now)
+                    end = int((batch.start_ns + batch.duration_ns).max()) / 1e9
+                    arrivals.ended.setdefault(batch.rank, {})[batch.step] = end
+
+
+def _watch_store(dsn: str, job: str, seen: Seen, stop: threading.Event) -> None:
+    """Note when each step is first in the store: one cheap query every 50 ms, apart
+    from the polls' (whose three queries on two stores take a second on a busy machine)."""
+    sink = ClickHouseSink(dsn)
+    try:
+        while not stop.wait(0.05):
+            try:
+                _, rows = sink.query(
+                    "SELECT (SELECT max(step) FROM steps WHERE job_id = {job:String}), "
+                    "(SELECT count() FROM steps WHERE job_id = {job:String}), "
+                    "(SELECT min(first_seen_step) FROM episodes WHERE job_id = {job:String}), "
+                    "(SELECT count() FROM episodes WHERE job_id = {job:String})",
+                    {"job": job},
+                )
+            except Exception:  # the tables appear when a host first writes
+                continue
+            now = time.time()
+            last, count, first_seen, episodes = rows[0]
+            if count:
+                for step in range(max(seen.stored, default=-1) + 1, int(last) + 1):
+                    seen.stored[step] = now
+            if episodes and seen.first_episode is None:
+                seen.first_episode = (now, int(first_seen))
+    finally:
+        sink.close()
 
 
 def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
@@ -118,11 +158,12 @@ def _poll(sink: ClickHouseSink, job: str, seen: Seen) -> None:
 
 def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str,
                 knobs: list[str], *, module: str = "tests.torch_jobs.pipeline_1f1b",
-                steps: int = 60,
-                arrivals: LogArrivals | None = None) -> dict[str, Seen]:  # fmt: skip
-    """Run the job, both hosts following it, polling the store; returns what each host's
-    database showed. With `arrivals`, the logs are read as well, to note when each step
-    reached them."""
+                steps: int = 60, arrivals: LogArrivals | None = None,
+                poll_s: float = 0.25, watch_stored: bool = False) -> dict[str, Seen]:  # fmt: skip
+    """Run the job, both hosts following it, polling the store every `poll_s`; returns
+    what each host's database showed. With `arrivals`, the logs are read as well, to note
+    when each step reached them; with `watch_stored`, each store's stored steps and first
+    episode every 50 ms (`Seen.stored`, `Seen.first_episode`)."""
     server = start_store_server(tmp_path / "store")
     processes: list[WorkerProcess] = []
     stop = threading.Event()
@@ -175,6 +216,10 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
                 stdout=job_log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         seen = {name: Seen() for name in databases}
+        if watch_stored:
+            for name, dsn in databases.items():
+                threading.Thread(target=_watch_store, args=(dsn, job, seen[name], stop),
+                                 daemon=True).start()  # fmt: skip
         stopping = False
         while training.poll() is None or any(p.process.poll() is None for p in processes):
             for name, sink in sinks.items():
@@ -186,11 +231,15 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
                 for name, sink in sinks.items():
                     seen[name].concluded = seen[name].concluded or _concluded(sink, job, steps)
                 if all(found.concluded for found in seen.values()):
+                    # Not the follower: it ends by itself once every rank said it ended,
+                    # its final answer the last thing it stores (stopped while it prints
+                    # its summary, it died of the signal).
                     for process in processes:
-                        process.process.terminate()
+                        if process.process is not following:
+                            process.process.terminate()
                     stopping = True
             assert time.monotonic() < deadline + 300, "the live run did not end"
-            time.sleep(0.25)
+            time.sleep(poll_s)
         assert training.returncode == 0, (tmp_path / "job.log").read_text()[-3000:]
         for process in processes:
             assert process.wait(30) == 0, process.log()[-3000:]
@@ -203,6 +252,21 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
                 {"job": job},
             )
             seen[name].step_starts = {int(step): float(at) for step, at in rows}
+            _, rows = sink.query(
+                "SELECT step, toUnixTimestamp64Milli(processed_at) / 1000 FROM steps FINAL "
+                "WHERE job_id = {job:String}",
+                {"job": job},
+            )
+            seen[name].processed = {int(step): float(at) for step, at in rows}
+            try:
+                _, rows = sink.query(
+                    "SELECT step, toUnixTimestamp64Milli(received_at) / 1000 FROM steps FINAL "
+                    "WHERE job_id = {job:String} AND received_at IS NOT NULL",
+                    {"job": job},
+                )
+            except StoreError:  # a build before the column: the bench's "before"
+                rows = []
+            seen[name].received = {int(step): float(at) for step, at in rows}
             seen[name].rules_firing = _rules_firing(sink, job)
             _, rows = sink.query(
                 "SELECT ranks_ended, ended_at IS NOT NULL FROM jobs FINAL "

@@ -138,3 +138,53 @@ def test_megatron_reduces_its_gradients_before_the_layernorm_and_embedding():
     reference = _tail_model([tail[1], tail[2], tail[0], *tail[3:]])
     assert reference[ot.LAYERNORM_GRADS_ALL_REDUCE] == {ot.BACKWARD_COMPUTE}
     assert reference[ot.SEPARATE_GRADS_ALL_REDUCE] == {ot.EMBEDDING_GRADS_ALL_REDUCE}
+
+
+def test_fsdp_gathers_inside_its_forward_and_backward_hold_up_nothing_before_them():
+    """FSDP2 all-gathers each block's parameters from its hooks, inside the forward and
+    again inside the backward, and reduce-scatters its gradients inside the backward:
+    the model ordered the chunk's last gather (one of the backward's) before the forward,
+    a cycle no step of an FSDP2 job could be analysed with. The forward now waits only for
+    gathers launched before it; a forward's own time leaves out the gathers it waited on."""
+    from lagscope.simulator.depmodel import infer_dependency_model
+    from lagscope.simulator.prepare import own_durations
+
+    ms = 1e-3
+    rows = [  # (optype, seq, start, end) of one FSDP2 step on one rank
+        (ot.FORWARD_COMPUTE, 0, 0.0, 17 * ms),
+        (ot.PARAMS_ALL_GATHER, 0, 0.5 * ms, 7 * ms),
+        (ot.PARAMS_ALL_GATHER, 1, 7.5 * ms, 11 * ms),
+        (ot.BACKWARD_COMPUTE, 0, 17.5 * ms, 47 * ms),
+        (ot.PARAMS_ALL_GATHER, 2, 18 * ms, 23 * ms),
+        (ot.GRADS_REDUCE_SCATTER, 0, 28 * ms, 31 * ms),
+        (ot.GRADS_REDUCE_SCATTER, 1, 36 * ms, 39 * ms),
+        (ot.OPTIMIZER, 0, 47.5 * ms, 48 * ms),
+    ]
+    optypes = [r[0] for r in rows]
+    zeros = np.zeros(len(rows), dtype=np.int64)
+    model = infer_dependency_model(
+        zeros, optypes, np.array([r[1] for r in rows]), np.array([r[2] for r in rows]),
+        np.array([r[3] for r in rows]), zeros, zeros, n_stages=1, vpp=1, has_dp_comm=True,
+        overlapped_dp=False,
+    )  # fmt: skip
+    assert model.compiled.n_nodes == len(rows)  # levelled: no cycle
+    forward = optypes.index(ot.FORWARD_COMPUTE)
+    assert not [d for d in model.deps[forward] if optypes[d] == ot.PARAMS_ALL_GATHER]
+    # A two-rank trace of it: each forward is its own 10 ms of work, whatever it waited.
+    columns: dict[str, list] = {k: [] for k in ("dp_rank", "stage", "rank", "step", "optype",
+                                                "start_ts", "duration", "seq_id")}  # fmt: skip
+    for step in range(2):
+        for dp in range(2):
+            for optype, seq, start, end in rows:
+                columns["dp_rank"].append(dp)
+                columns["stage"].append(0)
+                columns["rank"].append(dp)
+                columns["step"].append(step)
+                columns["optype"].append(optype)
+                columns["start_ts"].append(start + 0.1 * step)
+                columns["duration"].append(end - start)
+                columns["seq_id"].append(seq)
+    prepared = prepare(Trace.from_columns(columns, source="<fsdp>"), META)
+    own = own_durations(prepared)
+    node = prepared.node_optype.index(ot.FORWARD_COMPUTE)
+    np.testing.assert_allclose(own[node], 17 * ms - 6.5 * ms - 3.5 * ms, atol=1e-6)

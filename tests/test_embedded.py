@@ -111,10 +111,14 @@ def test_a_silent_rank_makes_incomplete_steps(chdb_dir, tmp_path):
     report = EmbeddedRunner(sink, ProcessorSettings(lateness_s=5.0)).run_logs(tmp_path)
     assert [s for s, _ in report.jobs["silent", 0].incomplete_steps] == list(range(6, 12))
     _, rows = sink.query(
-        "SELECT step, missing_ranks FROM steps FINAL WHERE NOT complete ORDER BY step"
+        "SELECT step, missing_ranks, missing_reason FROM steps FINAL WHERE NOT complete "
+        "ORDER BY step"
     )
     missing_rank = (1 * spec.dp + 1) * spec.tp
-    assert rows == [(s, [missing_rank]) for s in range(6, 12)]
+    assert [row[:2] for row in rows] == [(s, [missing_rank]) for s in range(6, 12)]
+    # The logs ended without its batches: each row says so.
+    reason = "(dp 1, pp 1) sent step 5 last: the input ended without this one"
+    assert {row[2] for row in rows} == {reason}
 
 
 def test_every_step_stores_its_discrepancy_and_an_unanalysed_one_its_reason(chdb_dir, tmp_path):

@@ -626,3 +626,41 @@ def test_an_episodes_estimated_loss_is_stored_beside_its_whole_loss(chdb_dsn) ->
     assert 0 < row["estimated_lost_s"] < row["lost_s"]
     assert f"{row['estimated_lost_s']:.2f} s of it estimated for its first 9" in row["summary"]
     sink.close()
+
+
+def test_a_step_closed_again_replaces_its_stored_rows(chdb_dsn: str) -> None:
+    """(dp 1)'s batch of step 2 comes after its step 3: step 2 closed without it, and is
+    stored so, saying why. Then the batch comes: the step closes again, whole, and its
+    rows (the step, its workers and attributions) replace the stored ones."""
+    job = generate_job(JobSpec(dp=2, pp=1, microbatches=2, steps=6, seed=0, name="again"))
+    info, steps = stream_of(job)
+    now = [0.0]
+    settings = ProcessorSettings(lateness_s=1_000.0)
+    core = HostCore(settings, JobRecords(settings.max_world_size), clock=lambda: now[0])
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    sink = ClickHouseSink(chdb_dsn)
+    sink.ensure_schema()
+    owed = None
+    for index, (_, _, batches) in enumerate(steps):
+        for batch in batches:
+            if index == 2 and batch.dp_rank == 1:
+                owed = batch
+                continue
+            core.on_batches([(batch.encode(), "ops@0", now[0])])
+    core.write(sink)
+
+    def stored() -> tuple:
+        _, rows = sink.query("SELECT complete, missing_ranks, missing_reason, version FROM "
+                             "steps FINAL WHERE step = 2")  # fmt: skip
+        _, workers = sink.query("SELECT count(), min(version) FROM worker_slowdown FINAL "
+                                "WHERE step = 2")  # fmt: skip
+        return rows[0], workers[0]
+
+    assert stored() == ((False, [1], "(dp 1, pp 0) sent step 3 but not this one", 0), (1, 0))
+    assert owed is not None
+    core.on_batches([(owed.encode(), "ops@0", now[0])])
+    core.write(sink)
+    assert stored() == ((True, [], "", 1), (2, 1))
+    _, rows = sink.query("SELECT count() FROM steps FINAL")
+    assert rows[0][0] == len(steps)
+    sink.close()

@@ -165,8 +165,7 @@ def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Job:
 def test_fsdp2_is_recorded_from_fully_shard(fsdp: Job) -> None:
     """Its 1-D mesh is data parallel; every block's parameters are all-gathered for its
     forward and its backward and its gradients reduce-scattered; the planted straggler's
-    forward is 3x as long in its steps. (The analysis does not take FSDP2 steps yet: its
-    dependency model orders all-gathers before the forward, and FSDP2 gathers inside it.)"""
+    forward is 3x as long in its steps, and it is named."""
     assert_layout(fsdp, world=2, dp=2, pp=1)
     assert_every_step_recorded(fsdp, world=2)
     blocks = 3
@@ -184,6 +183,7 @@ def test_fsdp2_is_recorded_from_fully_shard(fsdp: Job) -> None:
 
     assert grew(1, "forward-compute") > 5
     assert grew(0, "params-all-gather") > grew(1, "params-all-gather") + 3
+    assert_named(fsdp.analysis, (1, 0), within=3)
 
 
 # -- torch.distributed.pipelining 1F1B, DP 2 x PP 2 (torchrun) ---------------------------

@@ -95,9 +95,11 @@ def test_missing_rank_closes_after_timeout_and_is_named(reference_dir):
         # The replica that is whole (dp 0) is still analysed.
         assert o.result is not None and o.analysed_dp_ranks == (0,)
     assert processor.counters["steps_incomplete"] == len(steps) - 10
-    # The rank's batch arriving after its step closed is counted, not merged.
+    # The rank's batch arriving after its step closed closes it again, whole: a new
+    # version of its rows.
     late = [b for b in steps[12][2] if (b.dp_rank, b.pp_rank) == silent]
-    assert processor.on_batch(late[0]) == []
+    (again,) = processor.on_batch(late[0])
+    assert (again.step, again.complete, again.version) == (steps[12][1], True, 1)
     assert processor.counters["late_batches"] == 1
 
 
@@ -435,3 +437,134 @@ def test_a_backlog_prices_its_open_episodes_as_steps_one_at_a_time():
     assert [(s.at_step, s.cost, s.episode.recovery) for s in at_once] == [
         (s.at_step, s.cost, s.episode.recovery) for s in one_by_one
     ]
+
+
+def test_a_resumed_job_tells_its_story_again_where_an_uninterrupted_one_does():
+    """An episode that opens or closes after a resume is told in a diagnosis of its step,
+    composed on the job's last roll-up, as an uninterrupted run tells it: the roll-up is
+    part of the state. Before, a resumed job had none and stored no diagnosis at those
+    steps (a rebalance changed the `diagnoses` rows)."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.8, start_step=25, end_step=45)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=60, name="story", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    info, steps = stream_of(generate_job(spec))
+    straight, resumed = straight_and_resumed(info, steps, ProcessorSettings(), cut=35)[:2]
+
+    def diagnoses(outputs: list) -> list[tuple[int, int, str, str]]:
+        return [(o.step, int(o.diagnosis.rollup.steps[-1]), o.diagnosis.verdict.summary,
+                 o.diagnosis.run.summary) for o in outputs if o.diagnosis is not None]  # fmt: skip
+
+    want = diagnoses(straight)
+    # Diagnosed at steps 9 and 29 (the episode opened there), resumed at 35, the episode
+    # closed at 47: told there on the roll-up of step 29.
+    assert [(step, rolled_up) for step, rolled_up, *_ in want] == [(9, 9), (29, 29), (47, 29)]
+    assert diagnoses(resumed) == want
+
+
+def _two_workers(steps: int) -> tuple[JobInfo, list[list]]:
+    """A generated DP 2 job's batches, per step [(dp 0)'s, (dp 1)'s]."""
+    info, stream = stream_of(generate_job(
+        JobSpec(dp=2, pp=1, microbatches=2, steps=steps, name="paced", seed=3)
+    ))  # fmt: skip
+    return info, [sorted(batches, key=lambda b: b.dp_rank) for _, _, batches in stream]
+
+
+def test_a_rank_that_delivers_at_its_own_pace_is_waited_for_and_a_dead_one_is_not():
+    """(dp 0) sends each step as it ends; (dp 1) sends 30 steps at a time, every 3 s (its
+    timer's seals). Its steps wait for it, far past the 2 s a fixed timeout gave them:
+    it still delivers. Then it dies: its steps close without it once it has been silent
+    for the job's lateness (3 x its 3 s gaps + 2 steps, ~9 s: not the 30 s ceiling), each
+    saying why, and the steps after close as soon as (dp 0)'s batch is in."""
+    info, steps = _two_workers(200)
+    clock = FakeClock()
+    processor = StepProcessor(ProcessorSettings(lateness_s=30.0), clock)
+    processor.on_job(info)
+    closed: list[tuple[float, object]] = []
+
+    def deliver(batch, at: float) -> None:
+        clock.now = at
+        closed.extend((at, o) for o in processor.on_batches([batch], arrivals=[(at, 0.0)]))
+
+    for index, (first, _second) in enumerate(steps):
+        at = 0.1 * (index + 1)
+        if index < 60 and index % 30 == 0:  # (dp 1)'s seals: steps 0-29 at 3 s, 30-59 at 6 s
+            for earlier in range(index, index + 30):
+                deliver(steps[earlier][1], 3.0 * (index // 30 + 1))
+        deliver(first, max(at, clock.now))
+        clock.now = max(at, clock.now)
+        closed.extend((clock.now, o) for o in processor.tick())
+    for _ in range(100):
+        clock.now += 0.1
+        closed.extend((clock.now, o) for o in processor.tick())
+    outputs = [o for _, o in closed]
+    assert [o.step for o in outputs] == list(range(200))
+    assert all(o.complete for o in outputs[:60])
+    dead = [(at, o) for at, o in closed if not o.complete]
+    assert [o.step for _, o in dead] == list(range(60, 200))
+    first_cut = dead[0][0]
+    arrivals = processor.jobs[info.job_id, info.attempt].arrivals
+    lateness = arrivals.lateness_s(first_cut)
+    step_s = arrivals.step_time_s()  # the generated job's own step time
+    assert lateness == pytest.approx(3 * 3.0 + 2 * step_s) and lateness < 30
+    assert 6.0 + lateness <= first_cut < 6.0 + lateness + 0.11, (first_cut, lateness)
+    assert f"(dp 1, pp 0) sent nothing for {first_cut - 6.0:.1f} s" in dead[0][1].missing_reason
+    # Once it is overdue, a step closes at the tick after (dp 0)'s batch.
+    assert all(at - 0.1 * (o.step + 1) < 0.2 for at, o in dead if at > first_cut + 0.5)
+
+
+def test_a_step_every_rank_has_passed_closes_at_once():
+    """(dp 1) sends no batch of step 10 (it skipped it) but step 11's: once (dp 0) sent
+    step 11 too, step 10 has all the batches it will get and closes there, saying why,
+    without waiting for a timeout."""
+    info, steps = _two_workers(20)
+    clock = FakeClock()
+    processor = StepProcessor(ProcessorSettings(lateness_s=30.0), clock)
+    processor.on_job(info)
+    outputs = []
+    for index, (first, second) in enumerate(steps):
+        outputs += processor.on_batch(first)
+        if index != 10:
+            outputs += processor.on_batch(second)
+    assert [o.step for o in outputs] == list(range(20))
+    (skipped,) = [o for o in outputs if not o.complete]
+    assert skipped.step == 10 and skipped.missing == ((1, 0),)
+    assert skipped.missing_reason == "(dp 1, pp 0) sent step 11 but not this one"
+    assert clock.now == 0.0  # no time passed: no timeout closed it
+
+
+def test_late_batches_close_their_steps_again_or_are_set_aside_saying_why():
+    """(dp 1) goes silent at step 10 and comes back at step 90 with the steps it owed:
+    its steps closed without it, and the job holds the batches of its latest 64 such
+    steps. Those close again, whole (version 1, the job's totals counting them complete,
+    retained for its roll-up); the batches of the older ones are set aside saying so, and
+    their steps stand incomplete."""
+    info, steps = _two_workers(100)
+    clock = FakeClock()
+    processor = StepProcessor(ProcessorSettings(lateness_s=2.0), clock)
+    processor.on_job(info)
+    outputs = []
+    for index, (first, second) in enumerate(steps):
+        clock.now += 1.0
+        if index == 90:
+            for owed in range(10, 90):
+                outputs += processor.on_batch(steps[owed][1])
+        outputs += processor.on_batch(first)
+        if not 10 <= index < 90:
+            outputs += processor.on_batch(second)
+        outputs += processor.tick()
+    first_closing = {o.step: o for o in outputs if o.version == 0}
+    assert sorted(first_closing) == list(range(100))
+    assert [s for s, o in first_closing.items() if not o.complete] == list(range(10, 90))
+    again = [o for o in outputs if o.version]
+    assert [(o.step, o.version, o.complete) for o in again] == [
+        (step, 1, True) for step in range(26, 90)
+    ]
+    aside = processor.take_rejected()
+    assert [b.step for b, _ in aside] == list(range(10, 26))
+    assert aside[0][1].startswith("late: step 10 of paced-0/0 closed without (dp 1, pp 0)")
+    assert processor.counters["late_batches_set_aside"] == 16
+    job = processor.jobs[info.job_id, info.attempt]
+    totals = job.live.totals
+    assert (totals.complete_steps, totals.incomplete_steps) == (100 - 16, 16)
+    assert totals.steps == 100
+    assert 89 in {int(p.steps[0]) for p in job.retained}

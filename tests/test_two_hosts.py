@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "jobs": ("job_id, attempt", ("started",)),
     "rank_identity": ("job_id, attempt, rank", ()),
-    "steps": ("job_id, attempt, step", ("processed_at",)),
+    "steps": ("job_id, attempt, step", ("processed_at", "received_at")),
     "attribution": ("job_id, attempt, kind, name, step", ()),
     "worker_slowdown": ("job_id, attempt, step, pp_rank, dp_rank", ()),
     "changepoints": ("job_id, attempt, series, step, kind", ()),

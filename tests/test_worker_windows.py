@@ -283,3 +283,56 @@ def test_a_pass_keeps_only_runs_fetched_since_their_partitions_assignment(chdb_d
     kept = worker._current_runs([stale, fresh, older_owner, not_owned])
     assert kept == [fresh, older_owner]
     worker.sink.close()
+
+
+@pytest.mark.slow  # two worker cores on chDB (~10 s)
+def test_a_successor_tells_the_story_on_its_predecessors_last_diagnosis(chdb_dsn):
+    """A partition handed over between two diagnoses: its successor makes the last one
+    again from its steps (the retained window no longer holds the oldest: the snapshot
+    stored them), so the episode that closes after the hand-over is told in a diagnosis
+    of its step, as an uninterrupted worker tells it. The stored rows are the same."""
+    from lagscope.simulator.generate import SlowWorker
+
+    slow = SlowWorker(dp=1, stage=0, factor=1.8, start_step=25, end_step=45)
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=4, steps=60, name="story", seed=5,
+                               stragglers=(slow,)))  # fmt: skip
+    info = JobInfo.from_meta(job.meta, job_id="story")
+    start_ns = time.time_ns() - 3600 * 10**9
+    stream = iter_step_batches(job.trace, job.meta, job_id="story", start_wall_ns=start_ns)
+    steps = [batches for _, _, batches in stream]
+    # A window of 8 steps: at the hand-over (step 42) the last diagnosis' (39: steps
+    # 32-39) oldest steps have left it.
+    config = WorkerConfig(processor=ProcessorSettings(lateness_s=1_000.0, rollup_window_steps=8))
+
+    def feed(core: WorkerCore, first: int, last: int) -> None:
+        offset = sum(len(batches) for batches in steps[:first])
+        for batches in steps[first:last]:
+            core.on_messages(_messages(batches, offset, time.time()))
+            offset += len(batches)
+
+    def diagnoses(sink: ClickHouseSink) -> list[tuple]:
+        _, rows = sink.query("SELECT step, cause, version, evidence, advice FROM diagnoses "
+                             "FINAL ORDER BY step, version")  # fmt: skip
+        return [tuple(row) for row in rows]
+
+    stores = {}
+    for name, cut in (("straight", None), ("handed", 42)):
+        sink = ClickHouseSink(f"{chdb_dsn}_{name}")
+        sink.ensure_schema()
+        core = WorkerCore(config, sink, publish=lambda key, value: None)
+        core.on_job_record(info.model_dump_json().encode(), time.time(), "jobs@0")
+        if cut is not None:
+            feed(core, 0, cut)
+            core.checkpoint(0)
+            core.drop_partition(0)
+            core = WorkerCore(config, sink, publish=lambda key, value: None)
+            core.on_job_record(info.model_dump_json().encode(), time.time(), "jobs@0")
+            feed(core, cut, len(steps))
+        else:
+            feed(core, 0, len(steps))
+        core.finish()
+        stores[name] = diagnoses(sink)
+        sink.close()
+    told = [step for step, *_ in stores["straight"]]
+    assert 47 in told and 39 in told, told  # the episode closed at 47, the roll-up of 39
+    assert stores["handed"] == stores["straight"]

@@ -88,8 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lateness-s",
         type=float,
         metavar="SECONDS",
-        help="close a step this long after its first batch even if ranks miss (default: 30, "
-        "or the settings' processor.lateness_s)",
+        help="the most a step waits for a rank that sends nothing (a job's own lateness follows "
+        "its pace below it; default: 30, or the settings' processor.lateness_s)",
     )
     run.add_argument(
         "--report",

@@ -3,8 +3,9 @@ give the same digest (the one- and two-process paths of `tests/bench/core_scale.
 the worker, in `make bench`).
 
 The derived tables as a reader sees them (`FINAL`: each key's latest version), every
-column but the wall-clock times of processing (`processed_at`, `updated_at`), every row,
-in a fixed order; floats by their exact repr, so a digest differs where a bit does.
+column but the wall-clock times of processing (`processed_at`, `received_at`,
+`updated_at`), every row, in a fixed order; floats by their exact repr, so a digest
+differs where a bit does.
 
 `python -m tests.bench.stored_rows DSN` prints the digest of a store no other process has
 open (an exited worker's chDB directory).
@@ -20,7 +21,7 @@ from lagscope.store.sink import ClickHouseSink
 #: The tables a job's analysis writes.
 TABLES = ("steps", "attribution", "worker_slowdown", "changepoints", "diagnoses", "episodes")
 #: When a row was processed or written: the host's clock, not the job's.
-WALL_CLOCK_COLUMNS = ("processed_at", "updated_at")
+WALL_CLOCK_COLUMNS = ("processed_at", "received_at", "updated_at")
 
 
 def stored_digest(sink: ClickHouseSink) -> str:
