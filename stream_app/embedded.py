@@ -103,13 +103,14 @@ class _LogsClock(LatenessClock):
     """The embedded host's lateness clock. While some logs have data to read, it stands
     where every one of them has got: the least of the starts of their newest batches
     (`advance`, after each round of reading), so neither a backlog's reading nor a log
-    read ahead of another makes a rank late; a window opens at its first batch's first
-    op (`opened_at`), not at the clock's. So a step times out once every log with data
-    has delivered a batch that began the lateness after it began, which a log that has
-    not delivered it yet never has: a rank's step began before any rank's next step
-    began (the step's collectives and optimizer hold them together; the ends of two
-    ranks' steps overlap by a fraction of a step). Caught up, it is wall-clock time, as
-    a worker's: a rank that went silent times out."""
+    read ahead of another makes a rank late. A batch arrives when it began, or now if
+    later (`arrival`): its step's window opens then, and its coordinate has been silent
+    since. So a step times out once every log with data has delivered a batch that began
+    the lateness after the missing coordinate's last one, which a log that has not
+    delivered it yet never has: a rank's step began before any rank's next step began
+    (the step's collectives and optimizer hold them together; the ends of two ranks'
+    steps overlap by a fraction of a step). Caught up, it is wall-clock time, as a
+    worker's: a rank that went silent times out."""
 
     def __call__(self) -> float:
         # While a log with data has not said how far it got (one that begins with
@@ -117,10 +118,13 @@ class _LogsClock(LatenessClock):
         unknown = self.behind and self.newest_record_s is None
         return float("-inf") if unknown else super().__call__()
 
-    def opened_at(self, batch: RankStepBatch) -> float:
-        """When the window `batch` opens opened: its first op, or now if later."""
+    def arrival(self, batch: RankStepBatch, sent_s: float) -> tuple[float, float]:
+        """When `batch` arrives: its first op, or now if later; after no delay. The
+        logs are read here, as they are written: what holds a batch between its rank
+        and this host (the timer's seal, the poll) shows in the silences between a
+        coordinate's arrivals; a backlog's age is no lateness of the job's."""
         now = self()
-        return max(now, float(batch.start_ns.min()) / 1e9) if batch.n_ops else now
+        return (max(now, float(batch.start_ns.min()) / 1e9) if batch.n_ops else now), 0.0
 
     def advance(self, log_times: dict[str, float], behind: set[str]) -> None:
         """After a round: up to where every log with data to read (`behind`) has got (one
@@ -252,7 +256,11 @@ class EmbeddedRunner:
             self.clock.behind = bool(behind)
             self.clock.advance(self._log_times, behind)
             self._close_passed_steps(behind)
-            self.core.tick()
+            if behind or follow:
+                # Read to their ends and not followed, the logs hold no more: their open
+                # steps close as the input's end, each saying what its missing ranks
+                # sent last (`close_open_steps`), not as timed out on the newest record.
+                self.core.tick()
             self._write()
             self._update_live_reports()
             if progress is not None:

@@ -145,6 +145,13 @@ class LatenessClock:
         if self.newest_record_s is None or record_time_s > self.newest_record_s:
             self.newest_record_s = record_time_s
 
+    def arrival(self, batch: RankStepBatch, sent_s: float) -> tuple[float, float]:
+        """When `batch`, sent at `sent_s` (its record's time), arrives here on this clock,
+        and how long after it was sent: now (a driver moves the clock to each record's
+        own time while behind, so a backlog's delays read as they were)."""
+        now = self()
+        return now, now - sent_s
+
 
 @dataclass(frozen=True)
 class _Standing:
@@ -436,9 +443,10 @@ class HostCore:
     def on_batches(self, records: Iterable[tuple[bytes, str, float]]) -> list[RankStepBatch | None]:
         """Decode, admit and window rank-step batches (payload, origin, time of each);
         analyse the steps they close. Returns each record's windowed batch (None: set
-        aside, or of a TP/CP rank other than 0). Each batch arrives at the lateness
-        clock's reading when it is read from `records` (a driver may move the clock to
-        each record's own time as it hands it over), `time of each` before that."""
+        aside, or of a TP/CP rank other than 0). Each batch arrives when the lateness
+        clock says (`LatenessClock.arrival`, as it is read from `records`: a driver may
+        move the clock to each record's own time as it hands it over), `time of each`
+        after it was sent."""
         kept: list[RankStepBatch | None] = []
         windowed: list[RankStepBatch] = []
         arrivals: list[tuple[float, float]] = []
@@ -447,8 +455,7 @@ class HostCore:
             kept.append(batch)
             if batch is not None:
                 windowed.append(batch)
-                now = self.clock()
-                arrivals.append((now, now - at_s))
+                arrivals.append(self.clock.arrival(batch, at_s))
                 if (
                     self.store_raw_ops
                     and batch.tp_rank == 0

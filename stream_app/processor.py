@@ -698,7 +698,7 @@ class StepProcessor:
         key = (batch.job_id, batch.attempt, batch.step)
         window = self.windows.get(key)
         if window is None:
-            window = self.windows[key] = _Window(first_seen=self._opened_at(batch))
+            window = self.windows[key] = _Window(first_seen=at)
             if job is not None:
                 job.open_steps.add(batch.step)
         fingerprint = _fingerprint(batch)
@@ -711,12 +711,6 @@ class StepProcessor:
         self.counters["ops"] += batch.n_ops
         if job is not None and len(window.batches) == job.coordinates:
             closing.append(self._close(key))
-
-    def _opened_at(self, batch: RankStepBatch) -> float:
-        """When the window `batch` opens opened: the clock's time, or what a clock that
-        knows better says (the embedded host's: the batch's own time, in a backlog)."""
-        opened_at = getattr(self.clock, "opened_at", None)
-        return opened_at(batch) if opened_at is not None else self.clock()
 
     def tick(self) -> list[StepOutput]:
         """Close every window whose missing coordinates are all overdue: each sent nothing

@@ -24,7 +24,8 @@ def test_a_job_whose_batches_still_arrive_is_not_concluded_until_they_stop() -> 
     info, steps = stream_of(job)
     now = [0.0]
     settings = ProcessorSettings(lateness_s=1_000.0)
-    core = HostCore(settings, JobRecords(settings.max_world_size), clock=lambda: now[0])
+    clock = LatenessClock(wall=lambda: now[0])
+    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
     core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
 
     def arrive(batch) -> list:
@@ -636,7 +637,8 @@ def test_a_step_closed_again_replaces_its_stored_rows(chdb_dsn: str) -> None:
     info, steps = stream_of(job)
     now = [0.0]
     settings = ProcessorSettings(lateness_s=1_000.0)
-    core = HostCore(settings, JobRecords(settings.max_world_size), clock=lambda: now[0])
+    clock = LatenessClock(wall=lambda: now[0])
+    core = HostCore(settings, JobRecords(settings.max_world_size), clock=clock)
     core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
     sink = ClickHouseSink(chdb_dsn)
     sink.ensure_schema()

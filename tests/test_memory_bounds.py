@@ -144,6 +144,12 @@ def test_a_log_read_behind_the_others_makes_no_step_late(chdb_dir, tmp_path):
     report = runner.run_logs(tmp_path / "logs", read_chunk_bytes=3_500, read_ahead_steps=4)
     assert report.jobs["behind", 0].steps == 30
     assert report.jobs["behind", 0].incomplete_steps == []
+    # None closed without a rank first and again when it came, and the job learned no
+    # delay from reading a backlog: its lateness is its pace.
+    assert runner.processor.counters["steps_closed_again"] == 0
+    arrivals = runner.processor.jobs["behind", 0].arrivals
+    assert not arrivals.delays
+    assert 0 < max(gap for _, gap in arrivals.gaps) < 10
 
 
 def test_a_round_reads_every_log_to_its_horizon_whatever_its_records(chdb_dir, tmp_path):
