@@ -388,7 +388,17 @@ class OnlineEpisodes:
         self._step_times = [*self._step_times, float(step_time)][-self.settings.history_steps :]
         changes = self._follow_open(step)
         changes += self._open_new(step)
+        self._let_go()
         return changes
+
+    def _let_go(self) -> None:
+        """Forget the closed episodes that ended before the oldest step kept: nothing
+        reads them any more (a baseline masks the kept steps inside an episode), and a
+        long job's would pile up. Their state is their host's (`LiveJob`)."""
+        history = self._history
+        if history.count:
+            oldest = int(history.steps[0])
+            self.episodes = [e for e in self.episodes if e.recovery is None or e.recovery > oldest]
 
     def _follow_open(self, step: int) -> list[EpisodeChange]:
         cfg = self.settings

@@ -164,6 +164,10 @@ _WARM_UP_STEPS = 3
 #: An open episode's latest steps kept to take back at its close (the detector closes
 #: an episode `recovery_steps` after its recovery, one more for a noisy step).
 _TAIL_KEPT = 16
+#: Closed named episodes a job keeps (their states, costs and re-splits): beyond it the
+#: cheapest is let go, its latest state stored, its price kept in the job's sum. A day of
+#: a 5 s-step job is 17,000 steps; a worker that flaps opens an episode every few dozen.
+CLOSED_EPISODES_KEPT = 64
 
 
 @dataclass
@@ -233,10 +237,18 @@ class LiveJob:
         self.costs: dict[int, EpisodeCost] = {}
         #: The latest state of every named episode, by id.
         self.states: dict[int, EpisodeState] = {}
-        #: The episodes named so far (their cost passed `costs_the_job`), by the
+        #: The episodes named so far and kept (their cost passed `costs_the_job`), by the
         #: detector's id: the step each was named at and the id it is shown with (1, 2, ...
         #: in the order they were named: the detector's ids count the unnamed ones too).
         self.named: dict[int, tuple[int, int]] = {}
+        #: Those episodes as the detector has them (it lets go of closed ones its history
+        #: no longer holds), and how many were named in all.
+        self._named_episode: dict[int, WorkerEpisode] = {}
+        self.named_count = 0
+        #: Closed named episodes let go (`CLOSED_EPISODES_KEPT`): how many, and their price
+        #: (seconds of the job), which the job's straggler cost still counts.
+        self.forgotten_episodes = 0
+        self.forgotten_price_s = 0.0
         #: Per compute episode, the re-split of micro-batches its steps were re-simulated
         #: with (at its opening, again at the job's end); None where it would not help.
         self.resplit: dict[int, Advice | None] = {}
@@ -333,12 +345,34 @@ class LiveJob:
                         self.costs.pop(key, None)
                         self.resplit.pop(key, None)
                     continue
-                self.named[key] = (step, len(self.named) + 1)
+                self._name(episode, step)
                 self.story_changed = True
             elif change.change == "closed":
                 self.story_changed = True
             changed.append(self._state(episode, step))
+        self._forget_closed()
         return changed
+
+    def _name(self, episode: WorkerEpisode, step: int) -> None:
+        """Name the episode at `step`: it is shown with the next id."""
+        self.named_count += 1
+        self.named[episode.episode_id] = (step, self.named_count)
+        self._named_episode[episode.episode_id] = episode
+
+    def _forget_closed(self) -> None:
+        """Let go of the cheapest closed named episodes beyond `CLOSED_EPISODES_KEPT`:
+        their latest state is stored; the story keeps the costliest, and the job's
+        straggler cost their price."""
+        closed = [k for k, e in self._named_episode.items() if e.recovery is not None]
+        if len(closed) <= CLOSED_EPISODES_KEPT:
+            return
+        closed.sort(key=lambda k: (self.states[k].cost.price_s if k in self.states else 0.0, k))
+        for key in closed[: len(closed) - CLOSED_EPISODES_KEPT]:
+            state = self.states.pop(key, None)
+            self.forgotten_episodes += 1
+            self.forgotten_price_s += state.cost.price_s if state is not None else 0.0
+            for kept in (self.costs, self.resplit, self.named, self._named_episode, self._tails):
+                kept.pop(key, None)
 
     def _rise_is_shared(self, episode: WorkerEpisode) -> bool:
         """Whether half the job's workers rose with the episode's (`rise_is_shared`):
@@ -626,9 +660,10 @@ class LiveJob:
             self.resplit[key] = _resplit(episode, [steps])
             if not costs_the_job(self.costs[key], self.diagnosis_settings):
                 continue  # followed from here on, named once it costs enough
-            self.named[key] = (episode.first_seen, len(self.named) + 1)
+            self._name(episode, episode.first_seen)
             self.story_changed = True
             states.append(self._state(episode, step, final=final))
+        self._forget_closed()
         return states
 
     def retake(
@@ -711,9 +746,7 @@ class LiveJob:
             self.costs[key] = self.costs[key].with_baseline_moved(*found)
 
     def _named_episodes(self) -> list[WorkerEpisode]:
-        if self.detector is None:
-            return []
-        return [e for e in self.detector.episodes if e.episode_id in self.named]
+        return sorted(self._named_episode.values(), key=lambda e: e.episode_id)
 
     def _states_by_cost(self) -> list[EpisodeState]:
         return sorted(self.states.values(), key=lambda s: -s.cost.price_s)
@@ -725,7 +758,8 @@ class LiveJob:
     def straggler_gpu_seconds(self) -> float:
         """GPU-seconds the episodes cost the job (the part of its loss above the ideal
         that stragglers explain; the rest is its own jitter)."""
-        return sum(s.cost.price_s for s in self.states.values()) * self.info.world_size
+        kept = sum(s.cost.price_s for s in self.states.values())
+        return (kept + self.forgotten_price_s) * self.info.world_size
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -739,6 +773,9 @@ class LiveJob:
             "diagnosis_interval": self.diagnosis_interval,
             "step_start_ns": [[k, v] for k, v in self.step_start_ns.items()],
             "named": [[k, *v] for k, v in self.named.items()],
+            "named_episodes": [asdict(e) for e in self._named_episodes()],
+            "named_count": self.named_count,
+            "forgotten": [self.forgotten_episodes, self.forgotten_price_s],
             "step_prices": [
                 [k, [[e, v] for e, v in p.items()]] for k, p in self._step_prices.items()
             ],
@@ -790,6 +827,19 @@ class LiveJob:
             episodes = self.detector.episodes if self.detector is not None else []
             named = [[e.episode_id, e.first_seen, e.episode_id] for e in episodes]
         self.named = {int(k): (int(step), int(shown)) for k, step, shown in named}
+        # The detector's own objects where it still has them: it moves them on.
+        current = {e.episode_id: e for e in self.detector.episodes} if self.detector else {}
+        saved = state.get("named_episodes")
+        if saved is None:  # a snapshot from before: the detector kept every episode
+            saved = [asdict(current[k]) for k in self.named if k in current]
+        self._named_episode = {
+            int(e["episode_id"]): current.get(int(e["episode_id"])) or WorkerEpisode(**e)
+            for e in saved
+        }
+        self.named_count = int(
+            state.get("named_count", max((s for _, s in self.named.values()), default=0))
+        )
+        self.forgotten_episodes, self.forgotten_price_s = state.get("forgotten", (0, 0.0))
         self._step_prices = {
             int(k): {int(e): float(v) for e, v in p} for k, p in state.get("step_prices", [])
         }

@@ -408,3 +408,18 @@ def test_a_worker_adopted_after_a_rise_is_measured_from_its_own_level_before() -
     assert "its own level before), 1.6x its peers'" in summaries[0], summaries[0]
     assert "no quicker level" not in summaries[0]
     assert "with no quicker level of its own before" in summaries[1], summaries[1]
+
+
+def test_a_long_job_s_detector_lets_go_of_episodes_its_history_no_longer_holds() -> None:
+    """An episode that ended before the oldest step the detector keeps masks none of its
+    baselines: it is let go (a day of a flapping worker piled hundreds up), and a later
+    episode is found as in a short job."""
+    values = np.concatenate([_job(seed) for seed in range(3)])
+    values[20:35, 0, 1, 2] *= 2.0  # worker (dp 2, pp 1), steps 20-34
+    values[140:155, 0, 0, 1] *= 2.0  # worker (dp 1, pp 0), steps 140-154
+    detector = _run(values[:60])
+    assert [(e.onset, e.recovery) for e in detector.episodes] == [(20, 35)]
+    for step in range(60, values.shape[0]):
+        detector.update(step, values[step], float(values[step].sum(axis=(0, 2)).max()))
+    (episode,) = detector.episodes
+    assert (episode.dp, episode.stage, episode.onset, episode.recovery) == (1, 0, 140, 155)

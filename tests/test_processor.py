@@ -568,3 +568,28 @@ def test_late_batches_close_their_steps_again_or_are_set_aside_saying_why():
     assert (totals.complete_steps, totals.incomplete_steps) == (100 - 16, 16)
     assert totals.steps == 100
     assert 89 in {int(p.steps[0]) for p in job.retained}
+
+
+def test_a_long_job_keeps_its_costliest_closed_episodes_and_the_price_of_all(monkeypatch):
+    """A day of a worker that flaps opens hundreds of episodes: a job keeps the costliest
+    `CLOSED_EPISODES_KEPT` closed ones (here 1), the price of those it let go stays in
+    its straggler cost, and a snapshot carries both. Its detector keeps only the episodes
+    its history still holds."""
+    from lagscope.stream_app import job_analysis
+
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=100, name="flaps", seed=5, stragglers=(
+        SlowWorker(dp=1, stage=0, factor=1.8, start_step=15, end_step=30),
+        SlowWorker(dp=0, stage=1, factor=1.5, start_step=55, end_step=70),
+    ))  # fmt: skip
+    everything = next(iter(_outputs(spec)[0].jobs.values())).live
+    prices = {s.episode.onset: s.cost.price_s for s in everything.episodes()}
+    assert set(prices) == {15, 55} and prices[15] > prices[55]
+    assert [e.onset for e in everything.detector.episodes] == [55]
+    monkeypatch.setattr(job_analysis, "CLOSED_EPISODES_KEPT", 1)
+    info, steps = stream_of(generate_job(spec))
+    _, _, straight, resumed = straight_and_resumed(info, steps, ProcessorSettings(), cut=80)
+    for processor in (straight, resumed):
+        live = processor.jobs[info.job_id, info.attempt].live
+        assert [s.episode.onset for s in live.episodes()] == [15]
+        assert (live.forgotten_episodes, live.named_count) == (1, 2)
+        assert live.straggler_gpu_seconds() == pytest.approx(everything.straggler_gpu_seconds())
