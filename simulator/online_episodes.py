@@ -30,7 +30,10 @@ A weaker rise, clear of the noise by `confirm_z` only, opens the episode once it
 lasted `confirm_steps`; a job whose workers jump that much in more than `quiet_spike_rate`
 of their steps before the evidence (ranks that lose shared cores in runs of up to 10 steps
 look like stragglers for that long) opens none before `confirm_steps`, and above
-`busy_spike_rate` none before `noisy_steps`. In a quiet job (its workers jump by
+`busy_spike_rate` none before `noisy_steps`, unless the jumps that reach the middle
+of the worker's two levels are that rare (after `own_rise_baseline_steps`): a host
+stalled 100 ms between ops of a few ms, far beyond what sharing cores does, opens at
+`onset_steps`. In a quiet job (its workers jump by
 `quiet_min_rise` in at most `quiet_jump_rate` of their steps: long, steady kernels), a
 smaller rise, by `quiet_min_rise` and `quiet_min_peer_ratio` over its peers, opens one at
 `confirm_steps`, clear of the noise by `onset_z`: a GPU throttled to 1.3x is a straggler
@@ -133,6 +136,9 @@ class OnlineEpisodeSettings:
     second_episode_ratio: float = 2.0
     #: Fewest baseline steps before an onset: a job's first steps are its warm-up.
     min_baseline_steps: int = 4
+    #: ... and before a rise the job's workers seldom reach opens on `onset_steps` in a
+    #: job whose workers jump often: fewer do not tell how seldom.
+    own_rise_baseline_steps: int = 10
     #: Most baseline steps compared against (the recent past, not the whole run).
     baseline_steps: int = 40
     #: Steps back below the middle of the two levels (of one more) that end an episode.
@@ -212,6 +218,7 @@ _SETTINGS_BOUNDS = {
     "quiet_spike_rate": Bound(ge=0, le=1),
     "busy_spike_rate": Bound(ge=0, le=1),
     "noisy_steps": Bound(integer=True, ge=2),
+    "own_rise_baseline_steps": Bound(integer=True, ge=1),
     "quick_quantile": Bound(ge=0, le=1),
     "steps_per_quick_peer_step": Bound(integer=True, ge=1),
     "refine_onset_slack_steps": Bound(integer=True, ge=0),
@@ -332,6 +339,9 @@ class _Lane:
     rise: float
     peer_ratio: float
     most_jumps: float | None
+    #: Whether the job's jumps are counted at the worker's own rise (its least step of
+    #: the window over its median before) rather than at `rise`.
+    at_own_rise: bool = False
 
 
 @dataclass
@@ -344,6 +354,8 @@ class _Evidence:
     level_inside: np.ndarray
     ratio_before: np.ndarray
     ratio_inside: np.ndarray
+    #: The worker's least step of the window over its median before, less one.
+    least_rise: np.ndarray
 
 
 class OnlineEpisodes:
@@ -455,7 +467,9 @@ class OnlineEpisodes:
             if evidence is None or not evidence.raised.any():
                 continue
             kinds_allowed = np.ones(len(self.kinds), dtype=bool)
-            if lane.most_jumps is not None:
+            if lane.at_own_rise:
+                evidence.raised &= self._rare_at_own_rise(evidence, window, lane.most_jumps)
+            elif lane.most_jumps is not None:
                 kinds_allowed = self._spike_rate(measured, window, lane.rise) <= lane.most_jumps
             raised = (
                 evidence.raised
@@ -497,14 +511,35 @@ class OnlineEpisodes:
                 changes.append(EpisodeChange("opened", episode))
         return changes
 
+    def _rare_at_own_rise(
+        self, evidence: _Evidence, window: int, most_jumps: float | None
+    ) -> np.ndarray:
+        """[kind, stage, dp]: the raised series whose workers' jumps reach the middle of
+        its two levels (its median before and its least step of the window, geometric) in
+        at most `most_jumps` of their baseline steps: a rise far beyond the job's own noise
+        needs no more evidence than a clear one in a quiet job. The middle, not the least
+        step: a job whose noise comes near a straggler's level (input waits that jump by as
+        much) is noisy at it."""
+        rare = np.zeros_like(evidence.raised)
+        if self._history.count - window < self.settings.own_rise_baseline_steps:
+            return rare
+        for at in zip(*np.nonzero(evidence.raised), strict=True):
+            kind = np.array([at[0]])
+            rise = float(np.sqrt(1.0 + evidence.least_rise[at]) - 1.0)
+            rare[at] = self._spike_rate(kind, window, rise)[at[0]] <= (most_jumps or 0.0)
+        return rare
+
     def _lanes(self) -> tuple[_Lane, ...]:
-        """The ways an episode opens, tried in turn: a clear rise on `onset_steps`, a
-        weaker one on `confirm_steps`, and in a noisy job on `noisy_steps` only; last, in a
-        quiet job, a smaller rise on `confirm_steps`."""
+        """The ways an episode opens, tried in turn: a clear rise on `onset_steps` in a
+        job whose workers seldom jump so, or in any job by a rise they seldom reach (its
+        own); a weaker one on `confirm_steps`, and in a noisy job on `noisy_steps` only;
+        last, in a quiet job, a smaller rise on `confirm_steps`."""
         cfg = self.settings
         return (
             _Lane(cfg.onset_steps, cfg.onset_z, cfg.min_rise, cfg.min_peer_ratio,
                   cfg.quiet_spike_rate),
+            _Lane(cfg.onset_steps, cfg.onset_z, cfg.min_rise, cfg.min_peer_ratio,
+                  cfg.quiet_spike_rate, at_own_rise=True),
             _Lane(cfg.confirm_steps, cfg.confirm_z, cfg.min_rise, cfg.min_peer_ratio,
                   cfg.busy_spike_rate),
             _Lane(cfg.noisy_steps, cfg.confirm_z, cfg.min_rise, cfg.min_peer_ratio, None),
@@ -772,7 +807,14 @@ class OnlineEpisodes:
             _dense(np.nan_to_num(raised, nan=False).astype(bool), columns, shape, False),
             *(
                 _dense(a, columns, shape, np.nan)
-                for a in (extra, level_before, level_inside, ratio_before, ratio_inside)
+                for a in (
+                    extra,
+                    level_before,
+                    level_inside,
+                    ratio_before,
+                    ratio_inside,
+                    inside.min(axis=0) / level_before - 1.0,
+                )
             ),
         )
 

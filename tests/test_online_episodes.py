@@ -153,6 +153,24 @@ def test_a_short_stretch_of_a_noisy_job_waits_for_more_evidence() -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_a_rise_far_beyond_a_noisy_job_s_jumps_needs_no_more_evidence(seed: int) -> None:
+    """Workers that jump 2x in 30 % of their steps make a 2x stretch wait for
+    `noisy_steps`; a host stalled to 8x its level is beyond anything they do: it opens on
+    `onset_steps`, as in a quiet job; without the steps that tell how seldom the job
+    jumps so (`own_rise_baseline_steps`), it waits as a 2x stretch does."""
+    host = KINDS.index(HOST)
+    rng = np.random.default_rng(seed)
+    noisy = _job(seed)
+    noisy = np.where(rng.random(noisy.shape) < 0.3, 2.0 * noisy, noisy)
+    noisy[30:45, host, 0, 1] = 8.0 * LEVELS[host]
+    (episode,) = _run(noisy).episodes
+    assert (episode.kind, episode.dp, episode.stage) == (HOST, 1, 0)
+    assert (episode.onset, episode.first_seen, episode.recovery) == (30, 34, 45)
+    (waited,) = _run(noisy, OnlineEpisodeSettings(own_rise_baseline_steps=100)).episodes
+    assert waited.first_seen - waited.onset + 1 > OnlineEpisodeSettings().onset_steps
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_a_kind_only_some_workers_do_is_as_noisy_as_their_series(seed: int) -> None:
     """Only the first stage waits for input (a pipeline's later stages never do), and its
     input waits jump by 40 ms in 15 % of their steps: a 6-step stretch as long is noise

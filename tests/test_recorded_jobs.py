@@ -89,3 +89,21 @@ def test_recorded_stragglers_are_named_right_or_not_at_all(tmp_path: Path) -> No
     ]
     found = [name for name in stragglers if _found(_analysed(name, tmp_path / name), name)]
     assert len(found) >= FOUND_AT_LEAST * len(stragglers), (found, stragglers)
+
+
+@pytest.mark.parametrize(
+    "name", ["ddp-lateback-0", "ddp-hostbw-0", "mcore-hostupdate-0", "mcore-forward-0"]
+)
+def test_a_straggler_far_beyond_the_jobs_noise_is_named_on_five_steps(
+    name: str, tmp_path: Path
+) -> None:
+    """Real jobs on shared cores whose ranks jump 1.5x in a fifth to a third of their
+    steps, with a rank that waits 100 ms in its backward, stalls 100 ms between ops or
+    runs its forward 2x slower (its own time 7-110x): the episode opens on the onset's
+    step and four more, as on a quiet job, not after the `noisy_steps` a 2x jump of a few
+    ms needs there."""
+    truth = truth_of(RECORDED / f"{name}.tar.xz")
+    job = _analysed(name, tmp_path)
+    (state,) = [s for s in job.episode_states if (s.episode.dp, s.episode.stage) == truth.worker]
+    onset = truth.slow_steps[0]
+    assert (state.episode.onset, state.episode.first_seen) == (onset, onset + 4)
