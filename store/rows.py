@@ -93,7 +93,7 @@ class ClosedStepRecord(Protocol):
 
 
 class EpisodeStateRecord(Protocol):
-    """An episode as it stands after a step (`stream_app.job_analysis.EpisodeState`): one
+    """An episode as it stands after a step (`simulator.job_story.EpisodeState`): one
     `episodes` row."""
 
     @property

@@ -37,6 +37,7 @@ from lagscope.producers.log import (
     Record,
 )
 from lagscope.producers.log import DeadLetter as SkippedSpan
+from lagscope.simulator.job_story import JobDiagnosis
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.host_core import (
@@ -47,7 +48,6 @@ from lagscope.stream_app.host_core import (
     JobReport,
     LatenessClock,
 )
-from lagscope.stream_app.job_analysis import JobDiagnosis
 from lagscope.stream_app.processor import ProcessorSettings
 
 

@@ -36,6 +36,8 @@ from lagscope.producers.events import (
     decode_batch,
 )
 from lagscope.simulator.episodes import Episode
+from lagscope.simulator.job_story import EpisodeState, JobDiagnosis
+from lagscope.simulator.job_totals import JobTotals
 from lagscope.simulator.trace import JobMeta
 from lagscope.simulator.whatif import WhatIfResult
 from lagscope.store.rows import (
@@ -56,7 +58,6 @@ from lagscope.store.sink import ClickHouseSink, SinkBatch
 from lagscope.stream_app.admission import job_conflict, job_problem
 from lagscope.stream_app.analysis_process import AnalysisProcessError
 from lagscope.stream_app.identity import MachineBook, name_machines
-from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, JobTotals
 from lagscope.stream_app.processor import (
     LATE_REASON,
     DetectedChange,

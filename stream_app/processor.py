@@ -43,10 +43,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from lagscope.producers.events import JobInfo, RankStepBatch
 from lagscope.simulator.bocd import BocdBank, BocdConfig
 from lagscope.simulator.diagnose import DiagnosisSettings
+from lagscope.simulator.job_story import EpisodeState, JobDiagnosis, LiveJob, roll_up
 from lagscope.simulator.noise import series_names, step_series
 from lagscope.simulator.online_episodes import OnlineEpisodeSettings
-from lagscope.simulator.prepare import PreparedTrace, concat_steps, with_entries
-from lagscope.simulator.whatif import WhatIfResult, analyze
+from lagscope.simulator.prepare import PreparedTrace, with_entries
+from lagscope.simulator.whatif import WhatIfResult
 from lagscope.store.snapshot_format import SnapshotError, decode_state, encode_state
 from lagscope.stream_app import admission
 from lagscope.stream_app.analysis_process import (
@@ -55,7 +56,6 @@ from lagscope.stream_app.analysis_process import (
     Outcome,
     shared_children,
 )
-from lagscope.stream_app.job_analysis import EpisodeState, JobDiagnosis, LiveJob
 from lagscope.stream_app.lateness import JobArrivals
 from lagscope.stream_app.step_compute import JobCompute, StepComputed
 
@@ -1139,8 +1139,7 @@ class StepProcessor:
         job = self.jobs.get((job_id, attempt))
         if job is None or not job.retained:
             return None
-        steps = sorted(job.retained, key=lambda p: int(p.steps[0]))
-        return analyze(concat_steps(steps), decompose_threshold=self.settings.decompose_threshold)
+        return roll_up(job.retained, decompose_threshold=self.settings.decompose_threshold)[1]
 
     def conclude(
         self, job_id: str, attempt: int = 0, *, ended: bool = True
@@ -1290,10 +1289,16 @@ class StepProcessor:
                 )  # fmt: skip
                 job.held[held.step] = held
                 job.held_ops += held.ops
-            job.live.restore(
+            missing = job.live.restore(
                 saved["live"], list(job.retained),
                 _diagnosed_steps(job, key, saved, retained_inputs),
             )  # fmt: skip
+            if missing:
+                log.warning(
+                    "job %s/%d: %d step(s) of its last diagnosis are not in the checkpoint "
+                    "store (%s...); its story is told again from its next diagnosis on",
+                    *key, len(missing), missing[:5],
+                )  # fmt: skip
             processor.jobs[key] = job
         return processor
 

@@ -60,6 +60,7 @@ import numpy as np
 
 from lagscope.producers.dead_letters import DeadLetter
 from lagscope.producers.metrics import SecondsHistogram
+from lagscope.simulator.job_story import EpisodeState
 from lagscope.store.checkpoints import CheckpointStore
 from lagscope.store.errors import StoreError
 from lagscope.store.rows import episode_version, json_text
@@ -72,7 +73,6 @@ from lagscope.stream_app.host_core import (
     Written,
     write_hosts,
 )
-from lagscope.stream_app.job_analysis import EpisodeState
 from lagscope.stream_app.processor import (
     JobConclusion,
     StepOutput,

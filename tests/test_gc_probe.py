@@ -19,12 +19,12 @@ from lagscope.simulator.generate import (
     LastStageImbalance,
     generate_job,
 )
+from lagscope.simulator.job_story import tell_trace
 from lagscope.simulator.measures import gc_beyond_peers
 from lagscope.simulator.prepare import prepare
 from lagscope.simulator.trace import Trace
 from lagscope.simulator.verdict import verdict_of
 from lagscope.simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD, analyze
-from lagscope.stream_app.job_analysis import trace_story
 from lagscope.stream_app.processor import StepProcessor
 from tests.test_processor import stream_of
 
@@ -148,11 +148,10 @@ def test_pauses_that_do_not_coincide_with_the_slowdown_are_not_the_cause():
 
 def _story(trace: Trace, job) -> tuple:
     """The run's verdict and its episodes, as `lagscope analyze` and the hosts tell them."""
-    prepared = prepare(trace, job.meta)
-    rollup = analyze(prepared)
-    story, episodes = trace_story(prepared, rollup, diagnose(rollup, prepared), job.meta,
-                                  decompose_threshold=DEFAULT_DECOMPOSE_THRESHOLD)  # fmt: skip
-    return verdict_of(story), episodes
+    told = tell_trace(
+        prepare(trace, job.meta), job.meta, decompose_threshold=DEFAULT_DECOMPOSE_THRESHOLD
+    )
+    return verdict_of(told.verdict), told.episodes
 
 
 def test_a_worker_whose_own_collections_stall_it_is_named_for_them():

@@ -575,7 +575,7 @@ def test_a_long_job_keeps_its_costliest_closed_episodes_and_the_price_of_all(mon
     `CLOSED_EPISODES_KEPT` closed ones (here 1), the price of those it let go stays in
     its straggler cost, and a snapshot carries both. Its detector keeps only the episodes
     its history still holds."""
-    from lagscope.stream_app import job_analysis
+    from lagscope.simulator import job_story
 
     spec = JobSpec(dp=2, pp=2, microbatches=4, steps=100, name="flaps", seed=5, stragglers=(
         SlowWorker(dp=1, stage=0, factor=1.8, start_step=15, end_step=30),
@@ -585,7 +585,7 @@ def test_a_long_job_keeps_its_costliest_closed_episodes_and_the_price_of_all(mon
     prices = {s.episode.onset: s.cost.price_s for s in everything.episodes()}
     assert set(prices) == {15, 55} and prices[15] > prices[55]
     assert [e.onset for e in everything.detector.episodes] == [55]
-    monkeypatch.setattr(job_analysis, "CLOSED_EPISODES_KEPT", 1)
+    monkeypatch.setattr(job_story, "CLOSED_EPISODES_KEPT", 1)
     info, steps = stream_of(generate_job(spec))
     _, _, straight, resumed = straight_and_resumed(info, steps, ProcessorSettings(), cut=80)
     for processor in (straight, resumed):

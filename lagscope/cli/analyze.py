@@ -31,11 +31,11 @@ if TYPE_CHECKING:
 
     from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings
     from lagscope.simulator.episodes import Episode
+    from lagscope.simulator.job_story import EpisodeState
     from lagscope.simulator.online_episodes import OnlineEpisodeSettings
     from lagscope.simulator.prepare import PreparedTrace
     from lagscope.simulator.timeline import TimelineWindow
     from lagscope.simulator.whatif import WhatIfResult
-    from lagscope.stream_app.job_analysis import EpisodeState
 
 
 #: Image formats the heatmap can be written in, by file suffix (matplotlib's Agg writers).
@@ -238,11 +238,9 @@ _WHAT = {"--steps": "step", "--timeline-steps": "analysed step", "--timeline-ran
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: registering the command must stay cheap.
     from lagscope.simulator.clocks import estimate_clock_offsets
-    from lagscope.simulator.diagnose import diagnose
+    from lagscope.simulator.job_story import tell_trace
     from lagscope.simulator.prepare import prepare
     from lagscope.simulator.summary import summary_lines
-    from lagscope.simulator.whatif import analyze
-    from lagscope.stream_app.job_analysis import trace_story
 
     check_outputs(args)
     # When a result goes to stdout, the human summary goes to stderr, out of its way.
@@ -257,18 +255,16 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         prepared = prepared.select_steps(select_steps(args.steps, prepared.steps))
     settings = _analysis_settings(args)
-    result = analyze(prepared, decompose_threshold=settings.decompose_threshold)
     # The story decides the verdict that the summary, the JSON and the report all show:
     # the trace's diagnosis told with its episodes, as `lagscope run` tells it.
-    diagnosis, episodes = trace_story(
+    told = tell_trace(
         prepared,
-        result,
-        diagnose(result, prepared, settings=settings.diagnosis),
         meta,
         decompose_threshold=settings.decompose_threshold,
         episode_settings=settings.episodes,
         diagnosis_settings=settings.diagnosis,
     )
+    result, diagnosis, episodes = told.result, told.verdict, told.episodes
     # Chosen before any output: a selection naming nothing is a mistake of the command line.
     window = timeline_window(args, prepared, result, diagnosis) if args.timeline else None
     say(

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lagscope.simulator.prepare import PreparedTrace, concat_steps
+from lagscope.simulator.job_story import in_step_order
+from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import analyze
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def report_data(
     totals = job.totals
     episode_scores: list[np.ndarray | None] = [None] * len(job.episodes)
     if retained:
-        prepared = concat_steps(sorted(retained, key=lambda p: int(p.steps[0])))
+        prepared = in_step_order(retained)
         episode_scores = [
             _episode_worker_slowdown(prepared, e, job.rollup.ideal_cost) for e in job.episodes
         ]

@@ -1,7 +1,7 @@
 """How small a straggler the hosts name, and how soon, as jobs grow: generated jobs (pp 8 x
 tp 8, 16 micro-batches, 40 steps of ~4.4 s, ops jittering by 2 %, a heavier last stage)
 with one worker slower by a factor in its compute for steps 16-31, read step by step as a
-host reads them (`trace_story`, what `lagscope analyze` prints and `lagscope run` stores).
+host reads them (`tell_trace`, what `lagscope analyze` prints and `lagscope run` stores).
 
 A row per (GPUs, factor): the steps from the onset to the step its episode was named, or
 "none" when no episode was; the JSON keeps the episode's bounds and the run's verdict.
@@ -19,28 +19,25 @@ ONSET, RECOVERY, STEPS = 16, 32, 40
 
 
 def _named(dp: int, factor: float) -> dict:
-    from lagscope.simulator.diagnose import diagnose
     from lagscope.simulator.generate import JobSpec, SlowWorker, generate_job
+    from lagscope.simulator.job_story import tell_trace
     from lagscope.simulator.prepare import prepare
-    from lagscope.simulator.whatif import analyze
-    from lagscope.stream_app.job_analysis import trace_story
+    from lagscope.simulator.whatif import DEFAULT_DECOMPOSE_THRESHOLD
 
     slow = SlowWorker(dp=2 * dp // 3, stage=4, factor=factor, start_step=ONSET,
                       end_step=RECOVERY)  # fmt: skip
     job = generate_job(JobSpec(dp=dp, pp=8, tp=8, microbatches=16, steps=STEPS, seed=0,
                                stragglers=(slow,)))  # fmt: skip
-    prepared = prepare(job.trace, job.meta)
-    rollup = analyze(prepared)
-    story, episodes = trace_story(
-        prepared, rollup, diagnose(rollup, prepared), job.meta,
-        decompose_threshold=rollup.decompose_threshold,
-    )  # fmt: skip
+    told = tell_trace(
+        prepare(job.trace, job.meta), job.meta, decompose_threshold=DEFAULT_DECOMPOSE_THRESHOLD
+    )
+    episodes = told.episodes
     found = [e for e in episodes if (e.episode.dp, e.episode.stage) == (slow.dp, slow.stage)]
     return {
         "named_after_steps": found[0].episode.first_seen - ONSET if found else None,
         "bounds": [found[0].episode.onset, found[0].episode.recovery] if found else None,
         "other_episodes": len(episodes) - len(found),
-        "verdict": str(story.cause),
+        "verdict": str(told.verdict.cause),
     }
 
 

@@ -1,12 +1,21 @@
-"""What the hosts keep about one job attempt between its steps: its totals, its episodes
-while they happen, and its diagnosis, kept current.
+"""A job's story: the one place that turns its steps into what every output shows (its
+totals, its episodes and their prices, the run's verdict), for a job followed live and
+for a recorded trace alike.
 
-The step processor owns one `LiveJob` per job attempt and feeds it every closed step in
-closing order, so both hosts (the embedded one and the faust worker) find the same
-episodes at the same steps and store the same rows:
+- `LiveJob`: one job attempt followed step by step. Each host's step processor owns one
+  per job attempt and feeds it every closed step in closing order, so both hosts (the
+  embedded one and the faust worker) find the same episodes at the same steps and store
+  the same rows.
+- `tell_trace`: a recorded trace's story (`lagscope analyze`), told by a `LiveJob` fed
+  its steps one at a time, as a host following the job would have told it.
+- `roll_up`: steps as one trace and their what-if analysis: the diagnosis, the report
+  and a resumed story all start from it.
 
-- **Totals**: GPU-seconds, GPU-seconds above the straggler-free step (of which the
-  episodes' share is what stragglers cost; the rest is the job's own jitter), MFU.
+What a `LiveJob` keeps:
+
+- **Totals** (`simulator/job_totals.py`): GPU-seconds, GPU-seconds above the
+  straggler-free step (of which the episodes' share is what stragglers cost; the rest
+  is the job's own jitter), MFU.
 - **Episodes** (`simulator/online_episodes.py`): updated at every complete step; an open
   episode's cost (`simulator/episode_cost.py`) grows with every step it covers, and its
   diagnosis (`simulator/episode_diagnosis.py`) is redone with it. An episode is named (a
@@ -14,16 +23,15 @@ episodes at the same steps and store the same rows:
   test for a slow worker), from the step it does: a worker whose own time rose while the
   job lost next to nothing to it is the job's noise, and one that closes so is never
   named. Its `first_seen` is the step it was named at.
-- **Diagnosis**: the retained steps are rolled up (`lagscope analyze` of them),
-  diagnosed, and the run's one story is composed from that diagnosis and the episodes
+- **Diagnosis**: the retained steps are rolled up (`roll_up`), diagnosed, and the run's
+  one story is composed from that diagnosis and the episodes
   (`simulator/run_story.py`): first after `diagnose_every_steps` complete steps, then
   after twice as many steps each time, up to the retained window's length. A roll-up
-  costs as much as analysing its steps again, so a fixed cadence of 10 steps over a
-  window of 256 cost 25 analyses of every step (a worker sustained 49 k ops/s on the AR
-  backlog); doubling up to the window costs about two. Between roll-ups the story is
-  composed again, at no cost, when an episode opens or closes, so the verdict follows the
-  episodes at once. At the end of the job (its input ended, or it fell idle) once more,
-  with each episode's bounds refined on the steps around it.
+  costs as much as analysing its steps again: a fixed cadence would analyse every step
+  once per cadence the window holds, doubling up to the window about twice. Between
+  roll-ups the story is composed again, at no cost, when an episode opens or closes, so
+  the verdict follows the episodes at once. At the end of the job (its input ended, or
+  it fell idle) once more, with each episode's bounds refined on the steps around it.
 
 State (`state_dict` / `from_state`) is plain data; the retained steps it needs after a
 restore are the processor's own (looked up by step id), and so are the steps of its last
@@ -34,11 +42,10 @@ the story is told again on it when an episode opens or closes before the next on
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +60,7 @@ from lagscope.simulator.episode_diagnosis import (
     refined_bounds,
     rise_is_shared,
 )
+from lagscope.simulator.job_totals import STEP_SERIES_KEPT, JobSize, JobTotals
 from lagscope.simulator.measures import gc_beyond_peers
 from lagscope.simulator.online_episodes import (
     HOST,
@@ -66,94 +74,37 @@ from lagscope.simulator.prepare import PreparedTrace, concat_steps
 from lagscope.simulator.run_story import run_story
 from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
 
-if TYPE_CHECKING:
-    # Only its fields are read (a JobMeta has them too): `lagscope analyze` tells a trace's
-    # story with this module and starts without the validation framework.
-    from lagscope.producers.events import JobInfo
-    from lagscope.simulator.trace import JobMeta
-
-log = logging.getLogger("lagscope.processor")
-
 #: The kind of own time a run's worker cause is about (None: the op its worker is slow in).
 _KIND_OF_CAUSE: dict[Cause, str | None] = {
     Cause.SLOW_WORKERS: None,
     **{cause: kind for kind, cause in CAUSE_OF_KIND.items()},
 }
 
-#: Step ids and slowdowns kept for a job's step chart (the latest ones).
-_STEP_SERIES_KEPT = 4096
+
+def in_step_order(steps: Sequence[PreparedTrace]) -> PreparedTrace:
+    """Steps prepared one by one (a host's retained steps, in any order) as one trace,
+    in step order."""
+    return concat_steps(sorted(steps, key=lambda p: int(p.steps[0])))
 
 
-@dataclass
-class JobTotals:
-    """Sums over every closed step of a job attempt."""
+def roll_up(
+    steps: Sequence[PreparedTrace], *, decompose_threshold: float
+) -> tuple[PreparedTrace, WhatIfResult]:
+    """The roll-up: `steps` as one trace, in step order, and its what-if analysis with
+    ideals from those steps (`lagscope analyze` of them). A job's diagnosis, its report
+    and its resumed story all start from this.
 
-    steps: int = 0
-    analysed_steps: int = 0
-    complete_steps: int = 0
-    incomplete_steps: int = 0
-    gpu_seconds: float = 0.0
-    #: GPU-seconds above the straggler-free step time: stragglers and the job's jitter.
-    gpu_seconds_above_ideal: float = 0.0
-    mfu_actual_sum: float = 0.0
-    mfu_ideal_sum: float = 0.0
-    mfu_steps: int = 0
-    last_step: int = -1
-    last_step_start_ns: int = 0
-    #: The latest analysed steps and their slowdown S, for a step chart.
-    step_ids: list[int] = field(default_factory=list)
-    step_slowdown: list[float] = field(default_factory=list)
-
-    @property
-    def mfu_actual(self) -> float | None:
-        return self.mfu_actual_sum / self.mfu_steps if self.mfu_steps else None
-
-    @property
-    def mfu_ideal(self) -> float | None:
-        return self.mfu_ideal_sum / self.mfu_steps if self.mfu_steps else None
-
-    def add(self, step: int, start_ns: int, complete: bool, result: WhatIfResult | None,
-            info: JobInfo) -> None:  # fmt: skip
-        self.steps += 1
-        if step >= self.last_step:
-            self.last_step, self.last_step_start_ns = step, start_ns
-        figures = None
-        if result is not None:
-            figures = (
-                float(result.t_actual[0]), float(result.t_ideal[0]),
-                float(result.step_slowdown[0]),
-            )  # fmt: skip
-        self.count(figures, info, complete=complete)
-        if figures is not None:
-            self.step_ids = [*self.step_ids, step][-_STEP_SERIES_KEPT:]
-            self.step_slowdown = [*self.step_slowdown, figures[2]][-_STEP_SERIES_KEPT:]
-
-    def count(
-        self,
-        figures: tuple[float, float, float] | None,
-        info: JobInfo | JobMeta,
-        *,
-        complete: bool,
-        sign: int = 1,
-    ) -> None:
-        """Count a step's (actual, ideal, slowdown) in (`sign` -1: take them back, when a
-        step closed again replaces them)."""
-        if complete:
-            self.complete_steps += sign
-        else:
-            self.incomplete_steps += sign
-        if figures is None:
-            return
-        self.analysed_steps += sign
-        actual, ideal, slowdown = figures
-        gpu_seconds = actual * info.world_size
-        self.gpu_seconds += sign * gpu_seconds
-        self.gpu_seconds_above_ideal += sign * gpu_seconds * (1 - 1 / slowdown)
-        if info.model_flops_per_step and info.gpu_peak_flops:
-            peak = info.world_size * info.gpu_peak_flops
-            self.mfu_actual_sum += sign * info.model_flops_per_step / (actual * peak)
-            self.mfu_ideal_sum += sign * info.model_flops_per_step / (ideal * peak)
-            self.mfu_steps += sign
+    >>> from lagscope.simulator.generate import JobSpec, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> job = generate_job(JobSpec(dp=2, pp=2, steps=4))
+    >>> whole = prepare(job.trace, job.meta)
+    >>> steps = [whole.select_steps([i]) for i in (3, 1, 0, 2)]
+    >>> joined, result = roll_up(steps, decompose_threshold=0.0)
+    >>> joined.steps.tolist() == whole.steps.tolist(), len(result.steps)
+    (True, 4)
+    """
+    joined = in_step_order(steps)
+    return joined, analyze(joined, decompose_threshold=decompose_threshold)
 
 
 #: Steps whose episodes' model prices are kept, to share the job's loss between them.
@@ -223,7 +174,7 @@ class LiveJob:
 
     def __init__(
         self,
-        info: JobInfo | JobMeta,
+        info: JobSize,
         diagnose_every_steps: int,
         episode_settings: OnlineEpisodeSettings | None = None,
         diagnosis_settings: DiagnosisSettings | None = None,
@@ -297,7 +248,7 @@ class LiveJob:
         returns the episodes it changed."""
         self.totals.add(step, start_ns, complete, result, self.info)
         self.step_start_ns[step] = start_ns
-        if len(self.step_start_ns) > _STEP_SERIES_KEPT:
+        if len(self.step_start_ns) > STEP_SERIES_KEPT:
             del self.step_start_ns[min(self.step_start_ns)]
         if not complete or result is None or prepared is None:
             return []
@@ -577,8 +528,7 @@ class LiveJob:
         self, window: Sequence[PreparedTrace], decompose_threshold: float
     ) -> tuple[PreparedTrace, WhatIfResult, Diagnosis]:
         """The retained steps as one trace, their roll-up and its diagnosis."""
-        prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
-        rollup = analyze(prepared, decompose_threshold=decompose_threshold)
+        prepared, rollup = roll_up(window, decompose_threshold=decompose_threshold)
         return prepared, rollup, self._diagnosed(rollup, prepared)
 
     def _diagnosed(
@@ -714,7 +664,7 @@ class LiveJob:
         moved) would be taken back at its next step, its alert resolved and fired again."""
         refined = []
         if window and self.detector is not None:
-            prepared = concat_steps(sorted(window, key=lambda p: int(p.steps[0])))
+            prepared = in_step_order(window)
             for episode in self._named_episodes():
                 if episode.recovery is None and not open_ones:
                     continue
@@ -805,11 +755,11 @@ class LiveJob:
         state: dict[str, Any],
         retained: Sequence[PreparedTrace],
         diagnosed: Sequence[PreparedTrace] = (),
-    ) -> None:
+    ) -> list[int]:
         """Resume from `state_dict()`; the recent steps come back from `retained`, and the
         last diagnosis is made again from its steps among `retained` and `diagnosed`
-        (those the window no longer holds); without all of them, there is none until the
-        next (logged)."""
+        (those the window no longer holds). Returns the steps of it that neither holds:
+        then there is none until the next (the host says so)."""
         self.totals = JobTotals(**state["totals"])
         if state["detector"] is not None:
             self.detector = OnlineEpisodes.from_state(state["detector"])
@@ -853,51 +803,71 @@ class LiveJob:
         for episode in self._named_episodes():
             self._state(episode, self.totals.last_step)
         made = state.get("last_diagnosis")
-        if made is not None:
-            self._diagnose_again(made, [*retained, *diagnosed])
+        if made is None:
+            return []
+        return self._diagnose_again(made, [*retained, *diagnosed])
 
-    def _diagnose_again(self, made: dict[str, Any], steps: Sequence[PreparedTrace]) -> None:
+    def _diagnose_again(self, made: dict[str, Any], steps: Sequence[PreparedTrace]) -> list[int]:
         """The last diagnosis as `diagnose` made it (the same steps, threshold and losses:
-        the same roll-up and run, bit for bit), the story told with the episodes now."""
+        the same roll-up and run, bit for bit), the story told with the episodes now; or
+        the steps of it missing from `steps`."""
         by_step = {int(p.steps[0]): p for p in steps}
         wanted = [int(step) for step in made["steps"]]
         missing = [step for step in wanted if step not in by_step]
         if missing:
-            log.warning(
-                "job %s/%d: %d step(s) of its last diagnosis are not in the checkpoint store "
-                "(%s...); its story is told again from its next diagnosis on",
-                self.info.job_id, getattr(self.info, "attempt", 0), len(missing), missing[:5],
-            )  # fmt: skip
-            return
-        prepared = concat_steps([by_step[step] for step in wanted])
-        rollup = analyze(prepared, decompose_threshold=made["decompose_threshold"])
+            return missing
+        prepared, rollup = roll_up(
+            [by_step[step] for step in wanted], decompose_threshold=made["decompose_threshold"]
+        )
         losses = (float(made["losses"][0]), float(made["losses"][1]))
         run = self._diagnosed(rollup, prepared, losses)
         self.last_made = {**made, "steps": wanted}
         self.last_diagnosis = JobDiagnosis(
             int(made["step"]), rollup, run, self.story(run, rollup), bool(made["final"])
         )
+        return []
 
 
-def trace_story(
+@dataclass(frozen=True)
+class TraceStory:
+    """What every output shows of a recorded trace: its what-if `result`, the diagnosis
+    of it (`run`), the run's one story (`verdict`: `run` told with the episodes) and the
+    episodes, refined."""
+
+    result: WhatIfResult
+    run: Diagnosis
+    verdict: Diagnosis
+    episodes: list[EpisodeState]
+
+
+def tell_trace(
     prepared: PreparedTrace,
-    rollup: WhatIfResult,
-    run: Diagnosis,
-    info: JobInfo | JobMeta,
+    info: JobSize,
     *,
     decompose_threshold: float,
     episode_settings: OnlineEpisodeSettings | None = None,
     diagnosis_settings: DiagnosisSettings | None = None,
-) -> tuple[Diagnosis, list[EpisodeState]]:
-    """The story of a recorded trace as a host tells it of the same steps: its episodes,
-    found one step at a time in step order (each step costed with `rollup`'s ideals, the
-    whole trace's), refined at the end, and `run` (the diagnosis of `rollup`) told with
-    them. `lagscope analyze` shows this, so a trace and its replay through `lagscope run`
-    name the same straggler: the whole trace's diagnosis alone blames a worker slow in a
-    third of the steps on nothing, or on the next cause it finds."""
+) -> TraceStory:
+    """The story of a recorded trace as a host tells it of the same steps: the whole
+    trace analysed and diagnosed, its episodes found one step at a time in step order
+    (each step costed with the whole trace's ideals), refined at the end, and the run's
+    diagnosis told with them. `lagscope analyze` shows this, so a trace and its replay
+    through `lagscope run` name the same straggler: the whole trace's diagnosis alone
+    blames a worker slow in a third of the steps on nothing, or on the next cause it
+    finds.
+
+    >>> from lagscope.simulator.generate import JobSpec, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> job = generate_job(JobSpec(dp=2, pp=2, steps=12))
+    >>> story = tell_trace(prepare(job.trace, job.meta), job.meta, decompose_threshold=0.0)
+    >>> len(story.result.steps), story.episodes
+    (12, [])
+    """
+    result = analyze(prepared, decompose_threshold=decompose_threshold)
+    run = diagnose(result, prepared, settings=diagnosis_settings)
     per_step = analyze_each_step(
         prepared,
-        [rollup.ideal_cost] * prepared.n_steps,
+        [result.ideal_cost] * prepared.n_steps,
         decompose_threshold=decompose_threshold,
         compiled=prepared.model.compiled,
     )
@@ -907,16 +877,16 @@ def trace_story(
         episode_settings=episode_settings,
         diagnosis_settings=diagnosis_settings,
     )
-    for index, result in enumerate(per_step):
+    for index, step_result in enumerate(per_step):
         step = prepared.select_steps([index])
-        live.on_step(int(step.steps[0]), 0, result, step, complete=True)
-    live.adopt_verified(run, prepared, rollup, final=True, whole_trace=True)
+        live.on_step(int(step.steps[0]), 0, step_result, step, complete=True)
+    live.adopt_verified(run, prepared, result, final=True, whole_trace=True)
     # The steps one by one again only to refine episodes: a large trace is not held twice
     # when it has none.
     found = bool(live.named)
     window = [prepared.select_steps([i]) for i in range(prepared.n_steps)] if found else []
     refined = live.refine(window)
-    return live.story(run, rollup), refined
+    return TraceStory(result, run, live.story(run, result), refined)
 
 
 def _cost_from_state(saved: dict[str, Any]) -> EpisodeCost:
@@ -951,7 +921,7 @@ def _resplit(episode: WorkerEpisode, steps: Sequence[PreparedTrace]) -> Advice |
     says it would speed them up (None for other causes, one DP rank, or no gain)."""
     if episode.kind in (HOST, "input-wait") or not steps:
         return None
-    prepared = concat_steps(sorted(steps, key=lambda p: int(p.steps[0])))
+    prepared = in_step_order(steps)
     compiled = prepared.model.compiled
     # The re-split is weighed against the steps as measured, without launch delays: one
     # pass, not a what-if analysis whose attribution passes it would not read.
