@@ -89,12 +89,16 @@ import numpy as np
 
 from lagscope.simulator.episodes import StretchFit
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
-from lagscope.simulator.medians import median_along, median_of_others
 from lagscope.simulator.noise import own_work_mask
+from lagscope.simulator.peers import peer_median
 from lagscope.simulator.prepare import PreparedTrace, host_gaps, own_durations
 
 #: The kind of a worker's time spent between its ops (the host gaps of its ops).
 HOST = "host"
+
+#: Up to this many DP ranks a worker is compared with the median of its peers exactly;
+#: beyond, with that of its whole stage, itself included (`peers.peer_median`).
+_EXACT_PEERS_UP_TO = 16
 
 #: MAD of a normal sample times this factor estimates its standard deviation.
 _MAD_TO_SIGMA = 1.4826
@@ -307,7 +311,7 @@ class _History:
     count: int = 0
 
     def push(self, step: int, values: np.ndarray) -> None:
-        peers = peer_median(values[np.newaxis])[0]
+        peers = peer_median(values[np.newaxis], include_self_above=_EXACT_PEERS_UP_TO)[0]
         if self.count < self.length:
             self.values[self.count] = values
             self.peers[self.count] = peers
@@ -593,7 +597,9 @@ class OnlineEpisodes:
         ):
             return None
         own = values[:, stage, dp]
-        peers = peer_median(values[:, np.newaxis])[:, 0, stage, dp]
+        peers = peer_median(values[:, np.newaxis], include_self_above=_EXACT_PEERS_UP_TO)[
+            :, 0, stage, dp
+        ]
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = own / np.where(peers > 0, peers, np.nan)
             slow = ratio >= cfg.min_peer_ratio
@@ -815,14 +821,14 @@ class OnlineEpisodes:
         to 64 of them, evenly spread, stands for all."""
         history = self._history
         dp_index = np.arange(self.n_dp)
-        if self.n_dp > 16:
+        if self.n_dp > _EXACT_PEERS_UP_TO:
             dp_index = np.unique(np.linspace(0, self.n_dp - 1, 64).astype(np.intp))
         usable = usable[:, :, dp_index]
         values = history.values[before_slots][..., dp_index]
         before = np.where(usable[:, None], values, np.nan)
         enough = usable.sum(axis=0) >= self.settings.min_baseline_steps
         sigma = np.where(enough[None], _mad_sigma(before), np.nan)  # [kind, stage, dp]
-        if self.n_dp > 16:
+        if self.n_dp > _EXACT_PEERS_UP_TO:
             typical = np.nanmedian(sigma, axis=2, keepdims=True)
             return np.broadcast_to(typical, (*sigma.shape[:2], self.n_dp))
         return peer_median(sigma[np.newaxis])[0]
@@ -976,17 +982,3 @@ def nanquantile_first_axis(values: np.ndarray, q: float) -> np.ndarray:
     out = a + difference * gamma
     np.subtract(b, difference * (1 - gamma), out=out, where=gamma >= 0.5)
     return np.where(count > 0, out, np.nan)
-
-
-def peer_median(values: np.ndarray) -> np.ndarray:
-    """[slot, kind, stage, dp]: the median of each worker's peers, the other DP ranks of
-    its stage (the other stages when there is one DP rank). With many peers the median of
-    all of them, itself included, is the same to within one of many."""
-    n_stages, n_dp = values.shape[2], values.shape[3]
-    if n_dp > 1:
-        if n_dp > 16:
-            return np.broadcast_to(median_along(values, axis=3), values.shape)
-        return median_of_others(values, axis=3)
-    if n_stages == 1:
-        return np.full_like(values, np.nan)
-    return median_of_others(values, axis=2)
