@@ -31,9 +31,9 @@ from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
     RankLogReader,
+    SkippedSpan,
     list_rank_dirs,
 )
-from lagscope.producers.log import DeadLetter as SkippedSpan
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.host_core import (
