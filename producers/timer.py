@@ -127,7 +127,7 @@ from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
 from lagscope.producers.cuda_runtime import EventReader, event_reader
-from lagscope.producers.events import JobInfo, StepEncoder
+from lagscope.producers.events import RANK_LIMIT, JobInfo, StepEncoder, rank_outside
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, KIND_SEAL, LogWriter
 from lagscope.producers.seal_record import (
     MAX_OPS_PER_SEAL,
@@ -153,11 +153,11 @@ class UnknownOpTypeError(ValueError):
 
 
 # Ranges the wire format can hold (producers.events: step int64, microbatch int32, chunk
-# int16, ranks int32); tighter ones come from the job record when the timer has one.
+# int16; ranks: events.RANK_LIMIT); tighter ones come from the job record when the timer
+# has one.
 _STEP_LIMIT = 1 << 63
 _MICROBATCH_LIMIT = 1 << 31
 _CHUNK_LIMIT = 1 << 15
-_RANK_LIMIT = 1 << 31
 
 
 def _out_of_range(name: str, value: object, low: int, high: int, optype: str = "") -> ValueError:
@@ -165,34 +165,14 @@ def _out_of_range(name: str, value: object, low: int, high: int, optype: str = "
     return ValueError(f"{name} {value!r}{where} is out of range: expected {low} <= {name} < {high}")
 
 
-def _check_identity(
-    rank: int,
-    dp_rank: int,
-    pp_rank: int,
-    tp_rank: int,
-    cp_rank: int,
-    attempt: int,
-    job_info: JobInfo | None,
-) -> None:
+def _check_identity(ranks: dict[str, int], attempt: int, job_info: JobInfo | None) -> None:
     """Reject a rank coordinate outside the job's layout (or negative when there is none)."""
-    sizes = (
-        (job_info.world_size, job_info.dp_size, job_info.pp_size, job_info.tp_size,
-         job_info.dsp_size)
-        if job_info is not None
-        else (_RANK_LIMIT,) * 5
-    )  # fmt: skip
-    names = ("rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank")
-    for name, value, size in zip(
-        names, (rank, dp_rank, pp_rank, tp_rank, cp_rank), sizes, strict=True
-    ):
-        try:
-            in_range = 0 <= operator.index(value) < size
-        except TypeError:
-            in_range = False
-        if not in_range:
-            raise _out_of_range(name, value, 0, size)
-    if not 0 <= attempt < _RANK_LIMIT:
-        raise _out_of_range("attempt", attempt, 0, _RANK_LIMIT)
+    outside = rank_outside(ranks, job_info)
+    if outside is not None:
+        name, value, size = outside
+        raise _out_of_range(name, value, 0, size)
+    if not 0 <= attempt < RANK_LIMIT:
+        raise _out_of_range("attempt", attempt, 0, RANK_LIMIT)
 
 
 def plain_int(name: str, value: object, optype: str = "") -> int:
@@ -342,7 +322,8 @@ class OpTimer:
         seal_records: bool | None = None,
         seal_version: int | None = None,
     ) -> None:
-        _check_identity(rank, dp_rank, pp_rank, tp_rank, cp_rank, attempt, job_info)
+        ranks = dict(rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, cp_rank=cp_rank)
+        _check_identity(ranks, attempt, job_info)
         self.job_id = job_id
         self.attempt = attempt
         self.rank = rank
