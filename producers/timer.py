@@ -55,9 +55,11 @@ saturated machine, as the low-priority thread, preempted while it held the inter
 lock, kept the training thread waiting for it
 (`make bench`, torch module).
 
-`mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
-names are still checked (a typo fails on every rank alike), nothing is timed or written,
-and no thread is started.
+How ops are timed is the timer's backend (`TimingBackend`), chosen once by `mode`: the
+host clock, CUDA events, or, `mode="off"` for the TP/CP ranks the analysis does not need,
+nothing: every call is still checked (a typo fails on every rank alike), nothing is timed
+or written, and no thread is started. The timer owns the calls, their checks, the steps'
+pace and the log; `op()` takes a scope of its backend from a free list and fills it in.
 
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
@@ -124,7 +126,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, Protocol, TypeVar
 
 from lagscope.producers.cuda_runtime import EventReader, event_reader
 from lagscope.producers.events import RANK_LIMIT, JobInfo, StepEncoder, rank_outside
@@ -263,30 +265,19 @@ _PROMPT_MIN_GAP_S = 0.1
 _LOAD_CHECK_S = 5.0
 
 
-class _NullScope:
-    __slots__ = ()
-
-    def __enter__(self) -> _NullScope:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        return None
-
-
-_NULL_SCOPE = _NullScope()
-
-
 class _OpScope:
-    """The context manager `OpTimer.op` returns; pooled so the hot path allocates only the
-    op's tuple. Bound methods are cached: the timer's buffer list is never replaced."""
+    """The context manager `OpTimer.op` returns on the host clock; pooled (it returns
+    itself to the timer's free list on exit) so the hot path allocates only the op's
+    tuple. Bound methods are cached: the timer's buffer list is never replaced."""
 
-    __slots__ = ("_append", "_release", "head", "start")
+    __slots__ = ("_append", "_release", "head", "start", "stream")
 
     def __init__(self, timer: OpTimer) -> None:
         self._append = timer._buffer.append
         self._release = timer._free_scopes.append
         self.head: tuple[int, int, int, int] = (0, 0, -1, 0)
         self.start = 0
+        self.stream: Any = None
 
     def __enter__(self) -> _OpScope:
         self.start = _perf_ns()
@@ -297,6 +288,119 @@ class _OpScope:
         start = self.start
         self._append((self.head, start, end - start))
         self._release(self)
+
+
+class _NullScope:
+    """`_OpScope` of a timer that records nothing: it only returns to the free list."""
+
+    __slots__ = ("_release", "head", "stream")
+
+    def __init__(self, timer: OpTimer) -> None:
+        self._release = timer._free_scopes.append
+        self.head: tuple[int, int, int, int] = (0, 0, -1, 0)
+        self.stream: Any = None
+
+    def __enter__(self) -> _NullScope:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._release(self)
+
+
+class _Scope(Protocol):
+    """What a backend's scopes are: context managers the timer takes from its free list
+    and fills in (the op's head, the stream it runs on, which the host clock ignores);
+    each returns itself to the list on exit."""
+
+    head: tuple[int, int, int, int]
+    stream: Any
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
+
+
+class TimingBackend(Protocol):
+    """How an `OpTimer` times its ops, chosen once by its `mode`: the host clock
+    (`_HostClock`), CUDA events (`_CudaTimer`) or not at all (`_Untimed`).
+
+    The timer owns the API, the checks of every call, the steps' pace and the log; a
+    backend owns an op's scope and, for a clock that reads its times later, when a step's
+    ops are all in. As in torch elastic's timer API (`TimerClient` and its local and
+    file-based clients), one small interface, an implementation per mechanism.
+    """
+
+    #: Whether ops are recorded at all: no sealer thread, GC probe or `record()` without.
+    records: bool
+    #: Whether ops are timed on the host clock (`OpTimer.appender` applies).
+    on_host_clock: bool
+
+    def new_scope(self) -> _Scope:
+        """One more scope for the timer's free list (which starts with a few)."""
+        ...
+
+    def recorder(self) -> tuple[Callable[..., Any], Callable[..., None]] | None:
+        """`OpTimer.cuda_recorder`'s (mark, add), or None."""
+        ...
+
+    def take_host_ops(self, ops: list[_Op], before_step: int) -> bool:
+        """Whether the backend took the host clock's `ops` handed over (all of the steps
+        before `before_step`) to write with its own; False: the sealer writes them."""
+        ...
+
+    def holds_step(self, step: int) -> bool:
+        """Whether ops of `step` are timed but not yet handed to the sealer."""
+        ...
+
+    def drain(self) -> None:
+        """Hand every op timed so far to the sealer (at flush, off the hot path)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop the backend's own threads (at close, after the last drain)."""
+        ...
+
+
+class _HostClock:
+    """Ops timed with `time.perf_counter_ns` on the calling thread, in pooled scopes."""
+
+    records = True
+    on_host_clock = True
+
+    def __init__(self, timer: OpTimer) -> None:
+        self._timer = timer
+
+    def new_scope(self) -> _Scope:
+        return _OpScope(self._timer)
+
+    def recorder(self) -> None:
+        return None
+
+    def take_host_ops(self, ops: list[_Op], before_step: int) -> bool:
+        return False
+
+    def holds_step(self, step: int) -> bool:
+        return False
+
+    def drain(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+
+class _Untimed(_HostClock):
+    """`mode="off"`, for the TP/CP ranks the analysis does not need: every call is checked
+    as on the ranks that time (a typo fails on every rank alike), nothing is recorded."""
+
+    records = False
+
+    def new_scope(self) -> _Scope:
+        return _NullScope(self._timer)
+
+
+def _discard(op: _Op) -> None:
+    return None
 
 
 class OpTimer:
@@ -369,8 +473,8 @@ class OpTimer:
         """What the hot path writes to: the current step, the op buffer, pooled scopes."""
         self._current_step = 0
         self._buffer: list[tuple[tuple[int, int, int, int], int, int]] = []
-        self._free_scopes: list[_OpScope] = []
-        self._free_scopes.extend(_OpScope(self) for _ in range(8))
+        #: The backend's scopes not in use (`_Scope`): the hot path allocates none.
+        self._free_scopes: list[_Scope] = []
         self._wall_offset_ns = _wall_minus_perf_ns()
 
     def _init_sealing(self, flush_interval_s: float) -> None:
@@ -419,29 +523,30 @@ class OpTimer:
         gc_probe: bool,
         calibrate_every_s: float,
     ) -> None:
-        """Start what `mode` asks for: the sealer thread, CUDA timing, the GC probe; or,
-        off, only the name checks."""
+        """The timing backend `mode` asks for and what it needs: the sealer thread and
+        the GC probe where ops are recorded."""
+        self.backend: TimingBackend
+        if mode == "off":
+            self.backend = _Untimed(self)
+        elif mode == "cuda" or (mode == "auto" and _cuda_available()):
+            self.backend = _CudaTimer(self, calibrate_every_s)
+        else:
+            self.backend = _HostClock(self)
+        self._new_scope = self.backend.new_scope
+        self._free_scopes.extend(self._new_scope() for _ in range(8))
+        self._keep = self._buffer.append if self.backend.records else _discard
         self._sealer: threading.Thread | None = None
-        if mode != "off":
+        if self.backend.records:
             self._sealer = threading.Thread(
                 target=self._seal_loop, name=f"lagscope-sealer-{self.rank}", daemon=True
             )
             self._sealer.start()
-        self._cuda: _CudaTimer | None = None
-        if mode == "cuda" or (mode == "auto" and _cuda_available()):
-            self._cuda = _CudaTimer(self, calibrate_every_s)
         self._gc_start = 0
         #: Set by an integration that records only some steps (sampling) between them.
         self.gc_paused = False
-        self._gc_probe = gc_probe and mode != "off"
+        self._gc_probe = gc_probe and self.backend.records
         if self._gc_probe:
             gc.callbacks.append(self._on_gc)
-        if mode == "off":
-            # Lighter mode for ranks the analysis does not need (all but one TP/CP rank per
-            # (dp, pp) coordinate): names are still checked, nothing is timed or written.
-            # Instance attributes shadow the methods, so "on" ranks pay nothing for this.
-            self.op = self._op_off  # type: ignore[method-assign]
-            self.record = self._record_off  # type: ignore[method-assign]
 
     # -- hot path -------------------------------------------------------------------------
 
@@ -468,24 +573,11 @@ class OpTimer:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
         if not 0 <= chunk < self._chunk_limit:
             raise _out_of_range("chunk", chunk, 0, self._chunk_limit, optype)
-        if self._cuda is not None:
-            return self._cuda.scope(code, step, microbatch, chunk, stream)
         free = self._free_scopes
-        scope = free.pop() if free else _OpScope(self)
+        scope = free.pop() if free else self._new_scope()
         scope.head = (code, step, microbatch, chunk)
+        scope.stream = stream
         return scope
-
-    def _op_off(
-        self, optype: str, step: int | None = None, microbatch: int = -1, chunk: int = 0,
-        stream: Any = None,
-    ) -> Any:  # fmt: skip
-        if optype not in self._codes:
-            raise self._unknown(optype)
-        return _NULL_SCOPE
-
-    def _record_off(self, optype: str, **_: Any) -> None:
-        if optype not in self._codes:
-            raise self._unknown(optype)
 
     def timed(
         self, optype: str, *, microbatch: int = -1, chunk: int = 0
@@ -532,9 +624,7 @@ class OpTimer:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
         if not 0 <= chunk < self._chunk_limit:
             raise _out_of_range("chunk", chunk, 0, self._chunk_limit, optype)
-        self._buffer.append(
-            ((code, step, microbatch, chunk), start_ns - self._wall_offset_ns, duration_ns)
-        )
+        self._keep(((code, step, microbatch, chunk), start_ns - self._wall_offset_ns, duration_ns))
 
     @property
     def steps_sealed(self) -> int:
@@ -555,16 +645,14 @@ class OpTimer:
     @property
     def on_host_clock(self) -> bool:
         """Whether ops are timed with the host clock (no CUDA events): `appender()` applies."""
-        return self._cuda is None
+        return self.backend.on_host_clock
 
     def cuda_recorder(self) -> tuple[Callable[[], Any], Callable[..., None]] | None:
         """CUDA mode's hot path for an integration, or None on the host clock: `mark()`
         records a pooled event on the calling thread's current stream and returns it;
         `add(head, start, end)` takes an op `head` = (code, step, microbatch, chunk)
         between two marks (any thread). What `op()` does, without its checks and scope."""
-        if self._cuda is None:
-            return None
-        return self._cuda.mark, self._cuda.add
+        return self.backend.recorder()
 
     def appender(self) -> Callable[[tuple[tuple[int, int, int, int], int, int]], None]:
         """The buffer's bound `append`, for an integration's hottest path (host clock only).
@@ -644,8 +732,7 @@ class OpTimer:
     def flush(self) -> None:
         """Seal everything recorded so far and write it to the log file (on this thread)."""
         self._hand_over(wake=False)
-        if self._cuda is not None:
-            self._cuda.drain()
+        self.backend.drain()
         self._seal_pending()
 
     def close(self) -> None:
@@ -655,8 +742,7 @@ class OpTimer:
             gc.callbacks.remove(self._on_gc)
         self._drop_gc_only_step()
         self.flush()
-        if self._cuda is not None:
-            self._cuda.stop()
+        self.backend.stop()
         self._closed = True
         self._stopping = True
         if self._sealer is not None:
@@ -689,7 +775,7 @@ class OpTimer:
                     return
             elif any(op[0][0] != gc_code for op in ops):
                 return
-            if self._cuda is not None and self._cuda.holds_step(current):
+            if self.backend.holds_step(current):
                 return
             self._buffer[:] = [op for op in self._buffer if op[0][1] != current]
 
@@ -735,12 +821,9 @@ class OpTimer:
                 kept = next((i for i, op in enumerate(taken) if op[0][1] >= current), None)
                 taken = taken if kept is None else taken[:kept]
             del buffer[: len(taken)]
-            if self._cuda is not None:
-                # One writer of finished steps in CUDA mode: the host clock's ops (input
-                # waits, GC pauses, ops recorded elsewhere) join their steps' CUDA ops, so
-                # that every rank-step reaches the log whole. Told even when there are
-                # none: the steps before the current one may be written.
-                self._cuda.take_host_ops(taken, self._current_step)
+            # Told even when there are none: a device clock may write the steps before the
+            # current one.
+            if self.backend.take_host_ops(taken, self._current_step):
                 return
             if not taken:
                 return
@@ -847,7 +930,14 @@ def _runtime_reader(torch: Any) -> EventReader | None:
 
 
 class _CudaTimer:
-    """CUDA-event timing: pooled events, resolved off the hot path (see module docstring)."""
+    """CUDA-event timing: pooled events, resolved off the hot path (see module docstring).
+
+    The one writer of finished steps in CUDA mode: the host clock's ops (input waits, GC
+    pauses, ops recorded elsewhere) join their steps' CUDA ops here, so that every
+    rank-step reaches the log whole."""
+
+    records = True
+    on_host_clock = False
 
     def __init__(self, owner: OpTimer, calibrate_every_s: float) -> None:
         import torch  # lazily: the host-mode timer must work without torch
@@ -943,8 +1033,11 @@ class _CudaTimer:
         """An op between two marks (any thread)."""
         self._pending.append((head, start, end))
 
-    def scope(self, code: int, step: int, microbatch: int, chunk: int, stream: Any) -> Any:
-        return _CudaScope(self, (code, step, microbatch, chunk), stream)
+    def new_scope(self) -> _Scope:
+        return _CudaScope(self, self._owner._free_scopes.append)
+
+    def recorder(self) -> tuple[Callable[..., Any], Callable[..., None]]:
+        return self.mark, self.add
 
     def _calibrate(self) -> bool:
         """Pin a reference event to the host clock; True if the new reference was taken.
@@ -988,7 +1081,7 @@ class _CudaTimer:
                 op[0][1] == step for op in self._resolved
             )
 
-    def take_host_ops(self, ops: list[_Op], before_step: int) -> None:
+    def take_host_ops(self, ops: list[_Op], before_step: int) -> bool:
         """The host clock's ops, handed over by the training thread: every one of a step
         before `before_step` is among them or came earlier. No lock: the resolver reads
         the step first, then takes what was appended."""
@@ -996,6 +1089,7 @@ class _CudaTimer:
             self._host_ops.append(ops)
         if before_step > self._host_ops_before:
             self._host_ops_before = before_step
+        return True
 
     def _read_with_torch(self, reference: Any, start: Any, end: Any) -> tuple[float, float] | None:
         """An op's start after `reference` and its duration (ms), or None while pending."""
@@ -1092,12 +1186,16 @@ class _CudaTimer:
 
 
 class _CudaScope:
-    __slots__ = ("_cuda", "_start", "head", "stream")
+    """`_OpScope` of CUDA mode: a pooled event recorded on the op's stream at entry and at
+    exit (`_CudaTimer.mark`); the pair is read off the hot path."""
 
-    def __init__(self, cuda: _CudaTimer, head: tuple[int, int, int, int], stream: Any) -> None:
+    __slots__ = ("_cuda", "_release", "_start", "head", "stream")
+
+    def __init__(self, cuda: _CudaTimer, release: Callable[[_CudaScope], None]) -> None:
         self._cuda = cuda
-        self.head = head
-        self.stream = stream
+        self._release = release
+        self.head: tuple[int, int, int, int] = (0, 0, -1, 0)
+        self.stream: Any = None
 
     def __enter__(self) -> _CudaScope:
         self._start = self._cuda.mark(self.stream)
@@ -1106,3 +1204,4 @@ class _CudaScope:
     def __exit__(self, *exc: object) -> None:
         cuda = self._cuda
         cuda.add(self.head, self._start, cuda.mark(self.stream))
+        self._release(self)
