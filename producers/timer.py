@@ -37,23 +37,18 @@ write per seal plus one pass over the steps' ops into a seal record
 (`producers/seal_record.py`: the ops pickled; whoever reads the log encodes the batches,
 in its own process): short steps are handed over ~40 at a time (80 while the node's cores
 are all busy), but at most 0.5 s apart (the live analysis' budget is 1 s from a step's end
-to the store), and as they end for a few steps
-once the rank's step time changed (a straggler appeared or recovered,
-`producers/step_change.py`: the live analysis needs those steps within a step or two), no
-two hand-overs closer than the log's readers poll. `make bench` on a shared 2-core box, the
-real 4-rank jobs in interleaved 120-step runs, the job's garbage collections that run on the
-sealer's thread left out (2026-11-28, 8 runs each): 17 us of sealer CPU per rank-step on
-1F1B (~22 ops), 17 on DDP (10 ops; 9-13 in runs where its noisy steps set off no prompt
-hand-overs, each of which costs ~220 us, mostly the wake), against 25 and 26 when the
-sealer encodes the batches itself (`seal_records=False`, or
-`$LAGSCOPE_SEAL_RECORDS=0`: for a streamer older than 0.2.0, which cannot read seal
-records; a step whose ops repeat an earlier step's sequence then reuses everything but its
-times). `$LAGSCOPE_SEAL_RECORDS=1` writes version 1 of the seal record (int64 columns, for a
-streamer of 0.2.0 to 0.3.x): 1.4-1.6 times the sealer's CPU per op. The sealer keeps the
-job's own scheduling priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a
-saturated machine, as the low-priority thread, preempted while it held the interpreter
-lock, kept the training thread waiting for it
-(`make bench`, torch module).
+to the store), and as they end for a few steps once the rank's step time changed (a
+straggler appeared or recovered, `producers/step_change.py`: the live analysis needs those
+steps within a step or two), no two hand-overs closer than the log's readers poll.
+`$LAGSCOPE_SEAL_RECORDS` says what is written: unset or 2, version 2 of the seal record;
+1, version 1 (int64 columns, for a streamer of 0.2.0 to 0.3.x); 0, batches the sealer
+encodes itself (`seal_records=False`: for a streamer older than 0.2.0, which cannot read
+seal records; a step whose ops repeat an earlier step's sequence then reuses everything
+but its times). The sealer keeps the job's own scheduling priority: a lower one (nice 19,
+SCHED_IDLE) slows the job down on a saturated machine, as the low-priority thread,
+preempted while it holds the interpreter lock, keeps the training thread waiting for it.
+What each of these costs is measured by `make bench` (producers, torch and latency
+modules); tests/bench/NOTES.md ("The timer") has the figures behind the choices.
 
 How ops are timed is the timer's backend (`TimingBackend`), chosen once by `mode`: the
 host clock, CUDA events, or, `mode="off"` for the TP/CP ranks the analysis does not need,
@@ -71,10 +66,10 @@ two events (through the CUDA runtime torch loaded, `cuda_runtime.py`: half the C
 torch's `query` and `elapsed_time`, which flush() uses), and returns events to the pool.
 It is the one writer of finished steps: the ops timed on the host clock (input waits, GC
 pauses, `record()`) join their step's CUDA ops, and a step is written once both are in, so
-each rank-step reaches the log whole. On an H200 (torch 2.11, `tests/bench/cuda_bench.py`)
-an op costs the training thread 4.8 us (events pooled up front, recorded through
-torch._C's event methods on the current stream's cached Stream object: the public calls
-build a Stream per call), against 0.6 on the host clock. The reference is re-calibrated
+each rank-step reaches the log whole. The training thread's cost per op is kept down by
+events pooled up front, recorded through torch._C's event methods on the current stream's
+cached Stream object (the public calls build a Stream per call; `tests/bench/cuda_bench.py`
+measures it). The reference is re-calibrated
 every `calibrate_every_s` from the resolver thread: it records an event on a private idle
 stream and waits for *that event* only (`event.synchronize()`, never
 `torch.cuda.synchronize()`), bracketing it with host clock reads.
@@ -226,26 +221,19 @@ def _wall_minus_perf_ns() -> int:
 #: least; twice the seal interval when that is longer).
 _STALL_SEAL_S = 1.0
 #: Short steps are handed to the sealer this many at a time: each hand-over wakes it, and a
-#: seal costs a wake and a write besides its steps' ops. In the real 4-rank jobs on the
-#: shared 2-core box of `make bench`, on the sealer's CPU clock: 150-250 us between one
-#: seal and the next (the wake, taking the interpreter lock from a training thread that
-#: drops and retakes it around every torch op) and 30-80 us for the write, against
-#: 12-20 us per 22-op step to encode and frame its batch.
+#: seal costs a wake (taking the interpreter lock from a training thread that drops and
+#: retakes it around every torch op) and a write besides its steps' ops, each several
+#: times what a step's ops cost to pack (tests/bench/NOTES.md, "The timer").
 _STEPS_PER_SEAL = 40
 #: ... but the log never lags the job by more than this, busy node or not: the live
 #: analysis has a budget of 1 s from a step's end to its rows in the store, of which the
-#: streamer, Kafka, the host and its store take ~0.5 s (`make bench`, latency module).
-#: At 3 s a step reached the store 1.5-1.8 s after its end (median; 2.7-2.9 s p95). On
-#: this shared box, interleaved pairs of 120-step runs (3 each), 0.5 s cost the sealer
-#: 59 us a rank-step on 1F1B (35-72; 47, 39-57, at 3 s) and 31 on DDP (20-39; 32, 23-74):
-#: its prompt spells already sealed every 5-7 steps there. A straggler's steps do not wait
-#: for it: they are handed over as they end (below).
+#: streamer, Kafka, the host and its store take ~0.5 s (`make bench`, latency module). A
+#: straggler's steps do not wait for it: they are handed over as they end (below).
 _MAX_SEAL_INTERVAL_S = 0.5
 #: While every core of the node is busy, seals are rarer still (this many times fewer
 #: wakes, and as many times the lag), and so are the hand-overs of a prompt spell (below):
-#: each wake is a thread the scheduler has to fit between the job's. A busy node's step
-#: times swing, and its ranks' spells came often: 8 steps a seal on the 1F1B and DDP jobs
-#: of `make bench` with every core busy, 28 and 20 on a quiet machine (2026-11-29).
+#: each wake is a thread the scheduler has to fit between the job's, and a busy node's
+#: step times swing, which sets off prompt spells often.
 _SATURATED_STRETCH = 2
 #: When a rank's step time changes (`producers/step_change.py`: a straggler appeared or
 #: recovered), its steps are handed over one at a time for this many steps, re-armed while
@@ -255,11 +243,7 @@ _SATURATED_STRETCH = 2
 _PROMPT_STEPS = 8
 #: ... but no two hand-overs closer than this, the interval at which the log's readers look
 #: for new records (the streamer's `poll_interval_s`, `lagscope run --follow`'s idle poll):
-#: a step handed over sooner is not read sooner, and every hand-over wakes the sealer. Steps
-#: of 65 ms (the DDP job of `make bench`, whose noise fires a spell every ~100 steps) were
-#: handed over one by one at 0.05 s, every other one now: its monitor thread's CPU per
-#: rank-step 14.4 -> 12.2 us (median of 4 interleaved pairs of 120-step runs; the ranks
-#: with a spell 20-34 -> 19-27).
+#: a step handed over sooner is not read sooner, and every hand-over wakes the sealer.
 _PROMPT_MIN_GAP_S = 0.1
 #: How often the sealer looks at the node's load (`os.getloadavg`).
 _LOAD_CHECK_S = 5.0
@@ -438,9 +422,7 @@ class OpTimer:
         self.optype_names: tuple[str, ...] = tuple(dict.fromkeys((*KNOWN_OPTYPES, *extra_optypes)))
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
         #: Write each seal's ops as one seal record, which readers encode
-        #: (`producers/seal_record.py`), instead of encoding the batches here: the
-        #: default since 0.3.0, as every reader since 0.2.0 expands them; version 2 of
-        #: the record since 0.4.0, which readers expand since 0.4.0.
+        #: (`producers/seal_record.py`), instead of encoding the batches here.
         #: `$LAGSCOPE_SEAL_RECORDS`: 0 writes batches (for a streamer older than 0.2.0),
         #: 1 seal records of version 1 (older than 0.4.0), 2 (or unset) of version 2.
         chosen = _seal_records_from_env()

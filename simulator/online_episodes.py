@@ -49,25 +49,11 @@ closes once `recovery_steps` of its last `recovery_steps` + 1 steps, the latest 
 them, are back below the middle of its two levels (one noisy step does not hold a
 recovered worker's episode open); the recovery step is the first of those.
 
-Measured on 183 real 4-rank torch jobs on a shared 2-core machine (DDP and DP 2 x PP 2 1F1B
-pipelines, on an emulated accelerator and on real CPU compute, some with a CPU burner
-beside them; a rank 2x slower in its forward, backward, input or host for steps 15-29;
-tests/data/recorded keeps the 15 hardest): none of the 58 healthy runs has an episode; 115
-of 125 stragglers are named with the right kind (112 with onset and recovery within 3
-steps), 72 of them 4 steps after their onset (the first step they could be), 99 within 7,
-all but one within 10. The misses are real-CPU ranks whose 2x slower ops of a few ms read
-1.3-1.6x beside the contention of three other ranks on two cores. The pooled noise and
-the costlier second episode came later (2026-11-26), for a 16th recording kept there
-(ddp-input-3: noise read as a host episode hid an input straggler); the 15 read as before.
-So did the spike rate counted over the workers that do a kind of work and before the
-evidence (2026-11-27: the input waits of a 1F1B job's second stage, always zero, had
-halved it; the straggler's own first slow steps had raised it, which in a live run made
-an input straggler's host time, risen with it, open first and name it a slow host), and what the
-hosts name on top of this detector: an episode only once it has cost the job enough
-(`episode_diagnosis.costs_the_job`), which leaves one of the recorded stragglers unnamed.
-Host time became the host gaps on 2026-11-28 (it had been the launch delays, which on a
-1F1B stage hold the forward before each backward receive: a forward straggler opened as a
-slow host in a live CI run); the 19 recordings of 2026-11-27 read as before.
+The settings (`OnlineEpisodeSettings`) are measured on real 4-rank torch jobs on a shared
+2-core machine, healthy and with one rank 2x slower in one kind for a stretch of steps;
+`tests/data/recorded` keeps the hardest of them, read step by step by
+`tests/test_recorded_jobs.py`, and `tests/bench/NOTES.md` ("Live episodes on real jobs")
+has the measurements.
 
 A worker slow from the job's first step has no rise to see. The job's diagnosis finds it
 (slower than its peers in the median step, `diagnose.py`), and the host then adopts it
@@ -106,8 +92,9 @@ _MAD_TO_SIGMA = 1.4826
 
 @dataclass(frozen=True, kw_only=True)
 class OnlineEpisodeSettings:
-    """When an episode opens and closes. Every value was measured on the 88 real runs of
-    the module docstring; a change must be measured there again (`make bench`)."""
+    """When an episode opens and closes. Every value was measured on the real runs of
+    tests/bench/NOTES.md ("Live episodes on real jobs"); a change must be measured there
+    again (`make bench`, episode module, and `tests/test_recorded_jobs.py`)."""
 
     #: Steps of evidence that open a clear episode: 4 opened an episode on 4 of the first
     #: 26 healthy runs, 5 on none.
