@@ -241,7 +241,9 @@ def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
 
 @dataclass
 class WorkerEpisode:
-    """One worker's episode: open while it is slow, closed at its recovery."""
+    """One worker's episode as the detector keeps it: open while it is slow, closed at its
+    recovery. The hosts name and price it (`EpisodeState`) before any output shows it
+    (`episodes.py` has the three types)."""
 
     episode_id: int
     dp: int
