@@ -491,7 +491,9 @@ RANK_AXIS_SIZES = {
 RANK_LIMIT = 1 << 31
 
 
-def rank_outside(ranks: Mapping[str, Any], job: Any = None) -> tuple[str, Any, int] | None:
+def rank_outside(
+    ranks: Mapping[str, Any], job: JobInfo | None = None
+) -> tuple[str, Any, int] | None:
     """The first of a worker's coordinates (`RANK_AXIS_SIZES`) outside its range, as
     (name, value, size): [0, the job's size of that axis), or [0, `RANK_LIMIT`) without a
     job record; None when every one is in range. A value that is not an integer is outside.
