@@ -48,6 +48,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import hashlib
+import operator
 import struct
 import sys
 import zlib
@@ -478,15 +479,57 @@ class RankStepBatch:
         return batch_id_of(encode_batch(self))
 
 
-#: Identity fields that count from 0: a negative one is a broken producer, and the store
-#: keeps them unsigned.
-_NON_NEGATIVE_IDENTITY = ("rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank", "step")
+#: A worker's coordinates, each with the size of its axis in a job record (`JobInfo`).
+RANK_AXIS_SIZES = {
+    "rank": "world_size",
+    "dp_rank": "dp_size",
+    "pp_rank": "pp_size",
+    "tp_rank": "tp_size",
+    "cp_rank": "cp_size",
+}
+#: What the wire holds of a coordinate without a job record to bound it (int32).
+RANK_LIMIT = 1 << 31
+
+
+def rank_outside(
+    ranks: Mapping[str, Any], job: JobInfo | None = None
+) -> tuple[str, Any, int] | None:
+    """The first of a worker's coordinates (`RANK_AXIS_SIZES`) outside its range, as
+    (name, value, size): [0, the job's size of that axis), or [0, `RANK_LIMIT`) without a
+    job record; None when every one is in range. A value that is not an integer is outside.
+    The one check of a worker's place in its job, for the timer, the schema and admission.
+
+    >>> ranks = {"rank": 5, "dp_rank": 1, "pp_rank": 1, "tp_rank": 0, "cp_rank": 0}
+    >>> rank_outside(ranks) is None
+    True
+    >>> rank_outside({**ranks, "pp_rank": -1})
+    ('pp_rank', -1, 2147483648)
+    >>> job = JobInfo(job_id="j", dp_size=2, pp_size=2, world_size=4)
+    >>> rank_outside(ranks, job)
+    ('rank', 5, 4)
+    """
+    for name, size_name in RANK_AXIS_SIZES.items():
+        value = ranks[name]
+        size = RANK_LIMIT if job is None else getattr(job, size_name)
+        if type(value) is not int:
+            try:
+                value = operator.index(value)
+            except TypeError:
+                return name, ranks[name], size
+        if not 0 <= value < size:
+            return name, value, size
+    return None
 
 
 def _check_identity(fields: Mapping[str, Any], where: str) -> None:
-    for name in _NON_NEGATIVE_IDENTITY:
-        if fields[name] < 0:
-            raise SchemaError(f"{where}: {name} is {fields[name]}; it must be >= 0")
+    """A batch's coordinates and step count from 0: a negative one is a broken producer,
+    and the store keeps them unsigned."""
+    outside = rank_outside(fields)
+    if outside is not None:
+        name, value, size = outside
+        raise SchemaError(f"{where}: {name} is {value}; expected 0 <= {name} < {size}")
+    if fields["step"] < 0:
+        raise SchemaError(f"{where}: step is {fields['step']}; it must be >= 0")
 
 
 def _as_column(name: str, values: Sequence[int] | np.ndarray, dtype: np.dtype) -> np.ndarray:

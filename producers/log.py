@@ -19,8 +19,9 @@ Every record is self-delimiting and checksummed::
 A record is written with a single ``write`` call by the writer's background thread. After a
 crash the last record of a file may be torn; the reader detects it (short payload or
 checksum mismatch), reports it, and keeps everything before it. Garbage between records
-is skipped by scanning for the next magic; every skipped span becomes a `DeadLetter`
-naming the file, the offset and the reason. Nothing here raises on bad data.
+is skipped by scanning for the next magic; every skipped span becomes a `SkippedSpan`
+naming the file, the offset and the reason (the streamer ships it as a dead letter,
+`producers/dead_letters.py`). Nothing here raises on bad data.
 """
 
 from __future__ import annotations
@@ -307,8 +308,9 @@ class Record:
 
 
 @dataclass(frozen=True)
-class DeadLetter:
-    """Bytes that are not a valid record, kept with why and where."""
+class SkippedSpan:
+    """Bytes of a log file that are not a valid record, with why and where: what becomes
+    a dead letter (`dead_letters.DeadLetter`) once a streamer or a host sets it aside."""
 
     source: str
     offset: int
@@ -389,7 +391,7 @@ def rank_logs_nearby(log_dir: str | os.PathLike[str], levels: int = 2) -> list[P
 class RankLogReader:
     """Reads one rank directory's records in order, from a resume position, as they appear.
 
-    `read()` returns what is readable now (records and dead letters, in file order) and
+    `read()` returns what is readable now (records and skipped spans, in file order) and
     advances the reader's own position; call it again later to tail. A partial record at
     the end of the newest file is left for a later call, unless the file has not changed
     for `torn_grace_s` (its writer died): then it is reported as torn.
@@ -420,7 +422,7 @@ class RankLogReader:
         self.torn_grace_s = torn_grace_s
         #: Records read from the file and not yet returned (a seal's batches past a call's
         #: budget), in order.
-        self._held: list[Record | DeadLetter] = []
+        self._held: list[Record | SkippedSpan] = []
         #: The directory's log files as last listed, and its mtime then (None: list it).
         self._files_cache: list[str] = []
         self._listed_mtime_ns: int | None = None
@@ -440,7 +442,7 @@ class RankLogReader:
             self._listed_mtime_ns = mtime_ns if settled else None
         return self._files_cache
 
-    def put_back(self, items: list[Record | DeadLetter]) -> None:
+    def put_back(self, items: list[Record | SkippedSpan]) -> None:
         """Items `read` returned that the caller does not take yet: the next `read`
         returns them first, in order."""
         self._held = [*items, *self._held]
@@ -461,7 +463,7 @@ class RankLogReader:
             return True
         return size == self.position.offset
 
-    def read(self, max_bytes: int = _READ_CHUNK) -> list[Record | DeadLetter]:
+    def read(self, max_bytes: int = _READ_CHUNK) -> list[Record | SkippedSpan]:
         if not self._held and self.position is not None and self.at_end():
             return []
         out, self._held = self._held, []
@@ -492,8 +494,8 @@ class RankLogReader:
         return self._within(out, max_bytes)
 
     def _within(
-        self, items: list[Record | DeadLetter], max_bytes: int
-    ) -> list[Record | DeadLetter]:
+        self, items: list[Record | SkippedSpan], max_bytes: int
+    ) -> list[Record | SkippedSpan]:
         """The first of `items` that fit `max_bytes` (one at least); the rest are held."""
         total = 0
         for i, item in enumerate(items):
@@ -505,7 +507,7 @@ class RankLogReader:
 
     def _read_file(
         self, name: str, is_newest: bool, budget: int
-    ) -> tuple[int, list[Record | DeadLetter], bool]:
+    ) -> tuple[int, list[Record | SkippedSpan], bool]:
         """Parse records from the current position; returns (bytes consumed, items, at end)."""
         assert self.position is not None
         try:
@@ -522,15 +524,15 @@ class RankLogReader:
     def _read_chunk(self, name: str, start: int, budget: int) -> _Chunk:
         """Up to `budget` bytes of file `name` from `start` (one whole record when the next
         record is larger than the budget); a file now shorter than `start` is re-read from
-        its beginning, with a dead letter saying so."""
+        its beginning, with a skipped span saying so."""
         path = os.path.join(self._dir_name, name)
-        items: list[Record | DeadLetter] = []
+        items: list[Record | SkippedSpan] = []
         with open(path, "rb") as handle:
             stat = os.fstat(handle.fileno())
             size = stat.st_size
             if size < start:
                 items.append(
-                    DeadLetter(
+                    SkippedSpan(
                         path,
                         size,
                         0,
@@ -568,12 +570,12 @@ class RankLogReader:
         return 0
 
 
-def _size(item: Record | DeadLetter) -> int:
+def _size(item: Record | SkippedSpan) -> int:
     return len(item.payload) if isinstance(item, Record) else 0
 
 
 class _Chunk:
-    """Bytes read from one log file at offset `start`, parsed into records and dead letters.
+    """Bytes read from one log file at offset `start`, parsed into records and skipped spans.
 
     `parse` keeps the common case, a whole valid record, in its loop; each kind of damage
     (a short tail, a bad header, a torn record, a checksum mismatch) has a method of its
@@ -590,7 +592,7 @@ class _Chunk:
         start: int,
         size: int,
         mtime: float,
-        items: list[Record | DeadLetter],
+        items: list[Record | SkippedSpan],
     ) -> None:
         self.name = name
         self.source = source
@@ -604,7 +606,7 @@ class _Chunk:
         self.items = items
 
     def parse(self, max_record_bytes: int, tail_is_final: bool) -> int:
-        """Append the chunk's records and dead letters to `items`; returns the bytes
+        """Append the chunk's records and skipped spans to `items`; returns the bytes
         consumed (what is left is a record to read whole on a later call)."""
         view, n, start, items, name = self.view, self.n, self.start, self.items, self.name
         pos = 0
@@ -640,7 +642,7 @@ class _Chunk:
             pos = end
         return pos
 
-    def _seal_batches(self, payload: memoryview, pos: int, end: int) -> list[Record | DeadLetter]:
+    def _seal_batches(self, payload: memoryview, pos: int, end: int) -> list[Record | SkippedSpan]:
         """A seal record's batches, as the KIND_BATCH records the timer used to write.
         Each but the last resumes at the seal (a reader that stops after one of them makes
         them all again: the same bytes, deduplicated downstream); the last, after it."""
@@ -707,19 +709,19 @@ class _Chunk:
         found = bytes(self.view[search_from : self.n]).find(RECORD_MAGIC)
         return self.n if found < 0 else search_from + found
 
-    def _dead(self, pos: int, length: int, reason: str) -> DeadLetter:
+    def _dead(self, pos: int, length: int, reason: str) -> SkippedSpan:
         """The `length` bytes at `pos`, set aside with `reason`; reading resumes after them."""
         offset = self.start + pos
         sample = bytes(self.view[pos : pos + min(length, 64)])
-        return DeadLetter(
+        return SkippedSpan(
             self.source, offset, length, reason, sample, Position(self.name, offset + length)
         )
 
 
 def read_all(
     directory: str | os.PathLike[str], *, torn_grace_s: float = 0.0
-) -> Iterator[Record | DeadLetter]:
-    """Every record and dead letter of a rank directory, treating it as complete."""
+) -> Iterator[Record | SkippedSpan]:
+    """Every record and skipped span of a rank directory, treating it as complete."""
     reader = RankLogReader(directory, torn_grace_s=torn_grace_s)
     while True:
         items = reader.read()

@@ -49,10 +49,10 @@ from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
-    DeadLetter,
     Position,
     RankLogReader,
     Record,
+    SkippedSpan,
     list_log_files,
     list_rank_dirs,
 )
@@ -652,8 +652,8 @@ class Streamer:
 
     # -- producing ------------------------------------------------------------------------
 
-    def _ship(self, rank_name: str, state: _RankState, item: Record | DeadLetter) -> None:
-        if isinstance(item, DeadLetter):
+    def _ship(self, rank_name: str, state: _RankState, item: Record | SkippedSpan) -> None:
+        if isinstance(item, SkippedSpan):
             end = item.end or Position(Path(item.source).name, item.offset + item.length)
             self._send_dead_letter(
                 state, end, item.source, item.offset, item.length, item.reason, item.sample

@@ -37,27 +37,24 @@ write per seal plus one pass over the steps' ops into a seal record
 (`producers/seal_record.py`: the ops pickled; whoever reads the log encodes the batches,
 in its own process): short steps are handed over ~40 at a time (80 while the node's cores
 are all busy), but at most 0.5 s apart (the live analysis' budget is 1 s from a step's end
-to the store), and as they end for a few steps
-once the rank's step time changed (a straggler appeared or recovered,
-`producers/step_change.py`: the live analysis needs those steps within a step or two), no
-two hand-overs closer than the log's readers poll. `make bench` on a shared 2-core box, the
-real 4-rank jobs in interleaved 120-step runs, the job's garbage collections that run on the
-sealer's thread left out (2026-11-28, 8 runs each): 17 us of sealer CPU per rank-step on
-1F1B (~22 ops), 17 on DDP (10 ops; 9-13 in runs where its noisy steps set off no prompt
-hand-overs, each of which costs ~220 us, mostly the wake), against 25 and 26 when the
-sealer encodes the batches itself (`seal_records=False`, or
-`$LAGSCOPE_SEAL_RECORDS=0`: for a streamer older than 0.2.0, which cannot read seal
-records; a step whose ops repeat an earlier step's sequence then reuses everything but its
-times). `$LAGSCOPE_SEAL_RECORDS=1` writes version 1 of the seal record (int64 columns, for a
-streamer of 0.2.0 to 0.3.x): 1.4-1.6 times the sealer's CPU per op. The sealer keeps the
-job's own scheduling priority: a lower one (nice 19, SCHED_IDLE) slowed the job down on a
-saturated machine, as the low-priority thread, preempted while it held the interpreter
-lock, kept the training thread waiting for it
-(`make bench`, torch module).
+to the store), and as they end for a few steps once the rank's step time changed (a
+straggler appeared or recovered, `producers/step_change.py`: the live analysis needs those
+steps within a step or two), no two hand-overs closer than the log's readers poll.
+`$LAGSCOPE_SEAL_RECORDS` says what is written: unset or 2, version 2 of the seal record;
+1, version 1 (int64 columns, for a streamer of 0.2.0 to 0.3.x); 0, batches the sealer
+encodes itself (`seal_records=False`: for a streamer older than 0.2.0, which cannot read
+seal records; a step whose ops repeat an earlier step's sequence then reuses everything
+but its times). The sealer keeps the job's own scheduling priority: a lower one (nice 19,
+SCHED_IDLE) slows the job down on a saturated machine, as the low-priority thread,
+preempted while it holds the interpreter lock, keeps the training thread waiting for it.
+What each of these costs is measured by `make bench` (producers, torch and latency
+modules); tests/bench/NOTES.md ("The timer") has the figures behind the choices.
 
-`mode="off"` is the lighter mode for the TP/CP ranks the analysis does not need: op type
-names are still checked (a typo fails on every rank alike), nothing is timed or written,
-and no thread is started.
+How ops are timed is the timer's backend (`TimingBackend`), chosen once by `mode`: the
+host clock, CUDA events, or, `mode="off"` for the TP/CP ranks the analysis does not need,
+nothing: every call is still checked (a typo fails on every rank alike), nothing is timed
+or written, and no thread is started. The timer owns the calls, their checks, the steps'
+pace and the log; `op()` takes a scope of its backend from a free list and fills it in.
 
 CUDA mode (`mode="cuda"`, or "auto" with torch and a GPU present; torch is imported lazily):
 `op()` records a pooled `torch.cuda.Event(enable_timing=True)` on the op's stream at entry
@@ -69,10 +66,10 @@ two events (through the CUDA runtime torch loaded, `cuda_runtime.py`: half the C
 torch's `query` and `elapsed_time`, which flush() uses), and returns events to the pool.
 It is the one writer of finished steps: the ops timed on the host clock (input waits, GC
 pauses, `record()`) join their step's CUDA ops, and a step is written once both are in, so
-each rank-step reaches the log whole. On an H200 (torch 2.11, `tests/bench/cuda_bench.py`)
-an op costs the training thread 4.8 us (events pooled up front, recorded through
-torch._C's event methods on the current stream's cached Stream object: the public calls
-build a Stream per call), against 0.6 on the host clock. The reference is re-calibrated
+each rank-step reaches the log whole. The training thread's cost per op is kept down by
+events pooled up front, recorded through torch._C's event methods on the current stream's
+cached Stream object (the public calls build a Stream per call; `tests/bench/cuda_bench.py`
+measures it). The reference is re-calibrated
 every `calibrate_every_s` from the resolver thread: it records an event on a private idle
 stream and waits for *that event* only (`event.synchronize()`, never
 `torch.cuda.synchronize()`), bracketing it with host clock reads.
@@ -124,10 +121,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, Protocol, TypeVar
 
 from lagscope.producers.cuda_runtime import EventReader, event_reader
-from lagscope.producers.events import JobInfo, StepEncoder
+from lagscope.producers.events import RANK_LIMIT, JobInfo, StepEncoder, rank_outside
 from lagscope.producers.log import KIND_BATCH, KIND_JOB, KIND_SEAL, LogWriter
 from lagscope.producers.seal_record import (
     MAX_OPS_PER_SEAL,
@@ -153,11 +150,11 @@ class UnknownOpTypeError(ValueError):
 
 
 # Ranges the wire format can hold (producers.events: step int64, microbatch int32, chunk
-# int16, ranks int32); tighter ones come from the job record when the timer has one.
+# int16; ranks: events.RANK_LIMIT); tighter ones come from the job record when the timer
+# has one.
 _STEP_LIMIT = 1 << 63
 _MICROBATCH_LIMIT = 1 << 31
 _CHUNK_LIMIT = 1 << 15
-_RANK_LIMIT = 1 << 31
 
 
 def _out_of_range(name: str, value: object, low: int, high: int, optype: str = "") -> ValueError:
@@ -165,34 +162,14 @@ def _out_of_range(name: str, value: object, low: int, high: int, optype: str = "
     return ValueError(f"{name} {value!r}{where} is out of range: expected {low} <= {name} < {high}")
 
 
-def _check_identity(
-    rank: int,
-    dp_rank: int,
-    pp_rank: int,
-    tp_rank: int,
-    cp_rank: int,
-    attempt: int,
-    job_info: JobInfo | None,
-) -> None:
+def _check_identity(ranks: dict[str, int], attempt: int, job_info: JobInfo | None) -> None:
     """Reject a rank coordinate outside the job's layout (or negative when there is none)."""
-    sizes = (
-        (job_info.world_size, job_info.dp_size, job_info.pp_size, job_info.tp_size,
-         job_info.dsp_size)
-        if job_info is not None
-        else (_RANK_LIMIT,) * 5
-    )  # fmt: skip
-    names = ("rank", "dp_rank", "pp_rank", "tp_rank", "cp_rank")
-    for name, value, size in zip(
-        names, (rank, dp_rank, pp_rank, tp_rank, cp_rank), sizes, strict=True
-    ):
-        try:
-            in_range = 0 <= operator.index(value) < size
-        except TypeError:
-            in_range = False
-        if not in_range:
-            raise _out_of_range(name, value, 0, size)
-    if not 0 <= attempt < _RANK_LIMIT:
-        raise _out_of_range("attempt", attempt, 0, _RANK_LIMIT)
+    outside = rank_outside(ranks, job_info)
+    if outside is not None:
+        name, value, size = outside
+        raise _out_of_range(name, value, 0, size)
+    if not 0 <= attempt < RANK_LIMIT:
+        raise _out_of_range("attempt", attempt, 0, RANK_LIMIT)
 
 
 def plain_int(name: str, value: object, optype: str = "") -> int:
@@ -244,26 +221,19 @@ def _wall_minus_perf_ns() -> int:
 #: least; twice the seal interval when that is longer).
 _STALL_SEAL_S = 1.0
 #: Short steps are handed to the sealer this many at a time: each hand-over wakes it, and a
-#: seal costs a wake and a write besides its steps' ops. In the real 4-rank jobs on the
-#: shared 2-core box of `make bench`, on the sealer's CPU clock: 150-250 us between one
-#: seal and the next (the wake, taking the interpreter lock from a training thread that
-#: drops and retakes it around every torch op) and 30-80 us for the write, against
-#: 12-20 us per 22-op step to encode and frame its batch.
+#: seal costs a wake (taking the interpreter lock from a training thread that drops and
+#: retakes it around every torch op) and a write besides its steps' ops, each several
+#: times what a step's ops cost to pack (tests/bench/NOTES.md, "The timer").
 _STEPS_PER_SEAL = 40
 #: ... but the log never lags the job by more than this, busy node or not: the live
 #: analysis has a budget of 1 s from a step's end to its rows in the store, of which the
-#: streamer, Kafka, the host and its store take ~0.5 s (`make bench`, latency module).
-#: At 3 s a step reached the store 1.5-1.8 s after its end (median; 2.7-2.9 s p95). On
-#: this shared box, interleaved pairs of 120-step runs (3 each), 0.5 s cost the sealer
-#: 59 us a rank-step on 1F1B (35-72; 47, 39-57, at 3 s) and 31 on DDP (20-39; 32, 23-74):
-#: its prompt spells already sealed every 5-7 steps there. A straggler's steps do not wait
-#: for it: they are handed over as they end (below).
+#: streamer, Kafka, the host and its store take ~0.5 s (`make bench`, latency module). A
+#: straggler's steps do not wait for it: they are handed over as they end (below).
 _MAX_SEAL_INTERVAL_S = 0.5
 #: While every core of the node is busy, seals are rarer still (this many times fewer
 #: wakes, and as many times the lag), and so are the hand-overs of a prompt spell (below):
-#: each wake is a thread the scheduler has to fit between the job's. A busy node's step
-#: times swing, and its ranks' spells came often: 8 steps a seal on the 1F1B and DDP jobs
-#: of `make bench` with every core busy, 28 and 20 on a quiet machine (2026-11-29).
+#: each wake is a thread the scheduler has to fit between the job's, and a busy node's
+#: step times swing, which sets off prompt spells often.
 _SATURATED_STRETCH = 2
 #: When a rank's step time changes (`producers/step_change.py`: a straggler appeared or
 #: recovered), its steps are handed over one at a time for this many steps, re-armed while
@@ -273,40 +243,25 @@ _SATURATED_STRETCH = 2
 _PROMPT_STEPS = 8
 #: ... but no two hand-overs closer than this, the interval at which the log's readers look
 #: for new records (the streamer's `poll_interval_s`, `lagscope run --follow`'s idle poll):
-#: a step handed over sooner is not read sooner, and every hand-over wakes the sealer. Steps
-#: of 65 ms (the DDP job of `make bench`, whose noise fires a spell every ~100 steps) were
-#: handed over one by one at 0.05 s, every other one now: its monitor thread's CPU per
-#: rank-step 14.4 -> 12.2 us (median of 4 interleaved pairs of 120-step runs; the ranks
-#: with a spell 20-34 -> 19-27).
+#: a step handed over sooner is not read sooner, and every hand-over wakes the sealer.
 _PROMPT_MIN_GAP_S = 0.1
 #: How often the sealer looks at the node's load (`os.getloadavg`).
 _LOAD_CHECK_S = 5.0
 
 
-class _NullScope:
-    __slots__ = ()
-
-    def __enter__(self) -> _NullScope:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        return None
-
-
-_NULL_SCOPE = _NullScope()
-
-
 class _OpScope:
-    """The context manager `OpTimer.op` returns; pooled so the hot path allocates only the
-    op's tuple. Bound methods are cached: the timer's buffer list is never replaced."""
+    """The context manager `OpTimer.op` returns on the host clock; pooled (it returns
+    itself to the timer's free list on exit) so the hot path allocates only the op's
+    tuple. Bound methods are cached: the timer's buffer list is never replaced."""
 
-    __slots__ = ("_append", "_release", "head", "start")
+    __slots__ = ("_append", "_release", "head", "start", "stream")
 
     def __init__(self, timer: OpTimer) -> None:
         self._append = timer._buffer.append
         self._release = timer._free_scopes.append
         self.head: tuple[int, int, int, int] = (0, 0, -1, 0)
         self.start = 0
+        self.stream: Any = None
 
     def __enter__(self) -> _OpScope:
         self.start = _perf_ns()
@@ -317,6 +272,119 @@ class _OpScope:
         start = self.start
         self._append((self.head, start, end - start))
         self._release(self)
+
+
+class _NullScope:
+    """`_OpScope` of a timer that records nothing: it only returns to the free list."""
+
+    __slots__ = ("_release", "head", "stream")
+
+    def __init__(self, timer: OpTimer) -> None:
+        self._release = timer._free_scopes.append
+        self.head: tuple[int, int, int, int] = (0, 0, -1, 0)
+        self.stream: Any = None
+
+    def __enter__(self) -> _NullScope:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._release(self)
+
+
+class _Scope(Protocol):
+    """What a backend's scopes are: context managers the timer takes from its free list
+    and fills in (the op's head, the stream it runs on, which the host clock ignores);
+    each returns itself to the list on exit."""
+
+    head: tuple[int, int, int, int]
+    stream: Any
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
+
+
+class TimingBackend(Protocol):
+    """How an `OpTimer` times its ops, chosen once by its `mode`: the host clock
+    (`_HostClock`), CUDA events (`_CudaTimer`) or not at all (`_Untimed`).
+
+    The timer owns the API, the checks of every call, the steps' pace and the log; a
+    backend owns an op's scope and, for a clock that reads its times later, when a step's
+    ops are all in. As in torch elastic's timer API (`TimerClient` and its local and
+    file-based clients), one small interface, an implementation per mechanism.
+    """
+
+    #: Whether ops are recorded at all: no sealer thread, GC probe or `record()` without.
+    records: bool
+    #: Whether ops are timed on the host clock (`OpTimer.appender` applies).
+    on_host_clock: bool
+
+    def new_scope(self) -> _Scope:
+        """One more scope for the timer's free list (which starts with a few)."""
+        ...
+
+    def recorder(self) -> tuple[Callable[..., Any], Callable[..., None]] | None:
+        """`OpTimer.cuda_recorder`'s (mark, add), or None."""
+        ...
+
+    def take_host_ops(self, ops: list[_Op], before_step: int) -> bool:
+        """Whether the backend took the host clock's `ops` handed over (all of the steps
+        before `before_step`) to write with its own; False: the sealer writes them."""
+        ...
+
+    def holds_step(self, step: int) -> bool:
+        """Whether ops of `step` are timed but not yet handed to the sealer."""
+        ...
+
+    def drain(self) -> None:
+        """Hand every op timed so far to the sealer (at flush, off the hot path)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop the backend's own threads (at close, after the last drain)."""
+        ...
+
+
+class _HostClock:
+    """Ops timed with `time.perf_counter_ns` on the calling thread, in pooled scopes."""
+
+    records = True
+    on_host_clock = True
+
+    def __init__(self, timer: OpTimer) -> None:
+        self._timer = timer
+
+    def new_scope(self) -> _Scope:
+        return _OpScope(self._timer)
+
+    def recorder(self) -> None:
+        return None
+
+    def take_host_ops(self, ops: list[_Op], before_step: int) -> bool:
+        return False
+
+    def holds_step(self, step: int) -> bool:
+        return False
+
+    def drain(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+
+class _Untimed(_HostClock):
+    """`mode="off"`, for the TP/CP ranks the analysis does not need: every call is checked
+    as on the ranks that time (a typo fails on every rank alike), nothing is recorded."""
+
+    records = False
+
+    def new_scope(self) -> _Scope:
+        return _NullScope(self._timer)
+
+
+def _discard(op: _Op) -> None:
+    return None
 
 
 class OpTimer:
@@ -342,7 +410,8 @@ class OpTimer:
         seal_records: bool | None = None,
         seal_version: int | None = None,
     ) -> None:
-        _check_identity(rank, dp_rank, pp_rank, tp_rank, cp_rank, attempt, job_info)
+        ranks = dict(rank=rank, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, cp_rank=cp_rank)
+        _check_identity(ranks, attempt, job_info)
         self.job_id = job_id
         self.attempt = attempt
         self.rank = rank
@@ -353,9 +422,7 @@ class OpTimer:
         self.optype_names: tuple[str, ...] = tuple(dict.fromkeys((*KNOWN_OPTYPES, *extra_optypes)))
         self._codes = {name: code for code, name in enumerate(self.optype_names)}
         #: Write each seal's ops as one seal record, which readers encode
-        #: (`producers/seal_record.py`), instead of encoding the batches here: the
-        #: default since 0.3.0, as every reader since 0.2.0 expands them; version 2 of
-        #: the record since 0.4.0, which readers expand since 0.4.0.
+        #: (`producers/seal_record.py`), instead of encoding the batches here.
         #: `$LAGSCOPE_SEAL_RECORDS`: 0 writes batches (for a streamer older than 0.2.0),
         #: 1 seal records of version 1 (older than 0.4.0), 2 (or unset) of version 2.
         chosen = _seal_records_from_env()
@@ -388,8 +455,8 @@ class OpTimer:
         """What the hot path writes to: the current step, the op buffer, pooled scopes."""
         self._current_step = 0
         self._buffer: list[tuple[tuple[int, int, int, int], int, int]] = []
-        self._free_scopes: list[_OpScope] = []
-        self._free_scopes.extend(_OpScope(self) for _ in range(8))
+        #: The backend's scopes not in use (`_Scope`): the hot path allocates none.
+        self._free_scopes: list[_Scope] = []
         self._wall_offset_ns = _wall_minus_perf_ns()
 
     def _init_sealing(self, flush_interval_s: float) -> None:
@@ -438,29 +505,30 @@ class OpTimer:
         gc_probe: bool,
         calibrate_every_s: float,
     ) -> None:
-        """Start what `mode` asks for: the sealer thread, CUDA timing, the GC probe; or,
-        off, only the name checks."""
+        """The timing backend `mode` asks for and what it needs: the sealer thread and
+        the GC probe where ops are recorded."""
+        self.backend: TimingBackend
+        if mode == "off":
+            self.backend = _Untimed(self)
+        elif mode == "cuda" or (mode == "auto" and _cuda_available()):
+            self.backend = _CudaTimer(self, calibrate_every_s)
+        else:
+            self.backend = _HostClock(self)
+        self._new_scope = self.backend.new_scope
+        self._free_scopes.extend(self._new_scope() for _ in range(8))
+        self._keep = self._buffer.append if self.backend.records else _discard
         self._sealer: threading.Thread | None = None
-        if mode != "off":
+        if self.backend.records:
             self._sealer = threading.Thread(
                 target=self._seal_loop, name=f"lagscope-sealer-{self.rank}", daemon=True
             )
             self._sealer.start()
-        self._cuda: _CudaTimer | None = None
-        if mode == "cuda" or (mode == "auto" and _cuda_available()):
-            self._cuda = _CudaTimer(self, calibrate_every_s)
         self._gc_start = 0
         #: Set by an integration that records only some steps (sampling) between them.
         self.gc_paused = False
-        self._gc_probe = gc_probe and mode != "off"
+        self._gc_probe = gc_probe and self.backend.records
         if self._gc_probe:
             gc.callbacks.append(self._on_gc)
-        if mode == "off":
-            # Lighter mode for ranks the analysis does not need (all but one TP/CP rank per
-            # (dp, pp) coordinate): names are still checked, nothing is timed or written.
-            # Instance attributes shadow the methods, so "on" ranks pay nothing for this.
-            self.op = self._op_off  # type: ignore[method-assign]
-            self.record = self._record_off  # type: ignore[method-assign]
 
     # -- hot path -------------------------------------------------------------------------
 
@@ -487,24 +555,11 @@ class OpTimer:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
         if not 0 <= chunk < self._chunk_limit:
             raise _out_of_range("chunk", chunk, 0, self._chunk_limit, optype)
-        if self._cuda is not None:
-            return self._cuda.scope(code, step, microbatch, chunk, stream)
         free = self._free_scopes
-        scope = free.pop() if free else _OpScope(self)
+        scope = free.pop() if free else self._new_scope()
         scope.head = (code, step, microbatch, chunk)
+        scope.stream = stream
         return scope
-
-    def _op_off(
-        self, optype: str, step: int | None = None, microbatch: int = -1, chunk: int = 0,
-        stream: Any = None,
-    ) -> Any:  # fmt: skip
-        if optype not in self._codes:
-            raise self._unknown(optype)
-        return _NULL_SCOPE
-
-    def _record_off(self, optype: str, **_: Any) -> None:
-        if optype not in self._codes:
-            raise self._unknown(optype)
 
     def timed(
         self, optype: str, *, microbatch: int = -1, chunk: int = 0
@@ -551,9 +606,7 @@ class OpTimer:
             raise _out_of_range("microbatch", microbatch, -1, _MICROBATCH_LIMIT, optype)
         if not 0 <= chunk < self._chunk_limit:
             raise _out_of_range("chunk", chunk, 0, self._chunk_limit, optype)
-        self._buffer.append(
-            ((code, step, microbatch, chunk), start_ns - self._wall_offset_ns, duration_ns)
-        )
+        self._keep(((code, step, microbatch, chunk), start_ns - self._wall_offset_ns, duration_ns))
 
     @property
     def steps_sealed(self) -> int:
@@ -574,16 +627,14 @@ class OpTimer:
     @property
     def on_host_clock(self) -> bool:
         """Whether ops are timed with the host clock (no CUDA events): `appender()` applies."""
-        return self._cuda is None
+        return self.backend.on_host_clock
 
     def cuda_recorder(self) -> tuple[Callable[[], Any], Callable[..., None]] | None:
         """CUDA mode's hot path for an integration, or None on the host clock: `mark()`
         records a pooled event on the calling thread's current stream and returns it;
         `add(head, start, end)` takes an op `head` = (code, step, microbatch, chunk)
         between two marks (any thread). What `op()` does, without its checks and scope."""
-        if self._cuda is None:
-            return None
-        return self._cuda.mark, self._cuda.add
+        return self.backend.recorder()
 
     def appender(self) -> Callable[[tuple[tuple[int, int, int, int], int, int]], None]:
         """The buffer's bound `append`, for an integration's hottest path (host clock only).
@@ -663,8 +714,7 @@ class OpTimer:
     def flush(self) -> None:
         """Seal everything recorded so far and write it to the log file (on this thread)."""
         self._hand_over(wake=False)
-        if self._cuda is not None:
-            self._cuda.drain()
+        self.backend.drain()
         self._seal_pending()
 
     def close(self) -> None:
@@ -674,8 +724,7 @@ class OpTimer:
             gc.callbacks.remove(self._on_gc)
         self._drop_gc_only_step()
         self.flush()
-        if self._cuda is not None:
-            self._cuda.stop()
+        self.backend.stop()
         self._closed = True
         self._stopping = True
         if self._sealer is not None:
@@ -708,7 +757,7 @@ class OpTimer:
                     return
             elif any(op[0][0] != gc_code for op in ops):
                 return
-            if self._cuda is not None and self._cuda.holds_step(current):
+            if self.backend.holds_step(current):
                 return
             self._buffer[:] = [op for op in self._buffer if op[0][1] != current]
 
@@ -754,12 +803,9 @@ class OpTimer:
                 kept = next((i for i, op in enumerate(taken) if op[0][1] >= current), None)
                 taken = taken if kept is None else taken[:kept]
             del buffer[: len(taken)]
-            if self._cuda is not None:
-                # One writer of finished steps in CUDA mode: the host clock's ops (input
-                # waits, GC pauses, ops recorded elsewhere) join their steps' CUDA ops, so
-                # that every rank-step reaches the log whole. Told even when there are
-                # none: the steps before the current one may be written.
-                self._cuda.take_host_ops(taken, self._current_step)
+            # Told even when there are none: a device clock may write the steps before the
+            # current one.
+            if self.backend.take_host_ops(taken, self._current_step):
                 return
             if not taken:
                 return
@@ -866,7 +912,14 @@ def _runtime_reader(torch: Any) -> EventReader | None:
 
 
 class _CudaTimer:
-    """CUDA-event timing: pooled events, resolved off the hot path (see module docstring)."""
+    """CUDA-event timing: pooled events, resolved off the hot path (see module docstring).
+
+    The one writer of finished steps in CUDA mode: the host clock's ops (input waits, GC
+    pauses, ops recorded elsewhere) join their steps' CUDA ops here, so that every
+    rank-step reaches the log whole."""
+
+    records = True
+    on_host_clock = False
 
     def __init__(self, owner: OpTimer, calibrate_every_s: float) -> None:
         import torch  # lazily: the host-mode timer must work without torch
@@ -962,8 +1015,11 @@ class _CudaTimer:
         """An op between two marks (any thread)."""
         self._pending.append((head, start, end))
 
-    def scope(self, code: int, step: int, microbatch: int, chunk: int, stream: Any) -> Any:
-        return _CudaScope(self, (code, step, microbatch, chunk), stream)
+    def new_scope(self) -> _Scope:
+        return _CudaScope(self, self._owner._free_scopes.append)
+
+    def recorder(self) -> tuple[Callable[..., Any], Callable[..., None]]:
+        return self.mark, self.add
 
     def _calibrate(self) -> bool:
         """Pin a reference event to the host clock; True if the new reference was taken.
@@ -1007,7 +1063,7 @@ class _CudaTimer:
                 op[0][1] == step for op in self._resolved
             )
 
-    def take_host_ops(self, ops: list[_Op], before_step: int) -> None:
+    def take_host_ops(self, ops: list[_Op], before_step: int) -> bool:
         """The host clock's ops, handed over by the training thread: every one of a step
         before `before_step` is among them or came earlier. No lock: the resolver reads
         the step first, then takes what was appended."""
@@ -1015,6 +1071,7 @@ class _CudaTimer:
             self._host_ops.append(ops)
         if before_step > self._host_ops_before:
             self._host_ops_before = before_step
+        return True
 
     def _read_with_torch(self, reference: Any, start: Any, end: Any) -> tuple[float, float] | None:
         """An op's start after `reference` and its duration (ms), or None while pending."""
@@ -1111,12 +1168,16 @@ class _CudaTimer:
 
 
 class _CudaScope:
-    __slots__ = ("_cuda", "_start", "head", "stream")
+    """`_OpScope` of CUDA mode: a pooled event recorded on the op's stream at entry and at
+    exit (`_CudaTimer.mark`); the pair is read off the hot path."""
 
-    def __init__(self, cuda: _CudaTimer, head: tuple[int, int, int, int], stream: Any) -> None:
+    __slots__ = ("_cuda", "_release", "_start", "head", "stream")
+
+    def __init__(self, cuda: _CudaTimer, release: Callable[[_CudaScope], None]) -> None:
         self._cuda = cuda
-        self.head = head
-        self.stream = stream
+        self._release = release
+        self.head: tuple[int, int, int, int] = (0, 0, -1, 0)
+        self.stream: Any = None
 
     def __enter__(self) -> _CudaScope:
         self._start = self._cuda.mark(self.stream)
@@ -1125,3 +1186,4 @@ class _CudaScope:
     def __exit__(self, *exc: object) -> None:
         cuda = self._cuda
         cuda.add(self.head, self._start, cuda.mark(self.stream))
+        self._release(self)

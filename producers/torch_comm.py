@@ -285,12 +285,9 @@ def _p2p_wrapper(name: str, kind: str, original: Callable[..., Any]) -> Callable
     common case (positional arguments, a peer seen before, no direction hint, the host
     clock) reads its arguments with one `len`, looks its op code up in place and opens the
     op inline; a gloo work's `wait()` ends it inline too. A recorded p2p op calls into
-    lagscope twice beyond this wrapper (the work's wrapping and its wait), not seven times,
-    and finds its arguments and code with one `len` and one `id`, not three `len`, two
-    `dict.get` and an `id`. With the backward's start and end made inline
-    alike, a recorded step of the 1F1B bench job (every other step recorded, tiny model,
-    3 interleaved pairs of 500-step runs) cost its training thread 218 -> 151 us more than
-    an unrecorded one (95 % CIs about +-25), 2026-11-29."""
+    lagscope twice beyond this wrapper (the work's wrapping and its wait), and finds its
+    arguments and code with one `len` and one `id` (what that saves: tests/bench/NOTES.md,
+    "The timer")."""
     params = SEAMS[name][1]
     group_at = params.index("group")
     peer_name = params[1]

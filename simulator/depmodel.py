@@ -636,6 +636,30 @@ def work_order_levels(model: DependencyModel) -> np.ndarray:
         extra = kept
 
 
+def _longest_chains(deps: list[set[int]], alive: list[bool]) -> tuple[list[int], list[int], int]:
+    """Kahn's order over the `alive` units: each unit's level (its longest chain of
+    dependencies), the dependencies each still waits for (> 0: on or after a cycle), and
+    how many units were ordered."""
+    successors: list[list[int]] = [[] for _ in deps]
+    for u, before in enumerate(deps):
+        for d in before:
+            successors[d].append(u)
+    remaining = [len(d) for d in deps]
+    level = [0] * len(deps)
+    ready = [u for u, is_alive in enumerate(alive) if is_alive and remaining[u] == 0]
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        for v in successors[u]:
+            if level[u] + 1 > level[v]:
+                level[v] = level[u] + 1
+            remaining[v] -= 1
+            if remaining[v] == 0:
+                ready.append(v)
+    return level, remaining, done
+
+
 def _unit_levels(
     model: DependencyModel, extra: list[tuple[int, int]]
 ) -> tuple[np.ndarray | None, list[int]]:
@@ -663,23 +687,7 @@ def _unit_levels(
     for before, node in extra:
         if unit_of[before] != unit_of[node]:
             unit_deps[unit_of[node]].add(unit_of[before])
-    successors: list[list[int]] = [[] for _ in range(n_units)]
-    remaining = [len(d) for d in unit_deps]
-    for u in range(n_units):
-        for d in unit_deps[u]:
-            successors[d].append(u)
-    level = [0] * n_units
-    ready = [u for u in range(n_units) if alive[u] and remaining[u] == 0]
-    done = 0
-    while ready:
-        u = ready.pop()
-        done += 1
-        for v in successors[u]:
-            if level[u] + 1 > level[v]:
-                level[v] = level[u] + 1
-            remaining[v] -= 1
-            if remaining[v] == 0:
-                ready.append(v)
+    level, remaining, done = _longest_chains(unit_deps, alive)
     if done != sum(alive):
         stuck = [m for u in range(n_units) if alive[u] and remaining[u] > 0 for m in members[u]]
         return None, stuck

@@ -66,13 +66,13 @@ from lagscope.simulator.measures import (
     gc_beyond_peers,
     gc_pause_coincidence,
     pausing_workers,
-    peers_median,
     slow_comm_groups,
     verified_slow_workers,
     without_gc_pauses,
 )
 from lagscope.simulator.noise import noise_floor, persistent_excess, slow_in, stage_excess
 from lagscope.simulator.online_episodes import HOST, worker_signals
+from lagscope.simulator.peers import peer_median
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.verdict import of_the_slowdown
 from lagscope.simulator.verdict import share as clamped_share
@@ -341,7 +341,7 @@ def detect_slow_host(ctx: _Context) -> Diagnosis | None:
         return None
     signals = worker_signals(prepared, [HOST, ot.INPUT_WAIT])  # [step, kind, stage, dp]
     own, waits = signals[:, 0], signals[:, 1]
-    peers, peer_waits = peers_median(own), peers_median(waits)
+    peers, peer_waits = peer_median(own), peer_median(waits)
     with np.errstate(all="ignore"):
         ratio = np.nanmedian(own / np.where(peers > 0, peers, np.nan), axis=0)
     if not np.isfinite(ratio).any():

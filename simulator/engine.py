@@ -165,7 +165,8 @@ class SimulationResult:
     timeline: Timeline | None = None
 
 
-def simulate(
+# The engine's hot loop, one function on purpose (its docstring says why).
+def simulate(  # noqa: C901, PLR0915
     compiled: CompiledModel,
     cost: np.ndarray,
     delay: np.ndarray | None,

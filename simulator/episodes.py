@@ -7,6 +7,16 @@ has been back for a few steps. At the end of the job, with the steps on both sid
 `square_wave` fits the worker's own series with two levels near those bounds
 (`episode_diagnosis.refined_bounds`): least squares on log values, lone spikes taken out,
 a stretch kept only when it stands clear of the series' own step-to-step noise.
+
+An episode takes three types on its way out, each made from the one before:
+
+- `online_episodes.WorkerEpisode`, the detector's: one worker's rise in one kind of its own
+  time, open until it recovers, with the levels that opened it. No output shows it as is.
+- `stream_app.job_analysis.EpisodeState`, a host's: that episode after a step, named (its
+  diagnosis) and priced (its cost). One row of the `episodes` table (`store/rows.py`),
+  which the dashboards and alert rules read.
+- `Episode`, here: what a report prints, its bounds, the diagnosis that named it (machines
+  named) and the series it shows in (`JobReport.episodes`, `lagscope analyze`'s page).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import numpy as np
 from lagscope.simulator import optypes as ot
 from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.online_episodes import HOST
+from lagscope.simulator.peers import peer_median, peers_of
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis, WhatIfResult
 
@@ -110,7 +111,7 @@ def pausing_workers(prepared: PreparedTrace, share: float) -> tuple[list[tuple[i
     total = float(pauses.sum())
     if total <= 0 or pauses.shape[1] * pauses.shape[2] < 2:
         return [], 0.0
-    beyond = (pauses > peers_median(pauses)).mean(axis=0).ravel()  # [worker]
+    beyond = (pauses > peer_median(pauses)).mean(axis=0).ravel()  # [worker]
     held = pauses.sum(axis=0).ravel()
     frequent = np.flatnonzero(beyond >= share)
     if not frequent.size or frequent.size > max(1, held.size // 4):
@@ -279,27 +280,3 @@ def verified_slow_workers(
         for w, t in zip(workers, times, strict=True)
     ]
     return sorted((ws for ws in shares if ws[1] >= min_share), key=lambda ws: -ws[1])
-
-
-def peers_of(values: np.ndarray, worker: tuple[int, int]) -> np.ndarray | None:
-    """[step, peer]: `values` ([step, stage, dp]) of `worker`'s (dp, stage) peers: the
-    other DP ranks of its stage, else the other stages; None for a job of one worker."""
-    dp, stage = worker
-    n_stages, n_dp = values.shape[1], values.shape[2]
-    if n_dp > 1:
-        return np.delete(values[:, stage, :], dp, axis=1)
-    if n_stages > 1:
-        return np.delete(values[:, :, dp], stage, axis=1)
-    return None
-
-
-def peers_median(values: np.ndarray) -> np.ndarray:
-    """[step, stage, dp]: the median of each worker's peers in each step (`peers_of`)."""
-    n_stages, n_dp = values.shape[1], values.shape[2]
-    out = np.full_like(values, np.nan)
-    for stage in range(n_stages):
-        for dp in range(n_dp):
-            others = peers_of(values, (dp, stage))
-            if others is not None:
-                out[:, stage, dp] = np.median(others, axis=1)
-    return out

@@ -16,8 +16,9 @@ links are *persistent* structure on top of it; only that structure is diagnosed.
   they raise S. A straggler shorter than half the run is a fluctuation here too; it is
   found by its episode, and a persistent one is structure that no floor hides.
 - **Persistent excess.** A worker's own work per step (its computes, optimizer and input
-  wait: time nobody else makes it wait) over the median of its peers' (the other DP ranks
-  of its stage; all workers when there is one DP rank), median over steps.
+  wait: time nobody else makes it wait) over the median of its group's, itself included
+  (its stage's DP ranks; all workers when there is one DP rank: `peers.relative_to_group`),
+  median over steps.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 from lagscope.simulator.engine import CompiledModel
 from lagscope.simulator.medians import median_along
+from lagscope.simulator.peers import relative_to_group
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.simulator.whatif import Variant, WhatIfAnalysis
 
@@ -41,16 +43,6 @@ def own_work(prepared: PreparedTrace, optype: str | None = None) -> np.ndarray:
     """Own work of every worker in every step, [step, stage, dp] (seconds); only that of
     `optype` when given."""
     return prepared.stage_sums(prepared.duration, optype, own_work_only=True)
-
-
-def relative_to_peers(work: np.ndarray) -> np.ndarray:
-    """[step, stage, dp] own work over the median of the worker's peers in that step."""
-    n_dp = work.shape[2]
-    if n_dp > 1:
-        peers = np.median(work, axis=2, keepdims=True)
-    else:
-        peers = np.median(work, axis=(1, 2), keepdims=True)
-    return work / np.where(peers > 0, peers, np.nan)
 
 
 def series_names(n_stages: int, n_dp: int) -> list[str]:
@@ -88,7 +80,7 @@ def step_series(prepared: PreparedTrace) -> np.ndarray:
 
 def persistent_excess(prepared: PreparedTrace) -> np.ndarray:
     """[stage, dp]: median over steps of the worker's own work relative to its peers'."""
-    return np.nanmedian(relative_to_peers(own_work(prepared)), axis=0)
+    return np.nanmedian(relative_to_group(own_work(prepared)), axis=0)
 
 
 def stage_excess(prepared: PreparedTrace) -> np.ndarray:

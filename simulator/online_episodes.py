@@ -49,25 +49,11 @@ closes once `recovery_steps` of its last `recovery_steps` + 1 steps, the latest 
 them, are back below the middle of its two levels (one noisy step does not hold a
 recovered worker's episode open); the recovery step is the first of those.
 
-Measured on 183 real 4-rank torch jobs on a shared 2-core machine (DDP and DP 2 x PP 2 1F1B
-pipelines, on an emulated accelerator and on real CPU compute, some with a CPU burner
-beside them; a rank 2x slower in its forward, backward, input or host for steps 15-29;
-tests/data/recorded keeps the 15 hardest): none of the 58 healthy runs has an episode; 115
-of 125 stragglers are named with the right kind (112 with onset and recovery within 3
-steps), 72 of them 4 steps after their onset (the first step they could be), 99 within 7,
-all but one within 10. The misses are real-CPU ranks whose 2x slower ops of a few ms read
-1.3-1.6x beside the contention of three other ranks on two cores. The pooled noise and
-the costlier second episode came later (2026-11-26), for a 16th recording kept there
-(ddp-input-3: noise read as a host episode hid an input straggler); the 15 read as before.
-So did the spike rate counted over the workers that do a kind of work and before the
-evidence (2026-11-27: the input waits of a 1F1B job's second stage, always zero, had
-halved it; the straggler's own first slow steps had raised it, which in a live run made
-an input straggler's host time, risen with it, open first and name it a slow host), and what the
-hosts name on top of this detector: an episode only once it has cost the job enough
-(`episode_diagnosis.costs_the_job`), which leaves one of the recorded stragglers unnamed.
-Host time became the host gaps on 2026-11-28 (it had been the launch delays, which on a
-1F1B stage hold the forward before each backward receive: a forward straggler opened as a
-slow host in a live CI run); the 19 recordings of 2026-11-27 read as before.
+The settings (`OnlineEpisodeSettings`) are measured on real 4-rank torch jobs on a shared
+2-core machine, healthy and with one rank 2x slower in one kind for a stretch of steps;
+`tests/data/recorded` keeps the hardest of them, read step by step by
+`tests/test_recorded_jobs.py`, and `tests/bench/NOTES.md` ("Live episodes on real jobs")
+has the measurements.
 
 A worker slow from the job's first step has no rise to see. The job's diagnosis finds it
 (slower than its peers in the median step, `diagnose.py`), and the host then adopts it
@@ -89,12 +75,16 @@ import numpy as np
 
 from lagscope.simulator.episodes import StretchFit
 from lagscope.simulator.fields import Bound, FieldErrors, check_fields
-from lagscope.simulator.medians import median_along, median_of_others
 from lagscope.simulator.noise import own_work_mask
+from lagscope.simulator.peers import peer_median
 from lagscope.simulator.prepare import PreparedTrace, host_gaps, own_durations
 
 #: The kind of a worker's time spent between its ops (the host gaps of its ops).
 HOST = "host"
+
+#: Up to this many DP ranks a worker is compared with the median of its peers exactly;
+#: beyond, with that of its whole stage, itself included (`peers.peer_median`).
+_EXACT_PEERS_UP_TO = 16
 
 #: MAD of a normal sample times this factor estimates its standard deviation.
 _MAD_TO_SIGMA = 1.4826
@@ -102,8 +92,9 @@ _MAD_TO_SIGMA = 1.4826
 
 @dataclass(frozen=True, kw_only=True)
 class OnlineEpisodeSettings:
-    """When an episode opens and closes. Every value was measured on the 88 real runs of
-    the module docstring; a change must be measured there again (`make bench`)."""
+    """When an episode opens and closes. Every value was measured on the real runs of
+    tests/bench/NOTES.md ("Live episodes on real jobs"); a change must be measured there
+    again (`make bench`, episode module, and `tests/test_recorded_jobs.py`)."""
 
     #: Steps of evidence that open a clear episode: 4 opened an episode on 4 of the first
     #: 26 healthy runs, 5 on none.
@@ -250,7 +241,9 @@ def worker_signals(prepared: PreparedTrace, kinds: Sequence[str]) -> np.ndarray:
 
 @dataclass
 class WorkerEpisode:
-    """One worker's episode: open while it is slow, closed at its recovery."""
+    """One worker's episode as the detector keeps it: open while it is slow, closed at its
+    recovery. The hosts name and price it (`EpisodeState`) before any output shows it
+    (`episodes.py` has the three types)."""
 
     episode_id: int
     dp: int
@@ -307,7 +300,7 @@ class _History:
     count: int = 0
 
     def push(self, step: int, values: np.ndarray) -> None:
-        peers = peer_median(values[np.newaxis])[0]
+        peers = peer_median(values[np.newaxis], include_self_above=_EXACT_PEERS_UP_TO)[0]
         if self.count < self.length:
             self.values[self.count] = values
             self.peers[self.count] = peers
@@ -603,7 +596,9 @@ class OnlineEpisodes:
         ):
             return None
         own = values[:, stage, dp]
-        peers = peer_median(values[:, np.newaxis])[:, 0, stage, dp]
+        peers = peer_median(values[:, np.newaxis], include_self_above=_EXACT_PEERS_UP_TO)[
+            :, 0, stage, dp
+        ]
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = own / np.where(peers > 0, peers, np.nan)
             slow = ratio >= cfg.min_peer_ratio
@@ -825,14 +820,14 @@ class OnlineEpisodes:
         to 64 of them, evenly spread, stands for all."""
         history = self._history
         dp_index = np.arange(self.n_dp)
-        if self.n_dp > 16:
+        if self.n_dp > _EXACT_PEERS_UP_TO:
             dp_index = np.unique(np.linspace(0, self.n_dp - 1, 64).astype(np.intp))
         usable = usable[:, :, dp_index]
         values = history.values[before_slots][..., dp_index]
         before = np.where(usable[:, None], values, np.nan)
         enough = usable.sum(axis=0) >= self.settings.min_baseline_steps
         sigma = np.where(enough[None], _mad_sigma(before), np.nan)  # [kind, stage, dp]
-        if self.n_dp > 16:
+        if self.n_dp > _EXACT_PEERS_UP_TO:
             typical = np.nanmedian(sigma, axis=2, keepdims=True)
             return np.broadcast_to(typical, (*sigma.shape[:2], self.n_dp))
         return peer_median(sigma[np.newaxis])[0]
@@ -986,17 +981,3 @@ def nanquantile_first_axis(values: np.ndarray, q: float) -> np.ndarray:
     out = a + difference * gamma
     np.subtract(b, difference * (1 - gamma), out=out, where=gamma >= 0.5)
     return np.where(count > 0, out, np.nan)
-
-
-def peer_median(values: np.ndarray) -> np.ndarray:
-    """[slot, kind, stage, dp]: the median of each worker's peers, the other DP ranks of
-    its stage (the other stages when there is one DP rank). With many peers the median of
-    all of them, itself included, is the same to within one of many."""
-    n_stages, n_dp = values.shape[2], values.shape[3]
-    if n_dp > 1:
-        if n_dp > 16:
-            return np.broadcast_to(median_along(values, axis=3), values.shape)
-        return median_of_others(values, axis=3)
-    if n_stages == 1:
-        return np.full_like(values, np.nan)
-    return median_of_others(values, axis=2)

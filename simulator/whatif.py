@@ -12,7 +12,7 @@ makes the per-DP-rank attribution linear rather than quadratic in the DP size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
@@ -170,6 +170,34 @@ def ideal_costs(prepared: PreparedTrace) -> dict[str, float]:
     return result
 
 
+_Cells = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]
+
+
+def _swap_in(
+    target: np.ndarray,
+    source: np.ndarray,
+    cells: _Cells,
+    measured: Callable[..., np.ndarray],
+) -> None:
+    """`target`'s swapped `cells` (rows, columns or a mask: `WhatIfAnalysis._swapped_cells`)
+    from `source`: values [row, step, dp], read as the pass' columns by `measured`, or the
+    ideal ([row, column] or [row, 1])."""
+    rows, cols, mask = cells
+    if source.ndim == 3:
+        if rows is not None:
+            target[rows] = measured(source, rows)
+            return
+        source = measured(source)
+    elif rows is not None:
+        target[rows] = source[rows]
+        return
+    source = np.broadcast_to(source, target.shape)
+    if cols is not None:
+        target[:, cols] = source[:, cols]
+    else:
+        np.copyto(target, source, where=mask)
+
+
 class WhatIfAnalysis:
     """Runs variants of one prepared trace through the engine."""
 
@@ -321,38 +349,19 @@ class WhatIfAnalysis:
             return
         # The swapped cells: whole rows (op types, stages), whole columns (DP ranks), or
         # (top workers) a mask of both.
-        rows, cols, mask = self._swapped_cells(variant.swap, np.tile(dp_cols, n_steps))
-
-        def swap_in(target: np.ndarray, source: np.ndarray) -> None:
-            """`target`'s swapped cells from `source` (values [row, step, dp], or the
-            ideal: [row, column] or [row, 1])."""
-            if source.ndim == 3:
-                if rows is not None:
-                    target[rows] = measured(source, rows)
-                    return
-                source = measured(source)
-            elif rows is not None:
-                target[rows] = source[rows]
-                return
-            source = np.broadcast_to(source, target.shape)
-            if cols is not None:
-                target[:, cols] = source[:, cols]
-            else:
-                np.copyto(target, source, where=mask)
-
+        cells = self._swapped_cells(variant.swap, np.tile(dp_cols, n_steps))
         if variant.delay != "swap":
-            swap_in(cost, ideal if variant.cost == "measured" else self._cost_rows)
+            source = ideal if variant.cost == "measured" else self._cost_rows
+            _swap_in(cost, source, cells, measured)
         if delay is not None:
             if variant.delay == "all":
                 delay[:] = measured(self._delay_rows)
             else:
                 delay[:] = 0.0
                 if variant.delay == "swap":
-                    swap_in(delay, self._delay_rows)
+                    _swap_in(delay, self._delay_rows, cells, measured)
 
-    def _swapped_cells(
-        self, swap: Selection, col_dp: np.ndarray
-    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    def _swapped_cells(self, swap: Selection, col_dp: np.ndarray) -> _Cells:
         """(rows, None, None) when `swap` holds whole stages' workers, (None, columns, None)
         when it holds every node of whole DP ranks, else (None, None, [row, column] mask):
         a row or column copy instead of a masked copy of the whole pass. Rows are the

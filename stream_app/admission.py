@@ -19,7 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from lagscope.producers.events import PER_RANK_FIELDS, JobInfo, RankStepBatch
+from lagscope.producers.events import (
+    PER_RANK_FIELDS,
+    RANK_AXIS_SIZES,
+    JobInfo,
+    RankStepBatch,
+    rank_outside,
+)
 from lagscope.simulator.optypes import KNOWN_OPTYPES
 
 #: No training op lasts a day: a longer duration is a broken clock or a corrupt record.
@@ -106,20 +112,14 @@ def batch_problem(batch: RankStepBatch) -> str:
 
 def grid_problem(batch: RankStepBatch, info: JobInfo) -> str:
     """Why a batch does not fit its job's parallel grid, or ""."""
-    limits = (
-        ("dp_rank", batch.dp_rank, "dp_size", info.dp_size),
-        ("pp_rank", batch.pp_rank, "pp_size", info.pp_size),
-        ("tp_rank", batch.tp_rank, "tp_size", info.tp_size),
-        ("cp_rank", batch.cp_rank, "cp_size", info.cp_size),
-        ("rank", batch.rank, "world_size", info.world_size),
+    outside = rank_outside({name: getattr(batch, name) for name in RANK_AXIS_SIZES}, info)
+    if outside is None:
+        return ""
+    name, value, size = outside
+    return (
+        f"{_who(batch)}: {name} {value} is out of range for job {info.key}, whose "
+        f"{RANK_AXIS_SIZES[name]} is {size}"
     )
-    for name, value, size_name, size in limits:
-        if value >= size:
-            return (
-                f"{_who(batch)}: {name} {value} is out of range for job {info.key}, whose "
-                f"{size_name} is {size}"
-            )
-    return ""
 
 
 def _who(batch: RankStepBatch) -> str:

@@ -35,8 +35,8 @@ from lagscope.producers.log import (
     RankDirs,
     RankLogReader,
     Record,
+    SkippedSpan,
 )
-from lagscope.producers.log import DeadLetter as SkippedSpan
 from lagscope.simulator.job_story import JobDiagnosis
 from lagscope.simulator.prepare import PreparedTrace
 from lagscope.store.sink import ClickHouseSink

@@ -9,6 +9,8 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +62,22 @@ def test_docstring_examples(module_name: str) -> None:
         runner.run(test)
     results = runner.summarize(verbose=False)
     assert results.failed == 0, f"{results.failed} docstring example(s) failed in {module_name}"
+
+
+#: A date beside the code (a measurement's, a change's) goes stale while the code moves on:
+#: measurements belong in tests/bench/NOTES.md, history in commit messages.
+_DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def test_the_code_carries_no_dated_notes() -> None:
+    root = Path(lagscope.__file__).resolve().parent.parent
+    stages = ("lagscope", *(name.removeprefix("lagscope.") for name in PACKAGES[1:]))
+    folders = [name for name in stages if (root / name).is_dir()]  # cli is inside lagscope
+    dated = [
+        f"{path.relative_to(root)}:{number}"
+        for folder in folders
+        for path in sorted((root / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _DATE.search(line)
+    ]
+    assert len(folders) > 5 and not dated, f"dated notes in the code: {dated}"

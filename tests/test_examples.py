@@ -269,7 +269,8 @@ def fenced_blocks(markdown: str) -> list[tuple[str, str]]:
     return blocks
 
 
-def _command_lines() -> list[tuple[str, str]]:
+def _documented_lines() -> list[tuple[str, str]]:
+    """(where, line) of every shell block of the READMEs and every `--help` example."""
     found: list[tuple[str, str]] = []
     for doc in (README, REPO / "deploy" / "README.md"):
         for language, block in fenced_blocks(doc.read_text()):
@@ -288,19 +289,30 @@ def _command_lines() -> list[tuple[str, str]]:
             if EXAMPLES_HEADING in epilog:
                 for line in epilog.split(EXAMPLES_HEADING, 1)[1].splitlines():
                     found.append((f"lagscope {name} --help", line))
-    lines = []
-    for where, line in found:
-        if not re.match(r"\s*([A-Z_]+=\S*\s+)*(\S*/)?lagscope\s", line):
-            continue  # output, or another program
-        words = shlex.split(line.split(" # ")[0].split("   #")[0], comments=False)
-        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
-            words = words[1:]  # VAR=value before the command
-        if words and words[0].endswith("lagscope") and words[0] != "lagscope-logs":
-            for stop in ("|", ">", "2>", "&&"):
-                if stop in words:
-                    words = words[: words.index(stop)]
-            lines.append((where, shlex.join(words[1:])))
-    return lines
+    return found
+
+
+def _lagscope_arguments(line: str) -> list[str] | None:
+    """The arguments of a documented `lagscope ...` line, or None for another line."""
+    if not re.match(r"\s*([A-Z_]+=\S*\s+)*(\S*/)?lagscope\s", line):
+        return None  # output, or another program
+    words = shlex.split(line.split(" # ")[0].split("   #")[0], comments=False)
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]  # VAR=value before the command
+    if not words or not words[0].endswith("lagscope") or words[0] == "lagscope-logs":
+        return None
+    for stop in ("|", ">", "2>", "&&"):
+        if stop in words:
+            words = words[: words.index(stop)]
+    return words[1:]
+
+
+def _command_lines() -> list[tuple[str, str]]:
+    return [
+        (where, shlex.join(arguments))
+        for where, line in _documented_lines()
+        if (arguments := _lagscope_arguments(line)) is not None
+    ]
 
 
 COMMAND_LINES = _command_lines()

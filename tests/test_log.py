@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from lagscope.producers.log import (
     HEADER_SIZE,
     KIND_BATCH,
-    DeadLetter,
     LogWriter,
     Position,
     RankLogReader,
     Record,
+    SkippedSpan,
     frame_record,
     list_log_files,
     rank_dir,
@@ -32,12 +32,12 @@ def _payloads(n: int, size: int = 100) -> list[bytes]:
     return [(f"record-{i:05d}-".encode() * size)[:size] for i in range(n)]
 
 
-def _records(items: list[Record | DeadLetter]) -> list[bytes]:
+def _records(items: list[Record | SkippedSpan]) -> list[bytes]:
     return [i.payload for i in items if isinstance(i, Record)]
 
 
-def _dead(items: list[Record | DeadLetter]) -> list[DeadLetter]:
-    return [i for i in items if isinstance(i, DeadLetter)]
+def _dead(items: list[Record | SkippedSpan]) -> list[SkippedSpan]:
+    return [i for i in items if isinstance(i, SkippedSpan)]
 
 
 def test_writer_rotates_by_size_and_reader_returns_everything_in_order(tmp_path: Path) -> None:

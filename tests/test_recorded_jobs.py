@@ -8,7 +8,7 @@ lose their cores in runs of up to 10 steps, as slow as a 2x straggler's ops. A c
 must stay quiet; a straggler is named only with the right worker and op, never before its
 onset. The live detector needs more steps of evidence on such a job (its own spike rate
 is high), so some of these stragglers, 2x slower in ops of 3-10 ms, go unnamed: most of
-them must not (module docstring of `online_episodes.py` has the counts)."""
+them must not (tests/bench/NOTES.md, "Live episodes on real jobs", has the counts)."""
 
 from __future__ import annotations
 

@@ -362,7 +362,7 @@ def test_cuda_mode_logic_resolves_events_off_the_hot_path(
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake))
     before = time.time_ns()
     with _timer(tmp_path, mode="cuda", flush_interval_s=0.05) as timer:
-        assert timer._cuda is not None
+        assert not timer.on_host_clock
         for step in range(3):
             timer.step(step)
             for mb in range(4):

@@ -130,7 +130,7 @@ def test_a_seal_record_of_a_newer_version_is_a_dead_letter_naming_it(tmp_path: P
     """A timer newer than this reader writes seal records of a version it does not know:
     each is a dead letter naming that version, and the records around it are read (those
     of every version it knows, 1 and 2, among them)."""
-    from lagscope.producers.log import KIND_SEAL, DeadLetter, Record, rank_dir, read_all
+    from lagscope.producers.log import KIND_SEAL, Record, SkippedSpan, rank_dir, read_all
     from lagscope.producers.seal_record import SEAL_VERSIONS, SealPacker
 
     names = ("forward-compute",)
@@ -147,7 +147,7 @@ def test_a_seal_record_of_a_newer_version_is_a_dead_letter_naming_it(tmp_path: P
     items = list(read_all(rank_dir(tmp_path, 0)))
     steps = [decode_batch(i.payload).step for i in items if isinstance(i, Record)]
     assert steps == [0, 1, 2, 0, 1, 2]
-    dead = [i.reason for i in items if isinstance(i, DeadLetter)]
+    dead = [i.reason for i in items if isinstance(i, SkippedSpan)]
     assert dead == [f"seal record version {max(SEAL_VERSIONS) + 1} (this reader reads 1 and 2)"] * 2
 
 

@@ -229,8 +229,8 @@ def _per_op_rows(tmp: Path) -> list[dict]:
         import torch
 
         calls = "host clock"
-        if timer._cuda is not None:
-            public = timer._cuda._current_stream is torch.cuda.current_stream
+        if not timer.on_host_clock:
+            public = timer.backend._current_stream is torch.cuda.current_stream  # type: ignore[attr-defined]
             calls = "torch's public CUDA calls" if public else "torch._C's event calls"
         op = timer.op
         best = float("inf")
