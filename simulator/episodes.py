@@ -12,7 +12,7 @@ An episode takes three types on its way out, each made from the one before:
 
 - `online_episodes.WorkerEpisode`, the detector's: one worker's rise in one kind of its own
   time, open until it recovers, with the levels that opened it. No output shows it as is.
-- `stream_app.job_analysis.EpisodeState`, a host's: that episode after a step, named (its
+- `simulator.job_story.EpisodeState`, a host's: that episode after a step, named (its
   diagnosis) and priced (its cost). One row of the `episodes` table (`store/rows.py`),
   which the dashboards and alert rules read.
 - `Episode`, here: what a report prints, its bounds, the diagnosis that named it (machines

@@ -64,6 +64,7 @@ from lagscope.simulator.job_totals import STEP_SERIES_KEPT, JobSize, JobTotals
 from lagscope.simulator.measures import gc_beyond_peers
 from lagscope.simulator.online_episodes import (
     HOST,
+    EpisodeChange,
     OnlineEpisodes,
     OnlineEpisodeSettings,
     WorkerEpisode,
@@ -265,8 +266,20 @@ class LiveJob:
         changes = self.detector.update(step, signals, paid)
         times = (paid, float(result.t_nodelay[0]), float(result.t_ideal[0]))
         self.recent.append((prepared, times))
-        # Every episode's model price of its steps first, then each its share of what
-        # the job measured in them: episodes that overlap share the job's loss.
+        changed = self._priced_changes(changes, step, (prepared, times))
+        self._forget_closed()
+        return changed
+
+    def _priced_changes(
+        self,
+        changes: list[EpisodeChange],
+        step: int,
+        latest: tuple[PreparedTrace, tuple[float, float, float]],
+    ) -> list[EpisodeState]:
+        """The detector's `changes` at `step` priced, named once they cost the job enough;
+        the states of the named ones. Every episode's model price of its steps first, then
+        each its share of what the job measured in them: episodes that overlap share the
+        job's loss."""
         priced: dict[int, _Priced] = {}
         for change in changes:
             episode = change.episode
@@ -274,7 +287,7 @@ class LiveJob:
                 inside = [e for e in self.recent if int(e[0].steps[0]) >= episode.onset]
                 priced[episode.episode_id] = self._measure(episode, inside)
             elif change.change == "updated":
-                priced[episode.episode_id] = self._measure(episode, [(prepared, times)])
+                priced[episode.episode_id] = self._measure(episode, [latest])
         changed = []
         for change in changes:
             episode = change.episode
@@ -301,7 +314,6 @@ class LiveJob:
             elif change.change == "closed":
                 self.story_changed = True
             changed.append(self._state(episode, step))
-        self._forget_closed()
         return changed
 
     def _name(self, episode: WorkerEpisode, step: int) -> None:
