@@ -407,7 +407,7 @@ class HostCore:
         #: Whether the store may hold rows of steps whose write was cut short: at the start
         #: (by an earlier run of this host, or a crashed owner of its partition) and after
         #: a failed write, until a write stores steps no earlier one touched.
-        self._cut_short_possible = True
+        self.cut_short_possible = True
         #: Per job, what summaries and reports show beyond the processor's own state.
         self.changes: dict[tuple[str, int], list[DetectedChange]] = {}
         self.incomplete: dict[tuple[str, int], list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
@@ -665,7 +665,18 @@ class HostCore:
         """Store every pending row exactly once (`write_hosts` of this host alone)."""
         return write_hosts([self], sink)[0]
 
-    def _live_rows(self, outputs: list[StepOutput]) -> tuple[list[dict], list[dict]]:
+    @property
+    def raw_ops_waiting(self) -> list[tuple[RankStepBatch, str]]:
+        """The raw ops waiting for a write (each batch with its id), oldest first."""
+        return self._raw_ops
+
+    def take_raw_ops(self) -> list[tuple[RankStepBatch, str]]:
+        """The raw ops waiting for a write (each batch with its id), no longer held here:
+        the writer stores them, or the host has lost them with its process."""
+        taken, self._raw_ops, self._raw_ops_bytes = self._raw_ops, [], 0
+        return taken
+
+    def live_rows(self, outputs: list[StepOutput]) -> tuple[list[dict], list[dict]]:
         """The `episodes` and `diagnoses` rows the steps of `outputs` (of any of this
         host's jobs) made, a column set per job."""
         episodes: list[dict[str, list]] = []
@@ -702,7 +713,7 @@ class HostCore:
                 rows.setdefault(name, []).extend(values)
         return rows
 
-    def _conclusion_rows(self, conclusion: JobConclusion) -> tuple[str, list, list]:
+    def conclusion_rows(self, conclusion: JobConclusion) -> tuple[str, list, list]:
         """A conclusion's dedup token, episodes rows and diagnoses rows (each a list of
         column sets, empty when it has none)."""
         job_id, attempt = conclusion.job_id, conclusion.attempt
@@ -791,55 +802,8 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
             host.dead = []
     written = [Written() for _ in hosts]
     if any(host.pending for host in hosts):
-        started = time.perf_counter()
-        keys = sorted({(o.job_id, o.attempt, o.step) for h in hosts for o in h.pending})
-        stored = sink.retry.call(sink.stored_versions, keys, what="steps lookup")
-        # A step closed again (late batches came) is a newer version of a stored one.
-        fresh = [
-            [o for o in host.pending if stored.get((o.job_id, o.attempt, o.step), -1) < o.version]
-            for host in hosts
-        ]
-        checked = [host._cut_short_possible for host in hosts]
-        for host in hosts:
-            host._cut_short_possible = True  # until the write below says otherwise
-        replaced = 0
-        if any(fresh):
-            batch = rows_from_outputs([out for outputs in fresh for out in outputs])
-            live = [host._live_rows(outputs) for host, outputs in zip(hosts, fresh, strict=True)]
-            for table, index in (("episodes", 0), ("diagnoses", 1)):
-                parts = [part for rows in live for part in rows[index]]
-                if parts:
-                    batch.add(table, concat_columns(parts))
-            report = sink.write(batch, replace_cut_short=any(checked), stored_versions=stored)
-            replaced = report.steps_replaced
-        seconds = time.perf_counter() - started
-        for host, outputs, was_checked, done in zip(hosts, fresh, checked, written, strict=True):
-            pending = len(host.pending)
-            if len(outputs) < pending:
-                log.info("stored %d step(s); %d re-processed step(s) were already stored",
-                         len(outputs), pending - len(outputs))  # fmt: skip
-            host.counters["steps_already_stored"] += pending - len(outputs)
-            host.counters["steps_written"] += len(outputs)
-            host.pending = []  # only now: a failure above kept them for the next write
-            host.has_news = False
-            host.write_seconds = seconds
-            done.outputs = outputs
-            # Re-processed steps (stored ones among them) may still be followed by those of
-            # the write that was cut short.
-            host._cut_short_possible = was_checked and (replaced > 0 or len(outputs) < pending)
-    raw_ops = [part for host in hosts for part in host._raw_ops]
-    for first in range(0, len(raw_ops), RAW_OPS_WRITE_BATCHES):
-        # Batches of their own, after the steps, named by their content: a write that
-        # failed after storing them, retried, stores them once. Their rows are made
-        # here, a part at a time (a row of raw ops takes ~4x its bytes on the wire).
-        rows = [raw_op_rows(batch, batch_id) for batch, batch_id in
-                raw_ops[first : first + RAW_OPS_WRITE_BATCHES]]  # fmt: skip
-        batch = SinkBatch(raw_ops_token(rows))
-        batch.add("ops", joined_rows(rows))
-        sink.write(batch)
-    if raw_ops:
-        for host in hosts:
-            host._raw_ops, host._raw_ops_bytes = [], 0
+        _write_steps(hosts, sink, written)
+    _write_raw_ops(hosts, sink)
     if any(host.conclusions for host in hosts):
         # One batch for every job concluded (a worker's idle exit concludes all it follows).
         sink.write(_conclusions_batch(hosts))
@@ -848,13 +812,71 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
     return written
 
 
+def _write_steps(hosts: Sequence[HostCore], sink: ClickHouseSink, written: list[Written]) -> None:
+    """The closed steps pending on `hosts`, with the episodes and diagnoses they made, in
+    one batch; the steps the store already has (at their version) left out."""
+    started = time.perf_counter()
+    keys = sorted({(o.job_id, o.attempt, o.step) for h in hosts for o in h.pending})
+    stored = sink.retry.call(sink.stored_versions, keys, what="steps lookup")
+    # A step closed again (late batches came) is a newer version of a stored one.
+    fresh = [
+        [o for o in host.pending if stored.get((o.job_id, o.attempt, o.step), -1) < o.version]
+        for host in hosts
+    ]
+    checked = [host.cut_short_possible for host in hosts]
+    for host in hosts:
+        host.cut_short_possible = True  # until the write below says otherwise
+    replaced = 0
+    if any(fresh):
+        batch = rows_from_outputs([out for outputs in fresh for out in outputs])
+        live = [host.live_rows(outputs) for host, outputs in zip(hosts, fresh, strict=True)]
+        for table, index in (("episodes", 0), ("diagnoses", 1)):
+            parts = [part for rows in live for part in rows[index]]
+            if parts:
+                batch.add(table, concat_columns(parts))
+        report = sink.write(batch, replace_cut_short=any(checked), stored_versions=stored)
+        replaced = report.steps_replaced
+    seconds = time.perf_counter() - started
+    for host, outputs, was_checked, done in zip(hosts, fresh, checked, written, strict=True):
+        pending = len(host.pending)
+        if len(outputs) < pending:
+            log.info("stored %d step(s); %d re-processed step(s) were already stored",
+                     len(outputs), pending - len(outputs))  # fmt: skip
+        host.counters["steps_already_stored"] += pending - len(outputs)
+        host.counters["steps_written"] += len(outputs)
+        host.pending = []  # only now: a failure above kept them for the next write
+        host.has_news = False
+        host.write_seconds = seconds
+        done.outputs = outputs
+        # Re-processed steps (stored ones among them) may still be followed by those of
+        # the write that was cut short.
+        host.cut_short_possible = was_checked and (replaced > 0 or len(outputs) < pending)
+
+
+def _write_raw_ops(hosts: Sequence[HostCore], sink: ClickHouseSink) -> None:
+    """The raw ops waiting on `hosts`, after their steps, `RAW_OPS_WRITE_BATCHES` batches
+    an insert. Each insert is named by its content: a write that failed after storing
+    them, retried, stores them once. Their rows are made here, a part at a time (a row of
+    raw ops takes ~4x its bytes on the wire). A failed insert leaves them with the host."""
+    raw_ops = [part for host in hosts for part in host.raw_ops_waiting]
+    for first in range(0, len(raw_ops), RAW_OPS_WRITE_BATCHES):
+        rows = [raw_op_rows(batch, batch_id) for batch, batch_id in
+                raw_ops[first : first + RAW_OPS_WRITE_BATCHES]]  # fmt: skip
+        batch = SinkBatch(raw_ops_token(rows))
+        batch.add("ops", joined_rows(rows))
+        sink.write(batch)
+    if raw_ops:
+        for host in hosts:
+            host.take_raw_ops()
+
+
 def _conclusions_batch(hosts: Sequence[HostCore]) -> SinkBatch:
     """The rows of every conclusion pending on `hosts`; its dedup token names the one
     conclusion, or digests the names of several."""
     tokens, tables = [], {"episodes": [], "diagnoses": []}
     for host in hosts:
         for conclusion in host.conclusions:
-            token, episodes, diagnoses = host._conclusion_rows(conclusion)
+            token, episodes, diagnoses = host.conclusion_rows(conclusion)
             tokens.append(token)
             tables["episodes"] += episodes
             tables["diagnoses"] += diagnoses
