@@ -104,6 +104,10 @@ DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata", "st
 _WINDOWING_FAILED = "windowing failed"
 #: Changes of the change-point detectors kept per job for summaries and reports.
 _CHANGES_KEPT = 10_000
+#: A job's latest steps closed incomplete kept, with their missing coordinates, for
+#: summaries and reports (how many there were is the job's totals'; the steps table has
+#: every one): a rank that died early in a day-long job leaves 17,000.
+INCOMPLETE_KEPT = 1_000
 
 
 class LatenessClock:
@@ -330,6 +334,8 @@ class JobReport:
     episodes: list[Episode]
     episode_states: list[EpisodeState]
     changes: list[DetectedChange]
+    #: Its latest steps closed incomplete (`INCOMPLETE_KEPT`; `totals` counts them all)
+    #: and the coordinates each lacked.
     incomplete_steps: list[tuple[int, tuple[tuple[int, int], ...]]]
     #: The machine of each (dp, pp) worker, where its rank's record said.
     machines: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -337,6 +343,8 @@ class JobReport:
     last_step_closed_at: float | None = None
     #: The first step that closed unanalysed and why (the steps table has every one).
     first_failure: tuple[int, str] | None = None
+    #: Bytes each structure the job keeps between steps holds (`StepProcessor.held_bytes`).
+    held_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -554,7 +562,9 @@ class HostCore:
                 kept = self.incomplete.get(key, [])
                 self.incomplete[key] = [entry for entry in kept if entry[0] != out.step]
             if not out.complete:
-                self.incomplete.setdefault(key, []).append((out.step, out.missing))
+                incomplete = self.incomplete.setdefault(key, [])
+                incomplete.append((out.step, out.missing))
+                del incomplete[:-INCOMPLETE_KEPT]
             if out.reason and key not in self.first_failure:
                 self.first_failure[key] = (out.step, out.reason)
             known = self._episodes_open.setdefault(key, {})
@@ -770,6 +780,7 @@ class HostCore:
             dict(machines),
             self.last_closed_wall.get(key),
             self.first_failure.get(key),
+            self.processor.held_bytes(job_id, attempt),
         )
 
     # -- state --------------------------------------------------------------------------

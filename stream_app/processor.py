@@ -56,6 +56,7 @@ from lagscope.stream_app.analysis_process import (
     Outcome,
     shared_children,
 )
+from lagscope.stream_app.held_bytes import held_bytes
 from lagscope.stream_app.lateness import JobArrivals
 from lagscope.stream_app.step_compute import JobCompute, StepComputed
 
@@ -461,6 +462,27 @@ class _JobState:
     def retained_capacity(self) -> int:
         """How many complete steps the roll-up covers at most (the budget's cap)."""
         return self.retained.maxlen or 0
+
+    def held_bytes(self, seen: set[int] | None = None) -> dict[str, int]:
+        """Bytes each structure the job keeps between its steps holds, each object counted
+        once, where it is first met in this order (`held_bytes`). Each has its bound,
+        whatever the job's length: the running ideals (with the dependency model) and the
+        detectors the job's shape, the retained steps the roll-up budget
+        (`rollup_budget_bytes`, on their arrays' bytes), its
+        episodes `CLOSED_EPISODES_KEPT` closed ones and the detector's history, its
+        arrivals `lateness._KEPT` observations, the steps held for late batches
+        `_HELD_STEPS` and `_HELD_OPS`."""
+        seen = set() if seen is None else seen
+        parts = {
+            # First: the dependency model its retained steps share is the compute's.
+            "running_ideals": self.compute,
+            "retained_steps": (self.retained, self.diagnosed),
+            "change_points": (self.detector, self.fed_steps, self.series_baseline),
+            "episodes_and_diagnosis": self.live,
+            "arrivals": (self.arrivals, self._reached),
+            "held_steps": (self.held, self.closed_without),
+        }
+        return {name: held_bytes(part, seen) for name, part in parts.items()}
 
 
 class StepProcessor:
@@ -1163,6 +1185,19 @@ class StepProcessor:
         job = self.jobs.get((job_id, attempt))
         return job.live if job is not None else None
 
+    def held_bytes(self, job_id: str, attempt: int = 0) -> dict[str, int]:
+        """Bytes the job's structures hold between its steps (`_JobState.held_bytes`),
+        and its open windows' (as many steps as its ranks are apart, up to the host's
+        read-ahead or the lateness); {} for a job this processor does not know."""
+        job = self.jobs.get((job_id, attempt))
+        if job is None:
+            return {}
+        seen: set[int] = set()
+        held = job.held_bytes(seen)
+        windows = [w for (j, a, _), w in self.windows.items() if (j, a) == (job_id, attempt)]
+        held["open_windows"] = held_bytes(windows, seen)
+        return held
+
     # -- state --------------------------------------------------------------------------
     def state_dict(self, *, with_retained_inputs: bool = True) -> dict[str, Any]:
         """Everything needed to resume. Without `with_retained_inputs` the retained steps
@@ -1199,6 +1234,8 @@ class StepProcessor:
                     "series_baseline": dict(job.series_baseline),
                     "live": job.live.state_dict(),
                     "arrivals": job.arrivals.state_dict(self.clock()),
+                    # What it held when the snapshot was taken (not restored: counted again).
+                    "held_bytes": self.held_bytes(*key),
                     "held": [
                         {
                             "step": h.step,

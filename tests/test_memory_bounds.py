@@ -179,3 +179,54 @@ def test_a_round_reads_every_log_to_its_horizon_whatever_its_records(chdb_dir, t
     assert runner.core.records.has_ended(("ends", 0))
     assert max(open_windows) <= 3
     assert len(open_windows) <= 16
+
+
+def test_what_a_job_holds_is_counted_in_its_snapshot_and_its_retained_steps_keep_the_budget(
+    job_steps,
+):
+    """Every structure a job keeps between steps is counted (`held_bytes`), in its
+    snapshot too; its retained steps, the bulk of it, stay within the roll-up budget
+    however many steps came (here 3 steps' worth, 24 steps)."""
+    info, steps = job_steps
+    budget = 3 * step_bytes(info, steps)
+    processor = StepProcessor(ProcessorSettings(rollup_budget_bytes=budget))
+    processor.on_job(info)
+    feed(processor, steps[:12])
+    at_12 = processor.held_bytes(info.job_id)
+    feed(processor, steps[12:])
+    held = processor.held_bytes(info.job_id)
+    assert set(held) == {
+        "retained_steps", "running_ideals", "change_points", "episodes_and_diagnosis",
+        "arrivals", "held_steps", "open_windows",
+    }  # fmt: skip
+    # The budget counts the steps' arrays; these steps are tiny (12 ops a worker), and
+    # their arrays' headers weigh about as much as their data.
+    assert 0.5 * budget < held["retained_steps"] <= 2 * budget
+    assert held["retained_steps"] <= 1.2 * at_12["retained_steps"]
+    assert processor.state_dict()["jobs"][info.job_id, info.attempt]["held_bytes"] == held
+    assert processor.held_bytes("no such job") == {}
+
+
+def test_a_job_keeps_its_latest_incomplete_steps_and_counts_them_all(monkeypatch):
+    """A rank that died early in a day-long job closes every later step incomplete: the
+    host keeps the latest `INCOMPLETE_KEPT` of them for its summary, which counts all."""
+    from lagscope.cli.job_summary import print_job_summary
+    from lagscope.stream_app import host_core
+    from lagscope.stream_app.host_core import HostCore, JobRecords
+
+    monkeypatch.setattr(host_core, "INCOMPLETE_KEPT", 2)
+    job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=8, seed=2))
+    info = JobInfo.from_meta(job.meta, job_id="dies")
+    settings = ProcessorSettings()
+    core = HostCore(settings, JobRecords(settings.max_world_size))
+    core.on_job_record(info.model_dump_json().encode(), "jobs@0", 0.0)
+    for _, step, batches in iter_step_batches(job.trace, job.meta, job_id="dies", start_wall_ns=0):
+        kept = [b for b in batches if step < 3 or (b.dp_rank, b.pp_rank) != (1, 1)]
+        core.on_batches([(b.encode(), "ops@0", 0.0) for b in kept])
+    core.flush()
+    report = core.job_report("dies")
+    assert [step for step, _ in report.incomplete_steps] == [6, 7]
+    assert report.totals.incomplete_steps == 5
+    lines: list[str] = []
+    print_job_summary(report, say=lines.append)
+    assert "8 steps closed, 5 incomplete" in lines[0]

@@ -25,7 +25,7 @@ def print_job_summary(job: JobReport, say: Callable[..., None] = print) -> None:
     info = job.info
     say(
         f"  job {info.job_id} attempt {info.attempt}: {job.steps} steps closed"
-        + (f", {len(job.incomplete_steps)} incomplete" if job.incomplete_steps else "")
+        + (f", {job.totals.incomplete_steps} incomplete" if job.totals.incomplete_steps else "")
     )
     if job.rollup is None:
         say("    nothing could be analysed")

@@ -80,7 +80,7 @@ def nothing_analysed(log_dir: Path, report: RunReport) -> str | None:
             why = f"; step {step}: {reason.removeprefix(f'{job_id}/{attempt} step {step}: ')}"
         jobs.append(
             f"job {job_id} attempt {attempt}: {job.steps} steps, "
-            f"{len(job.incomplete_steps)} incomplete{lacking}{why}"
+            f"{job.totals.incomplete_steps} incomplete{lacking}{why}"
         )
     return (
         f"--log-dir {log_dir}: no step of any job could be analysed ({'; '.join(jobs)}); "
