@@ -57,6 +57,7 @@ from lagscope.store.rows import (
 from lagscope.store.sink import ClickHouseSink, SinkBatch
 from lagscope.stream_app.admission import job_conflict, job_problem
 from lagscope.stream_app.analysis_process import AnalysisProcessError
+from lagscope.stream_app.host_job import HostJob
 from lagscope.stream_app.identity import MachineBook, name_machines
 from lagscope.stream_app.processor import (
     LATE_REASON,
@@ -102,12 +103,6 @@ RAW_OPS_WRITE_BATCHES = 2048
 #: and a batch that came after its step closed without it, too late to close it again.
 DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata", "streamer", "late")
 _WINDOWING_FAILED = "windowing failed"
-#: Changes of the change-point detectors kept per job for summaries and reports.
-_CHANGES_KEPT = 10_000
-#: A job's latest steps closed incomplete kept, with their missing coordinates, for
-#: summaries and reports (how many there were is the job's totals'; the steps table has
-#: every one): a rank that died early in a day-long job leaves 17,000.
-INCOMPLETE_KEPT = 1_000
 
 
 class LatenessClock:
@@ -334,7 +329,8 @@ class JobReport:
     episodes: list[Episode]
     episode_states: list[EpisodeState]
     changes: list[DetectedChange]
-    #: Its latest steps closed incomplete (`INCOMPLETE_KEPT`; `totals` counts them all)
+    #: Its latest steps closed incomplete (`host_job.INCOMPLETE_KEPT`; `totals` counts
+    #: them all)
     #: and the coordinates each lacked.
     incomplete_steps: list[tuple[int, tuple[tuple[int, int], ...]]]
     #: The machine of each (dp, pp) worker, where its rank's record said.
@@ -416,24 +412,17 @@ class HostCore:
         #: (by an earlier run of this host, or a crashed owner of its partition) and after
         #: a failed write, until a write stores steps no earlier one touched.
         self.cut_short_possible = True
-        #: Per job, what summaries and reports show beyond the processor's own state.
-        self.changes: dict[tuple[str, int], list[DetectedChange]] = {}
-        self.incomplete: dict[tuple[str, int], list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
-        self.first_failure: dict[tuple[str, int], tuple[int, str]] = {}
-        #: Per job, when it last moved: a batch of it arrived or a step closed (this host's
-        #: clock), for idle conclusions; when its last step closed in wall-clock time, for
-        #: a report's "last step closed at".
-        self.last_input_at: dict[tuple[str, int], float] = {}
-        self.last_closed_wall: dict[tuple[str, int], float] = {}
-        #: Per job, the last step a conclusion covered.
-        self.concluded_step: dict[tuple[str, int], int] = {}
-        #: Per job, each episode's id and whether it was open, as last closed into
-        #: `pending`: an episode opening or closing is what the on-call acts on, so the
-        #: step that does it is written at once rather than at the write cadence
-        #: (`news_due`).
-        self._episodes_open: dict[tuple[str, int], dict[int, bool]] = {}
+        #: Per job attempt, what the host keeps beside its processor's state.
+        self.jobs: dict[tuple[str, int], HostJob] = {}
         self.has_news = False
         self.counters: dict[str, int] = {"ops": 0, "steps_written": 0, "steps_already_stored": 0}
+
+    def job(self, job_id: str, attempt: int) -> HostJob:
+        """What the host keeps of a job attempt (made at its first mention)."""
+        found = self.jobs.get((job_id, attempt))
+        if found is None:
+            found = self.jobs[job_id, attempt] = HostJob()
+        return found
 
     # -- input ------------------------------------------------------------------------
     def on_job_record(self, payload: bytes, source: str, at_s: float) -> JobInfo | None:
@@ -491,7 +480,7 @@ class HostCore:
             # host longer than the idle time): its clock starts once they are handled.
             now = self.clock()
             for batch in windowed:
-                self.last_input_at[batch.job_id, batch.attempt] = now
+                self.job(batch.job_id, batch.attempt).last_input_at = now
         return kept
 
     def _admit(self, payload: bytes, source: str, at_s: float) -> RankStepBatch | None:
@@ -550,28 +539,9 @@ class HostCore:
     def _closed(self, outputs: list[StepOutput]) -> None:
         self._take_rejected()
         now = self.clock()
+        wall = time.time()
         for out in outputs:
-            key = (out.job_id, out.attempt)
-            self.last_input_at[key] = now
-            self.last_closed_wall[key] = time.time()
-            if out.changes:
-                changes = self.changes.setdefault(key, [])
-                changes.extend(out.changes)
-                del changes[:-_CHANGES_KEPT]
-            if out.version:  # closed again: it replaces the step's earlier closing
-                kept = self.incomplete.get(key, [])
-                self.incomplete[key] = [entry for entry in kept if entry[0] != out.step]
-            if not out.complete:
-                incomplete = self.incomplete.setdefault(key, [])
-                incomplete.append((out.step, out.missing))
-                del incomplete[:-INCOMPLETE_KEPT]
-            if out.reason and key not in self.first_failure:
-                self.first_failure[key] = (out.step, out.reason)
-            known = self._episodes_open.setdefault(key, {})
-            for state in out.episodes:
-                episode = state.episode
-                self.has_news |= known.get(episode.episode_id) is not episode.open
-                known[episode.episode_id] = episode.open
+            self.has_news |= self.job(out.job_id, out.attempt).took(out, now, wall)
             self.pending.append(out)
 
     # -- the end of a job -------------------------------------------------------------
@@ -584,7 +554,7 @@ class HostCore:
         conclusion = self.processor.conclude(job_id, attempt, ended=ended)
         if conclusion is not None:
             live = self.processor.live_job(job_id, attempt)
-            self.concluded_step[job_id, attempt] = live.totals.last_step if live else -1
+            self.job(job_id, attempt).concluded_step = live.totals.last_step if live else -1
             self.conclusions.append(conclusion)
         return conclusion
 
@@ -622,7 +592,7 @@ class HostCore:
     def _concluded_at_last_step(self, key: tuple[str, int]) -> bool:
         job = self.processor.jobs.get(key)
         last = job.live.totals.last_step if job is not None else -1
-        return self.concluded_step.get(key, -2) >= last
+        return self.job(*key).concluded_by(last)
 
     def conclude_idle(self, idle_s: float, *, ended: bool = False) -> list[tuple[str, int]]:
         """Conclude every job that received no batch and closed no step for `idle_s` since
@@ -632,9 +602,10 @@ class HostCore:
         done = []
         for key, job in list(self.processor.jobs.items()):
             last = job.live.totals.last_step
-            if last < 0 or self.concluded_step.get(key, -1) >= last:
+            host_job = self.job(*key)
+            if last < 0 or host_job.concluded_by(last):
                 continue
-            if now - self.last_input_at.get(key, now) >= idle_s:
+            if host_job.idle_for(now) >= idle_s:
                 self.conclude(*key, ended=ended)
                 done.append(key)
         return done
@@ -748,7 +719,7 @@ class HostCore:
         live = self.processor.live_job(job_id, attempt)
         if live is None:
             return None
-        key = (job_id, attempt)
+        host_job = self.jobs.get((job_id, attempt), HostJob())
         machines = self.records.machines.machines(job_id, attempt)
         latest = live.last_diagnosis or provisional
         if latest is not None and machines:
@@ -775,11 +746,11 @@ class HostCore:
             latest,
             episodes,
             states,
-            list(self.changes.get(key, [])),
-            list(self.incomplete.get(key, [])),
+            list(host_job.changes),
+            list(host_job.incomplete),
             dict(machines),
-            self.last_closed_wall.get(key),
-            self.first_failure.get(key),
+            host_job.last_closed_wall,
+            host_job.first_failure,
             self.processor.held_bytes(job_id, attempt),
         )
 
@@ -788,7 +759,11 @@ class HostCore:
         """What a checkpoint keeps (nothing pending: write first)."""
         return {
             "processor": self.processor.state_dict(with_retained_inputs=False),
-            "concluded_step": [[*key, step] for key, step in self.concluded_step.items()],
+            "concluded_step": [
+                [*key, job.concluded_step]
+                for key, job in self.jobs.items()
+                if job.concluded_step is not None
+            ],
             "event_time_s": self.clock.newest_record_s,
             "clock_reading_s": self.clock.reading_s,
         }

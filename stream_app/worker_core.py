@@ -625,14 +625,15 @@ class WorkerCore:
                 host=self.config.processor,
             )
             core = self._new_core(clock, processor)
-            core.concluded_step = {(j, int(a)): int(s) for j, a, s in saved["concluded_step"]}
+            for job_id, attempt, step in saved["concluded_step"]:
+                core.job(job_id, int(attempt)).concluded_step = int(step)
             offset = int(payload["next_offset"])
             part = _Partition(number, core, offset, offset)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotError(f"{where}: malformed snapshot ({exc!r})") from None
         now = clock()
         for key in processor.jobs:
-            core.last_input_at[key] = now
+            core.job(*key).last_input_at = now
         part.persisted = {
             (job_id, attempt, int(p.steps[0]))
             for (job_id, attempt), job in processor.jobs.items()

@@ -211,10 +211,10 @@ def test_a_job_keeps_its_latest_incomplete_steps_and_counts_them_all(monkeypatch
     """A rank that died early in a day-long job closes every later step incomplete: the
     host keeps the latest `INCOMPLETE_KEPT` of them for its summary, which counts all."""
     from lagscope.cli.job_summary import print_job_summary
-    from lagscope.stream_app import host_core
+    from lagscope.stream_app import host_job
     from lagscope.stream_app.host_core import HostCore, JobRecords
 
-    monkeypatch.setattr(host_core, "INCOMPLETE_KEPT", 2)
+    monkeypatch.setattr(host_job, "INCOMPLETE_KEPT", 2)
     job = generate_job(JobSpec(dp=2, pp=2, microbatches=2, steps=8, seed=2))
     info = JobInfo.from_meta(job.meta, job_id="dies")
     settings = ProcessorSettings()
