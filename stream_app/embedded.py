@@ -433,7 +433,7 @@ class EmbeddedRunner:
 
     def _progress_report(self) -> RunReport:
         self.report.ops = self.core.counters["ops"]
-        self.report.dead_letters = sum(self.core.records.dead_by_kind.values())
+        self.report.dead_letters = self.core.records.dead_letters.total
         self.report.steps = self.processor.counters["steps_closed"]
         return self.report
 

@@ -67,6 +67,7 @@ from lagscope.stream_app.processor import (
     StepOutput,
     StepProcessor,
 )
+from lagscope.stream_app.set_aside import DeadLetters
 
 log = logging.getLogger("lagscope.host")
 
@@ -96,12 +97,6 @@ RAW_OPS_PENDING_BYTES = 16 << 20
 #: a part and 32 MB waiting 1.46 GB, 2,048 and 16 MB 1.13 GB, as fast).
 RAW_OPS_WRITE_BATCHES = 2048
 
-#: Kinds of dead letters (the `reason` label of the hosts' dead-letter counters): a record
-#: that is no batch, a batch the admission or the windows set aside, a batch a windowing
-#: bug dropped, a job record that is invalid or conflicts with a known one, what a
-#: streamer set aside on a training node (the dead-letter topic, read by the workers),
-#: and a batch that came after its step closed without it, too late to close it again.
-DEAD_LETTER_KINDS = ("undecodable", "rejected", "windowing", "job_metadata", "streamer", "late")
 _WINDOWING_FAILED = "windowing failed"
 
 
@@ -189,8 +184,8 @@ class JobRecords:
         #: (job, attempt) -> its pending row of ranks ended, while unwritten: a rank's end
         #: updates it rather than adding a row (100,000 ranks end a 100,000-GPU job).
         self._pending_end: dict[tuple[str, int], SinkBatch] = {}
-        self.dead: list[DeadLetter] = []
-        self.dead_by_kind: dict[str, int] = dict.fromkeys(DEAD_LETTER_KINDS, 0)
+        #: What the hosts that share these records set aside.
+        self.dead_letters = DeadLetters()
         self._standing: dict[tuple[str, int], _Standing] = {}
 
     def take(self, payload: bytes, source: str, at_s: float) -> JobInfo | None:
@@ -290,9 +285,7 @@ class JobRecords:
         return after_ns is None or max(ended.values()) >= after_ns
 
     def _dead(self, letter: DeadLetter) -> None:
-        log.warning("dead letter %s: %s", letter.source, letter.reason)
-        self.dead.append(letter)
-        self.dead_by_kind["job_metadata"] += 1
+        self.dead_letters.add(letter, "job_metadata")
 
     def write(self, sink: ClickHouseSink) -> None:
         """Store the pending rows in one write (a large job's ranks each send a record as
@@ -304,9 +297,10 @@ class JobRecords:
         while self.pending:
             sink.write(self.pending[0])
             self.pending.pop(0)
-        if self.dead:
-            sink.write(dead_letter_batch(self.dead))
-            self.dead = []
+        if self.dead_letters:
+            waiting = self.dead_letters.waiting
+            sink.write(dead_letter_batch(waiting))
+            self.dead_letters.take(len(waiting))
 
 
 @dataclass
@@ -399,7 +393,9 @@ class HostCore:
         self.store_raw_ops = store_raw_ops
         self.pending: list[StepOutput] = []
         self.conclusions: list[JobConclusion] = []
-        self.dead: list[DeadLetter] = []
+        #: What this host set aside of its input, stored with its steps (a worker commits
+        #: its partition's offsets after them); counted with its records' letters.
+        self.dead_letters = DeadLetters(counted_with=records.dead_letters)
         #: Raw ops waiting for the next write: their batches (with their ids), and the
         #: bytes they came in (`RAW_OPS_PENDING_BYTES` makes a write due).
         self._raw_ops: list[tuple[RankStepBatch, str]] = []
@@ -504,9 +500,7 @@ class HostCore:
 
     def dead_letter(self, letter: DeadLetter, kind: str) -> None:
         """Set input aside (logged, counted by kind, stored with the next write)."""
-        log.warning("dead letter %s: %s", letter.source, letter.reason)
-        self.records.dead_by_kind[kind] += 1
-        self.dead.append(letter)
+        self.dead_letters.add(letter, kind)
 
     def _take_rejected(self) -> None:
         for batch, reason in self.processor.take_rejected():
@@ -613,8 +607,9 @@ class HostCore:
     # -- output -------------------------------------------------------------------------
     @property
     def has_pending(self) -> bool:
-        return bool(self.pending or self.conclusions or self.dead or self.records.pending
-                    or self.records.dead or self._raw_ops)  # fmt: skip
+        return bool(self.pending or self.conclusions or self.dead_letters
+                    or self.records.pending or self.records.dead_letters
+                    or self._raw_ops)  # fmt: skip
 
     def write_due(self, now: float, last_write: float, every_steps: int, interval_s: float) -> bool:
         """Whether what is pending is to be written now: at once when a step opened or
@@ -781,11 +776,11 @@ def write_hosts(hosts: Sequence[HostCore], sink: ClickHouseSink) -> list[Written
     store stays pending on its host."""
     for host in hosts:
         host.records.write(sink)  # a worker's hosts share theirs: written once
-    dead = [letter for host in hosts for letter in host.dead]
-    if dead:
-        sink.write(dead_letter_batch(dead))
-        for host in hosts:
-            host.dead = []
+    waiting = [host.dead_letters.waiting for host in hosts]
+    if any(waiting):
+        sink.write(dead_letter_batch([letter for letters in waiting for letter in letters]))
+        for host, letters in zip(hosts, waiting, strict=True):
+            host.dead_letters.take(len(letters))
     written = [Written() for _ in hosts]
     if any(host.pending for host in hosts):
         _write_steps(hosts, sink, written)

@@ -192,10 +192,10 @@ class WorkerCore:
     # -- counters read by the metrics endpoint ------------------------------------------
     @property
     def dead_letters_by_kind(self) -> dict[str, int]:
-        return self.records.dead_by_kind
+        return self.records.dead_letters.by_kind
 
     def _count_totals(self) -> None:
-        self.counters["dead_letters"] = sum(self.records.dead_by_kind.values())
+        self.counters["dead_letters"] = self.records.dead_letters.total
         cores = [p.core for p in self.partitions.values()]
         self.counters["ops"] = self._ops_dropped + sum(c.counters["ops"] for c in cores)
 
@@ -222,10 +222,10 @@ class WorkerCore:
         waits; True once everything is stored (the reader then commits their offsets),
         False while the store fails (they stay pending, as every dead letter does)."""
         for letter in letters:
-            self.records.dead.append(letter)
-            self.records.dead_by_kind["streamer"] += 1
+            # Logged by the streamer on its node.
+            self.records.dead_letters.add(letter, "streamer", logged=False)
         self._count_totals()
-        if not (self.records.pending or self.records.dead):
+        if not (self.records.pending or self.records.dead_letters):
             return True
         return self._store_or_keep(self.records.write, self.sink)
 
@@ -360,7 +360,7 @@ class WorkerCore:
         opened or closed an episode (`HostCore.news_due`)."""
         now = self.clock()
         settings = self.config.worker
-        if self.records.pending or self.records.dead:
+        if self.records.pending or self.records.dead_letters:
             self._store_or_keep(self.records.write, self.sink)
         every, interval = settings.write_every_steps, settings.write_interval_s
         parts = list(self.partitions.values())
@@ -436,7 +436,7 @@ class WorkerCore:
 
     def busy(self) -> bool:
         """True while a partition holds something not yet durable."""
-        return bool(self.records.pending or self.records.dead) or any(
+        return bool(self.records.pending or self.records.dead_letters) or any(
             p.core.has_pending
             or p.next_offset != p.snapshot_offset
             or p.seek_to is not None
@@ -448,7 +448,7 @@ class WorkerCore:
 
     def retry_writes(self) -> bool:
         """Try again to store what a failed write left pending; True once all is stored."""
-        if (self.records.pending or self.records.dead) and not self._store_or_keep(
+        if (self.records.pending or self.records.dead_letters) and not self._store_or_keep(
             self.records.write, self.sink
         ):
             return False

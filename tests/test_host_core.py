@@ -526,7 +526,7 @@ def test_a_job_ends_once_every_rank_said_so_and_each_end_counts_once(chdb_dsn) -
     records.take(record("huge", 0, 16, ends[0]), "test", 1.0)
     records.write(sink)
     _, rows = sink.query("SELECT count() FROM jobs WHERE job_id = 'huge'")
-    assert rows == [(0,)] and records.dead_by_kind["job_metadata"] == 1
+    assert rows == [(0,)] and records.dead_letters.by_kind["job_metadata"] == 1
 
 
 def test_a_large_jobs_rank_records_are_stored_in_one_insert(chdb_dsn, monkeypatch) -> None:
@@ -589,13 +589,13 @@ def test_a_known_jobs_rank_record_reads_as_its_full_validation_does(monkeypatch)
     # JSON's 1.0 for an int reads as 1 in both ways.
     as_float = record(3).replace(b'"dp_rank":1', b'"dp_rank":1.0')
     assert records.take(as_float, "jobs@2", 1.0).rank_identity.dp_rank == 1
-    assert records.dead == []
+    assert records.dead_letters.waiting == []
 
     wrong_end = record(6, ended_ns=-5)
     other_job = record(7, dp_size=2, world_size=4)
     for payload in (wrong_end, other_job, b'{"job_id": "j", "attempt": [0]}', b"[1]"):
         assert records.take(payload, "jobs@3", 2.0) is None
-    reasons = [letter.reason for letter in records.dead]
+    reasons = [letter.reason for letter in records.dead_letters.waiting]
     assert "ended_ns" in reasons[0] and "greater than or equal to 0" in reasons[0]
     assert "conflicts with the first" in reasons[1] and "dp_size 4 (kept) vs 2" in reasons[1]
     assert all(r.startswith("invalid job metadata") for r in reasons[2:]), reasons
