@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,7 @@ import numpy as np
 from lagscope.simulator.advice import Advice, advise_resplit, escalation, resimulated_step_time
 from lagscope.simulator.causes import WORKER_CAUSES, Cause
 from lagscope.simulator.diagnose import Diagnosis, DiagnosisSettings, diagnose
-from lagscope.simulator.episode_cost import EpisodeCost, baseline_of, lost_seconds
+from lagscope.simulator.episode_cost import EpisodeCost
 from lagscope.simulator.episode_diagnosis import (
     CAUSE_OF_KIND,
     costs_the_job,
@@ -60,8 +60,8 @@ from lagscope.simulator.episode_diagnosis import (
     refined_bounds,
     rise_is_shared,
 )
+from lagscope.simulator.episode_prices import EpisodePrices, Priced, paid_times
 from lagscope.simulator.job_totals import STEP_SERIES_KEPT, JobSize, JobTotals
-from lagscope.simulator.measures import gc_beyond_peers
 from lagscope.simulator.online_episodes import (
     HOST,
     EpisodeChange,
@@ -108,28 +108,10 @@ def roll_up(
     return joined, analyze(joined, decompose_threshold=decompose_threshold)
 
 
-#: Steps whose episodes' model prices are kept, to share the job's loss between them.
-_STEP_PRICES_KEPT = 64
-#: A job's first steps are its warm-up (caches, allocator, first collectives): no
-#: baseline for its later steps.
-_WARM_UP_STEPS = 3
-#: An open episode's latest steps kept to take back at its close (the detector closes
-#: an episode `recovery_steps` after its recovery, one more for a noisy step).
-_TAIL_KEPT = 16
 #: Closed named episodes a job keeps (their states, costs and re-splits): beyond it the
 #: cheapest is let go, its latest state stored, its price kept in the job's sum. A day of
 #: a 5 s-step job is 17,000 steps; a worker that flaps opens an episode every few dozen.
 CLOSED_EPISODES_KEPT = 64
-
-
-@dataclass
-class _Priced:
-    """An episode's steps priced by the model: their ids, inputs, and per step its lost,
-    excess, measured, own and GC seconds."""
-
-    steps: list[int] = field(default_factory=list)
-    inputs: list[PreparedTrace] = field(default_factory=list)
-    rows: list[tuple[float, float, float, float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -186,7 +168,8 @@ class LiveJob:
         self.diagnosis_settings = diagnosis_settings or DiagnosisSettings()
         self.totals = JobTotals()
         self.detector: OnlineEpisodes | None = None
-        self.costs: dict[int, EpisodeCost] = {}
+        #: What each episode costs the job (`costs`), kept step by step.
+        self.prices = EpisodePrices(self.episode_settings.baseline_steps)
         #: The latest state of every named episode, by id.
         self.states: dict[int, EpisodeState] = {}
         #: The episodes named so far and kept (their cost passed `costs_the_job`), by the
@@ -218,13 +201,6 @@ class LiveJob:
         self.last_made: dict[str, Any] | None = None
         #: The losses the last `_diagnosed` read.
         self._losses_read = (0.0, 0.0)
-        #: (episode id, step) -> its (lost seconds, own seconds, GC beyond peers) in a
-        #: step about to come (`price_ahead`).
-        self._priced: dict[tuple[int, int], tuple[float, float, float]] = {}
-        #: step -> the model's price of each episode priced in it (the latest steps).
-        self._step_prices: dict[int, dict[int, float]] = {}
-        #: Per open episode, its cost before each of its latest steps was added.
-        self._tails: dict[int, deque[tuple[int, EpisodeCost]]] = {}
         #: The job attempt's first complete step.
         self.first_step: int | None = None
         #: When each of the latest steps began (ns), to date an episode's bounds.
@@ -234,6 +210,11 @@ class LiveJob:
         self.diagnosis_interval = diagnose_every_steps
         #: An episode opened or closed since the story was last composed.
         self.story_changed = False
+
+    @property
+    def costs(self) -> dict[int, EpisodeCost]:
+        """Each episode's cost, by the detector's id (`EpisodePrices.costs`)."""
+        return self.prices.costs
 
     # -- per step -----------------------------------------------------------------------
     def on_step(
@@ -280,27 +261,27 @@ class LiveJob:
         the states of the named ones. Every episode's model price of its steps first, then
         each its share of what the job measured in them: episodes that overlap share the
         job's loss."""
-        priced: dict[int, _Priced] = {}
+        priced: dict[int, Priced] = {}
         for change in changes:
             episode = change.episode
             if change.change == "opened":
                 inside = [e for e in self.recent if int(e[0].steps[0]) >= episode.onset]
-                priced[episode.episode_id] = self._measure(episode, inside)
+                priced[episode.episode_id] = self.prices.measure(episode, inside)
             elif change.change == "updated":
-                priced[episode.episode_id] = self._measure(episode, [latest])
+                priced[episode.episode_id] = self.prices.measure(episode, [latest])
         changed = []
         for change in changes:
             episode = change.episode
             key = episode.episode_id
             if change.change == "opened":
-                cost = self._add(episode, priced[key], self._with_baseline(episode))
+                cost = self.prices.add(episode, priced[key], self._with_baseline(episode))
                 first_priced = int(priced[key].steps[0]) if priced[key].steps else step + 1
                 self.costs[key] = self._with_unpriced(episode, cost, first_priced)
                 self.resplit[key] = _resplit(episode, priced[key].inputs)
             if change.change == "updated":
-                self.costs[key] = self._add(episode, priced[key], self.costs[key])
+                self.costs[key] = self.prices.add(episode, priced[key], self.costs[key])
             if change.change == "closed":
-                self._without_recovered(episode)
+                self.prices.without_recovered(episode)
             if key not in self.named:
                 if not costs_the_job(self.costs[key], self.diagnosis_settings) or (
                     self._rise_is_shared(episode)
@@ -334,8 +315,25 @@ class LiveJob:
             state = self.states.pop(key, None)
             self.forgotten_episodes += 1
             self.forgotten_price_s += state.cost.price_s if state is not None else 0.0
-            for kept in (self.costs, self.resplit, self.named, self._named_episode, self._tails):
+            self.prices.forget(key)
+            for kept in (self.resplit, self.named, self._named_episode):
                 kept.pop(key, None)
+
+    def _with_baseline(self, episode: WorkerEpisode) -> EpisodeCost:
+        assert self.detector is not None
+        return self.prices.with_baseline(episode, self.detector, self.first_step)
+
+    def _with_unpriced(
+        self, episode: WorkerEpisode, cost: EpisodeCost, first_priced: int
+    ) -> EpisodeCost:
+        assert self.detector is not None
+        return self.prices.with_unpriced(episode, cost, first_priced, self.detector)
+
+    def price_ahead(self, steps: Sequence[tuple[PreparedTrace, WhatIfResult]]) -> None:
+        """Price every open episode over `steps` ahead of them
+        (`EpisodePrices.price_ahead`)."""
+        episodes = self.detector.open_episodes() if self.detector is not None else []
+        self.prices.price_ahead(steps, episodes)
 
     def _rise_is_shared(self, episode: WorkerEpisode) -> bool:
         """Whether half the job's workers rose with the episode's (`rise_is_shared`):
@@ -345,112 +343,6 @@ class LiveJob:
         return rise_is_shared(
             steps, values, episode, baseline_steps=self.episode_settings.baseline_steps
         )
-
-    def _with_baseline(self, episode: WorkerEpisode) -> EpisodeCost:
-        """A new episode's cost, with what the job paid for its steps before the onset
-        (the detector's history: up to `baseline_steps` of them) to measure it against."""
-        assert self.detector is not None
-        steps, _, paid = self.detector.history(episode.kind)
-        kept = (steps < episode.onset) & (steps >= (self.first_step or 0) + _WARM_UP_STEPS)
-        return EpisodeCost().with_baseline(paid[kept][-self.episode_settings.baseline_steps :])
-
-    def _measure(
-        self, episode: WorkerEpisode, steps: Sequence[tuple[PreparedTrace, tuple[Any, Any, Any]]]
-    ) -> _Priced:
-        """The model's price of the episode's worker in `steps` (each a prepared trace
-        and its measured, no-delay and ideal step times), kept by step for the episodes
-        that share them."""
-        found = _Priced()
-        for inputs, times in steps:
-            priced = None
-            if inputs.n_steps == 1:
-                priced = self._priced.pop((episode.episode_id, int(inputs.steps[0])), None)
-            actual, _, ideal = (np.atleast_1d(np.asarray(t, dtype=np.float64)) for t in times)
-            if priced is not None:
-                lost, own, gc = (np.array([value]) for value in priced)
-            else:
-                lost, own, gc = _episode_measures(episode, inputs)
-            excess = actual - ideal
-            for i, step in enumerate(inputs.steps.tolist()):
-                self._step_prices.setdefault(step, {})[episode.episode_id] = float(lost[i])
-                found.steps.append(step)
-                found.rows.append(
-                    (float(lost[i]), float(excess[i]), float(actual[i]), float(own[i]),
-                     float(gc[i]))
-                )  # fmt: skip
-            found.inputs.append(inputs)
-        while len(self._step_prices) > _STEP_PRICES_KEPT:
-            del self._step_prices[min(self._step_prices)]
-        return found
-
-    def _add(self, episode: WorkerEpisode, priced: _Priced, cost: EpisodeCost) -> EpisodeCost:
-        """`cost` with the steps of `priced`, each with its share of the job's measured
-        time above the episode's baseline (shared by the model's prices of the episodes
-        priced in that step)."""
-        tail = self._tails.setdefault(episode.episode_id, deque(maxlen=_TAIL_KEPT))
-        for step, (lost, excess, actual, own, gc) in zip(priced.steps, priced.rows, strict=True):
-            prices = self._step_prices.get(step, {})
-            total = sum(max(p, 0.0) for p in prices.values())
-            share = max(lost, 0.0) / total if total > 0 else 1.0 / max(len(prices), 1)
-            tail.append((step, cost))
-            cost = cost.plus(lost, excess, actual, own - episode.level_before, gc, share)
-        return cost
-
-    def _without_recovered(self, episode: WorkerEpisode) -> None:
-        """A closed episode's cost without the steps priced from its recovery on (the
-        detector closes it a few steps after the worker came back)."""
-        key = episode.episode_id
-        tail = self._tails.pop(key, None)
-        if not tail or episode.recovery is None or key not in self.costs:
-            return
-        before = next((cost for step, cost in tail if step >= episode.recovery), None)
-        if before is not None:
-            self.costs[key] = self.costs[key].minus(self.costs[key], before)
-
-    def _cost_of(
-        self,
-        episode: WorkerEpisode,
-        prepared: PreparedTrace,
-        times: tuple[Any, Any, Any],
-        cost: EpisodeCost,
-    ) -> EpisodeCost:
-        """`cost` with `prepared`'s steps added (`times`: their measured, no-delay and
-        ideal step times)."""
-        return self._add(episode, self._measure(episode, [(prepared, times)]), cost)
-
-    def _with_unpriced(
-        self, episode: WorkerEpisode, cost: EpisodeCost, first_priced: int
-    ) -> EpisodeCost:
-        """`cost` (of the episode's steps from `first_priced` on) with its earlier steps
-        that are no longer held to be priced, estimated from the detector's history of
-        the worker (`EpisodeCost.with_estimated`): at 100,000 GPUs a job retains 4 steps,
-        and a worker slow from the first step is found at the 10th, whose first 6 steps
-        of loss went uncounted."""
-        assert self.detector is not None
-        steps, values, times = self.detector.history(episode.kind)
-        before = (steps >= episode.onset) & (steps < first_priced)
-        if not before.any():
-            return cost
-        own = values[before, episode.stage, episode.dp]
-        return cost.with_estimated(own - episode.level_before, times[before])
-
-    def price_ahead(self, steps: Sequence[tuple[PreparedTrace, WhatIfResult]]) -> None:
-        """Price every open episode over `steps` (the complete steps `on_step` takes
-        next, in order, with their what-if results) in one engine pass each, not one a
-        step: a worker slow throughout a backlog (AR x 20, slow from its first step) cost
-        a third of the worker's core in passes of one step. The numbers are the same (the
-        engine's columns never mix)."""
-        self._priced.clear()
-        episodes = self.detector.open_episodes() if self.detector is not None else []
-        if len(steps) < 2 or not episodes:
-            return
-        joint = concat_steps([prepared for prepared, _ in steps])
-        for episode in episodes:
-            measures = _episode_measures(episode, joint)
-            for index, step in enumerate(joint.steps.tolist()):
-                self._priced[(episode.episode_id, step)] = tuple(  # type: ignore[assignment]
-                    float(m[index]) for m in measures
-                )
 
     def _state(self, episode: WorkerEpisode, step: int, *, final: bool = False) -> EpisodeState:
         first_seen, shown_id = self.named.get(
@@ -616,7 +508,7 @@ class LiveJob:
             paid = paid_times(steps, rollup.t_actual[inside])
             times = (paid, rollup.t_nodelay[inside], rollup.t_ideal[inside])
             key = episode.episode_id
-            cost = self._cost_of(episode, steps, times, self._with_baseline(episode))
+            cost = self.prices.cost_of(episode, steps, times, self._with_baseline(episode))
             first_priced = int(steps.steps[0]) if steps.n_steps else step + 1
             self.costs[key] = self._with_unpriced(episode, cost, first_priced)
             self.resplit[key] = _resplit(episode, [steps])
@@ -682,30 +574,13 @@ class LiveJob:
                     continue
                 onset, recovery = refined_bounds(episode, prepared, self.episode_settings)
                 fitted = dataclasses.replace(episode, onset=onset, recovery=recovery)
-                self._measure_around(fitted, prepared)
+                self.prices.measure_around(fitted, prepared, self.first_step)
                 end = recovery if recovery is not None else np.inf
                 inside = [p for p in window if onset <= int(p.steps[0]) < end]
                 if inside:
                     self.resplit[episode.episode_id] = _resplit(fitted, inside)
                 refined.append(self._state(fitted, self.totals.last_step, final=True))
         return refined
-
-    def _measure_around(self, episode: WorkerEpisode, prepared: PreparedTrace) -> None:
-        """A finished episode's cost measured against the steps on both sides of it in
-        `prepared` (the retained ones, past the warm-up), up to `baseline_steps` each:
-        the job's own steps before an episode alone moved with the machine's load."""
-        key = episode.episode_id
-        if key not in self.costs or episode.recovery is None:
-            return
-        steps = prepared.steps
-        paid = paid_times(prepared, prepared.actual_step_time)
-        usual = steps >= (self.first_step or 0) + _WARM_UP_STEPS
-        n = self.episode_settings.baseline_steps
-        before = paid[usual & (steps < episode.onset)][-n:]
-        after = paid[usual & (steps >= episode.recovery)][:n]
-        found = baseline_of(np.concatenate([before, after]))
-        if found is not None:
-            self.costs[key] = self.costs[key].with_baseline_moved(*found)
 
     def _named_episodes(self) -> list[WorkerEpisode]:
         return sorted(self._named_episode.values(), key=lambda e: e.episode_id)
@@ -728,7 +603,7 @@ class LiveJob:
         return {
             "totals": asdict(self.totals),
             "detector": self.detector.state_dict() if self.detector else None,
-            "costs": {str(k): asdict(v) for k, v in self.costs.items()},
+            **self.prices.state_dict(),
             "resplit": {str(k): asdict(v) if v else None for k, v in self.resplit.items()},
             "recent_steps": [[int(p.steps[0]), *times] for p, times in self.recent],
             "since_diagnosis": self.since_diagnosis,
@@ -738,13 +613,6 @@ class LiveJob:
             "named_episodes": [asdict(e) for e in self._named_episodes()],
             "named_count": self.named_count,
             "forgotten": [self.forgotten_episodes, self.forgotten_price_s],
-            "step_prices": [
-                [k, [[e, v] for e, v in p.items()]] for k, p in self._step_prices.items()
-            ],
-            "tails": [
-                [k, [[step, asdict(cost)] for step, cost in tail]]
-                for k, tail in self._tails.items()
-            ],
             "first_step": self.first_step,
             "last_diagnosis": self._last_diagnosis_made(),
         }
@@ -775,7 +643,7 @@ class LiveJob:
         self.totals = JobTotals(**state["totals"])
         if state["detector"] is not None:
             self.detector = OnlineEpisodes.from_state(state["detector"])
-        self.costs = {int(k): _cost_from_state(v) for k, v in state["costs"].items()}
+        self.prices.restore(state)
         self.resplit = {int(k): Advice(**v) if v else None for k, v in state["resplit"].items()}
         by_step = {int(p.steps[0]): p for p in retained}
         for step, *times in state["recent_steps"]:
@@ -802,15 +670,6 @@ class LiveJob:
             state.get("named_count", max((s for _, s in self.named.values()), default=0))
         )
         self.forgotten_episodes, self.forgotten_price_s = state.get("forgotten", (0, 0.0))
-        self._step_prices = {
-            int(k): {int(e): float(v) for e, v in p} for k, p in state.get("step_prices", [])
-        }
-        self._tails = {
-            int(k): deque(
-                ((int(step), _cost_from_state(cost)) for step, cost in tail), maxlen=_TAIL_KEPT
-            )
-            for k, tail in state.get("tails", [])
-        }
         self.first_step = state.get("first_step")
         for episode in self._named_episodes():
             self._state(episode, self.totals.last_step)
@@ -899,33 +758,6 @@ def tell_trace(
     window = [prepared.select_steps([i]) for i in range(prepared.n_steps)] if found else []
     refined = live.refine(window)
     return TraceStory(result, run, live.story(run, result), refined)
-
-
-def _cost_from_state(saved: dict[str, Any]) -> EpisodeCost:
-    return EpisodeCost(
-        **{**saved, "recent": tuple(saved["recent"]), "paid": tuple(saved.get("paid", ()))}
-    )
-
-
-def paid_times(prepared: PreparedTrace, actual: np.ndarray) -> np.ndarray:
-    """[step] what the job paid for each step of `prepared`: its period where the step
-    before it is known (`PreparedTrace.periods`: overlapping steps count their overlap
-    once), else `actual` (its measured span)."""
-    periods = prepared.periods
-    return np.where(np.isnan(periods), np.asarray(actual, dtype=np.float64), periods)
-
-
-def _episode_measures(
-    episode: WorkerEpisode, prepared: PreparedTrace
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[step] each: the job seconds lost to the episode's worker, its own seconds of the
-    episode's kind, and its GC pauses there beyond its peers'."""
-    worker = (episode.dp, episode.stage)
-    return (
-        lost_seconds(prepared, worker, episode.kind, episode.level_before),
-        worker_signals(prepared, [episode.kind])[:, 0, episode.stage, episode.dp],
-        gc_beyond_peers(prepared, worker, episode.kind),
-    )
 
 
 def _resplit(episode: WorkerEpisode, steps: Sequence[PreparedTrace]) -> Advice | None:
