@@ -43,8 +43,7 @@ from lagscope.producers.dead_letters import from_streamer
 from lagscope.producers.events import SchemaError, peek_header
 from lagscope.producers.kafka_login import check_kafka_login, kafka_client
 from lagscope.producers.metrics import MetricsServer, Probes, Verdict
-from lagscope.producers.redact import scrub, secret_values
-from lagscope.producers.topics import make_topics, topic_ready
+from lagscope.producers.topics import topic_ready
 from lagscope.store.dsn import directory_to_make
 from lagscope.store.sink import ClickHouseSink
 from lagscope.stream_app.analysis_process import analysis_peak_rss_mb, peak_rss_mb
@@ -57,6 +56,7 @@ from lagscope.stream_app.worker_config import WorkerConfig
 from lagscope.stream_app.worker_core import OpsMessage, WorkerCore
 from lagscope.stream_app.worker_health import WorkerHealth
 from lagscope.stream_app.worker_metrics import worker_metric_families
+from lagscope.stream_app.worker_start import wait_for_broker, wait_for_topics
 
 log = logging.getLogger("lagscope.worker")
 #: librdkafka's lines of the worker's confluent-kafka clients, retries collapsed.
@@ -650,87 +650,13 @@ class FaustWorker:
             self._lag.pop(number, None)
 
     def wait_for_broker(self) -> None:
-        """Return once a Kafka broker answers; until then, one line per attempt (the
-        worker cannot consume without one, and a broker that comes up later is the
-        common case of a cluster starting). With `exit_when_idle_s`, a broker that has not
-        answered within it is a ConfigError (one line), as `lagscope stream` gives up."""
-        from confluent_kafka import KafkaException
-        from confluent_kafka.admin import AdminClient
-
-        config = self.config.kafka.client_config()
-        servers = config.get("bootstrap.servers")
-        admin = kafka_client(AdminClient, {**config, "log_level": 0})
-        retry_s = self.config.worker.broker_retry_s
-        give_up_s = self.config.worker.exit_when_idle_s
-        began = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            self.health.loop.beat()  # waiting for a broker is what the worker does now
-            try:
-                admin.list_topics(timeout=retry_s)
-                if attempt > 1:
-                    log.info("Kafka at %s answers: starting", servers)
-                return
-            except KafkaException as exc:
-                error = exc.args[0] if exc.args else exc
-                reason = scrub(
-                    error.str() if hasattr(error, "str") else str(error), secret_values(config)
-                )
-            waited = time.monotonic() - began
-            if give_up_s is not None and waited >= give_up_s:
-                raise ConfigError(
-                    f"no Kafka broker answers at {scrub(str(servers), secret_values(config))} "
-                    f"after {waited:.0f} s ({reason}); nothing was consumed"
-                )
-            log.warning(
-                "Kafka at %s does not answer (%s); attempt %d, retrying every %g s",
-                scrub(str(servers), secret_values(config)), reason, attempt, retry_s,
-            )  # fmt: skip
-            time.sleep(retry_s)
+        """Return once a Kafka broker answers (`worker_start.wait_for_broker`), the
+        worker's loop beating meanwhile."""
+        wait_for_broker(self.config, self.health.loop.beat)
 
     def wait_for_topics(self) -> None:
-        """Return once the ops topic exists, made here when it was missing (with the jobs
-        and dead-letter topics, as the streamer makes them: `producers/topics.py`), or,
-        where this worker may not make topics, once someone else did. One line says which.
-        A worker subscribed to a topic that does not exist yet is assigned nothing and
-        looks for it again only minutes later: on a fresh cluster, whose workers start
-        before any streamer, it consumed nothing of the job that ran meanwhile. With
-        `exit_when_idle_s`, a topic that has not appeared within it is a ConfigError."""
-        from confluent_kafka.admin import AdminClient
-
-        kafka = self.config.kafka
-        config = kafka.client_config()
-        admin = kafka_client(AdminClient, {**config, "log_level": 0})
-        # Made before anything asks for their metadata: a broker that creates topics on
-        # demand would make them at that request, without the jobs topic's compaction.
-        made = make_topics(admin, kafka)
-        if not made.created and topic_ready(admin, kafka.topic_ops):
-            return  # the common case: a cluster that ran before
-        began = time.monotonic()
-        if not made.created:
-            failed = made.failed.get(kafka.topic_ops) or next(iter(made.failed.values()), None)
-            reason = scrub(str(failed), secret_values(config)) if failed else "not made yet"
-            log.warning("topic %s does not exist and this worker could not create it (%s): "
-                        "waiting for it, subscribing once it appears", kafka.topic_ops,
-                        reason)  # fmt: skip
-        give_up_s = self.config.worker.exit_when_idle_s
-        while not topic_ready(admin, kafka.topic_ops):
-            waited = time.monotonic() - began
-            if give_up_s is not None and waited >= give_up_s:
-                raise ConfigError(
-                    f"topic {kafka.topic_ops} did not appear in {waited:.0f} s and could not "
-                    "be created; nothing was consumed"
-                )
-            time.sleep(1.0)
-            if not made.created:  # a refusal may pass (a broker still starting)
-                made = make_topics(admin, kafka)
-        if made.created:
-            log.info("topic(s) %s were missing: created them; subscribing",
-                     made.describe_created(kafka))  # fmt: skip
-        else:
-            log.info("topic %s appeared after %.0f s (made by another client): subscribing",
-                     kafka.topic_ops, time.monotonic() - began)  # fmt: skip
+        """Return once the ops topic exists (`worker_start.wait_for_topics`)."""
+        wait_for_topics(self.config)
 
     def run(self) -> None:
         from faust.worker import Worker
