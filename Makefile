@@ -61,9 +61,14 @@ lint: install
 	$(BIN)/python -m tests.import_layers
 
 # The whole suite; the 20 slowest tests' durations at the end, so a test that grows slow
-# is seen (and marked `slow` when it belongs out of the edit loop).
+# is seen (and marked `slow` when it belongs out of the edit loop). Most of a test's time
+# is spent waiting on its processes (a broker, workers, a torch job), so two pytest
+# processes share the 2 cores (pytest-xdist; whole files each, so a module's shared job
+# runs once); the tests marked `alone`, which timing decides (a live run's latencies, a
+# planted straggler in a real job), run by themselves afterwards.
 test: install lint
-	$(BIN)/python -m pytest --durations=20
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" --durations=20
+	$(BIN)/python -m pytest -m alone --durations=10
 
 # The edit loop: everything but the tests marked `slow` (a real Kafka broker, real torch
 # jobs, live runs, a browser, the demo end to end): a few minutes on a 2-core machine.

@@ -5,7 +5,9 @@
 - A real Kafka broker for the whole session: `LAGSCOPE_KAFKA_BOOTSTRAP=host:port` uses an
   existing broker; otherwise a local KRaft broker is fetched (deploy/kafka_local.py, cached
   in ~/.cache/lagscope/kafka/) and started. If it cannot start, the tests that need it fail with the
-  broker's log: they never skip.
+  broker's log: they never skip. Under pytest-xdist (`make test`) each test process starts
+  a broker of its own (free ports): the tests' topics are their own, but not their consumer
+  groups' names, so an existing broker serves one pytest process only.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ def analyzed_reference(name: str):
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     existing = os.environ.get("LAGSCOPE_KAFKA_BOOTSTRAP")
+    if existing and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.fail(
+            "LAGSCOPE_KAFKA_BOOTSTRAP serves one pytest process: tests running side by side "
+            "would share consumer groups there; unset it (each process starts its own broker)"
+        )
     if existing:
         yield existing
         return

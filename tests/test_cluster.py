@@ -25,7 +25,8 @@ import pytest
 from tests.cluster_run import Plan, run_cluster
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+# Alone (`make test`): a real job with a planted straggler, two workers and a broker.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 STRAGGLER = ["--slow-rank", "2", "--slow-phase", "forward", "--slow-steps", "15-44"]
 

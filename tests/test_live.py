@@ -29,7 +29,9 @@ import pytest
 from tests.live_run import follow_live
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+#: `alone`: they assert how soon the store shows what a job does, which another test
+#: sharing the two cores would delay (`make test` runs them after the rest).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 #: The straggler's steps (the job runs 60).
 SLOW_START, SLOW_END, STEPS = 15, 45, 60

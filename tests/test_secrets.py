@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,9 +172,22 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     }
 
 
+@pytest.fixture(scope="module")
+def rank_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One rank's log, replayed once for every command: `run` gets as far as its store."""
+    logs = tmp_path_factory.mktemp("secrets") / "logs"
+    replayed = subprocess.run(
+        [sys.executable, "-m", "lagscope", "replay", "--trace", str(ST_TRACE), "--meta",
+         str(ST_META), "--log-dir", str(logs), "--no-progress"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    return logs
+
+
 @pytest.mark.slow  # every command run against a failing setting (~80 s in all)
 @pytest.mark.parametrize("name", list(cases(Path("unused"))))
-def test_no_command_shows_a_password(tmp_path: Path, name: str) -> None:
+def test_no_command_shows_a_password(tmp_path: Path, rank_logs: Path, name: str) -> None:
     (tmp_path / "broken.yaml").write_text(
         f"kafka:\n  sasl_password: {SECRET}\n  sasl_username: [unclosed\n"
     )
@@ -185,13 +199,7 @@ def test_no_command_shows_a_password(tmp_path: Path, name: str) -> None:
     (tmp_path / "options.yaml").write_text(
         f"kafka:\n  client_options:\n    sasl.pasword: {SECRET}\n"
     )
-    # One rank's log: `run` gets as far as its store.
-    replay_logs = subprocess.run(
-        [sys.executable, "-m", "lagscope", "replay", "--trace", str(ST_TRACE), "--meta",
-         str(ST_META), "--log-dir", str(tmp_path / "logs"), "--no-progress"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert replay_logs.returncode == 0, replay_logs.stderr
+    shutil.copytree(rank_logs, tmp_path / "logs")  # a command may write beside its logs
     args, env = cases(tmp_path)[name]
     done = lagscope(*args, env=env, cwd=tmp_path)
     output = done.stdout + done.stderr

@@ -18,7 +18,8 @@ from tests.torch_jobs import comm_kinds, ddp, pipeline_1f1b, pipelining
 from tests.torch_jobs.harness import Knobs, job_records, launch, rank_ends, recorded_ops
 
 #: Real multi-process torch jobs (CPU, gloo): slow.
-pytestmark = pytest.mark.slow
+# Alone (`make test`): a straggler's ratio to its peers in a real job is what is read.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def run(tmp: Path, target: Any, **knobs: Any) -> list[dict[str, Any]]:
