@@ -828,7 +828,9 @@ class OnlineEpisodes:
         enough = usable.sum(axis=0) >= self.settings.min_baseline_steps
         sigma = np.where(enough[None], _mad_sigma(before), np.nan)  # [kind, stage, dp]
         if self.n_dp > _EXACT_PEERS_UP_TO:
-            typical = np.nanmedian(sigma, axis=2, keepdims=True)
+            # The same median as np.nanmedian's, without its masked arrays (a third of
+            # the story pass of `lagscope analyze` on a 32-DP trace).
+            typical = nanmedian_first_axis(np.moveaxis(sigma, 2, 0))[..., np.newaxis]
             return np.broadcast_to(typical, (*sigma.shape[:2], self.n_dp))
         return peer_median(sigma[np.newaxis])[0]
 
@@ -948,9 +950,21 @@ def nanmedian_first_axis(values: np.ndarray) -> np.ndarray:
     high = count // 2
     low = np.where(count % 2 == 1, high, high - 1)
     top = np.maximum(count - 1, 0)
-    a = np.take_along_axis(ordered, np.clip(low, 0, top)[np.newaxis], axis=0)[0]
-    b = np.take_along_axis(ordered, np.minimum(high, top)[np.newaxis], axis=0)[0]
+    a = _row_of_each_column(ordered, np.clip(low, 0, top))
+    b = _row_of_each_column(ordered, np.minimum(high, top))
     return np.where(count > 0, (a + b) / 2.0, np.nan)
+
+
+def _row_of_each_column(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`values[rows[c], c]` for every column c of the axes after the first: one gather
+    (`np.take_along_axis` builds an index per axis, most of a detector's median there).
+
+    >>> _row_of_each_column(np.arange(6.0).reshape(3, 2), np.array([2, 0])).tolist()
+    [4.0, 1.0]
+    """
+    flat = values.reshape(values.shape[0], -1)
+    picked = flat[rows.ravel(), np.arange(flat.shape[1])]
+    return picked.reshape(rows.shape)
 
 
 def nanquantile_first_axis(values: np.ndarray, q: float) -> np.ndarray:
@@ -974,8 +988,8 @@ def nanquantile_first_axis(values: np.ndarray, q: float) -> np.ndarray:
     top = np.maximum(count - 1, 0)
     below = np.where(previous < 0, top, previous).astype(np.intp)
     above = np.where(following < 0, top, following).astype(np.intp)
-    a = np.take_along_axis(ordered, below[np.newaxis], axis=0)[0]
-    b = np.take_along_axis(ordered, above[np.newaxis], axis=0)[0]
+    a = _row_of_each_column(ordered, below)
+    b = _row_of_each_column(ordered, above)
     # numpy's _lerp: from a below the middle, from b at or above it.
     difference = b - a
     out = a + difference * gamma

@@ -293,7 +293,8 @@ class JobState:
         once, where it is first met in this order (`held_bytes`). Each has its bound,
         whatever the job's length: the running ideals (with the dependency model) and the
         detectors the job's shape, the retained steps the roll-up budget
-        (`rollup_budget_bytes`, on their arrays' bytes), its
+        (`rollup_budget_bytes`, on their arrays' bytes; a worker's twice, while the steps
+        of its last diagnosis the window moved past wait for a snapshot to store them), its
         episodes `CLOSED_EPISODES_KEPT` closed ones and the detector's history, its
         arrivals `lateness._KEPT` observations, the steps held for late batches
         `_HELD_STEPS` and `_HELD_OPS`."""

@@ -61,6 +61,7 @@ import numpy as np
 from lagscope.producers.dead_letters import DeadLetter
 from lagscope.producers.metrics import SecondsHistogram
 from lagscope.simulator.job_story import EpisodeState
+from lagscope.simulator.prepare import PreparedTrace
 from lagscope.store.checkpoints import CheckpointStore
 from lagscope.store.errors import StoreError
 from lagscope.store.rows import episode_version, json_text
@@ -87,6 +88,10 @@ log = logging.getLogger("lagscope.worker")
 SNAPSHOT_VERSION = 4
 #: Snapshots of a partition tried, newest first, when the newest does not decode.
 SNAPSHOTS_TRIED = 5
+#: A snapshot's new retained steps are encoded and inserted in parts of about this many
+#: bytes: all at once, a 12,288-GPU job's 34-step window (~70 MB encoded) and the store's
+#: copies of it made the worker's peak, 1.45 GB over 300 steps.
+RETAINED_WRITE_BYTES = 16 << 20
 #: Seconds a seek back may take before the host is asked for it again: the record it
 #: went back for comes within a fetch (milliseconds), unless the seek failed or Kafka
 #: deleted the record between the host's look at the partition's start and the fetch.
@@ -515,13 +520,14 @@ class WorkerCore:
 
     # -- snapshots ----------------------------------------------------------------------
     def _snapshot(self, parts: list[_Partition]) -> None:
-        """Snapshot `parts` (one insert of the retained steps they added, one of their
-        states). Each one's cost (`snapshot_cost_s`, which spaces a large job's snapshots)
-        is its own encoding and its share of the inserts."""
+        """Snapshot `parts` (the retained steps they added, in parts of
+        `RETAINED_WRITE_BYTES`, then one insert of their states). Each one's cost
+        (`snapshot_cost_s`, which spaces a large job's snapshots) is its own encoding and
+        its share of the inserts."""
         began = time.perf_counter()
         self.flush_results()
         retained = {part.number: self._new_retained(part) for part in parts}
-        self.checkpoints.write_retained([step for steps, _ in retained.values() for step in steps])
+        self._write_retained([step for steps, _ in retained.values() for step in steps])
         for part in parts:
             part.core.processor.forget_diagnosed()  # stored: a resume reads them there
         snapshots, encoding = [], []
@@ -545,9 +551,9 @@ class WorkerCore:
 
     def _new_retained(
         self, part: _Partition
-    ) -> tuple[list[tuple[str, int, int, bytes]], set[tuple[str, int, int]]]:
+    ) -> tuple[list[tuple[str, int, int, PreparedTrace]], set[tuple[str, int, int]]]:
         """The retained steps of the partition no snapshot has written yet (each step is
-        written once), encoded, and the keys of all it retains."""
+        written once), and the keys of all it retains."""
         steps = []
         current: set[tuple[str, int, int]] = set()
         for (job_id, attempt), job in part.core.processor.jobs.items():
@@ -556,8 +562,22 @@ class WorkerCore:
                 key = (job_id, attempt, int(prepared.steps[0]))
                 current.add(key)
                 if key not in part.persisted:
-                    steps.append((*key, encode_step_inputs(prepared)))
+                    steps.append((*key, prepared))
         return steps, current
+
+    def _write_retained(self, steps: list[tuple[str, int, int, PreparedTrace]]) -> None:
+        """Encode and store retained steps, an insert each `RETAINED_WRITE_BYTES` of them:
+        only a part's bytes and the store's copies of them are held at once."""
+        encoded: list[tuple[str, int, int, bytes]] = []
+        size = 0
+        for job_id, attempt, step, prepared in steps:
+            inputs = encode_step_inputs(prepared)
+            encoded.append((job_id, attempt, step, inputs))
+            size += len(inputs)
+            if size >= RETAINED_WRITE_BYTES:
+                self.checkpoints.write_retained(encoded)
+                encoded, size = [], 0
+        self.checkpoints.write_retained(encoded)
 
     def _restore(self, number: int) -> _Partition:
         rows = self.checkpoints.snapshots(number, SNAPSHOTS_TRIED)

@@ -442,3 +442,34 @@ def test_a_seal_record_of_other_values_is_a_schema_error_naming_them(
         expand_seal(_seal_of(pickle.dumps(ops, protocol=5), n))
     with pytest.raises(SchemaError, match="3 bytes after its ops"):
         expand_seal(_seal_of(pickle.dumps([((0, 0, 0, 0), 1, 1)]) + b"abc", 1))
+
+
+def test_a_reader_knows_more_is_there_without_asking_and_not_once_the_log_is_gone(
+    tmp_path, monkeypatch
+):
+    """A backlog's reader stands before the size it last saw: not at its end, without a
+    stat (12,544 logs asked twice a round). Once its files are deleted it reads nothing
+    and is at its end again, not waiting on a size it saw before."""
+    import shutil
+
+    writer = LogWriter(tmp_path, 0, background=False)
+    for index in range(20):
+        writer.append(KIND_BATCH, bytes([index]) * 100)
+    writer.close()
+    directory = rank_dir(tmp_path, 0)
+    reader = RankLogReader(directory)
+    assert len(reader.read(300)) < 20
+    stats = []
+    real_stat = os.stat
+
+    def counted(path, *args, **kwargs):
+        stats.append(path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counted)
+    assert not reader.at_end()
+    monkeypatch.undo()
+    assert stats == []
+    shutil.rmtree(directory)
+    assert reader.read(300) == []
+    assert reader.at_end()

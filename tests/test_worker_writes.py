@@ -155,3 +155,26 @@ def test_partitions_revoked_together_are_handed_over_in_one_insert(chdb_dsn, tmp
     assert {n: successor.partition(n).next_offset for n in (0, 2)} == {0: offsets[0], 2: offsets[2]}
     worker.sink.close()
     core.sink.close()
+
+
+def test_a_snapshot_writes_its_retained_steps_in_parts_of_bounded_bytes(chdb_dsn, monkeypatch):
+    """A large job's window of new retained steps (~70 MB encoded at 12,288 GPUs) is
+    encoded and inserted a part at a time, so a snapshot holds one part and the store's
+    copies of it, not all of them; a successor restores every step. Here a part is as
+    small as a step: one insert each."""
+    from lagscope.stream_app import worker_core
+
+    now = [0.0]
+    core = _worker_with_jobs(chdb_dsn, now)
+    monkeypatch.setattr(worker_core, "RETAINED_WRITE_BYTES", 1)
+    inserted = _count_row_inserts(monkeypatch)
+    now[0] = core.config.worker.checkpoint_interval_s
+    offsets = core.checkpoint_all_due(list(core.partitions))
+    assert inserted == [("worker_retained", 1)] * 12 + [("worker_state", 3)], inserted
+    monkeypatch.undo()
+    successor = WorkerCore(core.config, core.sink, publish=lambda key, value: None)
+    for number, offset in offsets.items():
+        part = successor.partition(number)
+        assert part.next_offset == offset
+        assert len(next(iter(part.core.processor.jobs.values())).retained) == 4
+    core.sink.close()
