@@ -5,7 +5,9 @@
 - `Held`: a step closed without some coordinates, its batches held for their late ones.
 - `JobState`: one job attempt's state in the processor: its compute half's running
   ideals, its retained steps, its change-point detectors, its story (`LiveJob`), its
-  arrivals and the steps it holds for late batches.
+  arrivals and the steps it holds for late batches; saved and resumed with its
+  processor's state (`state_dict` / `from_state`), its retained steps' inputs apart
+  (`encode_step_inputs`: a host persists each once).
 """
 
 from __future__ import annotations
