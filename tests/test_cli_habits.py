@@ -228,9 +228,14 @@ def test_run_and_query_share_the_default_store_and_progress_is_plain_lines(
 
 
 @pytest.mark.slow  # a followed run interrupted (~5 s)
-def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
-    tmp_path: Path, st_logs: Path
+@pytest.mark.parametrize(
+    ("stop", "said"), [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")]
+)
+def test_ctrl_c_or_sigterm_while_following_keeps_the_work_and_says_so(
+    tmp_path: Path, st_logs: Path, stop: signal.Signals, said: str
 ) -> None:
+    """Ctrl-C (a user) or SIGTERM (a scheduler, an orchestrator) stops `--follow`: what was
+    read is analysed, stored and summed up, and the exit status is the signal's."""
     import shutil
 
     from lagscope.producers.events import JobInfo
@@ -256,10 +261,10 @@ def test_ctrl_c_while_following_keeps_the_work_and_says_interrupted(
         while not store.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(4.0)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         out, err = process.communicate(timeout=120)
-    assert process.returncode == 130, err
-    assert err.splitlines()[-1] == "lagscope run: interrupted"
+    assert process.returncode == 128 + stop, err
+    assert err.splitlines()[-1] == f"lagscope run: {said}"
     assert "job st attempt 0: 32 steps closed" in out
     assert "Traceback" not in err
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,22 +119,37 @@ def run_logs_command(args: argparse.Namespace) -> int:
     if args.follow and not list_rank_dirs(args.log_dir):
         print(f"lagscope run: waiting for the job's rank logs under {args.log_dir} "
               "(Ctrl-C stops)", file=sys.stderr)  # fmt: skip
-    interrupted = False
+    stopped_by: int | None = None
+    # A scheduler or an orchestrator stops `--follow` with SIGTERM as a user does with
+    # Ctrl-C: what was read is analysed, stored and summed up either way.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         report = runner.run_logs(
             args.log_dir, follow=args.follow, idle_exit_s=args.idle_exit_s, progress=show
         )
-    except KeyboardInterrupt:
-        # Ctrl-C is how a user stops `--follow`: what was read is analysed and kept.
-        interrupted = True
+    except KeyboardInterrupt as stop:
+        stopped_by = signal.SIGTERM if isinstance(stop, _Terminated) else signal.SIGINT
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the first one is being honoured
         report = runner.close_open_steps()
-    display.close()
+    finally:
+        display.close()
+    signal.signal(signal.SIGTERM, previous)
+    interrupted = stopped_by is not None
     if not print_outcome(args, runner, sink, live, report, interrupted=interrupted):
         return 1
-    if interrupted:
-        print("lagscope run: interrupted", file=sys.stderr)
-        return 130
+    if stopped_by is not None:
+        said = "terminated" if stopped_by == signal.SIGTERM else "interrupted"
+        print(f"lagscope run: {said}", file=sys.stderr)
+        return 128 + int(stopped_by)
     return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run stands, as Ctrl-C's KeyboardInterrupt is."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 #: The largest job (dp x pp workers) whose raw ops `lagscope run` keeps unless told: a
