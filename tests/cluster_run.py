@@ -20,6 +20,7 @@ from lagscope.producers.events import peek_header
 from lagscope.producers.log import KIND_BATCH, RankLogReader, Record, list_rank_dirs
 from lagscope.store.rows import episode_version
 from lagscope.store.sink import ClickHouseSink
+from tests.live_run import start_training
 from tests.worker_util import (
     WorkerProcess,
     create_topics,
@@ -162,12 +163,7 @@ def run_cluster(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
             time.sleep(0.2)
         others.append(start_streamer(bootstrap, topics, logs, tmp_path / "stream",
                                      idle_exit_s=None))  # fmt: skip
-        with open(tmp_path / "job.log", "wb") as job_log:
-            training = subprocess.Popen(
-                [sys.executable, "-m", module, "--log-dir", str(logs), "--job-id", job,
-                 "--steps", str(steps), "--block-ms", "2", *knobs],
-                stdout=job_log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        training = start_training(module, logs, job, steps, knobs, tmp_path / "job.log")
         starts = sorted(plan.start_at_steps)
         kill_at = plan.kill_owner_at_step
         readers: dict[Path, RankLogReader] = {}

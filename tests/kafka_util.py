@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
@@ -55,3 +59,19 @@ def consume_all(bootstrap: str, topic: str, *, timeout_s: float = 60.0) -> list[
         return out
     finally:
         consumer.close()
+
+
+def measure_with_broker(prefix: str, measure: Callable[[str, Path, int], list[dict]]) -> list[dict]:
+    """A live benchmark's `measure(bootstrap, work folder, repeat)` against the broker of
+    `LAGSCOPE_KAFKA_BOOTSTRAP`, else a local one started for it
+    (`LAGSCOPE_BENCH_LIVE_REPEAT`: how many times it runs its live jobs, 1 by default)."""
+    from lagscope.deploy.kafka_local import KafkaBroker
+
+    repeat = int(os.environ.get("LAGSCOPE_BENCH_LIVE_REPEAT", "1"))
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = Path(tmp)
+        bootstrap = os.environ.get("LAGSCOPE_KAFKA_BOOTSTRAP")
+        if bootstrap:
+            return measure(bootstrap, work, repeat)
+        with KafkaBroker(work / "kafka", initial_rebalance_delay_ms=3000) as broker:
+            return measure(broker.bootstrap, work, repeat)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,19 @@ class LogArrivals:
         """When the last rank's batch of `step` reached its log; None if one never did."""
         times = [steps.get(step) for steps in self.at.values()]
         return max(times) if times and None not in times else None  # type: ignore[type-var]
+
+
+def start_training(
+    module: str, logs: Path, job: str, steps: int, knobs: Sequence[str], log_path: Path
+) -> subprocess.Popen:
+    """The test's torch job (`module`, tests/torch_jobs) writing its rank logs to `logs`,
+    its output to `log_path`."""
+    with open(log_path, "wb") as job_log:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, "--log-dir", str(logs), "--job-id", job,
+             "--steps", str(steps), "--block-ms", "2", *knobs],
+            stdout=job_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
 
 def _watch_logs(logs: Path, arrivals: LogArrivals, stop: threading.Event) -> None:
@@ -209,12 +223,7 @@ def follow_live(tmp_path: Path, bootstrap: str, topics: dict[str, str], job: str
                 stdout=run_log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         processes.append(WorkerProcess(following, tmp_path / "run.log"))
-        with open(tmp_path / "job.log", "wb") as job_log:
-            training = subprocess.Popen(
-                [sys.executable, "-m", module, "--log-dir", str(logs), "--job-id", job,
-                 "--steps", str(steps), "--block-ms", "2", *knobs],
-                stdout=job_log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        training = start_training(module, logs, job, steps, knobs, tmp_path / "job.log")
         seen = {name: Seen() for name in databases}
         if watch_stored:
             for name, dsn in databases.items():

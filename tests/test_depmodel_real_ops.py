@@ -13,6 +13,22 @@ from lagscope.simulator.whatif import analyze
 META = JobMeta(dp_size=2, pp_size=1, world_size=2)
 
 
+def _append_ops(
+    columns: dict[str, list], dp: int, step: int, rows: list, *, start_shift: float
+) -> None:
+    """A single-stage rank's (op type, seq, start, end) `rows` of `step` as trace columns,
+    its starts moved by `start_shift`."""
+    for optype, seq, start, end in rows:
+        columns["dp_rank"].append(dp)
+        columns["stage"].append(0)
+        columns["rank"].append(dp)
+        columns["step"].append(step)
+        columns["optype"].append(optype)
+        columns["start_ts"].append(start + start_shift)
+        columns["duration"].append(end - start)
+        columns["seq_id"].append(seq)
+
+
 def ddp_step_rows(
     step: int, dp: int, input_s: float, compute_scale: float
 ) -> list[tuple[str, int, float, float]]:
@@ -61,15 +77,7 @@ def ddp_trace(steps: int = 4, slow_input_dp: int | None = None) -> Trace:
             rows = per_dp[dp]
             last = max(r[3] for r in rows if r[0] == ot.SEPARATE_GRADS_ALL_REDUCE)
             rows[-1] = (ot.OPTIMIZER, 0, last + 0.0005, last + 0.0035)
-            for optype, seq, start, end in rows:
-                columns["dp_rank"].append(dp)
-                columns["stage"].append(0)
-                columns["rank"].append(dp)
-                columns["step"].append(step)
-                columns["optype"].append(optype)
-                columns["start_ts"].append(start + 0.05 * step)
-                columns["duration"].append(end - start)
-                columns["seq_id"].append(seq)
+            _append_ops(columns, dp, step, rows, start_shift=0.05 * step)
     return Trace.from_columns(columns, source="<ddp>")
 
 
@@ -175,15 +183,7 @@ def test_fsdp_gathers_inside_its_forward_and_backward_hold_up_nothing_before_the
                                                 "start_ts", "duration", "seq_id")}  # fmt: skip
     for step in range(2):
         for dp in range(2):
-            for optype, seq, start, end in rows:
-                columns["dp_rank"].append(dp)
-                columns["stage"].append(0)
-                columns["rank"].append(dp)
-                columns["step"].append(step)
-                columns["optype"].append(optype)
-                columns["start_ts"].append(start + 0.1 * step)
-                columns["duration"].append(end - start)
-                columns["seq_id"].append(seq)
+            _append_ops(columns, dp, step, rows, start_shift=0.1 * step)
     prepared = prepare(Trace.from_columns(columns, source="<fsdp>"), META)
     own = own_durations(prepared)
     node = prepared.node_optype.index(ot.FORWARD_COMPUTE)

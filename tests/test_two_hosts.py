@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.cluster_run import TABLES as CLUSTER_TABLES
 from tests.straggler_logs import write_straggler_logs
 from tests.worker_util import create_topics, query_dsn, start_streamer, start_worker
 
@@ -25,16 +26,8 @@ pytestmark = pytest.mark.slow
 #: Every table a host writes, the columns that order its rows, and the columns that say
 #: when a host did something (they differ by design).
 TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "jobs": ("job_id, attempt", ("started",)),
-    "rank_identity": ("job_id, attempt, rank", ()),
-    "steps": ("job_id, attempt, step", ("processed_at", "received_at")),
-    "attribution": ("job_id, attempt, kind, name, step", ()),
-    "worker_slowdown": ("job_id, attempt, step, pp_rank, dp_rank", ()),
-    "changepoints": ("job_id, attempt, series, step, kind", ()),
-    "episodes": ("job_id, attempt, episode_id", ("updated_at",)),
-    "diagnoses": ("job_id, attempt, step, cause, version", ()),
+    **CLUSTER_TABLES,
     "ops": ("job_id, attempt, step, rank, start, optype, seq", ()),
-    "dead_letters": ("job_id, reason", ("ts", "source")),
 }
 
 

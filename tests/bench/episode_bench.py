@@ -24,12 +24,11 @@ this onset at best) and the worker found none.
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import uuid
 from pathlib import Path
 
+from tests.kafka_util import measure_with_broker
 from tests.live_run import LogArrivals, first_named, follow_live
 
 SLOW_START, SLOW_END = 15, 45
@@ -154,13 +153,4 @@ def _median_row(name: str, values: list[float], unit: str, target: str) -> dict:
 
 
 def run() -> list[dict]:
-    from lagscope.deploy.kafka_local import KafkaBroker
-
-    repeat = int(os.environ.get("LAGSCOPE_BENCH_LIVE_REPEAT", "1"))
-    with tempfile.TemporaryDirectory(prefix="lagscope-episode-bench-") as tmp:
-        work = Path(tmp)
-        bootstrap = os.environ.get("LAGSCOPE_KAFKA_BOOTSTRAP")
-        if bootstrap:
-            return _measure(bootstrap, work, repeat)
-        with KafkaBroker(work / "kafka", initial_rebalance_delay_ms=3000) as broker:
-            return _measure(broker.bootstrap, work, repeat)
+    return measure_with_broker("lagscope-episode-bench-", _measure)

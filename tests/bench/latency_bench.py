@@ -30,17 +30,15 @@ many times.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 from lagscope.producers.events import peek_header
-from tests.kafka_util import consume_all
+from tests.kafka_util import consume_all, measure_with_broker
 from tests.live_run import LogArrivals, Seen, first_named, follow_live
 from tests.worker_util import create_topics, start_streamer, start_worker
 
@@ -210,16 +208,7 @@ def _measure(bootstrap: str, work: Path, repeat: int) -> list[dict]:
 
 
 def run() -> list[dict]:
-    from lagscope.deploy.kafka_local import KafkaBroker
-
-    repeat = int(os.environ.get("LAGSCOPE_BENCH_LIVE_REPEAT", "1"))
-    with tempfile.TemporaryDirectory(prefix="lagscope-latency-bench-") as tmp:
-        work = Path(tmp)
-        bootstrap = os.environ.get("LAGSCOPE_KAFKA_BOOTSTRAP")
-        if bootstrap:
-            return _measure(bootstrap, work, repeat)
-        with KafkaBroker(work / "kafka", initial_rebalance_delay_ms=3000) as broker:
-            return _measure(broker.bootstrap, work, repeat)
+    return measure_with_broker("lagscope-latency-bench-", _measure)
 
 
 if __name__ == "__main__":
