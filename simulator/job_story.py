@@ -73,7 +73,7 @@ from lagscope.simulator.online_episodes import (
 )
 from lagscope.simulator.prepare import PreparedTrace, concat_steps
 from lagscope.simulator.run_story import run_story
-from lagscope.simulator.whatif import WhatIfResult, analyze, analyze_each_step
+from lagscope.simulator.whatif import WhatIfResult, analyze, each_step_of
 
 #: The kind of own time a run's worker cause is about (None: the op its worker is slow in).
 _KIND_OF_CAUSE: dict[Cause, str | None] = {
@@ -736,12 +736,7 @@ def tell_trace(
     """
     result = analyze(prepared, decompose_threshold=decompose_threshold)
     run = diagnose(result, prepared, settings=diagnosis_settings)
-    per_step = analyze_each_step(
-        prepared,
-        [result.ideal_cost] * prepared.n_steps,
-        decompose_threshold=decompose_threshold,
-        compiled=prepared.model.compiled,
-    )
+    per_step = each_step_of(result, prepared, compiled=prepared.model.compiled)
     live = LiveJob(
         info,
         diagnose_every_steps=prepared.n_steps,

@@ -577,6 +577,79 @@ def analyze_each_step(
     ]
 
 
+def each_step_of(
+    whole: WhatIfResult,
+    prepared: PreparedTrace,
+    *,
+    compiled: CompiledModel | None = None,
+    max_cells_per_pass: int = DEFAULT_MAX_CELLS_PER_PASS,
+) -> list[WhatIfResult]:
+    """Every step's result as `analyze_each_step(prepared, [whole.ideal_cost] * n_steps)`
+    gives it, bit for bit, read off `whole` (`analyze(prepared)`): its per-step times and
+    attributions are those simulations already (the engine's columns never mix, and a
+    one-step mean is its value). Only the launch attribution of steps that pass the gate
+    while the whole trace did not is simulated again. A recorded trace is told step by
+    step (`job_story.tell_trace`) without simulating every variant a second time.
+
+    >>> from lagscope.simulator.generate import JobSpec, generate_job
+    >>> from lagscope.simulator.prepare import prepare
+    >>> job = generate_job(JobSpec(dp=2, pp=2, steps=3))
+    >>> prepared = prepare(job.trace, job.meta)
+    >>> whole = analyze(prepared)
+    >>> read = each_step_of(whole, prepared)
+    >>> again = analyze_each_step(prepared, [whole.ideal_cost] * 3)
+    >>> [(a.t_ideal == b.t_ideal).all() and a.slowdown == b.slowdown
+    ...  for a, b in zip(read, again)]
+    [True, True, True]
+    """
+    threshold = whole.decompose_threshold
+    gated = prepared.actual_step_time / whole.t_nodelay >= threshold
+    launch: dict[str, dict[str, np.ndarray]] | None = None
+    if whole.launch_by_optype is not None:
+        launch = {
+            "optype": whole.launch_by_optype.per_step,
+            "dp": whole.launch_by_dp_rank.per_step,  # type: ignore[union-attr]
+            "stage": whole.launch_by_stage.per_step,  # type: ignore[union-attr]
+        }
+    elif gated.any():
+        wa = WhatIfAnalysis(
+            prepared, whole.ideal_cost, compiled=compiled, max_cells_per_pass=max_cells_per_pass
+        )
+        groups = _launch_groups(wa)
+        times = wa.run([Variant("measured", swap=sel, delay="swap") for _, _, sel in groups])
+        launch = {kind: {} for kind in ("optype", "dp", "stage")}
+        for (kind, name, _), t in zip(groups, times, strict=True):
+            launch[kind][name] = t / whole.t_nodelay
+    by_kind = {
+        "optype": whole.by_optype.per_step,
+        "dp": whole.by_dp_rank.per_step,
+        "stage": whole.by_stage.per_step,
+    }
+    t_simulated = np.full_like(whole.t_nodelay, np.nan)
+    return [
+        _result(
+            prepared,
+            slice(i, i + 1),
+            whole.ideal_cost,
+            (t_simulated, whole.t_nodelay, whole.t_ideal),
+            _one_step(by_kind, i),
+            _one_step(launch, i) if gated[i] and launch is not None else None,
+            threshold,
+            dropped_steps=(),
+        )
+        for i in range(prepared.n_steps)
+    ]
+
+
+def _one_step(per_step: dict[str, dict[str, np.ndarray]], i: int) -> dict[str, Attribution]:
+    """Step `i`'s attributions, of every kind, from each group's per-step values."""
+    out = {}
+    for kind, groups in per_step.items():
+        values = {name: ratios[i : i + 1].copy() for name, ratios in groups.items()}
+        out[kind] = Attribution({n: float(v[0]) for n, v in values.items()}, values)
+    return out
+
+
 def _step_attributions(
     groups: list[tuple[str, str, Selection]], ratios: np.ndarray
 ) -> dict[str, Attribution]:

@@ -126,3 +126,32 @@ def test_each_step_in_one_pass_equals_one_step_at_a_time(reference_dir, name):
             assert_same_result(got, want, f"{name} step {i}")
         gated = {r.launch_by_optype is not None for r in batch}
         assert gated == {True, False}
+
+
+@pytest.mark.parametrize("name", REFERENCE_NAMES)
+@pytest.mark.parametrize("gate", ["some steps", "whole trace", "none"])
+def test_each_step_read_off_the_whole_trace_equals_each_step_simulated(reference_dir, name, gate):
+    """A recorded trace's story reads its steps off the whole trace's analysis: the same
+    numbers as simulating each step with the whole trace's ideals, whichever steps pass
+    the launch gate (some of them only: their launch attribution is simulated apart)."""
+    from lagscope.simulator.whatif import analyze, analyze_each_step, each_step_of
+
+    prepared, whole = analyzed_reference(name)
+    threshold = {
+        "some steps": float(np.median(whole.launch_step_slowdown)),
+        "whole trace": 0.0,
+        "none": np.inf,
+    }[gate]
+    whole = analyze(prepared, decompose_threshold=threshold)
+    read = each_step_of(whole, prepared)
+    simulated = analyze_each_step(
+        prepared, [whole.ideal_cost] * prepared.n_steps, decompose_threshold=threshold
+    )
+    assert len(read) == len(simulated) == prepared.n_steps
+    for i, (got, want) in enumerate(zip(read, simulated, strict=True)):
+        assert_same_result(got, want, f"{name} step {i}")
+        assert got.launch_by_dp_rank is None or (
+            got.launch_by_dp_rank.overall == want.launch_by_dp_rank.overall
+        )
+    gated = {r.launch_by_optype is not None for r in read}
+    assert gated == {"some steps": {True, False}, "whole trace": {True}, "none": {False}}[gate]
