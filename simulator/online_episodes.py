@@ -67,9 +67,9 @@ the rest of its step processor.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -88,6 +88,7 @@ _EXACT_PEERS_UP_TO = 16
 
 #: MAD of a normal sample times this factor estimates its standard deviation.
 _MAD_TO_SIGMA = 1.4826
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -378,6 +379,8 @@ class OnlineEpisodes:
         self._step_times: list[float] = []
         self.episodes: list[WorkerEpisode] = []
         self._next_id = 1
+        #: What lanes of one `_open_new` share (`_once`), emptied when it returns.
+        self._shared: dict[tuple[Any, ...], Any] = {}
 
     # -- the update ---------------------------------------------------------------------
     def update(self, step: int, values: np.ndarray, step_time: float) -> list[EpisodeChange]:
@@ -392,7 +395,10 @@ class OnlineEpisodes:
         self._history.push(step, values)
         self._step_times = [*self._step_times, float(step_time)][-self.settings.history_steps :]
         changes = self._follow_open(step)
-        changes += self._open_new(step)
+        try:
+            changes += self._open_new(step)
+        finally:
+            self._shared.clear()
         self._let_go()
         return changes
 
@@ -452,20 +458,28 @@ class OnlineEpisodes:
             return changes  # a healthy job's usual step: no gate to take
         measured = np.flatnonzero(candidates.any(axis=(1, 2)))
         columns = np.nonzero(candidates)
+        # Lanes of the same window share its baseline, and lanes of the same gates their
+        # evidence, until an episode opens (it leaves the baselines): asked once each.
         for lane in self._lanes():
             window = lane.window
             # The gates first: a series' evidence is its own, and the spike rate (medians
             # over the job's baseline) is only needed where one rose.
-            evidence = self._evidence(lane, columns)
+            evidence = self._once(
+                ("evidence", window, lane.z, lane.rise, lane.peer_ratio),
+                lambda lane=lane: self._evidence(lane, columns),
+            )
             if evidence is None or not evidence.raised.any():
                 continue
             kinds_allowed = np.ones(len(self.kinds), dtype=bool)
+            lane_raised = evidence.raised
             if lane.at_own_rise:
-                evidence.raised &= self._rare_at_own_rise(evidence, window, lane.most_jumps)
+                lane_raised = lane_raised & self._rare_at_own_rise(
+                    evidence, window, lane.most_jumps
+                )
             elif lane.most_jumps is not None:
                 kinds_allowed = self._spike_rate(measured, window, lane.rise) <= lane.most_jumps
             raised = (
-                evidence.raised
+                lane_raised
                 & ~open_kind
                 & (
                     np.nan_to_num(evidence.extra_s, nan=-np.inf)
@@ -503,6 +517,14 @@ class OnlineEpisodes:
                 opened_now[stage, dp] = True
                 changes.append(EpisodeChange("opened", episode))
         return changes
+
+    def _once(self, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+        """`make()`, made once per `_open_new` for `key` while the episodes stay as they
+        are (an opened one changes every later baseline)."""
+        key = (*key, len(self.episodes))
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def _rare_at_own_rise(
         self, evidence: _Evidence, window: int, most_jumps: float | None
@@ -675,7 +697,7 @@ class OnlineEpisodes:
             return rate
         values = history.values[:before][-cfg.baseline_steps :, kinds]
         steps = history.steps[:before][-cfg.baseline_steps :]
-        usable = self._usable(steps)  # [slot, stage, dp]
+        usable = self._once(("usable", before), lambda: self._usable(steps))  # [slot, stage, dp]
         # A worker with none of a kind's work (no input wait on a later pipeline stage)
         # has a series of zeros: no series at all. Counted, they halved a 1F1B job's
         # input-wait spike rate and opened an episode on five steps of its noise.
@@ -734,7 +756,9 @@ class OnlineEpisodes:
         before_slots = np.arange(history.count - window)
         before_slots = before_slots[-cfg.baseline_steps :]
         # A worker's baseline leaves out its last episode's steps: NaN there.
-        usable_all = self._usable(steps[before_slots])  # [slot, stage, dp]
+        usable_all = self._once(  # [slot, stage, dp]
+            ("usable", history.count - window), lambda: self._usable(steps[before_slots])
+        )
         usable = usable_all[:, stage, dp]
         rise = 1.0 + min_rise
         # The least-step gate below, against the baseline's least step (never above its
@@ -744,9 +768,25 @@ class OnlineEpisodes:
         possible = inside.min(axis=0) >= rise * least_before * (1 - 1e-9)
         if not possible.any():
             return None
-        if not possible.all():
-            columns = kind, stage, dp = kind[possible], stage[possible], dp[possible]
-            values, inside, usable = values[:, possible], inside[:, possible], usable[:, possible]
+        values, inside, usable, kind, stage, dp = _columns_where(
+            possible, values, inside, usable, kind, stage, dp
+        )
+        # The gates against the peers next, before the worker's own levels: a worker
+        # steadily slower than its peers (a slow GPU from the start) passes the others.
+        peers_all = history.recent_peers(history.count)[:, kind, stage, dp]
+        ratio_before, ratio_inside, least_ratio = _ratios_to_peers(
+            values, peers_all, usable, before_slots, window, cfg.steps_per_quick_peer_step
+        )
+        above_peers = (least_ratio >= lane.peer_ratio) & (
+            ratio_inside >= (1 + min_rise / 2) * np.fmax(ratio_before, 1.0)
+        )
+        if not above_peers.any():
+            return None
+        values, inside, usable, kind, stage, dp, peers_all = _columns_where(
+            above_peers, values, inside, usable, kind, stage, dp, peers_all
+        )
+        ratio_before, ratio_inside = ratio_before[above_peers], ratio_inside[above_peers]
+        columns = kind, stage, dp
         before = np.where(usable, values[before_slots], np.nan)
         enough = usable.sum(axis=0) >= cfg.min_baseline_steps
         with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -758,23 +798,17 @@ class OnlineEpisodes:
             n_before = np.maximum(np.sum(~np.isnan(before), axis=0), 1)
             # The worker's noise, its own pooled with its peers' (as `peer_noise_steps`
             # steps of its own): a few steps of its own can read as still by chance.
-            peers_noise = self._peers_noise(before_slots, usable_all)[kind, stage, dp]
+            peers_noise = self._once(
+                ("peers noise", history.count - window),
+                lambda: self._peers_noise(before_slots, usable_all),
+            )[kind, stage, dp]
             own_noise = _mad_sigma(before, level_before)
             noise = np.sqrt(
                 (n_before * own_noise**2 + cfg.peer_noise_steps * np.nan_to_num(peers_noise) ** 2)
                 / (n_before + cfg.peer_noise_steps)
             )
             stderr = noise * np.sqrt(1.0 / window + 1.0 / n_before)
-            peers_all = history.recent_peers(history.count)[:, kind, stage, dp]
             peers_inside, peers_before = peers_all[-window:], peers_all[before_slots]
-            ratio = values / np.where(peers_all > 0, peers_all, np.nan)
-            ratio_inside = nanmedian_first_axis(ratio[-window:])
-            ratio_before = nanmedian_first_axis(np.where(usable, ratio[before_slots], np.nan))
-            # Against its peers, a long window may hold a step or two in which a peer
-            # lost its core (the ratio dips): the k-th least ratio counts, not the least.
-            least_ratio = np.sort(np.nan_to_num(ratio[-window:], nan=0.0), axis=0)[
-                (window - 1) // cfg.steps_per_quick_peer_step
-            ]
             peers_rise = np.median(peers_inside, axis=0) / np.median(peers_before, axis=0)
             step_s = float(np.median(self._step_times[: len(self._step_times) - window] or [0]))
             extra = level_inside - level_before
@@ -791,8 +825,6 @@ class OnlineEpisodes:
                         (1 + min_rise / 2) * level_before, np.sqrt(level_before * level_inside)
                     )
                 )
-                & (least_ratio >= lane.peer_ratio)
-                & (ratio_inside >= (1 + min_rise / 2) * np.fmax(ratio_before, 1.0))
                 & (level_inside / level_before >= (1 + min_rise / 2) * np.fmax(peers_rise, 1.0))
                 & (extra >= cfg.min_cost * step_s)
                 & (extra >= z * stderr)
@@ -926,6 +958,35 @@ def _mad_sigma(values: np.ndarray, level: np.ndarray | None = None) -> np.ndarra
     """
     level = nanmedian_first_axis(values) if level is None else level
     return _MAD_TO_SIGMA * nanmedian_first_axis(np.abs(values - level))
+
+
+def _columns_where(keep: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each of `arrays` ([..., column]) at the columns `keep` marks."""
+    if keep.all():
+        return arrays
+    return tuple(a[..., keep] for a in arrays)
+
+
+def _ratios_to_peers(
+    values: np.ndarray,
+    peers: np.ndarray,
+    usable: np.ndarray,
+    before_slots: np.ndarray,
+    window: int,
+    steps_per_quick_peer_step: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[column] each: a series' median ratio to its peers over its baseline (the slots of
+    `before_slots` that are `usable`) and over the last `window` steps, and its k-th
+    least ratio over them: a long window may hold a step or two in which a peer lost its
+    core (the ratio dips), so one in `steps_per_quick_peer_step` of them is let pass."""
+    with np.errstate(all="ignore"):
+        ratio = values / np.where(peers > 0, peers, np.nan)
+    inside = ratio[-window:]
+    least = np.sort(np.nan_to_num(inside, nan=0.0), axis=0)[
+        (window - 1) // steps_per_quick_peer_step
+    ]
+    before = nanmedian_first_axis(np.where(usable, ratio[before_slots], np.nan))
+    return before, nanmedian_first_axis(inside), least
 
 
 def _dense(
