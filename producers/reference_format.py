@@ -9,28 +9,38 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
+from lagscope.producers.parquet_columns import (
+    ParquetError,
+    ParquetFormatError,
+    ParquetNulls,
+    read_parquet_columns,
+)
 from lagscope.simulator.errors import TraceError
 from lagscope.simulator.fields import FieldErrors
 from lagscope.simulator.trace import JobMeta, Trace
 
-#: Physical types used when writing, matching the reference files. A job larger than they
+if TYPE_CHECKING:  # pyarrow is imported where a file needs it: its import is a command's
+    import pyarrow as pa  # start (libarrow, libparquet), the trace files lagscope writes not
+
+#: Arrow types used when writing, matching the reference files. A job larger than they
 #: can hold (192 DP ranks, 100,000 GPUs) gets the next wider integer (`_column_array`).
-_WRITE_TYPES: dict[str, pa.DataType] = {
-    "dp_rank": pa.int8(),
-    "stage": pa.int8(),
-    "rank": pa.int16(),
-    "step": pa.int64(),
-    "start_ts": pa.float32(),
-    "duration": pa.float32(),
-    "seq_id": pa.int32(),
-    "mc": pa.int8(),
-    "mb_id": pa.int8(),
-    "gmc": pa.int16(),
+_WRITE_TYPES: dict[str, str] = {
+    "dp_rank": "int8",
+    "stage": "int8",
+    "rank": "int16",
+    "step": "int64",
+    "start_ts": "float32",
+    "duration": "float32",
+    "seq_id": "int32",
+    "mc": "int8",
+    "mb_id": "int8",
+    "gmc": "int16",
 }
 
 
@@ -41,11 +51,63 @@ def load_trace(
     check that the two describe the same job (`check_same_job`)."""
     path = Path(path)
     try:
-        table = _read_parquet(path)
+        read = _read_without_pyarrow(path)
+        if not isinstance(read, tuple):
+            read = _read_with_pyarrow(path, problem=read)
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
+    columns, key_value = read
+    trace = Trace.from_columns(columns, source=str(path))
+    if meta is not None:
+        check_same_job(
+            trace, meta, trace_path=path, meta_path=meta_path, written_for=_written_for(key_value)
+        )
+    return trace
+
+
+def _read_without_pyarrow(path: Path) -> tuple[dict[str, object], Mapping] | str | None:
+    """The columns and key-value metadata of a file `parquet_columns` reads (lagscope's
+    and the reference files: flat, dictionary-encoded, snappy); else what is wrong with
+    the file (a broken one) or None (one using more of parquet), for pyarrow to read."""
+    try:
+        parquet = read_parquet_columns(path)
+    except ParquetNulls as exc:
+        raise TraceError(f"{path}: {exc}") from None
+    except ParquetFormatError as exc:
+        return str(exc)
+    except ParquetError:
+        return None
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        return None
+    columns: dict[str, object] = {}
+    for name, values in parquet.columns.items():
+        names = parquet.dictionaries.get(name)
+        if name == "optype" and names is not None:
+            columns["optype"], columns["optype_names"] = values, names
+        elif names is not None:
+            columns[name] = np.asarray(names, dtype=object)[values]
+        else:
+            columns[name] = values
+    return columns, parquet.key_value
+
+
+def _read_with_pyarrow(path: Path, problem: str | None = None) -> tuple[dict[str, object], Mapping]:
+    """The columns and key-value metadata of a parquet file, read by pyarrow; when it
+    cannot, the error names `problem` (what `parquet_columns` found wrong), else pyarrow's
+    own message in one line."""
+    import pyarrow as pa
+
+    try:
+        table = _read_parquet(path)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise TraceError(f"{path}: not a readable parquet file ({exc})") from None
+        if isinstance(exc, FileNotFoundError):
+            raise
+        problem = problem or " ".join(
+            "".join(c if c.isprintable() else " " for c in str(exc)).split()
+        )
+        raise TraceError(f"{path}: not a readable parquet file ({problem})") from None
     columns: dict[str, object] = {}
     for name in table.column_names:
         column = table.column(name).combine_chunks()
@@ -64,12 +126,7 @@ def load_trace(
                 f"{path}: column {name!r} has {column.null_count} null(s), first at row {first}"
             )
         columns[name] = _values(column)
-    trace = Trace.from_columns(columns, source=str(path))
-    if meta is not None:
-        check_same_job(
-            trace, meta, trace_path=path, meta_path=meta_path, written_for=_written_for(table)
-        )
-    return trace
+    return columns, table.schema.metadata or {}
 
 
 def _read_parquet(path: Path) -> pa.Table:
@@ -93,22 +150,12 @@ def _read_parquet(path: Path) -> pa.Table:
         reader.close()
 
 
-#: numpy dtypes of the arrow types whose values are one plain buffer.
+#: numpy dtypes of the arrow types (by their names) whose values are one plain buffer.
 _PLAIN_NUMPY_TYPES = {
-    str(t): np.dtype(d)
-    for t, d in (
-        (pa.int8(), np.int8),
-        (pa.int16(), np.int16),
-        (pa.int32(), np.int32),
-        (pa.int64(), np.int64),
-        (pa.uint8(), np.uint8),
-        (pa.uint16(), np.uint16),
-        (pa.uint32(), np.uint32),
-        (pa.uint64(), np.uint64),
-        (pa.float32(), np.float32),
-        (pa.float64(), np.float64),
-    )
-}
+    name: np.dtype(name.replace("float", "float32").replace("double", "float64"))
+    for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "float", "double")
+}  # fmt: skip
 
 
 def _values(column: pa.Array) -> np.ndarray:
@@ -126,9 +173,13 @@ def _values(column: pa.Array) -> np.ndarray:
 def write_trace(trace: Trace, path: str | Path, meta: JobMeta | None = None) -> None:
     """Write a trace in the reference format (the generator and tests use it); with
     `meta`, the file also names the job it belongs to (`check_same_job` reads it)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    arrays = {name: _column_array(getattr(trace, name), t) for name, t in _WRITE_TYPES.items()}
+    arrays = {
+        name: _column_array(getattr(trace, name), pa.type_for_alias(alias))
+        for name, alias in _WRITE_TYPES.items()
+    }
     arrays["optype"] = pa.DictionaryArray.from_arrays(
         pa.array(trace.optype, type=pa.int8()), pa.array(list(trace.optype_names))
     )
@@ -158,9 +209,10 @@ _JOB_FIELDS = ("trial_name", "run_id", "dp_size", "pp_size", "tp_size", "dsp_siz
                "world_size")  # fmt: skip
 
 
-def _written_for(table: pa.Table) -> dict[str, object]:
-    """The job a trace file names (`write_trace(..., meta)`), or {} (reference files)."""
-    raw = (table.schema.metadata or {}).get(_JOB_KEY.encode())
+def _written_for(key_value: Mapping[bytes, bytes]) -> dict[str, object]:
+    """The job a trace file names in its key-value metadata (`write_trace(..., meta)`), or
+    {} (reference files)."""
+    raw = key_value.get(_JOB_KEY.encode())
     try:
         found = json.loads(raw) if raw else {}
     except ValueError:
@@ -218,22 +270,23 @@ def _span(values: np.ndarray) -> str:
     return shown + (", ..." if values.size > 6 else "")
 
 
-_WIDER_INTEGERS = ((pa.int8(), np.int8), (pa.int16(), np.int16), (pa.int32(), np.int32))
-
-
 def _column_array(values: np.ndarray, reference_type: pa.DataType) -> pa.Array:
     """`values` as the reference file's type, or the narrowest wider integer that holds
     them: the reference types are the files' own, and too narrow for large jobs.
 
+    >>> import pyarrow as pa
     >>> _column_array(np.array([0, 191]), pa.int8()).type
     DataType(int16)
     >>> _column_array(np.array([0, 7]), pa.int8()).type
     DataType(int8)
     """
+    import pyarrow as pa
+
     if not pa.types.is_integer(reference_type) or not len(values):
         return pa.array(values, type=reference_type)
     low, high = int(np.min(values)), int(np.max(values))
-    wider = [(t, d) for t, d in _WIDER_INTEGERS if t.byte_width >= reference_type.byte_width]
+    wider_integers = ((pa.int8(), np.int8), (pa.int16(), np.int16), (pa.int32(), np.int32))
+    wider = [(t, d) for t, d in wider_integers if t.byte_width >= reference_type.byte_width]
     for candidate, dtype in wider:
         if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
             return pa.array(values, type=candidate)

@@ -47,6 +47,7 @@ COMMAND_MODULES: tuple[str, ...] = tuple(dict.fromkeys(COMMAND_MODULE.values()))
 #: The extra that installs each optional top-level module a command may import.
 EXTRA_OF_MODULE: dict[str, str] = {
     "pyarrow": "analyze",
+    "cramjam": "analyze",
     "matplotlib": "analyze",
     "tqdm": "analyze",
     "jinja2": "analyze",
