@@ -180,3 +180,50 @@ def test_analyze_takes_the_workers_settings_and_loads_them_only_when_given(
     for given in (analyse(trace, "--config", str(config)), analyse(trace, env=NO_EPISODES)):
         assert "episode 1 from step" not in given
         assert "settings model imported: True" in given
+
+
+def _run_on_cpus(
+    logs: Path, store: Path, cpus: set[int], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """`lagscope run` of `logs` into `store`, its process bound to `cpus`."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("LAGSCOPE_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "lagscope", "run", "--log-dir", str(logs),
+         "--dsn", f"chdb://{store}", "--log-level", "info"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**environment, **env}, preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def _digest(store: Path) -> str:
+    from tests.bench.stored_rows import stored_digest
+
+    sink = ClickHouseSink(f"chdb://{store}")
+    try:
+        return stored_digest(sink)
+    finally:
+        sink.close()
+
+
+@pytest.mark.slow  # three runs of the embedded pipeline
+def test_a_run_on_several_cores_gives_a_large_job_a_second_one(logs: Path, tmp_path: Path) -> None:
+    """`lagscope run` on a machine of two cores runs a large job's compute half in an
+    analysis process (the 100,000-GPU job's marginal step: 1.25 s in one process, 0.8 s
+    so), storing the same rows; on one core, or told 0, it keeps it in its process."""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, "this test needs a machine of two cores (CI has two)"
+    # This small job counts as large: every job's steps go to the analysis process.
+    large = {"LAGSCOPE_PROCESSOR__ANALYSIS_PROCESS_MIN_OPS": "0"}
+    started = "analysis process(es) started"
+    two = _run_on_cpus(logs, tmp_path / "two", set(cpus[:2]), large)
+    assert started in two.stderr
+    one = _run_on_cpus(logs, tmp_path / "one", set(cpus[:1]), large)
+    assert started not in one.stderr
+    told = _run_on_cpus(
+        logs, tmp_path / "told", set(cpus[:2]),
+        {**large, "LAGSCOPE_PROCESSOR__ANALYSIS_PROCESSES": "0"},
+    )  # fmt: skip
+    assert started not in told.stderr
+    assert _digest(tmp_path / "two") == _digest(tmp_path / "one") == _digest(tmp_path / "told")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import sys
 from pathlib import Path
@@ -41,7 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Reads every rank's log under --log-dir, analyses each step as it closes "
         "and writes the results to ClickHouse (embedded chDB by default). With --follow it "
         "keeps tailing until the logs are idle; Ctrl-C stops it after closing the open "
-        "steps and printing the summary (exit 130).",
+        "steps and printing the summary (exit 130; 143 on SIGTERM). On a machine of "
+        "several cores, a large job's analysis (from ~5,000 GPUs) also uses a second "
+        "one (processor.analysis_processes; 0 keeps it in this process).",
         epilog=examples(
             "lagscope run --log-dir /local/lagscope",
             "lagscope run --log-dir logs --follow --idle-exit-s 120 --report report.html",
@@ -181,13 +184,29 @@ def embedded_host(
     # the workers' settings say when they do (a node's logs into the cluster's store).
     store = config.store
     told = "raw_ops" in store.model_fields_set
+    processor = config.processor
+    if "analysis_processes" not in processor.model_fields_set:
+        # One command on a machine of several cores: a large job's compute half runs on a
+        # second one while this process decodes the next step (a job under
+        # `analysis_process_min_ops` a step stays here); told, as the workers are told.
+        processor = processor.model_copy(
+            update={"analysis_processes": 1 if _usable_cpus() >= 2 else 0}
+        )
     runner = EmbeddedRunner(
-        sink, config.processor, store_raw_ops=store.raw_ops if told else True,
+        sink, processor, store_raw_ops=store.raw_ops if told else True,
         raw_ops_max_workers=None if told else RAW_OPS_MAX_WORKERS, live_report=live,
         write_every_steps=config.worker.write_every_steps,
         write_interval_s=config.worker.write_interval_s,
     )  # fmt: skip
     return runner, sink, live
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this system
+        return os.cpu_count() or 1
 
 
 def print_outcome(
