@@ -201,7 +201,7 @@ def run() -> list[dict]:
                         "benchmark": f"whole process: reference / lagscope {name}",
                         "value": best[1] / best[0],
                         "unit": "x",
-                        "target": ">= 10",
+                        "target": ">= 15",
                     },
                 ]
     return rows
