@@ -38,18 +38,37 @@ class MachineBook:
     def __init__(self) -> None:
         self._by_job: dict[tuple[str, int], dict[tuple[int, int], str]] = {}
         self._identity: dict[tuple[str, int], dict[tuple[int, int], RankIdentity]] = {}
+        #: (job, attempt) -> rank -> the hash of its identity as last given to be stored: a
+        #: rank's end record repeats its start's, and a row again for each of them was a
+        #: second 100,000 rows at the end of a 100,000-GPU job (its worker's core thread,
+        #: ~16 us a record).
+        self._stored: dict[tuple[str, int], dict[int, int]] = {}
 
     def add(self, info: JobInfo) -> bool:
-        """Remember `info`'s rank; True when it named its machine (a row to store). A
-        record naming no machine (a replayed trace's rank saying it ended) names none, not
-        "an unnamed host"."""
+        """Remember `info`'s rank; True when it named its machine other than its rank last
+        did (a row to store). A record naming no machine (a replayed trace's rank saying it
+        ended) names none, not "an unnamed host".
+
+        >>> book = MachineBook()
+        >>> who = RankIdentity(rank=0, host="node-1", gpu=0)
+        >>> record = JobInfo(job_id="j", dp_size=1, pp_size=1, world_size=1, rank_identity=who)
+        >>> book.add(record), book.add(record.model_copy(update={"ended_ns": 7}))
+        (True, False)
+        >>> book.add(record.model_copy(update={"rank_identity": who.model_copy(update={"gpu": 1})}))
+        True
+        """
         who = info.rank_identity
         if who is None or not (who.node or who.host):
             return False
+        key = (info.job_id, info.attempt)
         if who.tp_rank == 0 and who.cp_rank == 0:
-            key = (info.job_id, info.attempt)
             self._by_job.setdefault(key, {})[who.dp_rank, who.pp_rank] = machine_label(who)
             self._identity.setdefault(key, {})[who.dp_rank, who.pp_rank] = who
+        stored = self._stored.setdefault(key, {})
+        fingerprint = hash(repr(who))
+        if stored.get(who.rank) == fingerprint:
+            return False
+        stored[who.rank] = fingerprint
         return True
 
     def machines(self, job_id: str, attempt: int) -> Mapping[tuple[int, int], str]:

@@ -533,7 +533,7 @@ def test_a_large_jobs_rank_records_are_stored_in_one_insert(chdb_dsn, monkeypatc
     """Each rank of a job sends its record as it starts and again as it ends: at 100,000
     GPUs one insert each was 200,000 inserts (a replayed 99,840-GPU job held its worker
     for over 10 minutes). What the records make between two writes is one insert, with
-    every rank's machine and the job's latest row."""
+    every rank's machine (once: its end record repeats it) and the job's latest row."""
     from lagscope.producers.events import JobInfo, RankIdentity
 
     world = 4096
@@ -551,6 +551,8 @@ def test_a_large_jobs_rank_records_are_stored_in_one_insert(chdb_dsn, monkeypatc
     monkeypatch.setattr(sink, "write", lambda batch: writes.append(batch) or write(batch))
     records.write(sink)
     assert len(writes) == 1
+    # A rank's end record names the machine its start did: one row a rank, not two.
+    assert writes[0].row_count("rank_identity") == world
     _, rows = sink.query("SELECT ranks_ended, ended_at IS NOT NULL FROM jobs FINAL")
     assert rows == [(world, True)]
     _, rows = sink.query("SELECT count(), uniqExact(host) FROM rank_identity FINAL")
