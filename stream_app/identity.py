@@ -65,7 +65,10 @@ class MachineBook:
             self._by_job.setdefault(key, {})[who.dp_rank, who.pp_rank] = machine_label(who)
             self._identity.setdefault(key, {})[who.dp_rank, who.pp_rank] = who
         stored = self._stored.setdefault(key, {})
-        fingerprint = hash(repr(who))
+        # Its fields' values (a pydantic model's repr took 15 us); a newer writer's extra
+        # fields by their text.
+        extra = who.model_extra
+        fingerprint = hash((tuple(who.__dict__.values()), repr(extra) if extra else ""))
         if stored.get(who.rank) == fingerprint:
             return False
         stored[who.rank] = fingerprint
