@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from lagscope.producers import torch_comm, torch_hooks
 from lagscope.producers.events import JobInfo
-from lagscope.producers.integration_start import rank_timer
+from lagscope.producers.integration_start import CALLBACKS_IN_FLIGHT, rank_timer
 from lagscope.producers.timer import OpTimer, plain_int
 from lagscope.producers.torch_layout import Layout
 from lagscope.producers.torch_sampling import EVERY_STEP, Schedule
@@ -246,7 +246,15 @@ class Monitor:
                 future = None
             if future is not None:
                 end = self.end
-                future.add_done_callback(lambda _: end(opened))
+                CALLBACKS_IN_FLIGHT.add()
+
+                def done(_: Any) -> None:
+                    try:
+                        end(opened)
+                    finally:
+                        CALLBACKS_IN_FLIGHT.done()
+
+                future.add_done_callback(done)
                 return work
         timed = torch_comm.TimedWork(work, opened, self.end, self.timed_work_append)
         if lane is None:  # nothing to poll: its wait() ends the op
