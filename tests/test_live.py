@@ -39,6 +39,11 @@ SLOW_START, SLOW_END, STEPS = 15, 45, 60
 WORKER = (1, 0)
 #: On-call targets: seen within this many steps of the onset.
 SEEN_WITHIN = 10
+#: A planted delay spins the CPU, as a slow accelerator stays busy: a rank sleeping
+#: through it hands its core to the others on a loaded 2-core machine, the job's own step
+#: times then lose nothing, and "within the job's jitter, no episode" is the right answer
+#: (a CI run on a busy machine measured exactly that).
+SPUN = ["--busy", "true"]
 
 
 def _open_before(found: Any, step: int) -> list[tuple[int, dict[str, Any]]]:
@@ -66,14 +71,10 @@ def test_a_straggler_is_named_while_it_is_still_slow(
     op: str,
 ) -> None:  # fmt: skip
     job = f"live-{phase}"
-    # The planted delay spins the CPU (`--busy`), as a slow accelerator stays busy: a
-    # sleeping rank hands its core to the others on a loaded 2-core machine, the job's own
-    # step times then lose nothing, and "within the job's jitter, no episode" is the
-    # right answer (a CI run on a busy machine measured exactly that).
     seen = follow_live(
         tmp_path, kafka_bootstrap, kafka_topics, job,
         ["--slow-rank", "2", "--slow-phase", phase,
-         "--slow-steps", f"{SLOW_START}-{SLOW_END - 1}", "--busy", "true"],
+         "--slow-steps", f"{SLOW_START}-{SLOW_END - 1}", *SPUN],
     )  # fmt: skip
     for host, found in seen.items():
         # While the worker was still slow (the job had closed no step past its window),
@@ -132,7 +133,8 @@ def test_a_straggler_still_slow_when_the_job_ends_stops_alerting_with_it(
     steps = 2 * STEPS
     seen = follow_live(
         tmp_path, kafka_bootstrap, kafka_topics, job,
-        ["--slow-rank", "2", "--slow-phase", "forward", "--slow-steps", f"20-{steps - 1}"],
+        ["--slow-rank", "2", "--slow-phase", "forward", "--slow-steps", f"20-{steps - 1}",
+         *SPUN],
         steps=steps,
     )  # fmt: skip
     for host, found in seen.items():
@@ -159,7 +161,7 @@ def test_a_worker_slow_from_the_first_step_is_named_while_the_job_runs(
     job = "live-from-the-first-step"
     seen = follow_live(
         tmp_path, kafka_bootstrap, kafka_topics, job,
-        ["--slow-rank", "2", "--slow-phase", "forward"],
+        ["--slow-rank", "2", "--slow-phase", "forward", *SPUN],
     )  # fmt: skip
     for host, found in seen.items():
         running = _open_before(found, STEPS - 10)
