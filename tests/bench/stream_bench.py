@@ -13,7 +13,9 @@
   a 5 s step, with the worker's peak memory; and whether every run of a job, on one core
   or on two, stored the same rows (`tests/bench/stored_rows.py`);
 - how fast one worker catches up with each of those jobs after it was down: a 5 s-step
-  job's backlog drained at N x real time (the same runs' seconds per step);
+  job's backlog drained at N x real time, the backlog of the job's steps with everything
+  included (the same runs' seconds per step), and each step of a backlog twice as long
+  beyond them (the job replayed twice over, minus the run of it once);
 - latency from a step's last batch (delivered to Kafka) to its `steps` row (processed_at,
   taken just before the insert), AR replayed at 200x real time into a running worker,
   default worker settings (writes every 0.5 s);
@@ -186,14 +188,15 @@ def _stored_digest(dsn: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def _same_rows_row(where: str, gpus: int, runs: list[dict]) -> dict:
-    """Whether every run of one job, on one core or on two, stored the same rows."""
+def _same_rows_row(where: str, gpus: int, runs: list[dict], length: str = "") -> dict:
+    """Whether every run of one job (of `length`), on one core or on two, stored the same
+    rows."""
     digests = {d for r in runs for d in r.get("stored_digests", [r.get("stored_digest")])}
     if None in digests or not digests:
         raise RuntimeError(f"a run of the {gpus:,}-GPU job through {where} has no digest")
+    job = f"one {gpus:,}-GPU job" + (f" of {length}" if length else "")
     return {
-        "benchmark": f"one {gpus:,}-GPU job through {where}: the runs on 1 and 2 cores "
-        "stored the same rows",
+        "benchmark": f"{job} through {where}: the runs on 1 and 2 cores stored the same rows",
         "value": "yes" if len(digests) == 1 else f"NO ({len(digests)} different)",
         "unit": "",
         "target": "yes (the two-process path computes what one process does)",
@@ -276,15 +279,16 @@ JOB_STEP_S = 5.0
 CATCH_UP_TARGETS = ((4096, 20.0), (12288, 20.0), (10**6, 5.0))
 
 
-def _catch_up_row(gpus: int, cores: int, processes: str, per_step: list[float], via: str) -> dict:
+def _catch_up_row(gpus: int, cores: int, processes: str, per_step: list[float], via: str,
+                  backlog: str = "") -> dict:  # fmt: skip
     """How fast one worker drains a backlog of a job of `JOB_STEP_S` steps after it was
     down: the job's step time over the worker's seconds per step of the backlog (the
     backlog runs above were all in Kafka, or in memory, before the worker started)."""
     speeds = [JOB_STEP_S / seconds for seconds in per_step]
     wanted = next(x for limit, x in CATCH_UP_TARGETS if gpus <= limit)
     return {
-        "benchmark": f"catch-up of a {gpus:,}-GPU job's backlog ({JOB_STEP_S:g} s steps) by one "
-        f"worker {via} on {cores} core(s), {processes} analysis process(es)",
+        "benchmark": f"catch-up of a {gpus:,}-GPU job's backlog{backlog} ({JOB_STEP_S:g} s "
+        f"steps) by one worker {via} on {cores} core(s), {processes} analysis process(es)",
         "value": statistics.median(speeds),
         "spread": [min(speeds), max(speeds)],
         "unit": "x real",
@@ -296,29 +300,38 @@ def _catch_up_row(gpus: int, cores: int, processes: str, per_step: list[float], 
 #: The one-job runs: on one core, the analysis in the worker's process; on two, its
 #: compute half in one analysis process beside it (`processor.analysis_processes`).
 SCALE_SETUPS = (({0}, "0"), ({0, 1}, "1"))
+#: Each job's backlog is drained once as generated and once replayed twice over (its steps
+#: again, numbered on): the difference is what each step of a backlog costs once the
+#: worker runs, without what a backlog pays once whatever its length (every rank's job
+#: record, the first step's model inference, the job's conclusion at its end).
+BACKLOG_REPEATS = (1, 2)
 
 
 def _scale_rows(bootstrap: str, work: Path) -> list[dict]:
     """One job through one worker, on one core and on two: seconds of the whole worker
     process per step (the first step's model inference and the job's final conclusion
     included), against a 5 s step; its ops/s and peak memory (the worker's and its
-    analysis process'). The two setups alternate, three runs each."""
+    analysis process'); the catch-up speed of that backlog, and of each step more of a
+    longer one. The setups alternate, three runs each."""
     from lagscope.simulator.generate import JobSpec, generate_job
 
     rows = []
     for gpus, dp, steps in SCALE_JOBS:
         job = generate_job(JobSpec(dp=dp, pp=8, tp=8, microbatches=16, steps=steps, seed=11))
-        runs: dict[tuple[int, str], list[dict]] = {}
+        runs: dict[tuple[int, str, int], list[dict]] = {}
         start_wall_ns = (int(time.time()) - 3600) * 10**9  # every run the same job
         for cores, processes in SCALE_SETUPS * SCALE_RUNS:
-            jobs = [(job.trace, job.meta, 1)]
-            env = {"LAGSCOPE_PROCESSOR__ANALYSIS_PROCESSES": processes}
-            row = _throughput_row(
-                bootstrap, work, f"{gpus} GPUs", jobs, workers=1, cores=cores, env=env,
-                start_wall_ns=start_wall_ns,
-            )  # fmt: skip
-            runs.setdefault((len(cores), processes), []).append(row)
-        for (cores, processes), setup in runs.items():
+            for repeat in BACKLOG_REPEATS:
+                jobs = [(job.trace, job.meta, repeat)]
+                env = {"LAGSCOPE_PROCESSOR__ANALYSIS_PROCESSES": processes}
+                row = _throughput_row(
+                    bootstrap, work, f"{gpus} GPUs", jobs, workers=1, cores=cores, env=env,
+                    start_wall_ns=start_wall_ns,
+                )  # fmt: skip
+                runs.setdefault((len(cores), processes, repeat), []).append(row)
+        for cores, processes in ((len(c), p) for c, p in SCALE_SETUPS):
+            setup = runs[(cores, processes, 1)]
+            longer = runs[(cores, processes, BACKLOG_REPEATS[-1])]
             per_step = [r["seconds"] / steps for r in setup]
             rows.append(
                 {
@@ -330,12 +343,29 @@ def _scale_rows(bootstrap: str, work: Path) -> list[dict]:
                     "target": "< 5 s (keeps up with a 5 s step)",
                     "ops_per_s": statistics.median(r["value"] for r in setup),
                     "worker_peak_rss_mb": max(r["worker_peak_rss_mb"] for r in setup),
+                    "worker_peak_rss_mb_longer_backlog": max(
+                        r["worker_peak_rss_mb"] for r in longer
+                    ),
                     "steps": steps,
                     "runs": len(setup),
                 }
             )
-            rows.append(_catch_up_row(gpus, cores, processes, per_step, "through Kafka"))
-        rows.append(_same_rows_row("one worker", gpus, [r for s in runs.values() for r in s]))
+            whole = f" of {steps} steps, everything included"
+            rows.append(_catch_up_row(gpus, cores, processes, per_step, "through Kafka", whole))
+            # Interleaved pairs: each run of the longer backlog against the run just
+            # before it.
+            extra = (BACKLOG_REPEATS[-1] - 1) * steps
+            per_extra_step = [
+                (long["seconds"] - short["seconds"]) / extra
+                for short, long in zip(setup, longer, strict=True)
+            ]
+            beyond = f", each step beyond the first {steps}"
+            rows.append(
+                _catch_up_row(gpus, cores, processes, per_extra_step, "through Kafka", beyond)
+            )
+        for repeat in BACKLOG_REPEATS:
+            same = [r for (_, _, n), s in runs.items() if n == repeat for r in s]
+            rows.append(_same_rows_row("one worker", gpus, same, f"{steps * repeat} steps"))
         del job
     return rows
 
