@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -173,34 +173,49 @@ def _values(column: pa.Array) -> np.ndarray:
 def write_trace(trace: Trace, path: str | Path, meta: JobMeta | None = None) -> None:
     """Write a trace in the reference format (the generator and tests use it); with
     `meta`, the file also names the job it belongs to (`check_same_job` reads it)."""
+    write_traces([trace], path, meta)
+
+
+#: The reference format's column order.
+_COLUMN_ORDER = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration",
+                 "seq_id", "mc", "mb_id", "gmc")  # fmt: skip
+
+
+def write_traces(traces: Iterable[Trace], path: str | Path, meta: JobMeta | None = None) -> int:
+    """Write consecutive parts of one trace as one file, a row group (or more) each, one
+    part in memory at a time; returns the rows written. The first part sets each
+    column's type (a later part's values must fit it: every part of a job holds all of
+    its workers), the op type names may differ from part to part."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    arrays = {
-        name: _column_array(getattr(trace, name), pa.type_for_alias(alias))
-        for name, alias in _WRITE_TYPES.items()
-    }
-    arrays["optype"] = pa.DictionaryArray.from_arrays(
-        pa.array(trace.optype, type=pa.int8()), pa.array(list(trace.optype_names))
-    )
-    order = [
-        "dp_rank",
-        "stage",
-        "rank",
-        "step",
-        "optype",
-        "start_ts",
-        "duration",
-        "seq_id",
-        "mc",
-        "mb_id",
-        "gmc",
-    ]
-    table = pa.table({k: arrays[k] for k in order})
-    if meta is not None:
-        written_for = {name: getattr(meta, name) for name in _JOB_FIELDS}
-        table = table.replace_schema_metadata({_JOB_KEY: json.dumps(written_for)})
-    pq.write_table(table, Path(path))
+    writer = None
+    rows = 0
+    try:
+        for trace in traces:
+            arrays = {
+                name: _column_array(getattr(trace, name), pa.type_for_alias(alias))
+                for name, alias in _WRITE_TYPES.items()
+            }
+            arrays["optype"] = pa.DictionaryArray.from_arrays(
+                pa.array(trace.optype, type=pa.int8()), pa.array(list(trace.optype_names))
+            )
+            table = pa.table({k: arrays[k] for k in _COLUMN_ORDER})
+            if writer is None:
+                if meta is not None:
+                    written_for = {name: getattr(meta, name) for name in _JOB_FIELDS}
+                    table = table.replace_schema_metadata({_JOB_KEY: json.dumps(written_for)})
+                writer = pq.ParquetWriter(Path(path), table.schema)
+            else:
+                table = table.cast(writer.schema)
+            writer.write_table(table)
+            rows += trace.n_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        raise ValueError(f"{path}: no trace to write")
+    return rows
 
 
 #: The parquet key-value metadata naming the job a trace was written for, and its fields.

@@ -10,6 +10,7 @@ slowdown of every step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -394,18 +395,20 @@ def _apply_injections(
     cost: np.ndarray,
     delay: np.ndarray,
     rng: np.random.Generator,
+    first: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Scale `cost` / `delay` ([node, step, dp]) in place for every injected straggler;
-    returns the GC pause added to each op ([node, step, dp], what the GC probe records):
-    inside the op, and before it (`GcPauses.between_ops`)."""
-    n_steps, n_dp = spec.steps, spec.dp
+    """Scale `cost` / `delay` ([node, step, dp] of the job's steps `first` on) in place
+    for every injected straggler; returns the GC pause added to each op ([node, step, dp],
+    what the GC probe records): inside the op, and before it (`GcPauses.between_ops`)."""
+    n_steps, n_dp = cost.shape[1], spec.dp
+    positions = np.arange(first, first + n_steps)
     optype = np.array(model.node_optypes())
     stage = model.node_stage()
     is_compute = np.isin(optype, [ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE])
     is_forward = optype == ot.FORWARD_COMPUTE
     gc_pause, gc_before = np.zeros_like(cost), np.zeros_like(cost)
     for inj in spec.stragglers:
-        steps = inj.active(n_steps)
+        steps = inj.active(spec.steps)[positions]
         if isinstance(inj, SlowWorker):
             nodes = is_compute & (stage == inj.stage)
             cost[np.ix_(nodes, steps, [inj.dp])] *= inj.factor
@@ -413,7 +416,7 @@ def _apply_injections(
             nodes = is_compute & (stage == spec.pp - 1)
             cost[np.ix_(nodes, steps, np.arange(n_dp))] *= inj.factor
         elif isinstance(inj, SequenceImbalance):
-            factor = _sequence_cost_factors(inj, spec, rng)  # [step, dp, mb]
+            factor = _sequence_cost_factors(inj, spec, rng, n_steps)  # [step, dp, mb]
             for direction in (ot.FORWARD_COMPUTE, ot.BACKWARD_COMPUTE):
                 nodes = np.flatnonzero(optype == direction)
                 mb = attrs["mb_id"][nodes]
@@ -435,7 +438,7 @@ def _apply_injections(
                 gc_pause += paused
         elif isinstance(inj, SlowLink):
             if inj.flap_period:
-                steps = steps & ((np.arange(n_steps) // inj.flap_period) % 2 == 0)
+                steps = steps & ((positions // inj.flap_period) % 2 == 0)
             if inj.dp is None:
                 nodes = np.isin(optype, ot.DP_OPTYPES) & (stage == inj.stage)
                 dps = np.arange(n_dp)
@@ -456,10 +459,10 @@ def _apply_injections(
 
 
 def _sequence_cost_factors(
-    inj: SequenceImbalance, spec: JobSpec, rng: np.random.Generator
+    inj: SequenceImbalance, spec: JobSpec, rng: np.random.Generator, n_steps: int
 ) -> np.ndarray:
-    """Cost multiplier of every micro-batch ([step, dp, mb]), mean 1."""
-    shape = (spec.steps, spec.dp, spec.microbatches)
+    """Cost multiplier of every micro-batch of `n_steps` steps ([step, dp, mb]), mean 1."""
+    shape = (n_steps, spec.dp, spec.microbatches)
     mu = np.log(inj.mean_document_tokens) - inj.length_sigma**2 / 2
     budget = inj.tokens_per_microbatch
     squares = np.zeros(shape)
@@ -478,40 +481,107 @@ def _sequence_cost_factors(
 
 def generate_job(spec: JobSpec) -> GeneratedJob:
     """Simulate the job and return its trace and ground truth (deterministic in the seed)."""
-    rng = np.random.default_rng(spec.seed)
-    model, attrs = build_schedule_model(spec)
-    compiled = compile_model(model)
-    n, n_steps, n_dp = model.n_nodes, spec.steps, spec.dp
-    nominal = _nominal_costs(spec, model)
-    noise = np.ones((n, n_steps, n_dp))
-    if spec.cost.noise_cv > 0:
-        sigma = np.sqrt(np.log1p(spec.cost.noise_cv**2))
-        noise = rng.lognormal(-(sigma**2) / 2, sigma, size=(n, n_steps, n_dp))
-    clean_cost = nominal[:, None, None] * noise
-    has_deps = np.array([bool(d) for d in model.deps])
-    clean_delay = np.zeros((n, n_steps, n_dp))
-    if spec.cost.launch_gap_s > 0:
-        gaps = rng.exponential(spec.cost.launch_gap_s, size=(n, n_steps, n_dp))
-        clean_delay = np.where(has_deps[:, None, None], gaps, 0.0)
-    cost, delay = clean_cost.copy(), clean_delay.copy()
-    gc_pause, gc_before = _apply_injections(spec, model, attrs, cost, delay, rng)
+    generator = JobGenerator(spec)
+    run = generator.steps(0, spec.steps)
+    truth = GroundTruth(run.step_ids, run.t_injected, run.t_clean, spec.stragglers)
+    return GeneratedJob(spec=spec, trace=run.trace, model=generator.model, truth=truth)
 
-    segments = np.arange(0, n_steps * n_dp, n_dp, dtype=np.int64)
-    injected = simulate(
-        compiled, cost.reshape(n, -1), delay.reshape(n, -1), segments, record_timeline=True
-    )
-    clean = simulate(compiled, clean_cost.reshape(n, -1), clean_delay.reshape(n, -1), segments)
-    assert injected.timeline is not None
-    start = injected.timeline.start.reshape(n, n_steps, n_dp)
-    end = injected.timeline.end.reshape(n, n_steps, n_dp)
-    # Re-base every step on its earliest op, as recorded traces are.
-    start = start - start.min(axis=(0, 2), keepdims=True)
-    end = end - injected.timeline.start.reshape(n, n_steps, n_dp).min(axis=(0, 2), keepdims=True)
 
-    step_ids = spec.first_step_id + np.arange(n_steps)
-    trace = _trace_from_timeline(spec, model, attrs, step_ids, start, end, gc_pause, gc_before)
-    truth = GroundTruth(step_ids, injected.step_time, clean.step_time, spec.stragglers)
-    return GeneratedJob(spec=spec, trace=trace, model=model, truth=truth)
+@dataclass(frozen=True)
+class GeneratedSteps:
+    """A run of a generated job's consecutive steps: their trace, and their step times
+    simulated with and without the injections."""
+
+    trace: Trace
+    step_ids: np.ndarray
+    t_injected: np.ndarray
+    t_clean: np.ndarray
+
+
+#: Ops a run of `JobGenerator.runs` holds at most (unless one step holds more): the
+#: generator's arrays take ~300 bytes an op, so ~0.6 GB; a 12,288-GPU job's 2,000 steps
+#: are 250 M ops.
+RUN_OPS = 2_000_000
+
+
+class JobGenerator:
+    """A job's schedule and seeded draws, simulated a run of steps at a time, so that
+    memory follows a run's ops rather than the job's.
+
+    The draws come from one generator in the order of the runs: a single run of every
+    step (`generate_job`) draws what the seed always gave; runs of fewer steps draw the
+    same distributions, laid out run by run, so the same seed gives another job.
+
+    >>> spec = JobSpec(dp=2, pp=2, microbatches=2, steps=5, seed=1)
+    >>> whole = generate_job(spec)
+    >>> runs = list(JobGenerator(spec).runs(max_ops=1))
+    >>> [len(run.step_ids) for run in runs]
+    [1, 1, 1, 1, 1]
+    >>> sum(run.trace.n_rows for run in runs) == whole.trace.n_rows
+    True
+    """
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.rng = np.random.default_rng(spec.seed)
+        self.model, self.attrs = build_schedule_model(spec)
+        self.compiled = compile_model(self.model)
+        self.nominal = _nominal_costs(spec, self.model)
+        self.has_deps = np.array([bool(d) for d in self.model.deps])
+
+    @property
+    def ops_per_step(self) -> int:
+        """The ops of one step, GC pauses left out."""
+        return self.model.n_nodes * self.spec.dp
+
+    def runs(self, max_ops: int | None = None) -> Iterator[GeneratedSteps]:
+        """Every step of the job, in runs of at most `max_ops` (default `RUN_OPS`) ops,
+        one step at least."""
+        per_run = max(1, (RUN_OPS if max_ops is None else max_ops) // self.ops_per_step)
+        for first in range(0, self.spec.steps, per_run):
+            yield self.steps(first, min(self.spec.steps, first + per_run))
+
+    def steps(self, first: int, end: int) -> GeneratedSteps:
+        """The job's steps `first` to `end` (excluded), positions in the generated run.
+        Draws from the job's generator: call it for consecutive runs, in order."""
+        spec, model, rng = self.spec, self.model, self.rng
+        n, n_steps, n_dp = model.n_nodes, end - first, spec.dp
+        noise = np.ones((n, n_steps, n_dp))
+        if spec.cost.noise_cv > 0:
+            sigma = np.sqrt(np.log1p(spec.cost.noise_cv**2))
+            noise = rng.lognormal(-(sigma**2) / 2, sigma, size=(n, n_steps, n_dp))
+        clean_cost = self.nominal[:, None, None] * noise
+        del noise
+        clean_delay = np.zeros((n, n_steps, n_dp))
+        if spec.cost.launch_gap_s > 0:
+            gaps = rng.exponential(spec.cost.launch_gap_s, size=(n, n_steps, n_dp))
+            clean_delay = np.where(self.has_deps[:, None, None], gaps, 0.0)
+            del gaps
+        cost, delay = clean_cost.copy(), clean_delay.copy()
+        gc_pause, gc_before = _apply_injections(spec, model, self.attrs, cost, delay, rng, first)
+
+        segments = np.arange(0, n_steps * n_dp, n_dp, dtype=np.int64)
+        injected = simulate(
+            self.compiled, cost.reshape(n, -1), delay.reshape(n, -1), segments,
+            record_timeline=True,
+        )  # fmt: skip
+        del cost, delay
+        clean = simulate(
+            self.compiled, clean_cost.reshape(n, -1), clean_delay.reshape(n, -1), segments
+        )
+        del clean_cost, clean_delay
+        assert injected.timeline is not None
+        start = injected.timeline.start.reshape(n, n_steps, n_dp)
+        end_ts = injected.timeline.end.reshape(n, n_steps, n_dp)
+        # Re-base every step on its earliest op, as recorded traces are.
+        step_began = start.min(axis=(0, 2), keepdims=True)
+        start, end_ts = start - step_began, end_ts - step_began
+
+        step_ids = spec.first_step_id + np.arange(first, end)
+        trace = _trace_from_timeline(
+            spec, model, self.attrs, step_ids, start, end_ts, gc_pause, gc_before
+        )
+        return GeneratedSteps(trace, step_ids, injected.step_time, clean.step_time)
 
 
 def _trace_from_timeline(

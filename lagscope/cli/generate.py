@@ -16,7 +16,10 @@ from lagscope.simulator.errors import TraceError, describe_validation_error
 GENERATED_FILES = ("trace.parquet", "meta.yaml", "truth.json", "spec.json")
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from lagscope.simulator.generate import Injection
+    from lagscope.simulator.trace import Trace
 
 #: JobSpec's defaults, shown in --help without importing the generator (its module needs
 #: numpy); tests/test_cli_consistency.py keeps them equal to the model's.
@@ -120,11 +123,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
     import yaml
     from pydantic import ValidationError
 
-    from lagscope.producers.reference_format import write_meta, write_trace
-    from lagscope.simulator.generate import JobSpec, generate_job
+    from lagscope.producers.reference_format import write_meta, write_traces
+    from lagscope.simulator.generate import GroundTruth, JobGenerator, JobSpec
 
     spec_data: dict = {}
     if args.spec:
@@ -152,14 +156,25 @@ def run(args: argparse.Namespace) -> int:
     # A folder of anything else (a recorded trace.parquet of the user's) is refused, never
     # overwritten; a rerun into generate's own folder replaces its four files.
     claim_output_dir(args.out, command="generate", own=GENERATED_FILES)
-    job = generate_job(spec)
-    write_trace(job.trace, args.out / "trace.parquet", job.meta)
-    write_meta(job.meta, args.out / "meta.yaml")
-    (args.out / "truth.json").write_text(json.dumps(job.truth.to_dict(), indent=2))
+    # A run of steps at a time, each written before the next is simulated: memory follows
+    # a run (`RUN_OPS`), not the job (a 12,288-GPU job's 2,000 steps are 250 M ops).
+    generator = JobGenerator(spec)
+    step_times: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def traces() -> Iterator[Trace]:
+        for run in generator.runs():
+            step_times.append((run.step_ids, run.t_injected, run.t_clean))
+            yield run.trace
+
+    ops = write_traces(traces(), args.out / "trace.parquet", spec.meta())
+    truth = GroundTruth(*(np.concatenate(c) for c in zip(*step_times, strict=True)),
+                        spec.stragglers)  # fmt: skip
+    write_meta(spec.meta(), args.out / "meta.yaml")
+    (args.out / "truth.json").write_text(json.dumps(truth.to_dict(), indent=2))
     (args.out / "spec.json").write_text(spec.model_dump_json(indent=2))
     print(
-        f"lagscope generate: {job.trace.n_rows} ops, {spec.steps} steps, dp {spec.dp} x pp "
-        f"{spec.pp} (vpp {spec.vpp}); true slowdown {job.truth.slowdown:.4f}; written to "
+        f"lagscope generate: {ops} ops, {spec.steps} steps, dp {spec.dp} x pp "
+        f"{spec.pp} (vpp {spec.vpp}); true slowdown {truth.slowdown:.4f}; written to "
         f"{args.out}/"
     )
     return 0
