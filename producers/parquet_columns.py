@@ -28,10 +28,14 @@ no parquet footer (no PAR1 magic at its end): not parquet, or truncated
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import cramjam
 import numpy as np
@@ -77,11 +81,15 @@ def read_parquet_columns(path: str | Path) -> ParquetColumns:
         return _read(data)
     except ParquetError:
         raise
-    except (IndexError, ValueError, KeyError, TypeError, OverflowError, struct.error,
-            RecursionError, UnicodeDecodeError) as exc:  # fmt: skip
-        # A field out of the buffer or of the wrong type: the file, not the reader, is
-        # wrong (what pyarrow reads of such files is read through it instead).
+    except _CORRUPT as exc:
         raise ParquetFormatError(f"corrupt parquet metadata or page ({exc!r})") from None
+
+
+#: What decoding a corrupt file raises: a field out of the buffer or of the wrong type
+#: (the file, not the reader, is wrong; what pyarrow reads of such files is read through
+#: it instead).
+_CORRUPT = (IndexError, ValueError, KeyError, TypeError, OverflowError, struct.error,
+            RecursionError, UnicodeDecodeError)  # fmt: skip
 
 
 # --- Thrift compact protocol (the encoding of the footer and the page headers) -------------
@@ -199,7 +207,16 @@ class _Column:
     optional: bool
 
 
-def _read(data: bytes) -> ParquetColumns:
+@dataclass(frozen=True)
+class _Footer:
+    columns: list[_Column]
+    row_groups: list
+    key_value: dict[bytes, bytes]
+    #: Where the footer begins: every column chunk ends before it.
+    start: int
+
+
+def _footer(data: bytes | mmap.mmap) -> _Footer:
     footer_end = len(data) - 8
     if len(data) < 12 or data[footer_end + 4 :] != _MAGIC:
         if data[-4:] == b"PARE":
@@ -217,38 +234,110 @@ def _read(data: bytes) -> ParquetColumns:
         raise ParquetFormatError("the footer runs past its stated size")
     if 8 in footer:
         raise UnsupportedParquet("encrypted columns")
-    columns = _schema_columns(footer.get(2, []))
-    row_groups = footer.get(4, [])
-    chunks: dict[str, list] = {c.name: [] for c in columns}
-    dictionaries: dict[str, dict[str, int]] = {c.name: {} for c in columns if c.dtype is None}
-    nulls: dict[str, list[int]] = {c.name: [0, -1] for c in columns}  # count, first row
+    key_value = {kv[1]: kv.get(2, b"") for kv in footer.get(5, [])}
+    return _Footer(_schema_columns(footer.get(2, [])), footer.get(4, []), key_value, footer_start)
+
+
+def _read_group(
+    data: bytes | mmap.mmap,
+    footer: _Footer,
+    group: dict,
+    dictionaries: dict[str, dict[str, int]],
+    names: frozenset[str] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """One row group's columns (those of `names`, all by default), string columns as
+    codes into `dictionaries` (grown by this group's names), and the null masks of the
+    columns that have nulls."""
+    group_chunks = group[1]
+    if len(group_chunks) != len(footer.columns):
+        raise ParquetFormatError("a row group's columns differ from the schema")
+    n_rows = group[3]
+    values: dict[str, np.ndarray] = {}
+    nulls: dict[str, np.ndarray] = {}
+    for column, chunk in zip(footer.columns, group_chunks, strict=True):
+        if names is not None and column.name not in names:
+            continue
+        read, missing = _read_chunk(data, footer.start, chunk, column, n_rows)
+        if column.dtype is None:
+            read = _global_codes(read, dictionaries.setdefault(column.name, {}))
+        values[column.name] = read
+        if missing is not None:
+            nulls[column.name] = missing
+    return values, nulls
+
+
+def _read(data: bytes) -> ParquetColumns:
+    footer = _footer(data)
+    chunks: dict[str, list] = {c.name: [] for c in footer.columns}
+    dictionaries: dict[str, dict[str, int]] = {
+        c.name: {} for c in footer.columns if c.dtype is None
+    }
+    nulls: dict[str, list[int]] = {c.name: [0, -1] for c in footer.columns}  # count, first row
     first_row = 0
-    for group in row_groups:
-        group_chunks = group[1]
-        if len(group_chunks) != len(columns):
-            raise ParquetFormatError("a row group's columns differ from the schema")
-        n_rows = group[3]
-        for column, chunk in zip(columns, group_chunks, strict=True):
-            values, missing = _read_chunk(data, footer_start, chunk, column, n_rows)
-            if column.dtype is None:
-                values = _global_codes(values, dictionaries[column.name])
-            if missing is not None:
-                counted = nulls[column.name]
-                if counted[1] < 0:
-                    counted[1] = first_row + int(np.flatnonzero(missing)[0])
-                counted[0] += int(np.count_nonzero(missing))
-            chunks[column.name].append(values)
-        first_row += n_rows
-    for column in columns:  # the first column with nulls in schema order, as pyarrow's path
+    for group in footer.row_groups:
+        values, missing = _read_group(data, footer, group, dictionaries)
+        for name, mask in missing.items():
+            counted = nulls[name]
+            if counted[1] < 0:
+                counted[1] = first_row + int(np.flatnonzero(mask)[0])
+            counted[0] += int(np.count_nonzero(mask))
+        for name, read in values.items():
+            chunks[name].append(read)
+        first_row += group[3]
+    for column in footer.columns:  # the first column with nulls in schema order, as pyarrow's path
         count, first = nulls[column.name]
         if count:
             raise ParquetNulls(column.name, count, first)
-    key_value = {kv[1]: kv.get(2, b"") for kv in footer.get(5, [])}
     return ParquetColumns(
-        columns={c.name: _concatenate(chunks[c.name], c) for c in columns},
+        columns={c.name: _concatenate(chunks[c.name], c) for c in footer.columns},
         dictionaries={name: list(names) for name, names in dictionaries.items()},
-        key_value=key_value,
+        key_value=footer.key_value,
     )
+
+
+def iter_parquet_row_groups(
+    path: str | Path, names: Iterable[str] | None = None
+) -> Iterator[ParquetColumns]:
+    """The columns of each row group of the file at `path` in turn (those of `names`, all
+    by default), string codes into the dictionaries of the groups so far (a group's
+    `dictionaries` are those lists then: each a prefix of the next group's). The file is
+    mapped, and each group's pages dropped from this process' memory once decoded, so a
+    file far larger than memory is read a group at a time. Errors as
+    `read_parquet_columns`, a null naming its row in the file."""
+    wanted = None if names is None else frozenset(names)
+    with open(path, "rb") as file, _mapped(file) as data:
+        try:
+            footer = _footer(data)
+            dictionaries: dict[str, dict[str, int]] = {}
+            first_row = 0
+            for group in footer.row_groups:
+                values, missing = _read_group(data, footer, group, dictionaries, wanted)
+                for column in footer.columns:
+                    if column.name in missing:
+                        mask = missing[column.name]
+                        first = first_row + int(np.flatnonzero(mask)[0])
+                        raise ParquetNulls(column.name, int(np.count_nonzero(mask)), first)
+                columns = {c.name: _concatenate([values[c.name]], c)
+                           for c in footer.columns if c.name in values}  # fmt: skip
+                data.madvise(mmap.MADV_DONTNEED)
+                yield ParquetColumns(
+                    columns, {n: list(d) for n, d in dictionaries.items()}, footer.key_value
+                )
+                first_row += group[3]
+        except ParquetError:
+            raise
+        except _CORRUPT as exc:
+            raise ParquetFormatError(f"corrupt parquet metadata or page ({exc!r})") from None
+
+
+@contextlib.contextmanager
+def _mapped(file: BinaryIO) -> Iterator[mmap.mmap | bytes]:
+    """The file mapped read-only (an empty file, which cannot be mapped, as its bytes)."""
+    if os.fstat(file.fileno()).st_size == 0:
+        yield b""
+        return
+    with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        yield data
 
 
 def _schema_columns(schema: list) -> list[_Column]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from lagscope.producers.parquet_columns import (
     ParquetError,
     ParquetFormatError,
     ParquetNulls,
+    iter_parquet_row_groups,
     read_parquet_columns,
 )
 from lagscope.simulator.errors import TraceError
@@ -63,6 +65,123 @@ def load_trace(
             trace, meta, trace_path=path, meta_path=meta_path, written_for=_written_for(key_value)
         )
     return trace
+
+
+#: A trace file larger than this is read a part at a time where it can be (`open_trace`).
+PART_BYTES = 64 << 20
+#: Rows of a part (whole steps: a step larger than this is a part of its own).
+PART_ROWS = 4_000_000
+
+
+@dataclass(frozen=True)
+class TraceParts:
+    """A trace file whose steps come in order, read a part of whole steps at a time (each
+    iteration reads the file again): what `replay` needs of a trace larger than memory.
+    `steps` and `max_step` are the file's, counted when it was opened."""
+
+    path: Path
+    steps: int
+    max_step: int
+    rows: int
+    part_rows: int = PART_ROWS
+
+    def __iter__(self) -> Iterator[Trace]:
+        pending: list[dict[str, np.ndarray]] = []
+        held = 0
+        # The rows of the last step read: the next row group may go on with it.
+        carried: dict[str, np.ndarray] | None = None
+        names: list[str] = []
+        for columns, names in self._groups():
+            if not columns["step"].size:
+                continue
+            if carried is not None:
+                columns = {k: np.concatenate([carried[k], v]) for k, v in columns.items()}
+            done = columns["step"] < columns["step"].max()
+            pending.append({k: v[done] for k, v in columns.items()})
+            carried = {k: v[~done] for k, v in columns.items()}
+            held += int(np.count_nonzero(done))
+            if held >= self.part_rows:
+                yield self._part(pending, names)
+                pending, held = [], 0
+        if carried is not None:
+            pending.append(carried)
+        if pending:
+            yield self._part(pending, names)
+
+    def _part(self, pending: list[dict[str, np.ndarray]], names: list[str]) -> Trace:
+        columns = {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
+        return Trace.from_columns({**columns, "optype_names": names}, source=str(self.path))
+
+    def _groups(self) -> Iterator[tuple[dict[str, np.ndarray], list[str]]]:
+        try:
+            for group in iter_parquet_row_groups(self.path):
+                yield group.columns, group.dictionaries.get("optype", [])
+        except ParquetNulls as exc:
+            raise TraceError(f"{self.path}: {exc}") from None
+        except ParquetError as exc:
+            raise TraceError(f"{self.path}: not a readable parquet file ({exc})") from None
+
+
+def open_trace(
+    path: str | Path, *, meta: JobMeta | None = None, meta_path: str | Path | None = None
+) -> Trace | TraceParts:
+    """The trace at `path` as `load_trace` reads it, or, for a file over `PART_BYTES`
+    whose row groups hold its steps in order (lagscope's own files do), as `TraceParts`:
+    its rows are not all held at once (a 12,288-GPU job's 2,000 steps are 250 M rows).
+    With `meta`, the same check that the two describe one job, before any part is read."""
+    path = Path(path)
+    try:
+        large = path.stat().st_size > PART_BYTES
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except OSError:
+        large = False
+    outline = _step_outline(path) if large else None
+    if outline is None:
+        return load_trace(path, meta=meta, meta_path=meta_path)
+    steps, dp_ranks, stages, top_rank, rows, key_value = outline
+    if meta is not None:
+        _check_job_values(
+            dp_ranks, stages, top_rank, meta, trace_path=path, meta_path=meta_path,
+            written_for=_written_for(key_value),
+        )  # fmt: skip
+    return TraceParts(path, len(steps), max(steps), rows)
+
+
+def _step_outline(
+    path: Path,
+) -> tuple[set[int], np.ndarray, np.ndarray, int, int, Mapping[bytes, bytes]] | None:
+    """What a first pass over the file's step and worker columns says (its steps, DP
+    ranks, stages, highest rank, rows, key-value metadata), or None when its row groups
+    do not hold its steps in order, or this reader cannot read it (`load_trace` then
+    reads it whole and names what is wrong)."""
+    steps: set[int] = set()
+    dp_ranks: set[int] = set()
+    stages: set[int] = set()
+    top_rank, rows, last = -1, 0, None
+    key_value: Mapping[bytes, bytes] = {}
+    try:
+        for group in iter_parquet_row_groups(path, ("step", "dp_rank", "stage", "rank")):
+            columns, key_value = group.columns, group.key_value
+            if not {"step", "dp_rank", "stage", "rank"} <= columns.keys():
+                return None
+            step = columns["step"]
+            if not step.size:
+                continue
+            if last is not None and int(step.min()) < last:
+                return None
+            last = int(step.max())
+            steps.update(np.unique(step).tolist())
+            dp_ranks.update(np.unique(columns["dp_rank"]).tolist())
+            stages.update(np.unique(columns["stage"]).tolist())
+            top_rank = max(top_rank, int(columns["rank"].max()))
+            rows += step.size
+    except (ParquetError, OSError):
+        return None
+    if not steps:
+        return None
+    return (steps, np.array(sorted(dp_ranks)), np.array(sorted(stages)), top_rank, rows,
+            key_value)  # fmt: skip
 
 
 def _read_without_pyarrow(path: Path) -> tuple[dict[str, object], Mapping] | str | None:
@@ -249,6 +368,25 @@ def check_same_job(
     recorded job has them), and its ranks (below the world size). `analyze --trace T
     --meta M` with the files of two jobs would otherwise analyse one job as the other.
     """
+    _check_job_values(
+        np.unique(trace.dp_rank), np.unique(trace.stage),
+        int(trace.rank.max()) if trace.rank.size else None,
+        meta, trace_path=trace_path, meta_path=meta_path, written_for=written_for,
+    )  # fmt: skip
+
+
+def _check_job_values(
+    dp_ranks: np.ndarray,
+    stages: np.ndarray,
+    top_rank: int | None,
+    meta: JobMeta,
+    *,
+    trace_path: str | Path,
+    meta_path: str | Path | None,
+    written_for: dict[str, object] | None,
+) -> None:
+    """`check_same_job` on what it reads of a trace: its DP ranks and stages (each
+    distinct, ascending) and its highest rank (None without rows)."""
     meta_name = str(meta_path) if meta_path is not None else "the job metadata"
     prefix = f"{trace_path} and {meta_name} describe different jobs"
     for name, value in (written_for or {}).items():
@@ -257,21 +395,20 @@ def check_same_job(
                 f"{prefix}: {name}: the trace was written for {value!r}, "
                 f"{meta_name} says {getattr(meta, name)!r}"
             )
-    for field, column, size, what in (
-        ("dp_size", trace.dp_rank, meta.dp_size, "DP ranks (dp_rank"),
-        ("pp_size", trace.stage, meta.pp_size, "pipeline stages (stage"),
+    for field, present, size, what in (
+        ("dp_size", dp_ranks, meta.dp_size, "DP ranks (dp_rank"),
+        ("pp_size", stages, meta.pp_size, "pipeline stages (stage"),
     ):
-        if not column.size:
+        if not present.size:
             continue
-        present = np.unique(column)
         if present[0] < 0 or present[-1] >= size or present.size != size:
             raise TraceError(
                 f"{prefix}: {field}: the trace has {present.size} {what} "
                 f"{_span(present)}), {meta_name} says {field} {size}"
             )
-    if trace.rank.size and int(trace.rank.max()) >= meta.world_size:
+    if top_rank is not None and top_rank >= meta.world_size:
         raise TraceError(
-            f"{prefix}: world_size: the trace has rank {int(trace.rank.max())}, "
+            f"{prefix}: world_size: the trace has rank {top_rank}, "
             f"{meta_name} says world_size {meta.world_size}"
         )
 

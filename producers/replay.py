@@ -51,6 +51,7 @@ from lagscope.producers.log import (
     list_rank_dirs,
 )
 from lagscope.producers.redact import redact_url
+from lagscope.producers.reference_format import TraceParts
 from lagscope.simulator.trace import JobMeta, Trace
 
 
@@ -101,7 +102,7 @@ def step_origins_ns(trace: Trace, start_wall_ns: int) -> dict[int, int]:
 
 
 def iter_step_batches(
-    trace: Trace,
+    trace: Trace | TraceParts,
     meta: JobMeta,
     *,
     job_id: str,
@@ -109,27 +110,40 @@ def iter_step_batches(
     start_wall_ns: int,
     repeat: int = 1,
 ) -> Iterator[tuple[int, int, list[RankStepBatch]]]:
-    """Yield (step end offset ns from start, step, batches of all ranks) in step order."""
-    steps, spans = step_spans_ns(trace)
-    if not steps:
-        return
-    bounds_ns = back_to_back_ns(spans * repeat, start_wall_ns)
-    rank = np.where(
-        trace.rank >= 0, trace.rank, trace.stage.astype(np.int64) * meta.dp_size + trace.dp_rank
-    )
-    order = np.lexsort((trace.start_ts, rank, trace.step))
-    cuts = np.append(np.searchsorted(trace.step[order], steps), order.size)
-    step_stride = max(steps) + 1
+    """Yield (step end offset ns from start, step, batches of all ranks) in step order.
+    `trace` may come in parts (`reference_format.TraceParts`): whole steps, in order,
+    read again for each repeat."""
+    parts = [trace] if isinstance(trace, Trace) else trace
+    step_stride = _last_step(trace) + 1
+    origin_ns = start_wall_ns
     for cycle in range(repeat):
-        for i, step in enumerate(steps):
-            rows = order[cuts[i] : cuts[i + 1]]
-            laid = cycle * len(steps) + i
-            replayed_step = step + cycle * step_stride
-            batches = _rank_batches(
-                trace, rank, rows, job_id=job_id, attempt=attempt, step=replayed_step,
-                origin_ns=bounds_ns[laid],
-            )  # fmt: skip
-            yield bounds_ns[laid + 1] - start_wall_ns, replayed_step, batches
+        for part in parts:
+            steps, spans = step_spans_ns(part)
+            rank = np.where(
+                part.rank >= 0, part.rank, part.stage.astype(np.int64) * meta.dp_size + part.dp_rank
+            )
+            order = np.lexsort((part.start_ts, rank, part.step))
+            cuts = np.append(np.searchsorted(part.step[order], steps), order.size)
+            for i, step in enumerate(steps):
+                rows = order[cuts[i] : cuts[i + 1]]
+                replayed_step = step + cycle * step_stride
+                batches = _rank_batches(
+                    part, rank, rows, job_id=job_id, attempt=attempt, step=replayed_step,
+                    origin_ns=origin_ns,
+                )  # fmt: skip
+                origin_ns += spans[i]
+                yield origin_ns - start_wall_ns, replayed_step, batches
+
+
+def _last_step(trace: Trace | TraceParts) -> int:
+    """The trace's highest step (-1 without one); a trace in parts says it."""
+    if isinstance(trace, TraceParts):
+        return trace.max_step
+    return int(trace.step.max()) if trace.step.size else -1
+
+
+def _distinct_steps(trace: Trace | TraceParts) -> int:
+    return trace.steps if isinstance(trace, TraceParts) else int(np.unique(trace.step).size)
 
 
 def _rank_batches(
@@ -179,7 +193,7 @@ class ProgressSink(Protocol):
 
 
 def replay(
-    trace: Trace,
+    trace: Trace | TraceParts,
     meta: JobMeta,
     *,
     log_dir: str | Path | None = None,
@@ -193,7 +207,8 @@ def replay(
     max_file_bytes: int | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> ReplayStats:
-    """Replay `trace` into per-rank logs under `log_dir`, or straight to Kafka."""
+    """Replay `trace` into per-rank logs under `log_dir`, or straight to Kafka; a trace
+    in parts (`reference_format.TraceParts`) is held a part at a time."""
     if (log_dir is None) == (kafka is None):
         raise ValueError("replay needs exactly one destination: log_dir or kafka")
     if speed < 0:
@@ -209,7 +224,7 @@ def replay(
     else:
         assert kafka is not None
         destination = _KafkaDestination(kafka, info)
-    total_steps = int(np.unique(trace.step).size) * repeat
+    total_steps = _distinct_steps(trace) * repeat
     begin_progress = time.monotonic()
 
     def report_progress() -> None:

@@ -4,6 +4,7 @@ file lagscope reads; pyarrow for the rest; one-line errors for broken files."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -287,3 +288,34 @@ def test_analyze_does_not_import_pyarrow(reference_dir) -> None:
     assert "lagscope.producers.parquet_columns" in modules
     assert not [m for m in modules if m.startswith("pyarrow")]
     assert load_meta(reference_dir / "meta-ST.yaml").trial_name == "ST"
+
+
+def test_row_groups_one_at_a_time(tmp_path: Path) -> None:
+    """`iter_parquet_row_groups`: each group's rows, string codes into the dictionaries of
+    the groups so far (a prefix of the next's), the columns asked for only; a null in a
+    later group names its row in the file."""
+    from lagscope.producers.parquet_columns import iter_parquet_row_groups
+
+    path = tmp_path / "groups.parquet"
+    table = pa.table({
+        "step": pa.array([0, 0, 1, 1, 2], pa.int64()),
+        "optype": pa.array(["b", "a", "a", "c", "b"]).dictionary_encode(),
+    })  # fmt: skip
+    pq.write_table(table, path, row_group_size=2)
+    groups = list(iter_parquet_row_groups(path))
+    assert [g.columns["step"].tolist() for g in groups] == [[0, 0], [1, 1], [2]]
+    decoded = [[g.dictionaries["optype"][code] for code in g.columns["optype"]] for g in groups]
+    assert decoded == [["b", "a"], ["a", "c"], ["b"]]
+    names = [g.dictionaries["optype"] for g in groups]
+    assert all(later[: len(earlier)] == earlier for earlier, later in itertools.pairwise(names))
+    assert [list(g.columns) for g in iter_parquet_row_groups(path, ["step"])] == [["step"]] * 3
+
+    with_null = tmp_path / "null.parquet"
+    pq.write_table(pa.table({"step": pa.array([0, 1, 2, None, 4], pa.int64())}), with_null,
+                   row_group_size=2)  # fmt: skip
+    with pytest.raises(ParquetNulls, match="column 'step' has 1 null"):
+        list(iter_parquet_row_groups(with_null))
+    try:
+        list(iter_parquet_row_groups(with_null))
+    except ParquetNulls as exc:
+        assert exc.first_row == 3

@@ -3,11 +3,13 @@ logs read back as the trace (issue 69 item 2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lagscope.producers import replay as replay_module
@@ -106,3 +108,68 @@ def test_a_second_replay_is_refused_from_any_log_of_the_first(job, tmp_path: Pat
     with pytest.raises(LogDirInUse, match=f"{rest[-1].name} already holds job twice attempt 0"):
         replay(job.trace, job.meta, log_dir=log_dir, job_id="twice", start_wall_ns=START_NS)
     replay(job.trace, job.meta, log_dir=log_dir, job_id="twice", attempt=1, start_wall_ns=0)
+
+
+def test_a_trace_file_larger_than_a_part_is_replayed_a_part_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file over `PART_BYTES` whose row groups hold its steps in order is replayed a
+    part of whole steps at a time (a step split between two row groups stays whole), and
+    writes the very batches the whole trace writes, twice over with `repeat`; its steps
+    out of order, it is read whole."""
+    from lagscope.producers import reference_format
+    from lagscope.producers.reference_format import TraceParts, open_trace, write_traces
+    from lagscope.simulator.errors import TraceError
+    from lagscope.simulator.generate import JobGenerator
+
+    spec = JobSpec(dp=4, pp=2, microbatches=2, steps=7, seed=5,
+                   stragglers=[{"kind": "gc_pauses", "probability": 0.1, "pause_s": 0.002,
+                                "start_step": 4}])  # fmt: skip
+    generator = JobGenerator(spec)
+    runs = list(generator.runs(max_ops=2 * generator.ops_per_step))
+    path = tmp_path / "trace.parquet"
+    # Each run written as three row groups: its steps cut where the rows are.
+    thirds = (
+        _rows(run.trace, part)
+        for run in runs
+        for part in np.array_split(np.arange(run.trace.n_rows), 3)
+    )
+    write_traces(thirds, path, spec.meta())
+    whole = reference_format.load_trace(path)
+    monkeypatch.setattr(reference_format, "PART_BYTES", 0)
+    parts = open_trace(path, meta=spec.meta())
+    assert isinstance(parts, TraceParts) and (parts.steps, parts.max_step) == (7, 6)
+    other = spec.model_copy(update={"dp": 8}).meta()
+    with pytest.raises(TraceError, match="describe different jobs: dp_size"):
+        open_trace(path, meta=other)
+    parts = dataclasses.replace(parts, part_rows=3 * generator.ops_per_step // 2)
+    step_sets = [sorted(set(part.step.tolist())) for part in parts]
+    assert step_sets == [[0, 1], [2, 3], [4, 5], [6]], step_sets
+
+    def batches(trace) -> list[tuple]:
+        return [
+            (end, step, b.rank, b.start_ns.tobytes(), b.duration_ns.tobytes(),
+             [b.optype_names[c] for c in b.optype])
+            for end, step, found in iter_step_batches(
+                trace, spec.meta(), job_id="parts", start_wall_ns=START_NS, repeat=2
+            )
+            for b in found
+        ]  # fmt: skip
+
+    assert batches(parts) == batches(whole)
+    stats = replay(parts, spec.meta(), log_dir=tmp_path / "logs", start_wall_ns=START_NS)
+    assert (stats.steps, stats.ops) == (7, whole.n_rows)
+
+    shuffled = tmp_path / "shuffled.parquet"
+    write_traces(reversed([run.trace for run in runs]), shuffled, spec.meta())
+    assert not isinstance(open_trace(shuffled, meta=spec.meta()), TraceParts)
+
+
+def _rows(trace, rows: np.ndarray):
+    """The trace's `rows`, as a trace."""
+    from lagscope.simulator.trace import Trace
+
+    names = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id",
+             "mc", "mb_id", "gmc")  # fmt: skip
+    columns = {name: getattr(trace, name)[rows] for name in names}
+    return Trace.from_columns({**columns, "optype_names": trace.optype_names})

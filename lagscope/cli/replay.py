@@ -69,7 +69,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from lagscope.cli.progress import Progress
     from lagscope.producers.config import ConfigError
     from lagscope.producers.kafka_login import check_kafka_settings
-    from lagscope.producers.reference_format import load_meta, load_trace
+    from lagscope.producers.reference_format import load_meta, open_trace
     from lagscope.producers.replay import LogDirInUse, UndeliveredError, replay
 
     try:
@@ -86,7 +86,9 @@ def run_replay(args: argparse.Namespace) -> int:
         trace, read = load_profiler_traces(args.profiler_trace, meta)
         print(f"lagscope replay: read {read.summary()}", file=sys.stderr)
     else:
-        trace = load_trace(args.trace, meta=meta, meta_path=args.meta)
+        # A large trace of lagscope's (a generated job of many steps) is read a part of
+        # whole steps at a time, not held whole.
+        trace = open_trace(args.trace, meta=meta, meta_path=args.meta)
     bar = None if args.no_progress else Progress("replay", unit="step")
     try:
         stats = replay(
