@@ -201,6 +201,8 @@ _LOGICAL_STRING, _LOGICAL_INTEGER = 1, 10
 
 @dataclass(frozen=True)
 class _Column:
+    """A leaf column of the schema, with the numpy dtype its values decode to."""
+
     name: str
     physical: int
     dtype: np.dtype | None  # None: a string column
@@ -209,6 +211,8 @@ class _Column:
 
 @dataclass(frozen=True)
 class _Footer:
+    """What the file's footer says: its columns, row groups and key-value metadata."""
+
     columns: list[_Column]
     row_groups: list
     key_value: dict[bytes, bytes]

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Advice:
+    """What to do about a diagnosis, and the speed-up the what-if predicts for it."""
+
     action: str
     detail: str
     predicted_speedup: float

@@ -53,6 +53,9 @@ class CommGroup:
 
 @dataclass(frozen=True)
 class DependencyModel:
+    """What must end before each op of a step starts: the ops of one step (its nodes), their
+    dependencies and collective groups, shared by every step of the job."""
+
     nodes: tuple[OpName, ...]
     #: deps[i] = node indices that must end before node i starts (sorted, unique).
     deps: tuple[tuple[int, ...], ...]
@@ -196,6 +199,8 @@ class DependencyModel:
 
 @dataclass
 class _SliceOp:
+    """One op of the step the model is inferred from, as the inference orders it."""
+
     node: int
     optype: str
     seq: int

@@ -26,6 +26,8 @@ from lagscope.simulator.depmodel import DependencyModel, topological_levels
 
 @dataclass(frozen=True)
 class _Level:
+    """The ops the engine computes together: each depends only on earlier levels."""
+
     #: Nodes of this level: plain ops first, then comm members sorted by group.
     ops: np.ndarray
     #: The level's rows in the end buffer, `first` to `first + ops.size` (the engine's
@@ -160,6 +162,9 @@ class Anchors:
 
 @dataclass(frozen=True)
 class SimulationResult:
+    """What one simulation of the model gives: each segment's step time, and the
+    ops' times when asked for."""
+
     #: Step time of every segment: max end - min start over its columns.
     step_time: np.ndarray
     timeline: Timeline | None = None

@@ -353,6 +353,8 @@ class Evidence:
 
 @dataclass(frozen=True)
 class LadderStep:
+    """One rung of an escalation: the action, and the loss at which it is due."""
+
     action: str
     at_loss_s: float
 

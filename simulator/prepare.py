@@ -42,6 +42,8 @@ LATE_SEND_S = 0.01
 
 @dataclass(frozen=True)
 class DroppedStep:
+    """A step the analysis leaves out, and why."""
+
     step: int
     reason: str
 

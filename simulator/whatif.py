@@ -91,6 +91,9 @@ class Attribution:
 
 @dataclass(frozen=True)
 class WhatIfResult:
+    """The what-if analysis of a trace's steps: their actual, simulated and ideal times
+    and what each group of ops, ranks and stages costs."""
+
     steps: np.ndarray
     #: Measured step time (max end - min start of the step's rows).
     t_actual: np.ndarray
