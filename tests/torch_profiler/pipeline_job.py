@@ -4,7 +4,7 @@ Four processes on CPU (gloo, 127.0.0.1): 2 pipeline stages x 2 data-parallel rep
 (rank = stage * dp_size + dp, Megatron's order). Each step runs a 1F1B schedule of
 `microbatches` (Megatron's order, its sends and receives posted in pairs), all-reduces the
 gradients over the DP group and takes an SGD step; `prof.step()` marks every step (the
-first is the profiler's warm-up and is not recorded). The rank named `--slow-rank` sleeps
+first is the profiler's warm-up and is not recorded). The rank named `--slow-rank` spins
 as long again as its own forward, and 10 ms more, in every forward, so the analysis has a
 straggler to find.
 
@@ -77,7 +77,11 @@ def _rank_main(rank: int, port: int, out: str, steps: int, microbatches: int, sl
         if next_rank is None:
             y = y.pow(2).mean()
         if rank == slow:
-            time.sleep(time.perf_counter() - began + SLOW_EXTRA_S)
+            # Spun, not slept: a sleeping rank hands its core to the others on a loaded
+            # machine, and the job's steps then lose nothing to it.
+            until = time.perf_counter() + (time.perf_counter() - began) + SLOW_EXTRA_S
+            while time.perf_counter() < until:
+                pass
         inputs[mb], outputs[mb] = x, y
         return y
 
