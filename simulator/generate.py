@@ -483,8 +483,7 @@ def generate_job(spec: JobSpec) -> GeneratedJob:
     """Simulate the job and return its trace and ground truth (deterministic in the seed)."""
     generator = JobGenerator(spec)
     run = generator.steps(0, spec.steps)
-    truth = GroundTruth(run.step_ids, run.t_injected, run.t_clean, spec.stragglers)
-    return GeneratedJob(spec=spec, trace=run.trace, model=generator.model, truth=truth)
+    return GeneratedJob(spec=spec, trace=run.trace, model=generator.model, truth=generator.truth())
 
 
 @dataclass(frozen=True)
@@ -528,11 +527,18 @@ class JobGenerator:
         self.compiled = compile_model(self.model)
         self.nominal = _nominal_costs(spec, self.model)
         self.has_deps = np.array([bool(d) for d in self.model.deps])
+        #: (step ids, injected, clean step times) of each run made so far.
+        self._step_times: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     @property
     def ops_per_step(self) -> int:
         """The ops of one step, GC pauses left out."""
         return self.model.n_nodes * self.spec.dp
+
+    def truth(self) -> GroundTruth:
+        """The ground truth of the steps made so far (all of them, once `runs` is done)."""
+        step_ids, injected, clean = (np.concatenate(c) for c in zip(*self._step_times, strict=True))
+        return GroundTruth(step_ids, injected, clean, self.spec.stragglers)
 
     def runs(self, max_ops: int | None = None) -> Iterator[GeneratedSteps]:
         """Every step of the job, in runs of at most `max_ops` (default `RUN_OPS`) ops,
@@ -581,6 +587,7 @@ class JobGenerator:
         trace = _trace_from_timeline(
             spec, model, self.attrs, step_ids, start, end_ts, gc_pause, gc_before
         )
+        self._step_times.append((step_ids, injected.step_time, clean.step_time))
         return GeneratedSteps(trace, step_ids, injected.step_time, clean.step_time)
 
 

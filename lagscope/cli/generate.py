@@ -16,10 +16,7 @@ from lagscope.simulator.errors import TraceError, describe_validation_error
 GENERATED_FILES = ("trace.parquet", "meta.yaml", "truth.json", "spec.json")
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from lagscope.simulator.generate import Injection
-    from lagscope.simulator.trace import Trace
 
 #: JobSpec's defaults, shown in --help without importing the generator (its module needs
 #: numpy); tests/test_cli_consistency.py keeps them equal to the model's.
@@ -123,12 +120,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
     import yaml
     from pydantic import ValidationError
 
     from lagscope.producers.reference_format import write_meta, write_traces
-    from lagscope.simulator.generate import GroundTruth, JobGenerator, JobSpec
+    from lagscope.simulator.generate import JobGenerator, JobSpec
 
     spec_data: dict = {}
     if args.spec:
@@ -159,16 +155,9 @@ def run(args: argparse.Namespace) -> int:
     # A run of steps at a time, each written before the next is simulated: memory follows
     # a run (`RUN_OPS`), not the job (a 12,288-GPU job's 2,000 steps are 250 M ops).
     generator = JobGenerator(spec)
-    step_times: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-
-    def traces() -> Iterator[Trace]:
-        for run in generator.runs():
-            step_times.append((run.step_ids, run.t_injected, run.t_clean))
-            yield run.trace
-
-    ops = write_traces(traces(), args.out / "trace.parquet", spec.meta())
-    truth = GroundTruth(*(np.concatenate(c) for c in zip(*step_times, strict=True)),
-                        spec.stragglers)  # fmt: skip
+    ops = write_traces((run.trace for run in generator.runs()), args.out / "trace.parquet",
+                       spec.meta())  # fmt: skip
+    truth = generator.truth()
     write_meta(spec.meta(), args.out / "meta.yaml")
     (args.out / "truth.json").write_text(json.dumps(truth.to_dict(), indent=2))
     (args.out / "spec.json").write_text(spec.model_dump_json(indent=2))
