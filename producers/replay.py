@@ -393,7 +393,12 @@ def _record_job(record: Record) -> tuple[str, int] | None:
 class _KafkaDestination:
     """Kafka, as the streamer ships: the job record on the jobs topic first, each batch on
     the ops topic keyed by its job, with the streamer's headers; idempotent, every
-    message confirmed (`close` raises UndeliveredError for those that were not)."""
+    message confirmed (`close` raises UndeliveredError for those that were not, and
+    `send` once Kafka has confirmed nothing for `WAIT_S` while the producer's queue is
+    full: a broker that is down would otherwise hold a large replay for ever)."""
+
+    #: How long a replay waits for Kafka to confirm anything, at a full queue or the end.
+    WAIT_S = 60.0
 
     def __init__(self, kafka: LagscopeConfig, info: JobInfo) -> None:
         from confluent_kafka import Producer
@@ -409,8 +414,18 @@ class _KafkaDestination:
                 "linger.ms": kafka.streamer.linger_ms,
             },
         )
+        self.failed = 0
+        self.confirmed_at = time.monotonic()
+        self.gave_up = False
         self.producer.produce(kafka.kafka.topic_jobs, key=info.key.encode(),
-                              value=info.model_dump_json().encode())  # fmt: skip
+                              value=info.model_dump_json().encode(),
+                              on_delivery=self._delivered)  # fmt: skip
+
+    def _delivered(self, error: object, _message: object) -> None:
+        if error is None:
+            self.confirmed_at = time.monotonic()
+        else:
+            self.failed += 1
 
     def send(self, batch: RankStepBatch, payload: bytes) -> None:
         while True:
@@ -424,11 +439,22 @@ class _KafkaDestination:
                         ("lagscope-batch-id", batch_id_of(payload).encode()),
                         ("lagscope-rank", str(batch.rank).encode()),
                     ],
+                    on_delivery=self._delivered,
                 )
                 self.producer.poll(0)
                 return
             except BufferError:
                 self.producer.poll(0.1)
+                if time.monotonic() - self.confirmed_at > self.WAIT_S:
+                    waiting = len(self.producer)
+                    # Given up: `close` waits for nothing more.
+                    self.producer.purge()
+                    self.producer.poll(0)
+                    self.gave_up = True
+                    raise UndeliveredError(
+                        f"Kafka at {self._where()} confirmed nothing for {self.WAIT_S:g} s "
+                        f"with {waiting:,} message(s) waiting: is it up?"
+                    ) from None
 
     def end(self, records: list[JobInfo]) -> None:
         """The ranks' records of their end on the jobs topic (keyed per rank, as a
@@ -440,12 +466,16 @@ class _KafkaDestination:
             self.producer.poll(0)
 
     def close(self) -> None:
-        self._flush()
+        if not self.gave_up:
+            self._flush()
 
     def _flush(self) -> None:
-        remaining = self.producer.flush(60)
-        if remaining:
+        remaining = self.producer.flush(self.WAIT_S)
+        if remaining or self.failed:
             raise UndeliveredError(
-                f"{remaining:,} message(s) were not delivered to Kafka at "
-                f"{redact_url(self.kafka.kafka.bootstrap_servers)} within 60 s"
+                f"{remaining + self.failed:,} message(s) were not delivered to Kafka at "
+                f"{self._where()} within {self.WAIT_S:g} s"
             )
+
+    def _where(self) -> str:
+        return redact_url(self.kafka.kafka.bootstrap_servers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -173,3 +174,27 @@ def _rows(trace, rows: np.ndarray):
              "mc", "mb_id", "gmc")  # fmt: skip
     columns = {name: getattr(trace, name)[rows] for name in names}
     return Trace.from_columns({**columns, "optype_names": trace.optype_names})
+
+
+def test_a_replay_to_a_broker_that_is_down_ends_in_one_line(
+    job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing listens at the bootstrap address: the real producer's queue (made small)
+    fills and Kafka confirms nothing, so the replay stops with an error saying so once
+    `WAIT_S` (made short) passed, not after the whole trace at librdkafka's pace."""
+    import socket
+
+    from lagscope.producers.config import KafkaSettings, LagscopeConfig
+    from lagscope.producers.replay import UndeliveredError
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+    monkeypatch.setattr(replay_module._KafkaDestination, "WAIT_S", 1.0)
+    kafka = LagscopeConfig(kafka=KafkaSettings(
+        bootstrap_servers=address, client_options={"queue.buffering.max.messages": 10},
+    ))  # fmt: skip
+    began = time.monotonic()
+    with pytest.raises(UndeliveredError, match=f"Kafka at {address} confirmed nothing for 1 s"):
+        replay(job.trace, job.meta, kafka=kafka, job_id="down", start_wall_ns=START_NS)
+    assert time.monotonic() - began < 30
