@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -395,6 +396,48 @@ def test_a_pause_concluded_mid_run_moves_no_diagnosis():
     straight, paused = run(None), run(1)
     assert straight[0] == [9, 29] and straight[1]
     assert paused == straight
+
+
+def test_a_job_that_ends_on_a_diagnosis_step_concludes_on_its_roll_up():
+    """A job that ends right after its diagnosis (its 30th step here) concludes on the
+    same retained steps: the conclusion takes that roll-up (at 100,000 GPUs, half a
+    second to make again) and says what a roll-up made anew says. A step closed again by
+    its late batches is another step: the roll-up after it is made anew."""
+    slow = SlowWorker(dp=1, stage=0, factor=1.6, start_step=5)
+    spec = JobSpec(dp=2, pp=2, microbatches=4, steps=30, name="ends", seed=5,
+                   stragglers=(slow,))  # fmt: skip
+    info, steps = stream_of(generate_job(spec))
+
+    def concluded(forget_rollup: bool):
+        processor = StepProcessor()
+        processor.on_job(info)
+        outputs = [o for _, _, batches in steps for b in batches for o in processor.on_batch(b)]
+        if forget_rollup:
+            processor.live_job(info.job_id)._last_rollup = None
+        return outputs[-1].diagnosis, processor.conclude(info.job_id).diagnosis
+
+    last, reused = concluded(forget_rollup=False)
+    assert last is not None and last.step == 29, "the job must end on a diagnosis step"
+    assert reused.final and reused.rollup is last.rollup
+    _, anew = concluded(forget_rollup=True)
+    assert anew.rollup is not last.rollup
+    assert_same_result(reused.rollup, anew.rollup, "the conclusion")
+    assert reused.run == anew.run and reused.verdict.summary == anew.verdict.summary
+    assert reused.run.cause == "slow_workers"
+
+    processor = StepProcessor()
+    processor.on_job(info)
+    for _, _, batches in steps:
+        for batch in batches:
+            processor.on_batch(batch)
+    job = processor.jobs[info.job_id, info.attempt]
+    window = list(job.retained)
+    first = job.live._roll_up(window, 0.0)[1]
+    assert job.live._roll_up(window, 0.0)[1] is first
+    assert job.live._roll_up(window, 0.5)[1] is not first  # another threshold
+    again = job.live._roll_up(window, 0.0)[1]
+    window[3] = dataclasses.replace(window[3])  # the same step, closed again
+    assert job.live._roll_up(window, 0.0)[1] is not again
 
 
 def test_a_healthy_generated_job_adopts_no_episode():
