@@ -12,6 +12,7 @@ the network is slow) is left to the clients' own reconnect logic.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,6 +21,19 @@ from lagscope.producers.config import ConfigError, KafkaSettings
 from lagscope.producers.redact import scrub, secret_values
 
 _Client = TypeVar("_Client")
+
+#: Client errors that mean "no broker answers": an outage, reported once, not per attempt.
+UNREACHABLE_ERRORS = frozenset({"_TRANSPORT", "_ALL_BROKERS_DOWN", "_RESOLVE"})
+
+
+def quiet_client_log(name: str) -> logging.Logger:
+    """The logger for a client's own librdkafka lines (its `logger` setting): one per
+    failed connection attempt, several a second while a broker is down, written straight
+    to stderr without it. Every error among them also reaches the client's `error_cb`,
+    which says an outage once; they are kept below the level a command shows."""
+    client_log = logging.getLogger(name)
+    client_log.setLevel(logging.CRITICAL)
+    return client_log
 
 
 def kafka_client(factory: Callable[[dict[str, Any]], _Client], config: dict[str, Any]) -> _Client:

@@ -22,12 +22,13 @@ nothing, as a killed rank does not.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,7 +42,7 @@ from lagscope.producers.events import (
     batch_id_of,
     peek_header,
 )
-from lagscope.producers.kafka_login import kafka_client
+from lagscope.producers.kafka_login import UNREACHABLE_ERRORS, kafka_client, quiet_client_log
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
@@ -53,6 +54,9 @@ from lagscope.producers.log import (
 from lagscope.producers.redact import redact_url
 from lagscope.producers.reference_format import TraceParts
 from lagscope.simulator.trace import JobMeta, Trace
+
+log = logging.getLogger("lagscope.replay")
+_client_log = quiet_client_log("lagscope.replay.librdkafka")
 
 
 class UndeliveredError(RuntimeError):
@@ -412,14 +416,25 @@ class _KafkaDestination:
                 "acks": "all",
                 "compression.type": kafka.streamer.compression,
                 "linger.ms": kafka.streamer.linger_ms,
+                "error_cb": self._on_client_error,
+                "logger": _client_log,
             },
         )
         self.failed = 0
+        self.said_unreachable = False
         self.confirmed_at = time.monotonic()
         self.gave_up = False
         self.producer.produce(kafka.kafka.topic_jobs, key=info.key.encode(),
                               value=info.model_dump_json().encode(),
                               on_delivery=self._delivered)  # fmt: skip
+
+    def _on_client_error(self, error: Any) -> None:
+        if error.name() not in UNREACHABLE_ERRORS:
+            log.warning("Kafka: %s", redact_url(str(error)))
+        elif not self.said_unreachable:
+            self.said_unreachable = True
+            log.warning("Kafka at %s does not answer (%s); the replay waits up to %g s for it",
+                        self._where(), redact_url(error.str()), self.WAIT_S)  # fmt: skip
 
     def _delivered(self, error: object, _message: object) -> None:
         if error is None:

@@ -45,7 +45,12 @@ from typing import Any
 from lagscope.producers.config import ConfigError, LagscopeConfig
 from lagscope.producers.dead_letters import STREAMER_DEAD_LETTER_SCHEMA, streamer_dead_letter
 from lagscope.producers.events import BATCH_VERSION, JobInfo, SchemaError, batch_id_of, peek_header
-from lagscope.producers.kafka_login import check_kafka_login, kafka_client
+from lagscope.producers.kafka_login import (
+    UNREACHABLE_ERRORS,
+    check_kafka_login,
+    kafka_client,
+    quiet_client_log,
+)
 from lagscope.producers.log import (
     KIND_BATCH,
     KIND_JOB,
@@ -61,14 +66,7 @@ from lagscope.producers.redact import redact_url
 from lagscope.producers.topics import make_topics
 
 log = logging.getLogger("lagscope.streamer")
-#: librdkafka's own log lines (one per failed connection attempt, every back-off period).
-#: Every error among them also reaches `error_cb`, which reports an outage once; they are
-#: kept for debugging, below the level a command shows.
-_client_log = logging.getLogger("lagscope.streamer.librdkafka")
-_client_log.setLevel(logging.CRITICAL)
-
-#: Client errors that mean "no broker answers": an outage, reported once, not per attempt.
-_UNREACHABLE_ERRORS = frozenset({"_TRANSPORT", "_ALL_BROKERS_DOWN", "_RESOLVE"})
+_client_log = quiet_client_log("lagscope.streamer.librdkafka")
 #: Delivery reports of messages `close()` purged from the queue.
 _OWN_PURGE = frozenset({"_PURGE_QUEUE", "_PURGE_INFLIGHT"})
 
@@ -79,7 +77,7 @@ def _means_unreachable(exc: BaseException) -> bool:
         return True
     error = exc.args[0] if exc.args else None
     name = error.name() if hasattr(error, "name") else ""
-    return name in _UNREACHABLE_ERRORS or name == "_TIMED_OUT"
+    return name in UNREACHABLE_ERRORS or name == "_TIMED_OUT"
 
 
 CHECKPOINT_VERSION = 1
@@ -214,7 +212,7 @@ class Streamer:
         return kafka_client(Producer, config)
 
     def _on_client_error(self, err: Any) -> None:
-        if err.name() in _UNREACHABLE_ERRORS:
+        if err.name() in UNREACHABLE_ERRORS:
             self.stats.kafka_connect_failures += 1
             self._begin_outage(err.str())
             return

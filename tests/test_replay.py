@@ -177,11 +177,13 @@ def _rows(trace, rows: np.ndarray):
 
 
 def test_a_replay_to_a_broker_that_is_down_ends_in_one_line(
-    job, monkeypatch: pytest.MonkeyPatch
+    job, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], caplog
 ) -> None:
     """Nothing listens at the bootstrap address: the real producer's queue (made small)
     fills and Kafka confirms nothing, so the replay stops with an error saying so once
-    `WAIT_S` (made short) passed, not after the whole trace at librdkafka's pace."""
+    `WAIT_S` (made short) passed, not after the whole trace at librdkafka's pace. Before
+    that it said once that the broker does not answer, where librdkafka wrote a line of
+    its own on stderr for each attempt to connect, several a second."""
     import socket
 
     from lagscope.producers.config import KafkaSettings, LagscopeConfig
@@ -190,11 +192,15 @@ def test_a_replay_to_a_broker_that_is_down_ends_in_one_line(
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{unused.getsockname()[1]}"
-    monkeypatch.setattr(replay_module._KafkaDestination, "WAIT_S", 1.0)
     kafka = LagscopeConfig(kafka=KafkaSettings(
         bootstrap_servers=address, client_options={"queue.buffering.max.messages": 10},
     ))  # fmt: skip
+    monkeypatch.setattr(replay_module._KafkaDestination, "WAIT_S", 2.0)
     began = time.monotonic()
-    with pytest.raises(UndeliveredError, match=f"Kafka at {address} confirmed nothing for 1 s"):
+    with pytest.raises(UndeliveredError, match=f"Kafka at {address} confirmed nothing for 2 s"):
         replay(job.trace, job.meta, kafka=kafka, job_id="down", start_wall_ns=START_NS)
     assert time.monotonic() - began < 30
+    said = [r.getMessage() for r in caplog.records if r.name == "lagscope.replay"]
+    assert len(said) == 1 and said[0].startswith(f"Kafka at {address} does not answer ("), said
+    assert "Connection refused" in said[0]
+    assert "FAIL" not in capfd.readouterr().err
