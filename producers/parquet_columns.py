@@ -85,6 +85,18 @@ def read_parquet_columns(path: str | Path) -> ParquetColumns:
         raise ParquetFormatError(f"corrupt parquet metadata or page ({exc!r})") from None
 
 
+def parquet_rows(path: str | Path) -> int:
+    """The rows of the parquet file at `path`, as its footer counts them (nothing else is
+    read). Errors as `read_parquet_columns`."""
+    with open(path, "rb") as file, _mapped(file) as data:
+        try:
+            return int(sum(group[3] for group in _footer(data).row_groups))
+        except ParquetError:
+            raise
+        except _CORRUPT as exc:
+            raise ParquetFormatError(f"corrupt parquet metadata ({exc!r})") from None
+
+
 #: What decoding a corrupt file raises: a field out of the buffer or of the wrong type
 #: (the file, not the reader, is wrong; what pyarrow reads of such files is read through
 #: it instead).

@@ -138,6 +138,42 @@ def test_console_script_exit_code(reference_dir, tmp_path):
     assert "missing.parquet: no such file" in proc.stderr
 
 
+def test_a_trace_larger_than_the_memory_available_is_refused_in_one_line(
+    reference_dir, tmp_path, monkeypatch, capsys
+):
+    """A trace whose analysis needs more memory than the machine has left is refused at
+    once, in one line naming its ops and the commands that follow it a window of steps at
+    a time, nothing written; one that fits is analysed. (The machine's memory is set here;
+    small files are weighed too.)"""
+    from lagscope.cli import analyze
+
+    monkeypatch.setattr(analyze, "_WEIGHED_FROM_BYTES", 0)
+    ops = 117_216  # the AR trace's
+    needed = ops * analyze.ANALYZE_BYTES_PER_OP
+    out = tmp_path / "ar.json"
+    monkeypatch.setattr(analyze, "memory_available_bytes", lambda: needed - 1)
+    assert run_cli(*ar_analyze(reference_dir), "--json", str(out)) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"trace-AR.parquet: {ops:,} ops; analysing them at once" in err
+    assert "lagscope replay --trace" in err and "then lagscope run --log-dir DIR" in err
+    assert not out.exists()
+    monkeypatch.setattr(analyze, "memory_available_bytes", lambda: needed)
+    assert run_cli(*ar_analyze(reference_dir), "--json", str(out)) == 0
+    assert out.exists()
+
+
+def test_the_memory_available_is_read_from_the_machine():
+    from lagscope.cli.analyze import memory_available_bytes
+
+    available = memory_available_bytes()
+    if sys.platform != "linux":
+        assert available is None
+        return
+    with open("/proc/meminfo") as meminfo:
+        total_kb = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1])
+    assert 0 < available <= total_kb * 1024
+
+
 def ar_analyze(reference_dir) -> list[str]:
     return [
         "analyze",

@@ -20,6 +20,7 @@ from lagscope.producers.parquet_columns import (
     ParquetFormatError,
     ParquetNulls,
     UnsupportedParquet,
+    parquet_rows,
     read_parquet_columns,
     rle_bit_packed,
 )
@@ -127,6 +128,7 @@ def test_written_traces_many_pages_and_row_groups(tmp_path, monkeypatch) -> None
         )
         metadata = pq.ParquetFile(path).metadata
         assert metadata.num_row_groups > 2
+        assert parquet_rows(path) == metadata.num_rows == len(trace.step)
         assert_same_as_pyarrow(path)
         assert_loads_as_through_pyarrow(path, monkeypatch)
     # The job the file was written for is read from its key-value metadata.
@@ -254,6 +256,10 @@ def test_truncated_and_corrupt_files_give_one_line(tmp_path) -> None:
             assert "\n" not in str(exc)
         else:
             assert number >= 7, "a truncated file was read"
+        try:
+            parquet_rows(path)
+        except ParquetError as exc:
+            assert "\n" not in str(exc)
         try:
             load_trace(path)
         except TraceError as exc:

@@ -335,8 +335,100 @@ def _read_trace(args: argparse.Namespace, say: Callable[..., None]) -> tuple[Any
         trace, read = load_profiler_traces(args.profiler_trace, meta)
         say(f"lagscope analyze: read {read.summary()}")
         return meta, trace, " ".join(map(str, args.profiler_trace))
+    _check_it_fits(Path(args.trace), args.meta)
     trace = load_trace(args.trace, meta=meta, meta_path=args.meta)
     return meta, trace, str(args.trace)
+
+
+#: What `analyze` holds per op of a trace at its peak: 105-111 bytes measured on generated
+#: jobs of 2.4-9.5 M ops (128 to 12,544 workers), ~70 MB besides; a little less here, so
+#: that only a trace that cannot fit is refused.
+ANALYZE_BYTES_PER_OP = 100
+#: Trace files smaller than this are not weighed against the memory (~10 bytes an op on
+#: disk: at most ~1 GB to analyse).
+_WEIGHED_FROM_BYTES = 8 << 20
+
+
+def _check_it_fits(path: Path, meta_path: str) -> None:
+    """Refuse, in one line, a trace whose analysis needs more memory than the machine
+    has available: read whole, a 12,288-GPU job's 2,000 steps (290 M ops) need ~30 GB,
+    and the kernel would kill the command minutes later without a word. The line names
+    the commands that follow such a trace a window of steps at a time."""
+    from lagscope.producers.parquet_columns import ParquetError, parquet_rows
+    from lagscope.simulator.errors import TraceError
+
+    try:
+        if path.stat().st_size < _WEIGHED_FROM_BYTES:
+            return
+        rows = parquet_rows(path)
+    except (OSError, ParquetError):
+        return  # `load_trace` reads it and names what is wrong
+    needed, available = rows * ANALYZE_BYTES_PER_OP, memory_available_bytes()
+    if available is None or needed <= available:
+        return
+    raise TraceError(
+        f"{path}: {rows:,} ops; analysing them at once takes about {needed / 2**30:.1f} GiB "
+        f"of memory and {available / 2**30:.1f} GiB is available: replay the trace into rank "
+        f"logs and follow them a window of steps at a time (lagscope replay --trace {path} "
+        f"--meta {meta_path} --log-dir DIR, then lagscope run --log-dir DIR)"
+    )
+
+
+def memory_available_bytes() -> int | None:
+    """What this process can still allocate without the kernel reclaiming more than its
+    caches: the kernel's estimate (`MemAvailable`), or the room under its cgroup's
+    memory limit where that is less (a container's); None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError):
+        pass
+    room = _cgroup_room_bytes()
+    if room is not None:
+        found.append(room)
+    return min(found) if found else None
+
+
+#: A cgroup's memory files: (limit, usage, its page cache's entry in memory.stat), v2 then v1.
+_CGROUP_MEMORY = (
+    ("", "memory.max", "memory.current", "file"),
+    ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache"),
+)
+
+
+def _cgroup_room_bytes() -> int | None:
+    """Bytes under this process' cgroup memory limit (v2 or v1), its page cache counted
+    as room (it is given back under pressure); None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as own:
+            paths = {
+                controller: path.lstrip("/")
+                for _, controller, path in (line.split(":", 2) for line in own.read().splitlines())
+            }
+    except (OSError, ValueError):
+        return None
+    for mount, limit_file, usage_file, cache in _CGROUP_MEMORY:
+        controller = "memory" if mount else ""
+        if controller not in paths:
+            continue
+        root = Path("/sys/fs/cgroup", mount)
+        # A container sees its own cgroup at the mount's root, a host at its path.
+        for group in (root / paths[controller], root):
+            try:
+                limit = (group / limit_file).read_text().strip()
+                if limit == "max" or int(limit) >= 1 << 62:
+                    return None
+                used = int((group / usage_file).read_text())
+                stat = (group / "memory.stat").read_text().splitlines()
+                stat = dict(line.split() for line in stat)
+                return max(0, int(limit) - used + int(stat.get(cache, 0)))
+            except (OSError, ValueError):
+                continue
+    return None
 
 
 def _episode(state: EpisodeState) -> Episode:
