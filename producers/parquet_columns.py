@@ -32,7 +32,7 @@ import contextlib
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -312,21 +312,27 @@ def _read(data: bytes) -> ParquetColumns:
 
 
 def iter_parquet_row_groups(
-    path: str | Path, names: Iterable[str] | None = None
+    path: str | Path, names: Iterable[str] | None = None, groups: Sequence[int] | None = None
 ) -> Iterator[ParquetColumns]:
     """The columns of each row group of the file at `path` in turn (those of `names`, all
-    by default), string codes into the dictionaries of the groups so far (a group's
-    `dictionaries` are those lists then: each a prefix of the next group's). The file is
-    mapped, and each group's pages dropped from this process' memory once decoded, so a
-    file far larger than memory is read a group at a time. Errors as
-    `read_parquet_columns`, a null naming its row in the file."""
+    by default; the groups of the indices `groups`, in file order, all by default), string
+    codes into the dictionaries of the groups read so far (a group's `dictionaries` are
+    those lists then: each a prefix of the next group's). The file is mapped, and each
+    group's pages dropped from this process' memory once decoded, so a file far larger
+    than memory is read a group at a time. Errors as `read_parquet_columns`, a null naming
+    its row in the file."""
     wanted = None if names is None else frozenset(names)
     with open(path, "rb") as file, _mapped(file) as data:
         try:
             footer = _footer(data)
             dictionaries: dict[str, dict[str, int]] = {}
             first_row = 0
-            for group in footer.row_groups:
+            chosen = None if groups is None else frozenset(groups)
+            last = len(footer.row_groups) - 1 if chosen is None else max(chosen, default=-1)
+            for index, group in enumerate(footer.row_groups[: last + 1]):
+                if chosen is not None and index not in chosen:
+                    first_row += group[3]
+                    continue
                 values, missing = _read_group(data, footer, group, dictionaries, wanted)
                 for column in footer.columns:
                     if column.name in missing:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -84,6 +84,10 @@ class TraceParts:
     max_step: int
     rows: int
     part_rows: int = PART_ROWS
+    #: The file's steps, in order, and each row group's least and greatest step (an
+    #: empty group's: (0, -1)).
+    step_ids: tuple[int, ...] = ()
+    group_steps: tuple[tuple[int, int], ...] = ()
 
     def __iter__(self) -> Iterator[Trace]:
         pending: list[dict[str, np.ndarray]] = []
@@ -108,13 +112,34 @@ class TraceParts:
         if pending:
             yield self._part(pending, names)
 
+    def only_steps(self, wanted: Iterable[int]) -> Trace:
+        """The rows of the steps `wanted` as one trace, read from the row groups that hold
+        them alone: a window of a trace larger than memory."""
+        wanted = np.unique(np.fromiter(wanted, dtype=np.int64))
+        groups = [
+            index
+            for index, (least, greatest) in enumerate(self.group_steps)
+            if np.any((wanted >= least) & (wanted <= greatest))
+        ]
+        kept: list[dict[str, np.ndarray]] = []
+        names: list[str] = []
+        for columns, names_so_far in self._groups(groups):
+            rows = np.isin(columns["step"], wanted)
+            kept.append({k: v[rows] for k, v in columns.items()})
+            names = names_so_far
+        if not kept:
+            raise TraceError(f"{self.path}: none of the steps asked for is in the file")
+        return self._part(kept, names)
+
     def _part(self, pending: list[dict[str, np.ndarray]], names: list[str]) -> Trace:
         columns = {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
         return Trace.from_columns({**columns, "optype_names": names}, source=str(self.path))
 
-    def _groups(self) -> Iterator[tuple[dict[str, np.ndarray], list[str]]]:
+    def _groups(
+        self, groups: list[int] | None = None
+    ) -> Iterator[tuple[dict[str, np.ndarray], list[str]]]:
         try:
-            for group in iter_parquet_row_groups(self.path):
+            for group in iter_parquet_row_groups(self.path, groups=groups):
                 yield group.columns, group.dictionaries.get("optype", [])
         except ParquetNulls as exc:
             raise TraceError(f"{self.path}: {exc}") from None
@@ -136,28 +161,50 @@ def open_trace(
         raise TraceError(f"{path}: no such file") from None
     except OSError:
         large = False
-    outline = _step_outline(path) if large else None
+    parts = trace_parts(path, meta=meta, meta_path=meta_path) if large else None
+    return load_trace(path, meta=meta, meta_path=meta_path) if parts is None else parts
+
+
+def trace_parts(
+    path: Path, *, meta: JobMeta | None = None, meta_path: str | Path | None = None
+) -> TraceParts | None:
+    """The file at `path` as `TraceParts` (a first pass reads its step and worker
+    columns), or None where its row groups do not hold its steps in order or this reader
+    cannot read it. With `meta`, the check that the two describe one job."""
+    outline = _step_outline(path)
     if outline is None:
-        return load_trace(path, meta=meta, meta_path=meta_path)
-    steps, dp_ranks, stages, top_rank, rows, key_value = outline
+        return None
     if meta is not None:
         _check_job_values(
-            dp_ranks, stages, top_rank, meta, trace_path=path, meta_path=meta_path,
-            written_for=_written_for(key_value),
+            outline.dp_ranks, outline.stages, outline.top_rank, meta, trace_path=path,
+            meta_path=meta_path, written_for=_written_for(outline.key_value),
         )  # fmt: skip
-    return TraceParts(path, len(steps), max(steps), rows)
+    steps = outline.steps
+    return TraceParts(path, len(steps), max(steps), outline.rows, step_ids=tuple(sorted(steps)),
+                      group_steps=outline.group_steps)  # fmt: skip
 
 
-def _step_outline(
-    path: Path,
-) -> tuple[set[int], np.ndarray, np.ndarray, int, int, Mapping[bytes, bytes]] | None:
-    """What a first pass over the file's step and worker columns says (its steps, DP
-    ranks, stages, highest rank, rows, key-value metadata), or None when its row groups
-    do not hold its steps in order, or this reader cannot read it (`load_trace` then
-    reads it whole and names what is wrong)."""
+class _Outline(NamedTuple):
+    """What a first pass over a file's step and worker columns says."""
+
+    steps: set[int]
+    dp_ranks: np.ndarray
+    stages: np.ndarray
+    top_rank: int
+    rows: int
+    key_value: Mapping[bytes, bytes]
+    #: Each row group's least and greatest step (an empty group's: (0, -1)).
+    group_steps: tuple[tuple[int, int], ...]
+
+
+def _step_outline(path: Path) -> _Outline | None:
+    """The file's outline, or None when its row groups do not hold its steps in order, or
+    this reader cannot read it (`load_trace` then reads it whole and names what is
+    wrong)."""
     steps: set[int] = set()
     dp_ranks: set[int] = set()
     stages: set[int] = set()
+    group_steps: list[tuple[int, int]] = []
     top_rank, rows, last = -1, 0, None
     key_value: Mapping[bytes, bytes] = {}
     try:
@@ -167,7 +214,9 @@ def _step_outline(
                 return None
             step = columns["step"]
             if not step.size:
+                group_steps.append((0, -1))
                 continue
+            group_steps.append((int(step.min()), int(step.max())))
             if last is not None and int(step.min()) < last:
                 return None
             last = int(step.max())
@@ -180,8 +229,8 @@ def _step_outline(
         return None
     if not steps:
         return None
-    return (steps, np.array(sorted(dp_ranks)), np.array(sorted(stages)), top_rank, rows,
-            key_value)  # fmt: skip
+    return _Outline(steps, np.array(sorted(dp_ranks)), np.array(sorted(stages)), top_rank,
+                    rows, key_value, tuple(group_steps))  # fmt: skip
 
 
 def _read_without_pyarrow(path: Path) -> tuple[dict[str, object], Mapping] | str | None:

@@ -162,6 +162,57 @@ def test_a_trace_larger_than_the_memory_available_is_refused_in_one_line(
     assert out.exists()
 
 
+def test_a_window_of_a_trace_larger_than_memory_is_read_alone(
+    reference_dir, tmp_path, monkeypatch, capsys
+):
+    """A trace too large to analyse whole, written as lagscope writes one (its steps in
+    order over several row groups): --steps reads the row groups of those steps alone and
+    tells the story of the steps that a whole read with --steps tells, saying so in one
+    line. A window that is itself too large, or a file whose steps are not in order, is
+    refused in one line."""
+    import pyarrow.parquet as pq
+
+    from lagscope.cli import analyze
+
+    table = pq.read_table(reference_dir / "trace-AR.parquet")
+    ordered, shuffled = tmp_path / "ordered.parquet", tmp_path / "shuffled.parquet"
+    pq.write_table(table, ordered, row_group_size=5_000)
+    pq.write_table(table.take([*range(1, table.num_rows), 0]), shuffled, row_group_size=5_000)
+    meta = str(reference_dir / "meta-AR.yaml")
+    window = "404-436"
+
+    def analysed(path, *options: str) -> tuple[int, dict | None, str]:
+        out = tmp_path / "out.json"
+        out.unlink(missing_ok=True)
+        code = run_cli("analyze", "--trace", str(path), "--meta", meta, "--json", str(out),
+                       *options)  # fmt: skip
+        said = capsys.readouterr()
+        return code, json.loads(out.read_text()) if out.exists() else None, said.out + said.err
+
+    whole_code, whole, _ = analysed(ordered, "--steps", window)
+    assert whole_code == 0
+    monkeypatch.setattr(analyze, "_WEIGHED_FROM_BYTES", 0)
+    ops = table.num_rows
+    monkeypatch.setattr(analyze, "memory_available_bytes",
+                        lambda: ops * analyze.ANALYZE_BYTES_PER_OP - 1)  # fmt: skip
+    code, alone, said = analysed(ordered, "--steps", window)
+    assert code == 0, said
+    steps_read = len(whole["steps"])
+    assert list(alone["steps"]) == list(whole["steps"]) and steps_read < 44
+    assert f"holds {ops:,} ops, more than fit in memory: read the {steps_read} step(s)" in said
+    assert alone["slowdown"] == pytest.approx(whole["slowdown"], rel=1e-3)
+    assert alone["verdict"]["cause"] == whole["verdict"]["cause"] == "slow_workers"
+    assert alone["by_dp_rank"] == pytest.approx(whole["by_dp_rank"], rel=1e-3)
+
+    code, _, said = analysed(shuffled, "--steps", window)
+    assert code == 1 and "do not hold its steps in order" in said and "lagscope replay" in said
+    monkeypatch.setattr(analyze, "memory_available_bytes",
+                        lambda: ops * analyze.ANALYZE_BYTES_PER_OP // 100)  # fmt: skip
+    code, _, said = analysed(ordered, "--steps", window)
+    assert code == 1 and f"the {steps_read} step(s) of --steps hold about" in said
+    assert "choose fewer" in said and said.count("\n") == 1
+
+
 def test_the_memory_available_is_read_from_the_machine():
     from lagscope.cli.analyze import memory_available_bytes
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lagscope.cli.conventions import (
     STDOUT,
@@ -129,7 +129,8 @@ def _add_analysis_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         help="analyse only these steps, e.g. '16-39,404,410' (inputs are still derived from "
-        "the whole trace; ideal values come from the kept steps)",
+        "the whole trace, or from these steps alone where the whole does not fit in memory; "
+        "ideal values come from the kept steps)",
     )
     parser.add_argument(
         "--skip-incomplete-steps",
@@ -327,6 +328,7 @@ def _read_trace(args: argparse.Namespace, say: Callable[..., None]) -> tuple[Any
     """The job's metadata, its trace (reference parquet or torch.profiler's), and how the
     summary names where it came from."""
     from lagscope.producers.reference_format import load_meta, load_trace
+    from lagscope.simulator.errors import TraceError
 
     meta = load_meta(args.meta)
     if args.profiler_trace:
@@ -335,9 +337,25 @@ def _read_trace(args: argparse.Namespace, say: Callable[..., None]) -> tuple[Any
         trace, read = load_profiler_traces(args.profiler_trace, meta)
         say(f"lagscope analyze: read {read.summary()}")
         return meta, trace, " ".join(map(str, args.profiler_trace))
-    _check_it_fits(Path(args.trace), args.meta)
-    trace = load_trace(args.trace, meta=meta, meta_path=args.meta)
-    return meta, trace, str(args.trace)
+    path = Path(args.trace)
+    weight = _weight_beyond_memory(path)
+    if weight is None:
+        return meta, load_trace(path, meta=meta, meta_path=args.meta), str(path)
+    if not args.steps:
+        raise TraceError(
+            f"{weight.too_large(path)}: analyse a window of its steps (--steps), or "
+            f"{_replay_it(path, args.meta)}"
+        )
+    return meta, _read_steps(args, path, meta, weight, say), str(path)
+
+
+def _replay_it(path: Path, meta_path: str) -> str:
+    """How to follow a trace too large for `analyze`: a window of steps at a time."""
+    return (
+        f"replay the trace into rank logs and follow them a window of steps at a time "
+        f"(lagscope replay --trace {path} --meta {meta_path} --log-dir DIR, then lagscope run "
+        f"--log-dir DIR)"
+    )
 
 
 #: What `analyze` holds per op of a trace at its peak: 105-111 bytes measured on generated
@@ -349,29 +367,73 @@ ANALYZE_BYTES_PER_OP = 100
 _WEIGHED_FROM_BYTES = 8 << 20
 
 
-def _check_it_fits(path: Path, meta_path: str) -> None:
-    """Refuse, in one line, a trace whose analysis needs more memory than the machine
-    has available: read whole, a 12,288-GPU job's 2,000 steps (290 M ops) need ~30 GB,
-    and the kernel would kill the command minutes later without a word. The line names
-    the commands that follow such a trace a window of steps at a time."""
+class _Weight(NamedTuple):
+    """A trace's ops, the memory its analysis needs and the memory available (bytes)."""
+
+    rows: int
+    needed: int
+    available: int
+
+    def too_large(self, path: Path) -> str:
+        return (
+            f"{path}: {self.rows:,} ops; analysing them at once takes about "
+            f"{self.needed / 2**30:.1f} GiB of memory and {self.available / 2**30:.1f} GiB "
+            f"is available"
+        )
+
+
+def _weight_beyond_memory(path: Path) -> _Weight | None:
+    """The trace's weight where its analysis needs more memory than is available (read
+    whole, a 12,288-GPU job's 2,000 steps, 290 M ops, need ~27 GiB, and the kernel would
+    kill the command minutes later without a word); None where it fits, or where its
+    rows or the machine's memory cannot be read (`load_trace` names a broken file)."""
     from lagscope.producers.parquet_columns import ParquetError, parquet_rows
-    from lagscope.simulator.errors import TraceError
 
     try:
         if path.stat().st_size < _WEIGHED_FROM_BYTES:
-            return
+            return None
         rows = parquet_rows(path)
     except (OSError, ParquetError):
-        return  # `load_trace` reads it and names what is wrong
+        return None
     needed, available = rows * ANALYZE_BYTES_PER_OP, memory_available_bytes()
     if available is None or needed <= available:
-        return
-    raise TraceError(
-        f"{path}: {rows:,} ops; analysing them at once takes about {needed / 2**30:.1f} GiB "
-        f"of memory and {available / 2**30:.1f} GiB is available: replay the trace into rank "
-        f"logs and follow them a window of steps at a time (lagscope replay --trace {path} "
-        f"--meta {meta_path} --log-dir DIR, then lagscope run --log-dir DIR)"
+        return None
+    return _Weight(rows, needed, available)
+
+
+def _read_steps(
+    args: argparse.Namespace, path: Path, meta: Any, weight: _Weight, say: Callable[..., None]
+) -> Any:
+    """The steps of --steps alone, of a trace too large to read whole: the row groups
+    that hold them, where the file's steps come in order (lagscope's own files)."""
+    import numpy as np
+
+    from lagscope.producers.reference_format import trace_parts
+    from lagscope.simulator.errors import TraceError
+
+    parts = trace_parts(path, meta=meta, meta_path=args.meta)
+    if parts is None:
+        raise TraceError(
+            f"{weight.too_large(path)}, and its row groups do not hold its steps in order, so "
+            f"no window of them can be read alone: {_replay_it(path, args.meta)}"
+        )
+    step_ids = np.asarray(parts.step_ids)
+    chosen = step_ids[select_steps(args.steps, step_ids)]
+    rows = parts.rows * chosen.size // parts.steps
+    if rows * ANALYZE_BYTES_PER_OP > weight.available:
+        raise TraceError(
+            f"{path}: the {chosen.size:,} step(s) of --steps hold about {rows:,} ops, "
+            f"{rows * ANALYZE_BYTES_PER_OP / 2**30:.1f} GiB to analyse, and "
+            f"{weight.available / 2**30:.1f} GiB is available: choose fewer, or "
+            f"{_replay_it(path, args.meta)}"
+        )
+    trace = parts.only_steps(chosen.tolist())
+    say(
+        f"lagscope analyze: {path} holds {weight.rows:,} ops, more than fit in memory: read "
+        f"the {chosen.size:,} step(s) of --steps alone ({trace.step.size:,} ops), their "
+        f"clock offsets and dependency model from them"
     )
+    return trace
 
 
 def memory_available_bytes() -> int | None:
