@@ -338,7 +338,7 @@ def _read_trace(args: argparse.Namespace, say: Callable[..., None]) -> tuple[Any
         say(f"lagscope analyze: read {read.summary()}")
         return meta, trace, " ".join(map(str, args.profiler_trace))
     path = Path(args.trace)
-    weight = _weight_beyond_memory(path)
+    weight = weight_beyond_memory(path)
     if weight is None:
         return meta, load_trace(path, meta=meta, meta_path=args.meta), str(path)
     if not args.steps:
@@ -367,7 +367,7 @@ ANALYZE_BYTES_PER_OP = 100
 _WEIGHED_FROM_BYTES = 8 << 20
 
 
-class _Weight(NamedTuple):
+class TraceWeight(NamedTuple):
     """A trace's ops, the memory its analysis needs and the memory available (bytes)."""
 
     rows: int
@@ -382,7 +382,7 @@ class _Weight(NamedTuple):
         )
 
 
-def _weight_beyond_memory(path: Path) -> _Weight | None:
+def weight_beyond_memory(path: Path) -> TraceWeight | None:
     """The trace's weight where its analysis needs more memory than is available (read
     whole, a 12,288-GPU job's 2,000 steps, 290 M ops, need ~27 GiB, and the kernel would
     kill the command minutes later without a word); None where it fits, or where its
@@ -398,11 +398,11 @@ def _weight_beyond_memory(path: Path) -> _Weight | None:
     needed, available = rows * ANALYZE_BYTES_PER_OP, memory_available_bytes()
     if available is None or needed <= available:
         return None
-    return _Weight(rows, needed, available)
+    return TraceWeight(rows, needed, available)
 
 
 def _read_steps(
-    args: argparse.Namespace, path: Path, meta: Any, weight: _Weight, say: Callable[..., None]
+    args: argparse.Namespace, path: Path, meta: Any, weight: TraceWeight, say: Callable[..., None]
 ) -> Any:
     """The steps of --steps alone, of a trace too large to read whole: the row groups
     that hold them, where the file's steps come in order (lagscope's own files)."""

@@ -11,8 +11,9 @@ process, a broker's client threads), sampled every 0.1 s.
 - 12,288 GPUs (dp 192) x 2,000 steps (`LAGSCOPE_BENCH_LONG_STEPS` sets them): `generate`
   and `replay --log-dir`, each a run of steps or a part of the file at a time: their peak
   against the 1.5 GB a 12,288-GPU host is held to (the hosts themselves over 2,000 steps:
-  `long_job_bench`). Not `lagscope run` of those logs here: 12 minutes, and the same
-  memory `long_job_bench` measures.
+  `long_job_bench`); and `analyze --steps` of 20 of its steps where the whole trace does
+  not fit in memory (~27 GiB): those steps' row groups read alone. Not `lagscope run` of
+  those logs here: 12 minutes, and the same memory `long_job_bench` measures.
 """
 
 from __future__ import annotations
@@ -130,7 +131,25 @@ def _long_job(work: Path, steps: int) -> list[dict]:
     source = ["--trace", str(job / "trace.parquet"), "--meta", str(job / "meta.yaml")]
     seconds, peak = _process(["replay", *source, "--log-dir", str(logs), "--no-progress"])
     rows.append(_row(f"replay --log-dir, {what}", seconds, peak, "peak <= 1,500 MB"))
+    rows.append(_analyze_window(job / "trace.parquet", source, steps))
     return rows
+
+
+def _analyze_window(trace: Path, source: list[str], steps: int) -> dict:
+    """`analyze --steps` of 20 steps in the middle of the long job, where the whole trace
+    does not fit in this machine's memory (then those steps' row groups are read alone)."""
+    from lagscope.cli.analyze import weight_beyond_memory
+
+    first = steps // 2
+    what = f"analyze --steps {first}-{first + 19} of the {LONG_DP * 64:,}-GPU job's {steps:,}"
+    weight = weight_beyond_memory(trace)
+    if weight is None:
+        return {"benchmark": what, "value": None, "unit": "s",
+                "skipped": "the whole trace fits in this machine's memory"}  # fmt: skip
+    seconds, peak = _process(["analyze", *source, "--steps", f"{first}-{first + 19}"])
+    row = _row(what, seconds, peak, "the whole does not fit: a window in bounded memory")
+    row["whole_trace_needs_gib"] = round(weight.needed / 2**30, 1)
+    return row
 
 
 def run() -> list[dict]:
