@@ -145,19 +145,19 @@ def test_a_trace_larger_than_the_memory_available_is_refused_in_one_line(
     once, in one line naming its ops and the commands that follow it a window of steps at
     a time, nothing written; one that fits is analysed. (The machine's memory is set here;
     small files are weighed too.)"""
-    from lagscope.cli import analyze
+    from lagscope.cli import trace_memory
 
-    monkeypatch.setattr(analyze, "_WEIGHED_FROM_BYTES", 0)
+    monkeypatch.setattr(trace_memory, "_WEIGHED_FROM_BYTES", 0)
     ops = 117_216  # the AR trace's
-    needed = ops * analyze.ANALYZE_BYTES_PER_OP
+    needed = ops * trace_memory.ANALYZE_BYTES_PER_OP
     out = tmp_path / "ar.json"
-    monkeypatch.setattr(analyze, "memory_available_bytes", lambda: needed - 1)
+    monkeypatch.setattr(trace_memory, "memory_available_bytes", lambda: needed - 1)
     assert run_cli(*ar_analyze(reference_dir), "--json", str(out)) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"trace-AR.parquet: {ops:,} ops; analysing them at once" in err
     assert "lagscope replay --trace" in err and "then lagscope run --log-dir DIR" in err
     assert not out.exists()
-    monkeypatch.setattr(analyze, "memory_available_bytes", lambda: needed)
+    monkeypatch.setattr(trace_memory, "memory_available_bytes", lambda: needed)
     assert run_cli(*ar_analyze(reference_dir), "--json", str(out)) == 0
     assert out.exists()
 
@@ -172,7 +172,7 @@ def test_a_window_of_a_trace_larger_than_memory_is_read_alone(
     refused in one line."""
     import pyarrow.parquet as pq
 
-    from lagscope.cli import analyze
+    from lagscope.cli import trace_memory
 
     table = pq.read_table(reference_dir / "trace-AR.parquet")
     ordered, shuffled = tmp_path / "ordered.parquet", tmp_path / "shuffled.parquet"
@@ -191,10 +191,10 @@ def test_a_window_of_a_trace_larger_than_memory_is_read_alone(
 
     whole_code, whole, _ = analysed(ordered, "--steps", window)
     assert whole_code == 0
-    monkeypatch.setattr(analyze, "_WEIGHED_FROM_BYTES", 0)
+    monkeypatch.setattr(trace_memory, "_WEIGHED_FROM_BYTES", 0)
     ops = table.num_rows
-    monkeypatch.setattr(analyze, "memory_available_bytes",
-                        lambda: ops * analyze.ANALYZE_BYTES_PER_OP - 1)  # fmt: skip
+    monkeypatch.setattr(trace_memory, "memory_available_bytes",
+                        lambda: ops * trace_memory.ANALYZE_BYTES_PER_OP - 1)  # fmt: skip
     code, alone, said = analysed(ordered, "--steps", window)
     assert code == 0, said
     steps_read = len(whole["steps"])
@@ -206,23 +206,11 @@ def test_a_window_of_a_trace_larger_than_memory_is_read_alone(
 
     code, _, said = analysed(shuffled, "--steps", window)
     assert code == 1 and "do not hold its steps in order" in said and "lagscope replay" in said
-    monkeypatch.setattr(analyze, "memory_available_bytes",
-                        lambda: ops * analyze.ANALYZE_BYTES_PER_OP // 100)  # fmt: skip
+    monkeypatch.setattr(trace_memory, "memory_available_bytes",
+                        lambda: ops * trace_memory.ANALYZE_BYTES_PER_OP // 100)  # fmt: skip
     code, _, said = analysed(ordered, "--steps", window)
     assert code == 1 and f"the {steps_read} step(s) of --steps hold about" in said
     assert "choose fewer" in said and said.count("\n") == 1
-
-
-def test_the_memory_available_is_read_from_the_machine():
-    from lagscope.cli.analyze import memory_available_bytes
-
-    available = memory_available_bytes()
-    if sys.platform != "linux":
-        assert available is None
-        return
-    with open("/proc/meminfo") as meminfo:
-        total_kb = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1])
-    assert 0 < available <= total_kb * 1024
 
 
 def ar_analyze(reference_dir) -> list[str]:

@@ -138,7 +138,7 @@ def _long_job(work: Path, steps: int) -> list[dict]:
 def _analyze_window(trace: Path, source: list[str], steps: int) -> dict:
     """`analyze --steps` of 20 steps in the middle of the long job, where the whole trace
     does not fit in this machine's memory (then those steps' row groups are read alone)."""
-    from lagscope.cli.analyze import weight_beyond_memory
+    from lagscope.cli.trace_memory import weight_beyond_memory
 
     first = steps // 2
     what = f"analyze --steps {first}-{first + 19} of the {LONG_DP * 64:,}-GPU job's {steps:,}"
