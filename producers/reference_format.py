@@ -84,10 +84,6 @@ class TraceParts:
     max_step: int
     rows: int
     part_rows: int = PART_ROWS
-    #: The file's steps, in order, and each row group's least and greatest step (an
-    #: empty group's: (0, -1)).
-    step_ids: tuple[int, ...] = ()
-    group_steps: tuple[tuple[int, int], ...] = ()
 
     def __iter__(self) -> Iterator[Trace]:
         pending: list[dict[str, np.ndarray]] = []
@@ -112,39 +108,31 @@ class TraceParts:
         if pending:
             yield self._part(pending, names)
 
-    def only_steps(self, wanted: Iterable[int]) -> Trace:
-        """The rows of the steps `wanted` as one trace, read from the row groups that hold
-        them alone: a window of a trace larger than memory."""
-        wanted = np.unique(np.fromiter(wanted, dtype=np.int64))
-        groups = [
-            index
-            for index, (least, greatest) in enumerate(self.group_steps)
-            if np.any((wanted >= least) & (wanted <= greatest))
-        ]
-        kept: list[dict[str, np.ndarray]] = []
-        names: list[str] = []
-        for columns, names_so_far in self._groups(groups):
-            rows = np.isin(columns["step"], wanted)
-            kept.append({k: v[rows] for k, v in columns.items()})
-            names = names_so_far
-        if not kept:
-            raise TraceError(f"{self.path}: none of the steps asked for is in the file")
-        return self._part(kept, names)
-
     def _part(self, pending: list[dict[str, np.ndarray]], names: list[str]) -> Trace:
-        columns = {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
-        return Trace.from_columns({**columns, "optype_names": names}, source=str(self.path))
+        return _joined(pending, names, self.path)
 
-    def _groups(
-        self, groups: list[int] | None = None
-    ) -> Iterator[tuple[dict[str, np.ndarray], list[str]]]:
-        try:
-            for group in iter_parquet_row_groups(self.path, groups=groups):
-                yield group.columns, group.dictionaries.get("optype", [])
-        except ParquetNulls as exc:
-            raise TraceError(f"{self.path}: {exc}") from None
-        except ParquetError as exc:
-            raise TraceError(f"{self.path}: not a readable parquet file ({exc})") from None
+    def _groups(self) -> Iterator[tuple[dict[str, np.ndarray], list[str]]]:
+        return _row_groups(self.path)
+
+
+def _joined(parts: list[dict[str, np.ndarray]], names: list[str], path: Path) -> Trace:
+    """Columns read a row group at a time, as one trace."""
+    columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return Trace.from_columns({**columns, "optype_names": names}, source=str(path))
+
+
+def _row_groups(
+    path: Path, groups: list[int] | None = None
+) -> Iterator[tuple[dict[str, np.ndarray], list[str]]]:
+    """The columns of the file's row groups (`groups`: these alone) and its op type names
+    so far, a group at a time; a problem of the file as one TraceError line."""
+    try:
+        for group in iter_parquet_row_groups(path, groups=groups):
+            yield group.columns, group.dictionaries.get("optype", [])
+    except ParquetNulls as exc:
+        raise TraceError(f"{path}: {exc}") from None
+    except ParquetError as exc:
+        raise TraceError(f"{path}: not a readable parquet file ({exc})") from None
 
 
 def open_trace(
@@ -161,31 +149,72 @@ def open_trace(
         raise TraceError(f"{path}: no such file") from None
     except OSError:
         large = False
-    parts = trace_parts(path, meta=meta, meta_path=meta_path) if large else None
-    return load_trace(path, meta=meta, meta_path=meta_path) if parts is None else parts
-
-
-def trace_parts(
-    path: Path, *, meta: JobMeta | None = None, meta_path: str | Path | None = None
-) -> TraceParts | None:
-    """The file at `path` as `TraceParts` (a first pass reads its step and worker
-    columns), or None where its row groups do not hold its steps in order or this reader
-    cannot read it. With `meta`, the check that the two describe one job."""
-    outline = _step_outline(path)
+    outline = _step_outline(path) if large else None
     if outline is None:
-        return None
+        return load_trace(path, meta=meta, meta_path=meta_path)
     if meta is not None:
         _check_job_values(
             outline.dp_ranks, outline.stages, outline.top_rank, meta, trace_path=path,
             meta_path=meta_path, written_for=_written_for(outline.key_value),
         )  # fmt: skip
-    steps = outline.steps
-    return TraceParts(path, len(steps), max(steps), outline.rows, step_ids=tuple(sorted(steps)),
-                      group_steps=outline.group_steps)  # fmt: skip
+    return TraceParts(path, len(outline.steps), max(outline.steps), outline.rows)
+
+
+class StepIndex(NamedTuple):
+    """Where a file's steps are, its row groups holding them in order (lagscope's own
+    files do): its steps, rows and each group's least and greatest step (an empty group's:
+    (0, -1)). `read` takes a window of steps from the groups that hold it alone."""
+
+    path: Path
+    step_ids: tuple[int, ...]
+    rows: int
+    group_steps: tuple[tuple[int, int], ...]
+    key_value: Mapping[bytes, bytes]
+
+    def read(
+        self,
+        wanted: Iterable[int],
+        *,
+        meta: JobMeta | None = None,
+        meta_path: str | Path | None = None,
+    ) -> Trace:
+        """The rows of the steps `wanted` as one trace, read from the row groups that hold
+        them alone: a window of a trace larger than memory. With `meta`, the check that
+        the two describe one job (`check_same_job`)."""
+        wanted = np.unique(np.fromiter(wanted, dtype=np.int64))
+        groups = [
+            index
+            for index, (least, greatest) in enumerate(self.group_steps)
+            if np.any((wanted >= least) & (wanted <= greatest))
+        ]
+        kept: list[dict[str, np.ndarray]] = []
+        names: list[str] = []
+        for columns, names_so_far in _row_groups(self.path, groups):
+            rows = np.isin(columns["step"], wanted)
+            kept.append({k: v[rows] for k, v in columns.items()})
+            names = names_so_far
+        if not kept:
+            raise TraceError(f"{self.path}: none of the steps asked for is in the file")
+        trace = _joined(kept, names, self.path)
+        if meta is not None:
+            check_same_job(trace, meta, trace_path=self.path, meta_path=meta_path,
+                           written_for=_written_for(self.key_value))  # fmt: skip
+        return trace
+
+
+def index_steps(path: Path) -> StepIndex | None:
+    """The file's `StepIndex`, from its step column alone; None where its row groups do
+    not hold its steps in order or this reader cannot read it."""
+    outline = _step_outline(path, workers=False)
+    if outline is None:
+        return None
+    return StepIndex(path, tuple(sorted(outline.steps)), outline.rows, outline.group_steps,
+                     outline.key_value)  # fmt: skip
 
 
 class _Outline(NamedTuple):
-    """What a first pass over a file's step and worker columns says."""
+    """What a first pass over a file's step and worker columns says (without the worker
+    columns: no DP rank, stage or rank)."""
 
     steps: set[int]
     dp_ranks: np.ndarray
@@ -197,10 +226,10 @@ class _Outline(NamedTuple):
     group_steps: tuple[tuple[int, int], ...]
 
 
-def _step_outline(path: Path) -> _Outline | None:
-    """The file's outline, or None when its row groups do not hold its steps in order, or
-    this reader cannot read it (`load_trace` then reads it whole and names what is
-    wrong)."""
+def _step_outline(path: Path, *, workers: bool = True) -> _Outline | None:
+    """The file's outline (`workers`: with its worker columns), or None when its row
+    groups do not hold its steps in order, or this reader cannot read it (`load_trace`
+    then reads it whole and names what is wrong)."""
     steps: set[int] = set()
     dp_ranks: set[int] = set()
     stages: set[int] = set()
@@ -208,9 +237,10 @@ def _step_outline(path: Path) -> _Outline | None:
     top_rank, rows, last = -1, 0, None
     key_value: Mapping[bytes, bytes] = {}
     try:
-        for group in iter_parquet_row_groups(path, ("step", "dp_rank", "stage", "rank")):
+        names = ("step", "dp_rank", "stage", "rank") if workers else ("step",)
+        for group in iter_parquet_row_groups(path, names):
             columns, key_value = group.columns, group.key_value
-            if not {"step", "dp_rank", "stage", "rank"} <= columns.keys():
+            if not set(names) <= columns.keys():
                 return None
             step = columns["step"]
             if not step.size:
@@ -221,10 +251,11 @@ def _step_outline(path: Path) -> _Outline | None:
                 return None
             last = int(step.max())
             steps.update(np.unique(step).tolist())
-            dp_ranks.update(np.unique(columns["dp_rank"]).tolist())
-            stages.update(np.unique(columns["stage"]).tolist())
-            top_rank = max(top_rank, int(columns["rank"].max()))
             rows += step.size
+            if workers:
+                dp_ranks.update(np.unique(columns["dp_rank"]).tolist())
+                stages.update(np.unique(columns["stage"]).tolist())
+                top_rank = max(top_rank, int(columns["rank"].max()))
     except (ParquetError, OSError):
         return None
     if not steps:

@@ -181,7 +181,7 @@ def test_a_window_of_a_trace_larger_than_memory_is_read_alone(
     meta = str(reference_dir / "meta-AR.yaml")
     window = "404-436"
 
-    def analysed(path, *options: str) -> tuple[int, dict | None, str]:
+    def analysed(path, *options: str, meta: str = meta) -> tuple[int, dict | None, str]:
         out = tmp_path / "out.json"
         out.unlink(missing_ok=True)
         code = run_cli("analyze", "--trace", str(path), "--meta", meta, "--json", str(out),
@@ -204,6 +204,9 @@ def test_a_window_of_a_trace_larger_than_memory_is_read_alone(
     assert alone["verdict"]["cause"] == whole["verdict"]["cause"] == "slow_workers"
     assert alone["by_dp_rank"] == pytest.approx(whole["by_dp_rank"], rel=1e-3)
 
+    other = str(reference_dir / "meta-SE.yaml")  # another job: the window is checked too
+    code, _, said = analysed(ordered, "--steps", window, meta=other)
+    assert code == 1 and "describe different jobs" in said and said.count("\n") == 1, said
     code, _, said = analysed(shuffled, "--steps", window)
     assert code == 1 and "do not hold its steps in order" in said and "lagscope replay" in said
     monkeypatch.setattr(trace_memory, "memory_available_bytes",

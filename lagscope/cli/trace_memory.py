@@ -82,17 +82,17 @@ def read_window(
     come in order (lagscope's own files)."""
     import numpy as np
 
-    from lagscope.producers.reference_format import trace_parts
+    from lagscope.producers.reference_format import index_steps
 
-    parts = trace_parts(path, meta=meta, meta_path=meta_path)
-    if parts is None:
+    index = index_steps(path)
+    if index is None:
         raise TraceError(
             f"{weight.too_large(path)}, and its row groups do not hold its steps in order, so "
             f"no window of them can be read alone: {replay_it(path, meta_path)}"
         )
-    step_ids = np.asarray(parts.step_ids)
+    step_ids = np.asarray(index.step_ids)
     steps = step_ids[chosen(step_ids)]
-    rows = parts.rows * steps.size // parts.steps
+    rows = index.rows * steps.size // step_ids.size
     if rows * ANALYZE_BYTES_PER_OP > weight.available:
         raise TraceError(
             f"{path}: the {steps.size:,} step(s) of --steps hold about {rows:,} ops, "
@@ -100,7 +100,7 @@ def read_window(
             f"{weight.available / 2**30:.1f} GiB is available: choose fewer, or "
             f"{replay_it(path, meta_path)}"
         )
-    trace = parts.only_steps(steps.tolist())
+    trace = index.read(steps.tolist(), meta=meta, meta_path=meta_path)
     say(
         f"lagscope analyze: {path} holds {weight.rows:,} ops, more than fit in memory: read "
         f"the {steps.size:,} step(s) of --steps alone ({trace.step.size:,} ops), their "
