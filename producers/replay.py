@@ -486,6 +486,11 @@ class _KafkaDestination:
 
     def _flush(self) -> None:
         remaining = self.producer.flush(self.WAIT_S)
+        if remaining:
+            # Given up: `close` after a failed `end` waits for nothing more.
+            self.producer.purge()
+            self.producer.poll(0)
+            self.gave_up = True
         if remaining or self.failed:
             raise UndeliveredError(
                 f"{remaining + self.failed:,} message(s) were not delivered to Kafka at "

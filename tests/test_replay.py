@@ -204,3 +204,25 @@ def test_a_replay_to_a_broker_that_is_down_ends_in_one_line(
     assert len(said) == 1 and said[0].startswith(f"Kafka at {address} does not answer ("), said
     assert "Connection refused" in said[0]
     assert "FAIL" not in capfd.readouterr().err
+
+
+def test_a_short_replay_to_a_broker_that_is_down_waits_once(
+    job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay whose batches all fit the producer's queue waits for Kafka at its end,
+    `WAIT_S` (made short) once: its closing does not wait as long again for what the end
+    gave up on."""
+    import socket
+
+    from lagscope.producers.config import KafkaSettings, LagscopeConfig
+    from lagscope.producers.replay import UndeliveredError
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+    monkeypatch.setattr(replay_module._KafkaDestination, "WAIT_S", 3.0)
+    kafka = LagscopeConfig(kafka=KafkaSettings(bootstrap_servers=address))
+    began = time.monotonic()
+    with pytest.raises(UndeliveredError, match=f"not delivered to Kafka at {address} within 3 s"):
+        replay(job.trace, job.meta, kafka=kafka, job_id="down", start_wall_ns=START_NS)
+    assert 3.0 <= time.monotonic() - began < 5.5
