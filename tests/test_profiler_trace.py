@@ -99,6 +99,20 @@ def test_analyze_names_the_slow_rank(profiled_torch_job, capsys):
     assert json.loads((profiled_torch_job / "timeline.json").read_text())["traceEvents"]
 
 
+def test_a_directory_of_profiler_traces_alone_is_analysed_with_the_meta_beside_it(
+    profiled_torch_job, tmp_path, capsys
+):
+    out = tmp_path / "analysis.json"
+
+    code = main(["analyze", str(profiled_torch_job / "traces"), "--json", str(out)])
+
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert f"{profiled_torch_job / 'meta.yaml'}, found beside the trace" in printed
+    assert "4 torch.profiler trace(s), 4 worker(s), steps 1-4" in printed
+    assert json.loads(out.read_text())["mw"]["workers"] == [{"dp": 1, "stage": 1}]
+
+
 def test_replay_turns_profiler_traces_into_rank_logs(profiled_torch_job, tmp_path):
     logs = tmp_path / "logs"
     code = main(

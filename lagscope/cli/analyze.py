@@ -19,6 +19,7 @@ from lagscope.cli.conventions import (
     write_output,
 )
 from lagscope.cli.job_summary import print_episode
+from lagscope.cli.trace_inputs import add_trace_inputs, resolve_trace_inputs
 from lagscope.simulator.defaults import (
     DEFAULT_DECOMPOSE_THRESHOLD,
     TIMELINE_DP_RANKS,
@@ -50,11 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="what-if analysis of a recorded trace",
         description="How fast would the steps have been without stragglers, and who is to "
         "blame? Reads a reference-format trace (parquet), or the per-rank traces "
-        "torch.profiler wrote, and the job's metadata (yaml).\n\n"
+        "torch.profiler wrote, and the job's metadata (yaml; by default the one beside the "
+        "trace, as `lagscope generate` and the reference traces lay them out).\n\n"
         "Every output option takes a path, or '-' for stdout (the summary then goes to "
         "stderr).",
         epilog=examples(
-            "lagscope analyze --trace trace-ST.parquet --meta meta-ST.yaml",
+            "lagscope analyze trace-ST.parquet",
+            "lagscope analyze out/",
             "lagscope analyze --trace trace.parquet --meta meta.yaml --json - | jq .slowdown",
             "lagscope analyze --trace trace.parquet --meta meta.yaml --report report.html "
             "--heatmap heatmap.png --timeline timeline.json",
@@ -63,25 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--timeline-steps 40-42 --timeline-ranks 0-3,117",
         ),
     )
-    _add_inputs(parser)
+    add_trace_inputs(parser)
     _add_outputs(parser)
     _add_analysis_options(parser)
     parser.set_defaults(handler=run, extra="analyze", one_shot=True)
-
-
-def _add_inputs(parser: argparse.ArgumentParser) -> None:
-    """The trace (reference parquet or torch.profiler's) and the job's metadata."""
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", type=Path, help="trace parquet file")
-    source.add_argument(
-        "--profiler-trace",
-        nargs="+",
-        type=Path,
-        metavar="PATH",
-        help="torch.profiler (Kineto) Chrome-trace JSON, one file per rank: the files, or "
-        "a directory holding them",
-    )
-    parser.add_argument("--meta", required=True, type=Path, help="job metadata yaml file")
 
 
 def _add_outputs(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     from lagscope.simulator.prepare import prepare
     from lagscope.simulator.summary import summary_lines
 
+    meta_found = resolve_trace_inputs(args)
     check_outputs(args)
     # When a result goes to stdout, the human summary goes to stderr, out of its way.
     say = functools.partial(
@@ -272,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
         f"lagscope analyze: {source} ({meta.trial_name}, dp {meta.dp_size} x pp "
         f"{meta.pp_size} x tp {meta.tp_size} x cp {meta.dsp_size}, vpp {meta.vpp_size})"
     )
+    if meta_found is not None:
+        say(f"  metadata            {meta_found}, found beside the trace")
     largest, stage, dp = clocks.largest()
     say(
         f"  clock offsets       largest {largest * 1e3:+.3f} ms (dp {dp}, pp {stage}), "

@@ -9,6 +9,7 @@ import sys
 
 from lagscope.cli.conventions import add_log_level, configure_logging, examples
 from lagscope.cli.kafka_options import add_kafka_options, kafka_config
+from lagscope.cli.trace_inputs import add_trace_inputs, resolve_trace_inputs
 
 # The trace readers, the settings model and Kafka are imported when the command runs:
 # registering it must stay cheap.
@@ -21,21 +22,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Writes a recorded trace as the ranks' timers would have: per-rank "
         "local logs (--log-dir) or batches produced to Kafka (--to-kafka).",
         epilog=examples(
+            "lagscope replay trace-AR.parquet --log-dir logs",
             "lagscope replay --trace trace-AR.parquet --meta meta-AR.yaml --log-dir logs",
             "lagscope replay --trace trace.parquet --meta meta.yaml --to-kafka "
             "--bootstrap-servers kafka:9092 --speed 10",
             "lagscope replay --profiler-trace traces/ --meta meta.yaml --log-dir logs",
         ),
     )
-    source = replay.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", metavar="PATH", help="reference parquet trace")
-    source.add_argument(
-        "--profiler-trace",
-        nargs="+",
-        metavar="PATH",
-        help="torch.profiler Chrome-trace JSON, one file per rank (files or a directory)",
-    )
-    replay.add_argument("--meta", required=True, metavar="PATH", help="job metadata yaml")
+    add_trace_inputs(replay)
     destination = replay.add_mutually_exclusive_group(required=True)
     destination.add_argument("--log-dir", metavar="DIR", help="write per-rank local logs here")
     destination.add_argument(
@@ -79,6 +73,9 @@ def run_replay(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"lagscope replay: error: {exc}", file=sys.stderr)
         return 2
+    meta_found = resolve_trace_inputs(args)
+    if meta_found is not None:
+        print(f"lagscope replay: metadata {meta_found}, found beside the trace", file=sys.stderr)
     meta = load_meta(args.meta)
     if args.profiler_trace:
         from lagscope.producers.profiler_trace import load_profiler_traces
