@@ -107,3 +107,17 @@ def test_replay_takes_the_trace_the_same_way(reference_dir: Path, tmp_path: Path
     assert "meta-ST.yaml, found beside the trace" in capsys.readouterr().err
     # ST is dp 2 x pp 4: one log per rank.
     assert len([p for p in logs.iterdir() if p.name.startswith("rank-")]) == 8
+
+
+def test_a_folder_of_rank_logs_is_sent_to_lagscope_run(reference_dir: Path, tmp_path: Path, capsys):
+    logs = tmp_path / "logs"
+    replay = ["replay", "--trace", str(reference_dir / "trace-ST.parquet"), "--log-dir", str(logs)]
+    assert main([*replay, "--meta", str(reference_dir / "meta-ST.yaml"), "--no-progress"]) == 0
+    capsys.readouterr()
+
+    for given in (logs, logs / "rank-000003"):
+        assert main(["analyze", str(given)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"lagscope analyze: error: {given}: per-rank logs of lagscope's timers, not a "
+            f"trace; `lagscope run --log-dir {logs}` analyses them"
+        ]

@@ -122,6 +122,7 @@ def _sort_recorded(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"{recorded[0]}: holds {len(parquets)} traces ({names}); name one of them"
             )
+        _refuse_rank_logs(recorded[0])
     for path in recorded:
         if path.suffix == ".parquet":
             raise UsageError(
@@ -129,3 +130,16 @@ def _sort_recorded(args: argparse.Namespace) -> None:
                 "torch.profiler's JSON files)"
             )
     args.profiler_trace = recorded
+
+
+def _refuse_rank_logs(folder: Path) -> None:
+    """A folder of lagscope's own per-rank logs (what the timers and `replay` write) is not
+    a trace: `lagscope run` is the command that reads them."""
+    from lagscope.producers.log import RANK_DIR_PREFIX, list_rank_dirs
+
+    log_dir = folder.parent if folder.name.startswith(RANK_DIR_PREFIX) else folder
+    if list_rank_dirs(log_dir):
+        raise UsageError(
+            f"{folder}: per-rank logs of lagscope's timers, not a trace; "
+            f"`lagscope run --log-dir {log_dir}` analyses them"
+        )
