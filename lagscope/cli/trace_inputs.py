@@ -14,11 +14,6 @@ from pathlib import Path
 from lagscope.cli.conventions import UsageError
 from lagscope.simulator.errors import TraceError
 
-#: The names the metadata of `DIR/NAME.parquet` is looked for under, in this order:
-#: `meta-ST.yaml` beside `trace-ST.parquet` (the reference traces), `big.yaml` beside
-#: `big.parquet`, and `meta.yaml` (what `generate` writes).
-_META_BESIDE = ("meta{rest}.yaml", "{stem}.yaml", "meta.yaml")
-
 
 def add_trace_inputs(parser: argparse.ArgumentParser) -> None:
     """The trace (a plain argument, `--trace` or `--profiler-trace`) and `--meta`."""
@@ -93,11 +88,11 @@ def _candidates(trace: Path) -> list[Path]:
     ['run/meta.yaml', 'meta.yaml']
     """
     if trace.suffix == ".parquet" and not trace.is_dir():
-        stem = trace.stem
-        rest = stem.removeprefix("trace") if stem.startswith(("trace-", "trace_")) else None
-        names = [pattern.format(rest=rest, stem=stem) for pattern in _META_BESIDE]
-        if rest is None:
-            names.pop(0)
+        # `meta-ST.yaml` beside `trace-ST.parquet` (the reference traces), `big.yaml`
+        # beside `big.parquet`, `meta.yaml` (what `generate` writes).
+        names = [f"{trace.stem}.yaml", "meta.yaml"]
+        if trace.stem.startswith(("trace-", "trace_")):
+            names.insert(0, "meta" + trace.stem.removeprefix("trace") + ".yaml")
         return [trace.parent / name for name in dict.fromkeys(names)]
     # torch.profiler's files, or a directory of them: the metadata in their directory, or
     # beside it (a job's directory holding `traces/` and `meta.yaml`).
