@@ -65,7 +65,10 @@ def test_a_trace_without_metadata_beside_it_says_where_it_looked(
 
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("lagscope analyze: error: --meta: not given, and no job metadata")
-    assert str(tmp_path / "meta-ST.yaml") in line and "name it with --meta" in line
+    assert (
+        str(tmp_path / "meta-ST.yaml") in line
+        and "name it with --meta: a yaml of the job's dp_size, pp_size" in line
+    )
     assert not out.exists()
 
 

@@ -64,7 +64,8 @@ def resolve_trace_inputs(args: argparse.Namespace) -> Path | None:
     looked = ", ".join(str(path) for path in _candidates(places[0]))
     raise UsageError(
         f"--meta: not given, and no job metadata beside {places[0]} (looked for {looked}); "
-        "name it with --meta"
+        "name it with --meta: a yaml of the job's dp_size, pp_size and world_size at least "
+        "(tp_size, dsp_size, vpp_size: 1 when left out)"
     )
 
 
