@@ -19,7 +19,7 @@ from lagscope.cli.conventions import (
     write_output,
 )
 from lagscope.cli.job_summary import print_episode
-from lagscope.cli.trace_inputs import add_trace_inputs, resolve_trace_inputs
+from lagscope.cli.trace_inputs import add_trace_inputs, resolve_trace_inputs, trace_usage
 from lagscope.simulator.defaults import (
     DEFAULT_DECOMPOSE_THRESHOLD,
     TIMELINE_DP_RANKS,
@@ -49,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "analyze",
         help="what-if analysis of a recorded trace",
+        usage=trace_usage("[options]"),
         description="How fast would the steps have been without stragglers, and who is to "
         "blame? Reads a reference-format trace (parquet), or the per-rank traces "
         "torch.profiler wrote, and the job's metadata (yaml; by default the one beside the "

@@ -9,7 +9,7 @@ import sys
 
 from lagscope.cli.conventions import add_log_level, configure_logging, examples
 from lagscope.cli.kafka_options import add_kafka_options, kafka_config
-from lagscope.cli.trace_inputs import add_trace_inputs, resolve_trace_inputs
+from lagscope.cli.trace_inputs import add_trace_inputs, resolve_trace_inputs, trace_usage
 
 # The trace readers, the settings model and Kafka are imported when the command runs:
 # registering it must stay cheap.
@@ -19,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     replay = subparsers.add_parser(
         "replay",
         help="replay a reference trace into per-rank logs or straight into Kafka",
+        usage=trace_usage("(--log-dir DIR | --to-kafka) [options]"),
         description="Writes a recorded trace as the ranks' timers would have: per-rank "
         "local logs (--log-dir) or batches produced to Kafka (--to-kafka).",
         epilog=examples(

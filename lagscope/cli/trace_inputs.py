@@ -15,6 +15,15 @@ from lagscope.cli.conventions import UsageError
 from lagscope.simulator.errors import TraceError
 
 
+def trace_usage(rest: str) -> str:
+    """A command's usage lines for its two ways of naming the trace (argparse draws a
+    group that holds a plain argument as if every member were optional)."""
+    return (
+        f"%(prog)s TRACE [--meta PATH] {rest}\n"
+        f"       %(prog)s (--trace PATH | --profiler-trace PATH...) [--meta PATH] {rest}"
+    )
+
+
 def add_trace_inputs(parser: argparse.ArgumentParser) -> None:
     """The trace (a plain argument, `--trace` or `--profiler-trace`) and `--meta`."""
     source = parser.add_mutually_exclusive_group(required=True)
